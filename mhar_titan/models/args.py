@@ -1,0 +1,189 @@
+"""Model arguments, the flavor table and parameter counting.
+
+`ModelArgs` describes one decoder: its shape (Qwen3/Llama style, MHAR_SPEC section 3.1)
+and its residual path (MHAR_SPEC sections 1 and 2):
+
+| family        | residual     | routing_heads | routing_granularity | routing_mode |
+|---------------|--------------|---------------|---------------------|--------------|
+| baseline      | "standard"   | -             | -                   | -            |
+| AttnRes       | "attn_res"   | 1             | "sublayer"          | "replace"    |
+| MHAR          | "attn_res"   | H > 1 or "kv" | "sublayer"          | "replace"    |
+| Block AttnRes | "attn_res"   | any           | "block"             | "replace"    |
+| delta (conv.) | "attn_res"   | any           | either              | "delta"      |
+
+Flavors are data: `FLAVORS[name]` holds the fields that differ from the defaults, and
+`ModelArgs.from_flavor(name, **overrides)` builds one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+RESIDUALS = ("standard", "attn_res")
+GRANULARITIES = ("sublayer", "block")
+ROUTING_MODES = ("replace", "delta")
+ROUTING_KERNELS = ("eager", "compile", "triton", "auto")
+ROPE_SCALINGS = (None, "llama3")
+
+
+def pad_vocab(n_vocab: int, multiple: int = 128) -> int:
+    """Round a tokenizer's vocabulary size up to a multiple of `multiple` (embedding rows)."""
+    if n_vocab <= 0 or multiple <= 0:
+        raise ValueError(f"pad_vocab needs positive sizes, got n_vocab={n_vocab}, multiple={multiple}")
+    return -(-n_vocab // multiple) * multiple
+
+
+@dataclass
+class ModelArgs:
+    """Shape and residual path of one decoder. Validated on construction (ValueError)."""
+
+    # -- decoder shape --------------------------------------------------------------------
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 50_304  # gpt2 (50,257) padded to a multiple of 128
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: str | None = None  # None or "llama3" (Llama 3.1 frequency scaling)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3); False for Llama
+    tie_embeddings: bool = True
+    max_seq_len: int = 512  # RoPE table length; forward rejects longer inputs
+
+    # -- residual path (MHAR_SPEC sections 1, 2) ----------------------------------------
+    residual: Literal["standard", "attn_res"] = "standard"
+    routing_heads: int | str = 8  # H; 1 = single-head AttnRes; "kv" = n_kv_heads
+    routing_granularity: Literal["sublayer", "block"] = "sublayer"
+    routing_block_layers: int = 4  # transformer layers per block (block granularity)
+    routing_mode: Literal["replace", "delta"] = "replace"
+    routing_null_source: bool = False  # learnable (d,) source 0, init 0
+    routing_kernel: Literal["eager", "compile", "triton", "auto"] = "eager"
+    routing_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ---------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field(s) and how to fix them."""
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.norm_eps <= 0 or self.routing_eps <= 0:
+            raise ValueError(f"norm_eps={self.norm_eps} and routing_eps={self.routing_eps} must be > 0")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"unknown rope_scaling {self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor >= 1 and self.rope_high_freq_factor > self.rope_low_freq_factor > 0
+            and self.rope_original_max_seq_len > 0
+        ):
+            raise ValueError(
+                "llama3 rope scaling needs rope_scaling_factor >= 1, rope_high_freq_factor > rope_low_freq_factor > 0 "
+                f"and rope_original_max_seq_len > 0; got factor={self.rope_scaling_factor}, "
+                f"low={self.rope_low_freq_factor}, high={self.rope_high_freq_factor}, "
+                f"original_max_seq_len={self.rope_original_max_seq_len}"
+            )
+        _check_choice("residual", self.residual, RESIDUALS)
+        _check_choice("routing_granularity", self.routing_granularity, GRANULARITIES)
+        _check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
+        _check_choice("routing_kernel", self.routing_kernel, ROUTING_KERNELS)
+        heads = self.routing_heads
+        if heads != "kv" and (not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0):
+            raise ValueError(f"routing_heads must be a positive integer or 'kv', got {heads!r}")
+        if self.residual == "attn_res" and self.dim % self.resolved_routing_heads:
+            raise ValueError(
+                f"dim d={self.dim} is not divisible by routing heads H={self.resolved_routing_heads}: "
+                "MHAR splits the pseudo-query into H contiguous slices of d/H"
+            )
+        if not isinstance(self.routing_block_layers, int) or self.routing_block_layers <= 0:
+            raise ValueError(f"routing_block_layers must be a positive integer, got {self.routing_block_layers!r}")
+
+    # -- derived quantities -------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def resolved_routing_heads(self) -> int:
+        """Routing heads H as an integer ("kv" resolves to n_kv_heads)."""
+        return self.n_kv_heads if self.routing_heads == "kv" else int(self.routing_heads)
+
+    @property
+    def n_routing_sites(self) -> int:
+        """Routing sites S: one per sublayer plus the final routing (2L+1); 0 for the baseline."""
+        return 2 * self.n_layers + 1 if self.residual == "attn_res" else 0
+
+    @classmethod
+    def from_flavor(cls, name: str, **overrides) -> "ModelArgs":
+        """Build the flavor `name` from `FLAVORS`, with field overrides (e.g. residual="attn_res")."""
+        if name not in FLAVORS:
+            raise ValueError(f"unknown model flavor {name!r}; valid flavors: {', '.join(FLAVORS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown ModelArgs field(s) {unknown}; valid fields: {sorted(fields)}")
+        return cls(**{**FLAVORS[name], **overrides})
+
+
+def _check_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {field} {value!r}; choose one of {choices}")
+
+
+# The paper's flavors use MHAR_SPEC section 3.1 shapes (Qwen3-style: qk-norm, eps 1e-6,
+# theta 1e4, tied embeddings, max_position = 2T) at the cl100k_base vocabulary (100,277
+# padded to 100,352). `llama3_8b` is the Llama-3.1-8B shape used by the conversion path.
+FLAVORS: dict[str, dict] = {
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=50_304, max_seq_len=512),
+    "100m": dict(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, ffn_dim=1536, vocab_size=100_352, max_seq_len=4096),
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=4096, vocab_size=100_352, max_seq_len=2048),
+    "1b": dict(dim=1280, n_layers=36, n_heads=16, n_kv_heads=8, ffn_dim=5120, vocab_size=100_352, max_seq_len=2048),
+    "llama3_8b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, vocab_size=128_256,
+        norm_eps=1e-5, rope_theta=500_000.0, rope_scaling="llama3", qk_norm=False, tie_embeddings=False,
+        max_seq_len=8192,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model. `non_embedding` excludes the vocabulary-sized matrices
+    (token embedding and, when untied, the LM head); `routing` is the extra over the baseline."""
+
+    total: int
+    non_embedding: int
+    routing: int
+
+
+def count_parameters(args: ModelArgs) -> ParamCounts:
+    """Count parameters from the arguments alone (no allocation); equals `Transformer(args)`'s count.
+
+    Routing extra (MHAR_SPEC section 2): S = 2L+1 sites x (pseudo-query d + key-norm weight d),
+    plus one (1,) gate per site in delta mode and a (d,) null source when enabled.
+    """
+    d, hd = args.dim, args.head_dim
+    attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
+    mlp = 3 * d * args.ffn_dim
+    per_layer = attention + mlp + 2 * d  # + attention_norm and ffn_norm weights
+    embedding = args.vocab_size * d * (1 if args.tie_embeddings else 2)
+    routing = args.n_routing_sites * (2 * d + (1 if args.routing_mode == "delta" else 0))
+    if args.residual == "attn_res" and args.routing_null_source:
+        routing += d
+    non_embedding = args.n_layers * per_layer + d + routing  # + final norm
+    return ParamCounts(total=non_embedding + embedding, non_embedding=non_embedding, routing=routing)
