@@ -1,0 +1,580 @@
+"""Distributed checkpoints (DCP) of the whole train state, with exact resume.
+
+Layout (TorchTitan v0.2.2 pattern): ``<run_dir>/<folder>/step-N/`` holds one DCP
+checkpoint (``__<rank>_0.distcp`` files plus DCP's ``.metadata``) and our marker
+``complete.json``, written by rank 0 *after* DCP has finished, atomically
+(temporary file + rename). A folder without the marker is incomplete (a save
+that was killed or is still in flight): it is never loaded, and ``load()`` warns
+naming it.
+
+What one checkpoint holds (DCP keys):
+
+==================  ==========================================================
+``model.*``         model state dict from ``get_state_dict``: sharded DTensors
+                    under FSDP2, keys of the plain model (no ``_orig_mod`` from
+                    ``torch.compile``, no ``_checkpoint_wrapped_module`` from
+                    activation checkpointing)
+``optimizer.*``     optimizer state keyed by parameter FQN, sharded like the model
+``lr_scheduler``    ``lr_scheduler.state_dict()`` (same on every rank)
+``train_state``     ``train_state.state_dict()``: step, tokens seen, logger run ids
+``dataloader.rank_R``  each rank's ``dataloader.state_dict()``
+``rng.rank_R``      each rank's python, numpy, torch CPU (and CUDA) RNG states
+==================  ==========================================================
+
+Non-tensor values are stored as ``torch.save`` bytes, one DCP byte item each.
+Model and optimizer tensors reshard on load, so a checkpoint saved at world
+size W loads at any other world size; per-rank items (data position, RNG) are
+matched by rank, see ``CheckpointManager.load``.
+
+``complete.json`` also records the step, the world size and the run's
+*fingerprint* (model arguments, tokenizer name...). ``load()`` compares the
+fingerprint and every requested key and shape against the checkpoint *before*
+reading any tensor, and raises ``CheckpointMismatchError`` naming the first
+differences; nothing in memory or on disk is changed in that case.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+MARKER = "complete.json"
+"""Name of the completion marker inside a ``step-N`` folder, written last."""
+
+COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+"""Parts of the train state; any of them can be named in ``exclude_from_loading``."""
+
+ASYNC_MODES = ("disabled", "async")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (missing, incomplete, wrong kind, bad config)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was made for a different model, tokenizer or optimizer setup."""
+
+
+@dataclass
+class CheckpointConfig:
+    """``[checkpoint]``: DCP save/load of the whole train state (TorchTitan v0.2.2 names)."""
+
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one in the run folder."""
+    folder: str = "checkpoints"
+    """Sub-folder of the run folder that holds the ``step-N`` checkpoints."""
+    interval: int = 500
+    """Save every this many steps (the last step and a preemption always save); <= 0: only those."""
+    keep_latest_k: int = 10
+    """Keep the k newest complete checkpoints, delete older ones; 0 keeps all. The newest
+    complete one is never deleted."""
+    load_step: int = -1
+    """Step to resume from; -1 means the newest complete checkpoint."""
+    async_mode: str = "disabled"
+    """"disabled" (save blocks the step) or "async" (``dcp.async_save`` on a dedicated gloo
+    group; the next save or ``close()`` waits for it). The last step and a preemption always
+    save synchronously."""
+    initial_load_path: Optional[str] = None
+    """A ``step-N`` folder (of another run, or a converted model) loaded when the run folder
+    has no complete checkpoint yet; None: start from the random init."""
+    initial_load_model_only: bool = True
+    """Load only the model from ``initial_load_path`` (step counts from 0); False loads the
+    whole train state and continues at its step."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader,
+    train_state, rng (e.g. ["dataloader"] to switch data sets)."""
+    last_save_model_only: bool = False
+    """Save only the model (cast to ``export_dtype``) at the last step: a smaller export that
+    cannot be resumed from (load it through ``initial_load_path``)."""
+    export_dtype: str = "float32"
+    """dtype of the model-only last save: "float32", "bfloat16" or "float16"."""
+
+    def validate(self) -> None:
+        """Raise ``CheckpointError`` naming the first invalid key of ``[checkpoint]``."""
+        if self.async_mode not in ASYNC_MODES:
+            raise CheckpointError(f"checkpoint.async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise CheckpointError(
+                f"checkpoint.export_dtype must be one of {tuple(EXPORT_DTYPES)}, got {self.export_dtype!r}"
+            )
+        bad = [name for name in self.exclude_from_loading if name not in COMPONENTS]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint.exclude_from_loading has unknown part(s) {bad}; valid parts: {list(COMPONENTS)}"
+            )
+        if self.keep_latest_k < 0:
+            raise CheckpointError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+        if self.load_step < -1:
+            raise CheckpointError(f"checkpoint.load_step must be -1 (newest) or a step >= 0, got {self.load_step}")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _flatten(tree: dict) -> dict:
+    """DCP's own flattening, so keys compare equal to the checkpoint's metadata keys."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(tree)[0]
+
+
+def _flatten_plain(tree: Any, prefix: str = "") -> dict:
+    """Nested dict -> ``{"a.b": leaf}`` (used for fingerprints)."""
+    if isinstance(tree, dict):
+        out = {}
+        for key in sorted(tree, key=str):
+            out.update(_flatten_plain(tree[key], f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _json_safe(tree: Any) -> Any:
+    """Fingerprints go into JSON: tuples become lists, unknown objects their ``repr``."""
+    if isinstance(tree, dict):
+        return {str(k): _json_safe(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_json_safe(v) for v in tree]
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return tree
+    return repr(tree)
+
+
+def _shape(value: Any) -> Optional[tuple]:
+    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
+
+
+def _cast_floats(state: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
+
+
+def step_folders(root: Path) -> dict[int, Path]:
+    """``{step: path}`` of every ``step-N`` folder under ``root`` (complete or not)."""
+    if not root.is_dir():
+        return {}
+    found = {}
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found[int(match.group(1))] = child
+    return found
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint folder is complete when both DCP's metadata and our marker exist."""
+    return (path / MARKER).is_file() and (path / ".metadata").is_file()
+
+
+def read_marker(path: Path) -> dict:
+    """The ``complete.json`` of a checkpoint folder (step, world size, fingerprint, model_only)."""
+    with open(path / MARKER) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Saves and restores the train state with DCP; see the module docstring for the layout.
+
+    Args:
+        cfg: the ``[checkpoint]`` section.
+        run_dir: the run folder; checkpoints go to ``run_dir / cfg.folder``.
+        model: the model (plain, FSDP2-sharded, per-block compiled and/or
+            activation-checkpointed; keys are always the plain model's).
+        optimizer, lr_scheduler, dataloader, train_state: objects with
+            ``state_dict()`` / ``load_state_dict()``; None ones are skipped.
+        fingerprint: JSON-able dict describing what must match on resume (model
+            args, tokenizer name); compared on every load.
+        storage_writer_factory: ``path -> StorageWriter`` for DCP; default
+            ``FileSystemWriter(path)``. Tests pass slow or blocking writers.
+
+    Raises:
+        CheckpointError: invalid ``[checkpoint]`` settings.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str | os.PathLike,
+        *,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        train_state: Any = None,
+        fingerprint: Optional[dict] = None,
+        storage_writer_factory: Optional[Callable[[str], Any]] = None,
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.folder = Path(run_dir) / cfg.folder
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dataloader = dataloader
+        self.train_state = train_state
+        self.fingerprint = _json_safe(fingerprint or {})
+        self._writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(path))
+        self.rank, self.world_size = _rank_world()
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._last_saved_step: Optional[int] = None
+        self._in_flight: Optional[tuple[int, Path, bool, Any, float]] = None
+        # Async saves run their collectives in a background thread: they need their own
+        # (gloo) group so they never interleave with FSDP's collectives on the default one.
+        self._async_group = None
+        if cfg.enable and cfg.async_mode == "async" and self._distributed:
+            self._async_group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, *, last: bool = False, force: bool = False) -> bool:
+        """Save the train state after ``step`` when it is due; return whether a save started.
+
+        Due when ``force`` (preemption), ``last`` (final step) or ``step`` is a multiple of
+        ``interval``. A step already saved is not saved again. The last and forced saves
+        are synchronous; others are async when ``async_mode = "async"``. Call on every rank.
+        """
+        if not self.cfg.enable:
+            return False
+        self._poll_async()
+        due = force or last or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+        if not due or step == self._last_saved_step:
+            return False
+        self._wait_async()
+        model_only = last and self.cfg.last_save_model_only
+        path = self.folder / f"step-{step}"
+        self._clear_folder(path)
+        state = self._state_for_save(model_only)
+        writer = self._writer_factory(str(path))
+        started = time.perf_counter()
+        if self.cfg.async_mode == "async" and not (last or force):
+            response = dcp.async_save(
+                state, checkpoint_id=str(path), storage_writer=writer, process_group=self._async_group,
+                no_dist=not self._distributed,
+            )
+            future = getattr(response, "upload_completion", response)
+            self._in_flight = (step, path, model_only, future, started)
+            if self.rank == 0:
+                logger.info("checkpoint step-%d: async save started (staging took %.2f s)", step,
+                            time.perf_counter() - started)
+        else:
+            dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not self._distributed)
+            self._finish(step, path, model_only, started)
+        self._last_saved_step = step
+        return True
+
+    def close(self) -> None:
+        """Wait for an in-flight async save and mark it complete."""
+        self._wait_async()
+
+    def _state_for_save(self, model_only: bool) -> dict:
+        if model_only:
+            model_sd = _cast_floats(get_model_state_dict(self.model), EXPORT_DTYPES[self.cfg.export_dtype])
+            return {"model": model_sd}
+        if self.optimizer is not None:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model)}
+        for name in ("lr_scheduler", "train_state"):
+            obj = getattr(self, name)
+            if obj is not None:
+                state[name] = _to_bytes(obj.state_dict())
+        if self.dataloader is not None:
+            state["dataloader"] = {f"rank_{self.rank}": _to_bytes(self.dataloader.state_dict())}
+        state["rng"] = {f"rank_{self.rank}": _to_bytes(_rng_state())}
+        return state
+
+    def _clear_folder(self, path: Path) -> None:
+        """Remove a leftover folder of the same step (an incomplete save) before writing."""
+        if self.rank == 0 and path.exists():
+            if is_complete(path):
+                logger.warning("checkpoint %s exists and is replaced by a new save of that step", path)
+            else:
+                logger.warning("removing incomplete checkpoint folder %s before saving that step again", path)
+            shutil.rmtree(path)
+        if self._distributed:
+            dist.barrier()
+
+    def _finish(self, step: int, path: Path, model_only: bool, started: float) -> None:
+        """Rank 0: write the marker (everything else is on disk by now), then apply retention."""
+        if self.rank != 0:
+            return
+        marker = {
+            "step": step,
+            "model_only": model_only,
+            "dtype": self.cfg.export_dtype if model_only else None,
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        tmp = path / (MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / MARKER)
+        logger.info("checkpoint step-%d saved to %s in %.2f s%s", step, path, time.perf_counter() - started,
+                    " (model only)" if model_only else "")
+        self._purge()
+
+    def _poll_async(self) -> None:
+        if self._in_flight is not None and self._in_flight[3].done():
+            self._wait_async()
+
+    def _wait_async(self) -> None:
+        if self._in_flight is None:
+            return
+        step, path, model_only, future, started = self._in_flight
+        self._in_flight = None
+        future.result()  # re-raises a failed save
+        self._finish(step, path, model_only, started)
+
+    def _purge(self) -> None:
+        """Keep the ``keep_latest_k`` newest complete checkpoints; drop stale incomplete ones.
+
+        Only folders older than the newest complete checkpoint are touched, so an
+        in-flight save and the newest complete checkpoint are never deleted.
+        """
+        folders = step_folders(self.folder)
+        complete = sorted(step for step, path in folders.items() if is_complete(path))
+        if not complete:
+            return
+        newest = complete[-1]
+        doomed = [s for s in folders if s < newest and not is_complete(folders[s])]
+        if self.cfg.keep_latest_k > 0:
+            doomed += complete[: -self.cfg.keep_latest_k]
+        for step in sorted(doomed):
+            shutil.rmtree(folders[step], ignore_errors=True)
+            logger.info("checkpoint retention: deleted %s", folders[step])
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> int:
+        """Restore the train state; return the step to continue after (0: fresh start).
+
+        Picks ``step-<load_step>`` or, with ``load_step = -1``, the newest complete
+        checkpoint, warning about every incomplete folder it skips. With none, loads
+        ``initial_load_path`` if set. Per-rank parts (data position, RNG) come from the
+        same rank of the saved run; a rank the saved run did not have gets rank 0's data
+        state (the loader decides whether it can continue at the new world size) and keeps
+        its fresh RNG. Call on every rank.
+
+        Raises:
+            CheckpointError: ``load_step`` names a missing, incomplete or model-only checkpoint.
+            CheckpointMismatchError: fingerprint, keys or shapes differ; nothing is loaded.
+        """
+        if not self.cfg.enable:
+            return 0
+        path = self._choose_checkpoint()
+        if path is not None:
+            marker = read_marker(path)
+            if marker.get("model_only"):
+                raise CheckpointError(
+                    f"{path} is a model-only export (checkpoint.last_save_model_only) and cannot be resumed "
+                    f"from; load its weights with checkpoint.initial_load_path={path} instead"
+                )
+            parts = [p for p in COMPONENTS if p not in self.cfg.exclude_from_loading]
+            self._load_from(path, parts, marker)
+            self._last_saved_step = marker["step"]
+            return int(marker["step"])
+        if self.cfg.initial_load_path:
+            path = Path(self.cfg.initial_load_path)
+            if not (path / ".metadata").is_file():
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path={path} is not a DCP checkpoint folder (no .metadata)"
+                )
+            if (path / MARKER).is_file():
+                marker = read_marker(path)
+            else:
+                marker = {"step": 0, "model_only": True}
+            model_only = self.cfg.initial_load_model_only or marker.get("model_only", False)
+            parts = ["model"] if model_only else [p for p in COMPONENTS if p not in self.cfg.exclude_from_loading]
+            self._load_from(path, parts, marker)
+            return 0 if model_only else int(marker["step"])
+        return 0
+
+    def _choose_checkpoint(self) -> Optional[Path]:
+        """Rank 0 picks the folder and tells the others, so every rank loads the same one."""
+        choice: list = [None]
+        if self.rank == 0:
+            choice[0] = self._choose_on_rank0()
+        if self._distributed:
+            dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], Exception):
+            raise choice[0]
+        return None if choice[0] is None else Path(choice[0])
+
+    def _choose_on_rank0(self) -> Any:
+        folders = step_folders(self.folder)
+        wanted = self.cfg.load_step
+        if wanted >= 0:
+            if wanted not in folders or not is_complete(folders[wanted]):
+                state = "incomplete" if wanted in folders else "missing"
+                complete = sorted(s for s, p in folders.items() if is_complete(p))
+                return CheckpointError(
+                    f"checkpoint.load_step={wanted}: {self.folder / f'step-{wanted}'} is {state}; "
+                    f"complete checkpoints: {complete or 'none'}"
+                )
+            return str(folders[wanted])
+        for step in sorted(folders, reverse=True):
+            if is_complete(folders[step]):
+                return str(folders[step])
+            logger.warning("skipping incomplete checkpoint folder %s (no %s: its save did not finish)",
+                           folders[step], MARKER)
+        return None
+
+    def _load_from(self, path: Path, parts: list[str], marker: dict) -> None:
+        started = time.perf_counter()
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        self._check_fingerprint(path, marker)
+        state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
+        self._check_keys(path, state, metadata)
+
+        dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
+
+        if "optimizer" in state:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        elif "model" in state:
+            set_model_state_dict(self.model, state["model"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
+        if "train_state" in state:
+            self.train_state.load_state_dict(_from_bytes(state["train_state"]))
+        if "dataloader" in state:
+            (blob,) = state["dataloader"].values()
+            self.dataloader.load_state_dict(_from_bytes(blob))
+        if "rng" in state:
+            (blob,) = state["rng"].values()
+            _set_rng_state(_from_bytes(blob))
+        if self.rank == 0:
+            logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
+                        time.perf_counter() - started)
+
+    def _state_for_load(self, parts: list[str], metadata: Metadata, saved_world: int) -> dict:
+        """Placeholders shaped like the current run; DCP fills them in place."""
+        saved = metadata.state_dict_metadata
+        state: dict = {}
+        if "model" in parts and "optimizer" in parts and self.optimizer is not None:
+            state["model"], state["optimizer"] = get_state_dict(self.model, self.optimizer)
+        elif "model" in parts:
+            state["model"] = get_model_state_dict(self.model)
+        for name in ("lr_scheduler", "train_state"):
+            if name in parts and getattr(self, name) is not None:
+                state[name] = b""
+        if "dataloader" in parts and self.dataloader is not None:
+            source = self.rank if self.rank < saved_world else 0
+            if f"dataloader.rank_{source}" in saved:
+                state["dataloader"] = {f"rank_{source}": b""}
+            else:
+                state["dataloader"] = {f"rank_{self.rank}": b""}  # reported as missing by _check_keys
+        if "rng" in parts:
+            if f"rng.rank_{self.rank}" in saved:
+                state["rng"] = {f"rank_{self.rank}": b""}
+            elif self.rank == 0:
+                logger.info("checkpoint has no RNG state for rank %d: keeping this run's seed", self.rank)
+        return state
+
+    def _check_fingerprint(self, path: Path, marker: dict) -> None:
+        if "fingerprint" not in marker:
+            return
+        saved, current = _flatten_plain(marker["fingerprint"]), _flatten_plain(self.fingerprint)
+        diffs = [
+            f"{key}: checkpoint {saved.get(key, '<unset>')!r}, this run {current.get(key, '<unset>')!r}"
+            for key in sorted(set(saved) | set(current))
+            if saved.get(key, "<unset>") != current.get(key, "<unset>")
+        ]
+        if diffs:
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was made with different settings ({len(diffs)} differ), e.g.\n  "
+                + "\n  ".join(diffs[:8])
+                + "\nNothing was loaded. Use the original settings, a new run folder (job.name), or "
+                "checkpoint.initial_load_path with a matching model."
+            )
+
+    def _check_keys(self, path: Path, state: dict, metadata: Metadata) -> None:
+        """Every requested key must exist with the same shape; saved model keys must all be used."""
+        saved = metadata.state_dict_metadata
+        requested = _flatten(state)
+        missing = [k for k in requested if k not in saved]
+        shapes = []
+        for key, value in requested.items():
+            meta = saved.get(key)
+            if isinstance(meta, TensorStorageMetadata) and _shape(value) is not None:
+                if tuple(meta.size) != _shape(value):
+                    shapes.append(f"{key}: checkpoint {tuple(meta.size)}, this run {_shape(value)}")
+            elif isinstance(meta, BytesStorageMetadata) and _shape(value) is not None:
+                shapes.append(f"{key}: checkpoint holds an object, this run a tensor {_shape(value)}")
+        unexpected = []
+        if "model" in state:
+            unexpected = [k for k in saved if k.startswith("model.") and k not in requested]
+        if missing or shapes or unexpected:
+            lines = []
+            if shapes:
+                lines.append(f"shape mismatch ({len(shapes)}): " + "; ".join(shapes[:5]))
+            if missing:
+                lines.append(f"missing from the checkpoint ({len(missing)}): " + ", ".join(missing[:5]))
+            if unexpected:
+                lines.append(f"in the checkpoint but not in this model ({len(unexpected)}): "
+                             + ", ".join(unexpected[:5]))
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not match this run:\n  " + "\n  ".join(lines)
+                + "\nNothing was loaded. Check [model] (flavor, residual, routing_heads) against the run that "
+                "saved it, or list parts to skip in checkpoint.exclude_from_loading."
+            )

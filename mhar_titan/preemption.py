@@ -1,0 +1,68 @@
+"""Preemption: SIGTERM / SIGUSR1 -> finish the current step, save, exit 0.
+
+Clusters stop jobs with SIGTERM: ``torchrun`` forwards the SIGTERM it receives
+to its workers and kills them after a grace period (30 s by default); SLURM
+sends a warning signal before the time limit (``--signal=B:USR1@120``, turned
+into SIGTERM for ``torchrun`` by the batch script, or SIGUSR1 straight to a
+single-process run). The handler only records the signal; the training loop
+asks ``should_stop()`` after each step and, when it says yes, saves with
+``CheckpointManager.save(step, force=True)`` and leaves the loop normally.
+
+Ranks can receive the signal at slightly different times, so ``should_stop()``
+all-reduces the flag (MAX) over the default process group: every rank gets
+the same answer at the same step and they save the same step together.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Installs handlers for ``signals`` (default SIGTERM and SIGUSR1) on construction.
+
+    Must be created in the main thread (Python delivers signals there). ``restore()``
+    puts the previous handlers back.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS) -> None:
+        self.received: Optional[signal.Signals] = None
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        # Keep the handler minimal: it may run in the middle of any Python bytecode.
+        self.received = signal.Signals(signum)
+
+    def should_stop(self) -> bool:
+        """Whether any rank has received a stop signal; the same answer on every rank.
+
+        Distributed: one all-reduce of a 1-element tensor on the default group (on the
+        current CUDA device under NCCL). Call it at the same point of every step on all ranks.
+        """
+        flag = self.received is not None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        device = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        stop = bool(t.item() > 0)
+        if stop and not flag:
+            logger.info("another rank received a stop signal: stopping at this step")
+        return stop
+
+    def restore(self) -> None:
+        """Reinstall the handlers that were active before this one."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
