@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Single-node launcher: torchrun with NGPU workers on this machine.
+#
+#   NGPU=8 CONFIG=train_configs/mhar_1b.toml scripts/run_train.sh [--section.key=value ...]
+#   DRY_RUN=1 NGPU=8 CONFIG=train_configs/mhar_1b.toml scripts/run_train.sh
+#
+#   CONFIG     TOML job file            (default: train_configs/debug_mhar.toml)
+#   NGPU       worker processes         (default: the GPUs visible here, 1 without GPUs)
+#   LOG_RANK   ranks whose output is shown, comma-separated (default: 0)
+#   PYTHON     interpreter with torch   (default: python3)
+#   DRY_RUN=1  do not train: build the model on the meta device, validate the whole config
+#              for NGPU ranks, print parameter counts, a memory estimate and the resolved
+#              config, and exit (python -m mhar_titan.dryrun; no data, no network, no GPU).
+#
+# Overrides after the script name are passed to train.py unchanged. For several nodes use
+# slurm/train.sbatch (or slurm/torchrun_node.sh on each node).
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+config="${CONFIG:-train_configs/debug_mhar.toml}"
+python="${PYTHON:-python3}"
+if [[ -z "${NGPU:-}" ]]; then
+  NGPU=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+  fi
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    IFS=',' read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+    NGPU="${#visible[@]}"
+  fi
+  if [[ "$NGPU" == 0 ]]; then
+    NGPU=1
+  fi
+fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "$0: NGPU must be a positive integer, got '$NGPU'" >&2
+  exit 2
+fi
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  exec "$python" -m mhar_titan.dryrun --config "$config" --world-size "$NGPU" "$@"
+fi
+
+export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
+exec "$python" -m torch.distributed.run \
+  --nnodes=1 --nproc_per_node="$NGPU" \
+  --rdzv_backend=c10d --rdzv_endpoint=localhost:0 \
+  --local-ranks-filter="${LOG_RANK:-0}" --role=rank --tee=3 \
+  train.py --config "$config" "$@"
