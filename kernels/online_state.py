@@ -1,0 +1,72 @@
+"""Online-softmax routing state, the interface for grouped routing (DESIGN.md "Kernels").
+
+A depth softmax over sources A + B can be computed in two pieces: route A, route B, and merge
+the two normalised mixes by their log-sum-exps (exact in real arithmetic; the summation order
+changes, so not bitwise). A state is (mix (B, T, d) fp32, normalised; lse (B*T, H) fp32).
+
+Forward only: the backward of a merged route is left to the grouped-routing issue.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .op import check_route_args, uses_triton
+from . import reference_path
+
+State = tuple[Tensor, Tensor]
+
+
+def route_with_state(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    *,
+    state: Optional[State] = None,
+    null_source: Optional[Tensor] = None,
+) -> State:
+    """Route `sources` (continuing from `state`, when given) and return the new state.
+
+    Args as `mhar_kernels.route`; state: (mix (B, T, d), lse (B*T, H)) of earlier sources
+    routed with the same query and norm weight, e.g. from a previous call.
+    Returns (mix (B, T, d) fp32, lse (B*T, H) fp32); no autograd.
+    Raises ValueError as `mhar_kernels.route`, or when the state's shapes do not fit."""
+    sources = list(sources)
+    check_route_args(sources, query, norm_weight, heads, null_source=null_source)
+    srcs = [null_source.to(sources[0].dtype), *sources] if null_source is not None else sources
+    bt = sources[0].numel() // sources[0].shape[-1]
+    if state is not None and (state[0].shape != sources[0].shape or state[1].shape != (bt, heads)):
+        raise ValueError(f"state must be (mix {tuple(sources[0].shape)}, lse ({bt}, {heads})), got "
+                         f"({tuple(state[0].shape)}, {tuple(state[1].shape)})")
+    with torch.no_grad():
+        if uses_triton(sources[0].device):
+            from .triton_routing import route_forward
+
+            out, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
+            return out, lse
+        logits = reference_path.depth_logits(srcs, query, norm_weight, heads, eps)
+        lse = torch.logsumexp(logits, dim=0)
+        weights = torch.exp(logits - lse)  # (N, B*T, H)
+        d = sources[0].shape[-1]
+        mix = sum(w.unsqueeze(-1) * s.float().expand(sources[0].shape).reshape(bt, heads, d // heads)
+                  for w, s in zip(weights, srcs))
+        new = (mix.reshape(sources[0].shape), lse)
+        return new if state is None else merge_states(state, new)
+
+
+def merge_states(a: State, b: State) -> State:
+    """Merge two routing states over disjoint source sets: lse = logaddexp, mixes weighted
+    by exp(lse_i - lse). Shapes: mix (B, T, d), lse (B*T, H); returns fp32."""
+    mix_a, lse_a = a
+    mix_b, lse_b = b
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    shape = mix_a.shape
+    bt, heads = lse.shape
+    wa = torch.exp(lse_a.float() - lse).unsqueeze(-1)
+    wb = torch.exp(lse_b.float() - lse).unsqueeze(-1)
+    mix = wa * mix_a.float().reshape(bt, heads, -1) + wb * mix_b.float().reshape(bt, heads, -1)
+    return mix.reshape(shape), lse

@@ -1,0 +1,343 @@
+"""Fused Triton kernels for multi-head depth routing (MHAR_SPEC sections 2 and 4).
+
+One program handles BLOCK_T tokens as a [BLOCK_T, HB, KB] register tile (HB = next_pow2(H),
+KB = next_pow2(K), K = d/H; masks cover non-power-of-two K such as 160) and loops once over
+the N sources:
+
+    r_n         = (sum(s_n^2)/d + eps)^-1/2          statistic over the full d (fp32)
+    khat_n      = fp32(storage(s_n * r_n))           rounded like HF RMSNorm, then * g
+    logit_{n,h} = <q_h, (khat_n * g)_h>
+    online softmax over n, accumulator kept normalised (a running convex combination, so
+    values near the storage dtype's maximum cannot overflow the fp32 accumulator).
+
+Sources are N separate tensors, never stacked: the launcher passes a device table of their
+data pointers (int64) and row strides, and the kernel casts each entry to a pointer of the
+sources' element type. This is valid Triton on CUDA (int-to-pointer cast) and works under
+TRITON_INTERPRET=1, where a data pointer is a host address. A (d,) null source is source 0
+with row stride 0 (broadcast over tokens, no expanded copy).
+
+Saved for backward by the caller: logits (N, B*T, H) and lse (B*T, H) in fp32, nothing of
+size d. The backward kernel re-reads the sources twice (pass 1 rebuilds the mix to get
+S_h = <dmix_h, mix_h>, pass 2 writes each source's gradient) and writes per-program partial
+sums of dq, dg, dalpha and dnull that the host reduces with one fixed-order sum: no atomics,
+so results are bitwise repeatable.
+
+All loads are cast to fp32 right away and outputs are cast at the store (the interpreter
+cannot do arithmetic on bf16). float64 sources run the same kernels in float64 (gradcheck).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# The flag is read when the @triton.jit decorators run (ENV_NOTES gotcha (b)).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------- device code
+@triton.jit
+def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT: tl.constexpr):
+    """Tile [BLOCK_T, HB, KB] of source n, cast to the compute dtype."""
+    base = tl.load(PTRS + n).to(tl.pointer_type(SRC_TY))
+    row_stride = tl.load(RSTRIDES + n)
+    return tl.load(base + rows * row_stride + cols, mask=mask, other=0.0).to(CDT)
+
+
+@triton.jit
+def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr):
+    """r = (mean over the full d of v^2 + eps)^-1/2 per token [BLOCK_T, 1, 1] and the rounded
+    normalised key khat = fp32(storage(v * r)) (MHAR_SPEC section 4, steps 2-3)."""
+    ss = tl.sum(tl.sum(v * v, axis=2), axis=1)
+    r = 1.0 / tl.sqrt_rn(ss / D + eps)
+    r = r[:, None, None]
+    khat = (v * r).to(SRC_TY).to(CDT)
+    return r, khat
+
+
+@triton.jit
+def _route_fwd_kernel(
+    PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
+    OUT, LOGITS, LSE,
+    N, BT, D, H, K, eps,
+    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
+):
+    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, HB)
+    k = tl.arange(0, KB)
+    rows = t[:, None, None].to(tl.int64)
+    cols = h[None, :, None] * K + k[None, None, :]
+    cmask = (h[None, :, None] < H) & (k[None, None, :] < K)
+    tmask = t[:, None, None] < BT
+    mask = tmask & cmask
+    th = t[:, None] * H + h[None, :]  # [BLOCK_T, HB] index into (B*T, H)
+    thmask = (t[:, None] < BT) & (h[None, :] < H)
+
+    qg = tl.load(Q + cols, mask=cmask, other=0.0).to(CDT)
+    g = tl.load(G + cols, mask=cmask, other=0.0).to(CDT)
+
+    if HAS_STATE:  # incoming online-softmax state: normalised mix and its log-sum-exp
+        acc = tl.load(STATE_OUT + rows * D + cols, mask=mask, other=0.0).to(CDT)
+        m = tl.load(STATE_LSE + th, mask=thmask, other=0.0).to(CDT)
+        l = tl.where(m > float("-inf"), 1.0, 0.0).to(CDT)
+    else:
+        acc = tl.zeros([BLOCK_T, HB, KB], CDT)
+        m = tl.full([BLOCK_T, HB], float("-inf"), CDT)
+        l = tl.zeros([BLOCK_T, HB], CDT)
+
+    for n in range(N):
+        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        logit = tl.sum(khat * g * qg, axis=2)  # [BLOCK_T, HB]
+        tl.store(LOGITS + n * BT * H + th, logit, mask=thmask)
+        m_new = tl.maximum(m, logit)
+        keep = l * tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        l_new = keep + p
+        acc = acc * (keep / l_new)[:, :, None] + v * (p / l_new)[:, :, None]
+        m = m_new
+        l = l_new
+
+    tl.store(LSE + th, m + tl.log(l), mask=thmask)
+    out = acc
+    if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store
+        alpha = tl.load(ALPHA).to(CDT)
+        out = tl.load(PARTIAL + rows * D + cols, mask=mask, other=0.0).to(CDT) + alpha * out
+    tl.store(OUT + rows * D + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
+    """Closed-form backward for one source (MHAR_SPEC section 4; the storage cast is identity).
+
+    Returns dv [BLOCK_T, HB, KB] and this source's dq, dg contributions summed over tokens."""
+    a = tl.sum(dmix * v, axis=2)  # <dmix_h, v_h>, [BLOCK_T, HB]
+    dlogit = (w * (a - S))[:, :, None]
+    dq = tl.sum(dlogit * khat * g, axis=0)
+    dkey = dlogit * qg  # d logit / d (khat * g)
+    dg = tl.sum(dkey * khat, axis=0)
+    dkp = dkey * g
+    c = tl.sum(tl.sum(dkp * v, axis=2), axis=1)[:, None, None]
+    dv = r * dkp - (r * r * r / D) * c * v + w[:, :, None] * dmix
+    return dv, dq, dg
+
+
+@triton.jit
+def _route_bwd_kernel(
+    PTRS, RSTRIDES, DPTRS, SRC0, Q, G, ALPHA, DOUT, LOGITS, LSE,
+    DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
+    N, BT, D, H, K, eps,
+    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
+):
+    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, HB)
+    k = tl.arange(0, KB)
+    rows = t[:, None, None].to(tl.int64)
+    hk = h[:, None] * K + k[None, :]  # [HB, KB]
+    cols = hk[None, :, :]
+    cmask2 = (h[:, None] < H) & (k[None, :] < K)
+    cmask = cmask2[None, :, :]
+    mask = (t[:, None, None] < BT) & cmask
+    th = t[:, None] * H + h[None, :]
+    thmask = (t[:, None] < BT) & (h[None, :] < H)
+
+    qg = tl.load(Q + cols, mask=cmask, other=0.0).to(CDT)
+    g = tl.load(G + cols, mask=cmask, other=0.0).to(CDT)
+    lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
+    dout = tl.load(DOUT + rows * D + cols, mask=mask, other=0.0).to(CDT)
+
+    # Pass 1: rebuild the mix (fp32) for S_h = <dmix_h, mix_h> and dalpha = <dout, mix>.
+    mix = tl.zeros([BLOCK_T, HB, KB], CDT)
+    for n in range(N):
+        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
+        logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
+        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
+        mix += w[:, :, None] * v
+    if HAS_ALPHA:
+        alpha = tl.load(ALPHA).to(CDT)
+        tl.store(DALPHA_PART + pid, tl.sum(tl.sum(tl.sum(dout * mix, axis=2), axis=1), axis=0))
+        dmix = alpha * dout
+    else:
+        dmix = dout
+    S = tl.sum(dmix * mix, axis=2)
+
+    # Pass 2: per-source gradients; dq, dg (and dnull) summed over this program's tokens.
+    dq = tl.zeros([HB, KB], CDT)
+    dg = tl.zeros([HB, KB], CDT)
+    if HAS_NULL:  # source 0 is the (d,) null source: reduce its gradient over the tokens
+        v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT)
+        logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
+        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
+        dq += dq_n
+        dg += dg_n
+        dv = tl.where(mask, dv, 0.0)
+        tl.store(DNULL_PART + pid * D + hk, tl.sum(dv, axis=0), mask=cmask2)
+    for n in range(1 if HAS_NULL else 0, N):
+        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
+        logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
+        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
+        dq += dq_n
+        dg += dg_n
+        dbase = tl.load(DPTRS + n).to(tl.pointer_type(SRC_TY))
+        tl.store(dbase + rows * D + cols, dv.to(SRC_TY), mask=mask)
+    tl.store(DQ_PART + pid * D + hk, dq, mask=cmask2)
+    tl.store(DG_PART + pid * D + hk, dg, mask=cmask2)
+
+
+# ---------------------------------------------------------------------------- host code
+_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+# Register budget on a GPU: elements of one [BLOCK_T, HB, KB] tile per program.
+_FWD_TILE = 4096
+_BWD_TILE = 2048
+# Under the interpreter programs run one after another in Python: few, large programs.
+_INTERPRET_BLOCK_T = 128
+
+
+def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
+    """Tile sizes and warps for B*T tokens: {'BLOCK_T', 'HB', 'KB', 'num_warps'}.
+
+    One configuration under the interpreter (whole problem in as few programs as possible);
+    on a GPU BLOCK_T fills a fixed register budget (the paper uses one token per program)."""
+    hb, kb = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    if INTERPRET:
+        block_t = min(triton.next_power_of_2(bt), _INTERPRET_BLOCK_T)
+    else:
+        budget = _BWD_TILE if backward else _FWD_TILE
+        block_t = max(1, min(triton.next_power_of_2(bt), budget // (hb * kb)))
+    tile = block_t * hb * kb
+    num_warps = 8 if tile >= 4096 else 4 if tile >= 1024 else 2
+    return dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
+    """(tensor, row stride) such that token i's d values start at ptr + i * row_stride.
+
+    A (d,) null source gets row stride 0. A (B, T, d) source is used in place when its
+    tokens are equally spaced with a unit last stride; otherwise a transient contiguous copy
+    is made for this launch only (never saved)."""
+    if source.dim() == 1:
+        return source.contiguous(), 0
+    flat = source.reshape(-1, d) if source.stride(-1) == 1 else None
+    if flat is None or flat.data_ptr() != source.data_ptr() or flat.stride(1) != 1:
+        flat = source.contiguous().view(-1, d)
+    return flat, flat.stride(0)
+
+
+def _device_table(values: Sequence[int], device: torch.device) -> Tensor:
+    table = torch.tensor(list(values), dtype=torch.int64)
+    if device.type == "cuda":  # pinned + async: no host synchronisation per call
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+def _source_table(sources: Sequence[Tensor], d: int) -> tuple[list[Tensor], Tensor, Tensor]:
+    views = [_rows(s, d) for s in sources]
+    tensors = [v for v, _ in views]
+    device = tensors[0].device
+    ptrs = _device_table([v.data_ptr() for v in tensors], device)
+    strides = _device_table([st for _, st in views], device)
+    return tensors, ptrs, strides
+
+
+def route_forward(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float,
+    *,
+    partial: Optional[Tensor] = None,
+    alpha: Optional[Tensor] = None,
+    state: Optional[tuple[Tensor, Tensor]] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
+
+    state: optional incoming online-softmax state (mix (B, T, d) normalised, lse (B*T, H) fp32)
+    of sources routed earlier with the same query/norm; the result then covers both sets.
+    Returns (out (B, T, d) in out_dtype or the sources' dtype, logits (N, B*T, H), lse (B*T, H)),
+    statistics in fp32 (fp64 for fp64 sources)."""
+    full = next(s for s in sources if s.dim() != 1)
+    shape, d = full.shape, full.shape[-1]
+    bt, head_dim = full.numel() // d, d // heads
+    cdt = _compute_dtype(full.dtype)
+    tensors, ptrs, strides = _source_table(sources, d)
+    out = torch.empty(shape, dtype=out_dtype or full.dtype, device=full.device)
+    logits = torch.empty((len(sources), bt, heads), dtype=cdt, device=full.device)
+    lse = torch.empty((bt, heads), dtype=cdt, device=full.device)
+    if partial is not None:
+        partial = partial.contiguous()
+    if state is not None:
+        state = (state[0].contiguous(), state[1].contiguous())
+    cfg = launch_config(bt, heads, head_dim, backward=False)
+    grid = (triton.cdiv(bt, cfg["BLOCK_T"]),)
+    _route_fwd_kernel[grid](
+        ptrs, strides, tensors[0], query.contiguous(), norm_weight.contiguous(),
+        partial if partial is not None else out, alpha if alpha is not None else logits,
+        state[0] if state is not None else out, state[1] if state is not None else lse,
+        out, logits, lse,
+        len(sources), bt, d, heads, head_dim, eps,
+        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, CDT=_TL_DTYPES[cdt], **cfg,
+    )
+    return out, logits, lse
+
+
+def route_backward(
+    grad_out: Tensor,
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float,
+    logits: Tensor,
+    lse: Tensor,
+    alpha: Optional[Tensor] = None,
+) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Launch the backward kernel for `route_forward`'s call with the same sources.
+
+    Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
+    dnull (d,) or None); dq, dg, dalpha, dnull are in the compute dtype, reduced over the
+    per-program partial sums in a fixed order (bitwise repeatable)."""
+    has_null = sources[0].dim() == 1
+    full = next(s for s in sources if s.dim() != 1)
+    d = full.shape[-1]
+    bt, head_dim = full.numel() // d, d // heads
+    cdt = logits.dtype
+    device = full.device
+    tensors, ptrs, strides = _source_table(sources, d)
+    grads = [torch.empty(full.shape, dtype=full.dtype, device=device) for _ in sources[int(has_null):]]
+    dptrs = _device_table([0] * int(has_null) + [gr.data_ptr() for gr in grads], device)
+    cfg = launch_config(bt, heads, head_dim, backward=True)
+    programs = triton.cdiv(bt, cfg["BLOCK_T"])
+    dq_part = torch.empty((programs, d), dtype=cdt, device=device)
+    dg_part = torch.empty((programs, d), dtype=cdt, device=device)
+    dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else dq_part
+    dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else dq_part
+    _route_bwd_kernel[(programs,)](
+        ptrs, strides, dptrs, tensors[0], query.contiguous(), norm_weight.contiguous(),
+        alpha if alpha is not None else lse, grad_out.contiguous(), logits, lse,
+        dq_part, dg_part, dalpha_part, dnull_part,
+        len(sources), bt, d, heads, head_dim, eps,
+        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, CDT=_TL_DTYPES[cdt], **cfg,
+    )
+    dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None
+    dnull = dnull_part.sum(0) if has_null else None
+    return grads, dq_part.sum(0), dg_part.sum(0), dalpha, dnull
