@@ -42,6 +42,8 @@ import random
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -133,6 +135,14 @@ class CheckpointConfig:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rank_world() -> tuple[int, int]:
@@ -303,17 +313,19 @@ class CheckpointManager:
         writer = self._writer_factory(str(path))
         started = time.perf_counter()
         if self.cfg.async_mode == "async" and not (last or force):
-            response = dcp.async_save(
-                state, checkpoint_id=str(path), storage_writer=writer, process_group=self._async_group,
-                no_dist=not self._distributed,
-            )
+            with _quiet_single_process():
+                response = dcp.async_save(
+                    state, checkpoint_id=str(path), storage_writer=writer, process_group=self._async_group,
+                    no_dist=not self._distributed,
+                )
             future = getattr(response, "upload_completion", response)
             self._in_flight = (step, path, model_only, future, started)
             if self.rank == 0:
                 logger.info("checkpoint step-%d: async save started (staging took %.2f s)", step,
                             time.perf_counter() - started)
         else:
-            dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not self._distributed)
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not self._distributed)
             self._finish(step, path, model_only, started)
         self._last_saved_step = step
         return True
@@ -486,7 +498,8 @@ class CheckpointManager:
         state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
         self._check_keys(path, state, metadata)
 
-        dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
 
         if "optimizer" in state:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
