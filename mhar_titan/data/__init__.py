@@ -14,6 +14,11 @@ Commands:
   memory-mapped token shards with a manifest.
 """
 from mhar_titan.data.config import DataConfig
+from mhar_titan.data.loader import (DataStateError, TrainLoader, ValidationLoader, build_train_loader,
+                                    build_validation_loader)
+from mhar_titan.data.pretokenize import ManifestError
+from mhar_titan.data.sources import DataError
 from mhar_titan.data.tokenizer import Tokenizer, TokenizerFileError, build_tokenizer
 
-__all__ = ["DataConfig", "Tokenizer", "TokenizerFileError", "build_tokenizer"]
+__all__ = ["DataConfig", "DataError", "DataStateError", "ManifestError", "Tokenizer", "TokenizerFileError",
+           "TrainLoader", "ValidationLoader", "build_tokenizer", "build_train_loader", "build_validation_loader"]

@@ -1,0 +1,242 @@
+"""Train and validation loaders (the builders of docs/ARCHITECTURE.md).
+
+Loader state and resuming
+-------------------------
+``TrainLoader.state_dict()`` holds the ``StatefulDataLoader`` state (every
+worker's stream: epoch, shard position, shuffle buffer and RNG, partial token
+buffer) plus the layout it was saved with (sharding, dp world size and rank,
+local batch size, seq_len, workers, seed, shard names) and, in ``window`` mode,
+``windows_done`` (global windows consumed) with a copy of the global stream at
+that point. ``load_state_dict`` applies these rules:
+
+- same layout: the loader continues exactly (also with workers);
+- ``window`` mode at another dp world size, local batch size or worker count:
+  continues exactly at global window ``windows_done`` (no window seen twice or
+  skipped). The global stream is identical on every rank, so any rank's saved
+  state can be loaded by any new rank;
+- ``document`` mode at another world size or worker count: raises
+  ``DataStateError`` naming the saved and current world sizes, unless
+  ``data.allow_document_reshard`` is true, which starts epoch E+1 (E = the saved
+  epoch) at the new layout and logs that the rest of epoch E is skipped;
+- a different seq_len, seed, sharding mode or list of shards always raises.
+
+Unused tokens per epoch (finite mode, ``infinite = false``): ``window`` mode drops
+the last incomplete round (< dp_world * B windows, the same for all ranks) and
+partial window. In ``document`` mode each (rank, worker) stream drops at most one
+partial window (< seq_len + 1 tokens) plus its last incomplete batch (< B windows);
+ranks finish their epoch independently, so a finite multi-rank run must stop at a
+step count that every rank reaches (the default ``infinite = true`` never stops, and
+the token buffer carries across epochs, so nothing is dropped).
+"""
+import logging
+from typing import Optional
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from mhar_titan.data.config import DataConfig
+from mhar_titan.data.dataset import PackedBatches
+from mhar_titan.data.pretokenize import check_tokenizer
+from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
+from mhar_titan.data.stream import TokenStream
+
+logger = logging.getLogger(__name__)
+STATE_FORMAT = 1
+
+
+class DataStateError(ValueError):
+    """A saved loader state that cannot continue in this run (the message says why and what to do)."""
+
+
+def _check_pretokenized(cfg: DataConfig, shards: list, tokenizer) -> None:
+    for origin in dict.fromkeys(s.origin for s in shards if hasattr(s, "origin")):
+        check_tokenizer(origin, tokenizer)
+
+
+class TrainLoader:
+    """Iterable of ``(inputs, labels)`` int64 ``(local_batch_size, seq_len)`` with resumable state."""
+
+    def __init__(self, cfg: DataConfig, shards: list, tokenizer, *, dp_rank: int, dp_world: int,
+                 local_batch_size: int, seq_len: int, seed: int):
+        self.cfg, self.shards, self.tokenizer = cfg, shards, tokenizer
+        self.layout = {"sharding": cfg.sharding, "dp_world": dp_world, "dp_rank": dp_rank,
+                       "local_batch_size": local_batch_size, "seq_len": seq_len,
+                       "num_workers": cfg.num_workers, "seed": seed, "sources": sources_fingerprint(shards)}
+        self._windows_base = 0  # global windows consumed before this loader's first step (window mode)
+        self._steps = 0         # batches yielded by this loader since it was built or loaded
+        self._build()
+
+    def _build(self, start_stream: Optional[dict] = None, start_epoch: int = 0) -> None:
+        lay = self.layout
+        self._start_stream = start_stream
+        self.dataset = PackedBatches(
+            self.shards, self.tokenizer, sharding=lay["sharding"], dp_rank=lay["dp_rank"], dp_world=lay["dp_world"],
+            local_batch_size=lay["local_batch_size"], seq_len=lay["seq_len"], seed=lay["seed"],
+            shuffle=self.cfg.shuffle, shuffle_buffer=self.cfg.shuffle_buffer, infinite=self.cfg.infinite,
+            start_stream=start_stream, start_epoch=start_epoch)
+        kwargs = {}
+        if self.cfg.num_workers > 0:
+            kwargs = {"persistent_workers": False, "prefetch_factor": self.cfg.prefetch_factor}
+        self._loader = StatefulDataLoader(self.dataset, batch_size=None, num_workers=self.cfg.num_workers,
+                                          pin_memory=self.cfg.pin_memory and torch.cuda.is_available(), **kwargs)
+
+    @property
+    def round_size(self) -> int:
+        return self.layout["dp_world"] * self.layout["local_batch_size"]
+
+    @property
+    def windows_done(self) -> int:
+        """Global windows consumed by all ranks together (window mode)."""
+        return self._windows_base + self._steps * self.round_size
+
+    def __iter__(self):
+        for batch in self._loader:
+            self._steps += 1
+            yield batch
+
+    # -- state -----------------------------------------------------------------
+    def _worker_states(self, loader_state: dict) -> list[dict]:
+        if "_snapshot" in loader_state:
+            snaps = loader_state["_snapshot"]["_worker_snapshots"].values()
+            return [s["dataset_state"] for s in snaps if s.get("dataset_state")]
+        return [loader_state["dataset_state"]] if loader_state.get("dataset_state") else []
+
+    def _global_stream_at(self, loader_state: dict, window: int) -> Optional[dict]:
+        """The window-mode global stream state at ``window`` (the worker that produced the last batch)."""
+        if self._steps == 0:
+            return self._start_stream
+        for ws in self._worker_states(loader_state):
+            if ws["stream"] is not None and ws["stream"]["window"] == window:
+                return ws["stream"]
+        raise DataError(f"internal: no worker stream state at global window {window}")
+
+    def state_dict(self) -> dict:
+        loader_state = self._loader.state_dict()
+        sd = {"format": STATE_FORMAT, **self.layout, "steps": self._steps, "loader": loader_state,
+              "epoch": max([ws["stream"]["epoch"] for ws in self._worker_states(loader_state)
+                            if ws["stream"] is not None] or [0])}
+        if self.layout["sharding"] == "window":
+            sd["windows_done"] = self.windows_done
+            sd["global_stream"] = self._global_stream_at(loader_state, self.windows_done)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore a position saved by ``state_dict`` (rules in the module docstring).
+
+        Raises DataStateError for a state this run cannot continue exactly.
+        """
+        if sd.get("format") != STATE_FORMAT:
+            raise DataStateError(f"data-loader state format {sd.get('format')!r}, expected {STATE_FORMAT}")
+        lay = self.layout
+        for key, fix in (("sharding", "set data.sharding back"), ("seq_len", "resume with the same training.seq_len"),
+                         ("seed", "resume with the same seed (data.seed / training seed)"),
+                         ("sources", "resume with the same data files, or start a new run")):
+            if sd[key] != lay[key]:
+                saved, now = sd[key], lay[key]
+                if key == "sources":
+                    saved, now = f"{len(saved)} shards", f"{len(now)} shards (changed: " \
+                        f"{sorted(set(saved) ^ set(now))[:4]})"
+                raise DataStateError(f"the checkpoint's data-loader state has {key} = {saved}, this run has "
+                                     f"{now}: the data position cannot carry over; {fix}")
+        same = all(sd[k] == lay[k] for k in ("dp_world", "local_batch_size", "num_workers"))
+        if lay["sharding"] == "window":
+            if same:
+                self._loader.load_state_dict(sd["loader"])
+                self._windows_base, self._steps = sd["windows_done"], 0
+                self._start_stream = sd["global_stream"]
+                return
+            logger.warning("data: window-mode state saved at dp world %d x local batch %d (%d workers) resumes at "
+                           "dp world %d x local batch %d (%d workers) from global window %d",
+                           sd["dp_world"], sd["local_batch_size"], sd["num_workers"], lay["dp_world"],
+                           lay["local_batch_size"], lay["num_workers"], sd["windows_done"])
+            self._build(start_stream=sd["global_stream"])
+            self._windows_base, self._steps = sd["windows_done"], 0
+            return
+        if same and sd["dp_rank"] == lay["dp_rank"]:
+            self._loader.load_state_dict(sd["loader"])
+            self._steps = 0
+            return
+        if not self.cfg.allow_document_reshard:
+            raise DataStateError(
+                f"data-loader state saved with sharding='document' at dp world size {sd['dp_world']} (rank "
+                f"{sd['dp_rank']}, {sd['num_workers']} workers, local batch {sd['local_batch_size']}) cannot continue "
+                f"exactly at dp world size {lay['dp_world']} (rank {lay['dp_rank']}, {lay['num_workers']} workers, "
+                f"local batch {lay['local_batch_size']}): documents are assigned per rank and worker. Resume with "
+                f"{sd['dp_world']} ranks and {sd['num_workers']} workers, or set data.allow_document_reshard=true to "
+                f"start epoch {sd['epoch'] + 1} at the new layout (skipping the rest of epoch {sd['epoch']}), or use "
+                f"data.sharding='window'.")
+        logger.warning("data: document-mode state saved at dp world %d (%d workers) resumed at dp world %d "
+                       "(%d workers) with data.allow_document_reshard: the rest of epoch %d is skipped, epoch %d "
+                       "starts now", sd["dp_world"], sd["num_workers"], lay["dp_world"], lay["num_workers"],
+                       sd["epoch"], sd["epoch"] + 1)
+        self._build(start_epoch=sd["epoch"] + 1)
+        self._steps = 0
+
+
+def build_train_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
+                       seq_len: int, seed: int) -> TrainLoader:
+    """The training loader of one data-parallel rank.
+
+    Yields ``(inputs, labels)``, int64 tensors of shape ``(local_batch_size, seq_len)``.
+    ``seed`` is the training seed, used when ``cfg.seed`` is None.
+    Raises DataError for unreadable sources, ManifestError for pretokenized data made with
+    another tokenizer, ValueError for a bad layout.
+    """
+    if not 0 <= dp_rank < dp_world:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
+    if local_batch_size < 1 or seq_len < 1:
+        raise ValueError(f"local_batch_size ({local_batch_size}) and seq_len ({seq_len}) must be >= 1")
+    shards = train_shards(cfg)
+    _check_pretokenized(cfg, shards, tokenizer)
+    return TrainLoader(cfg, shards, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
+                       local_batch_size=local_batch_size, seq_len=seq_len,
+                       seed=cfg.seed if cfg.seed is not None else seed)
+
+
+class ValidationLoader:
+    """The first ``steps`` global rounds of the held-out stream (files in listed order, no shuffling).
+
+    Rank r's batches are windows ``[r * B, (r + 1) * B)`` of each round, as in window sharding,
+    so the evaluated set does not depend on the world size. Batches are built on the first
+    iteration and reused: every evaluation sees identical tensors.
+    """
+
+    def __init__(self, shards: list, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
+                 seq_len: int, steps: int):
+        self.shards, self.tokenizer, self.steps = shards, tokenizer, steps
+        self.dp_rank, self.dp_world, self.batch, self.seq_len = dp_rank, dp_world, local_batch_size, seq_len
+        self._batches: Optional[list] = None
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _materialise(self) -> list:
+        stream = TokenStream(self.shards, self.tokenizer.encode, self.tokenizer.eos_id, self.seq_len + 1, seed=0,
+                             shuffle=False, shuffle_buffer=0, infinite=False, consumer=[])
+        rounds, batches = self.dp_world * self.batch, []
+        for step in range(self.steps):
+            windows = [stream.next_window() for _ in range(rounds)]
+            if windows[-1] is None:
+                raise DataError(f"the validation files give only {step} rounds of {rounds} windows of "
+                                f"{self.seq_len + 1} tokens; lower the number of validation steps to <= {step} or "
+                                f"add validation files")
+            x = torch.tensor(windows[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch], dtype=torch.int64)
+            batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+        return batches
+
+    def __iter__(self):
+        if self._batches is None:
+            self._batches = self._materialise()
+        return iter(self._batches)
+
+
+def build_validation_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
+                            seq_len: int, steps: int) -> ValidationLoader:
+    """Re-iterable of ``steps`` validation batches ``(inputs, labels)`` int64 ``(local_batch_size, seq_len)``.
+
+    Built only from ``cfg.validation_files``. Raises DataError if they are empty or too short.
+    """
+    shards = validation_shards(cfg)
+    _check_pretokenized(cfg, shards, tokenizer)
+    return ValidationLoader(shards, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
+                            local_batch_size=local_batch_size, seq_len=seq_len, steps=steps)
