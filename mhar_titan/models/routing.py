@@ -63,6 +63,23 @@ def _normalised_key(source: Tensor, rstd: Tensor, cdt: torch.dtype) -> Tensor:
     return (source.to(cdt) * rstd).to(source.dtype).to(cdt)
 
 
+def _source_logits(source: Tensor, q: Tensor, g: Tensor, eps: float, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-head logits (..., H) of one source against q (H, K), and its inverse RMS (..., 1)."""
+    rstd = _inv_rms(source, eps, cdt)
+    key = _normalised_key(source, rstd, cdt) * g
+    return (key.unflatten(-1, (q.shape[0], -1)) * q).sum(-1), rstd
+
+
+def routing_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Depth logits logit_{n,h} = <q[h], RMSNorm_g(s_n)[h]> as (N, B, T, H) in the compute dtype
+    (MHAR_SPEC section 2); no gradient bookkeeping beyond plain autograd. For analysis and tests."""
+    _check_inputs(sources, query, norm_weight, heads)
+    cdt = _compute_dtype(sources[-1].dtype)
+    batch = next(s for s in sources if s.dim() != 1).shape[:-1]
+    q, g = query.to(cdt).view(heads, -1), norm_weight.to(cdt)
+    return torch.stack([_source_logits(s, q, g, eps, cdt)[0].expand(*batch, heads) for s in sources])
+
+
 class _DepthRoute(torch.autograd.Function):
     """Reference routing with the closed-form backward of MHAR_SPEC section 4.
 
@@ -83,9 +100,8 @@ class _DepthRoute(torch.autograd.Function):
 
         rstds, logits = [], []
         for s in sources:
-            rstd = _inv_rms(s, eps, cdt)
-            key = _normalised_key(s, rstd, cdt) * g
-            logits.append((key.unflatten(-1, (heads, -1)) * q).sum(-1).expand(*batch, heads))
+            logit, rstd = _source_logits(s, q, g, eps, cdt)
+            logits.append(logit.expand(*batch, heads))
             rstds.append(rstd.squeeze(-1).expand(batch))
         weights = torch.softmax(torch.stack(logits), dim=0)  # (N, B, T, H)
 

@@ -1,0 +1,182 @@
+"""Depth routing op: MHAR_SPEC section 6 identities, gradients, dtypes, memory, dispatch."""
+import sys
+
+import pytest
+import torch
+
+from mhar_titan.models.routing import route, route_reference, route_stacked, routing_logits
+
+
+def make_sources(n, shape=(2, 5, 16), dtype=torch.float32, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    # Different scales per source so the RMS normalisation matters.
+    return [
+        (torch.randn(shape, generator=gen, dtype=torch.float64) * (0.5 + i)).to(dtype).requires_grad_(requires_grad)
+        for i in range(n)
+    ]
+
+
+def single_head_attnres(sources, query, norm_weight, eps=1e-6):
+    """Kimi Full AttnRes (MHAR_SPEC 1.1) written independently, float64:
+    softmax_n(w . RMSNorm_g(v_n)) weighted sum of the raw v_n."""
+    V = torch.stack([s.double() for s in sources])  # (N, B, T, d)
+    keys = V / torch.sqrt((V * V).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    scores = torch.einsum("nbtd,d->nbt", keys, query.double())
+    alpha = torch.softmax(scores, dim=0)
+    return torch.einsum("nbt,nbtd->btd", alpha, V)
+
+
+def test_single_head_equals_independent_attnres():
+    sources = make_sources(5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(16, generator=gen, dtype=torch.float64)
+    norm_weight = 1 + 0.5 * torch.randn(16, generator=gen, dtype=torch.float64)
+    expected = single_head_attnres(sources, query, norm_weight)
+    torch.testing.assert_close(route_reference(sources, query, norm_weight, 1), expected, rtol=1e-12, atol=1e-12)
+    # fp32 sources: same function to fp32 accuracy
+    out32 = route_reference([s.float() for s in sources], query.float(), norm_weight.float(), 1)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 16])
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_zero_query_gives_exact_uniform_weights_and_mean(heads, n):
+    sources = make_sources(n)
+    out, weights = route_reference(sources, torch.zeros(16), torch.rand(16) + 0.5, heads, return_weights=True)
+    assert weights.shape == (n, 2, 5, heads) and weights.dtype == torch.float32
+    assert torch.equal(weights, torch.full_like(weights, 1.0 / n))  # exactly fl(1/N)
+    mean = torch.stack([s.double() for s in sources]).mean(0)
+    rel = (out.double() - mean).norm() / mean.norm()
+    assert rel < 1e-6
+
+
+def test_per_head_logits_sum_to_single_head_logit():
+    sources = make_sources(4, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(16, generator=gen, dtype=torch.float64)
+    norm_weight = torch.rand(16, generator=gen, dtype=torch.float64) + 0.5
+    single = routing_logits(sources, query, norm_weight, 1)[..., 0]
+    for heads in (2, 4, 8):
+        per_head = routing_logits(sources, query, norm_weight, heads)
+        assert per_head.shape == (4, 2, 5, heads)
+        torch.testing.assert_close(per_head.sum(-1), single, rtol=1e-12, atol=1e-12)
+        # ... and those logits are the ones route_reference softmaxes over depth.
+        _, weights = route_reference(sources, query, norm_weight, heads, return_weights=True)
+        torch.testing.assert_close(weights, torch.softmax(per_head, dim=0), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_one_source_returns_the_source_exactly(dtype, heads):
+    (source,) = make_sources(1, dtype=dtype)
+    out = route_reference([source], torch.randn(16), torch.rand(16) + 0.5, heads)
+    assert out.dtype == dtype and torch.equal(out, source)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_gradcheck_float64(heads, n):
+    sources = make_sources(n, shape=(1, 3, 8), dtype=torch.float64, seed=n, requires_grad=True)
+    gen = torch.Generator().manual_seed(heads)
+    query = torch.randn(8, generator=gen, dtype=torch.float64).requires_grad_()
+    norm_weight = (1 + 0.3 * torch.randn(8, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    def fn(q, g, *srcs):
+        return route_reference(srcs, q, g, heads)
+
+    assert torch.autograd.gradcheck(fn, (query, norm_weight, *sources))
+
+
+def test_null_source_broadcasts_and_gets_summed_gradient():
+    sources = make_sources(2, shape=(2, 3, 8), dtype=torch.float64, requires_grad=True)
+    null = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    query = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    g = (torch.rand(8, dtype=torch.float64) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda n, q, w, *s: route_reference([n, *s], q, w, 2), (null, query, g, *sources))
+    # Equal to routing over an explicitly expanded copy of the null source.
+    explicit = null.detach().expand(2, 3, 8).clone()
+    torch.testing.assert_close(
+        route_reference([null, *sources], query, g, 2), route_reference([explicit, *sources], query, g, 2),
+        rtol=0, atol=0,
+    )
+
+
+def test_backward_saves_only_source_references_and_small_tensors():
+    B, T, d, N, H = 2, 8, 64, 5, 4
+    sources = make_sources(N, shape=(B, T, d), requires_grad=True)
+    query = torch.randn(d, requires_grad=True)
+    norm_weight = torch.ones(d, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = route_reference(sources, query, norm_weight, H)
+    source_ptrs = {s.data_ptr() for s in sources}
+    big = [t for t in saved if t.numel() >= B * T * d]
+    assert len(big) == N and all(t.data_ptr() in source_ptrs for t in big)  # references, not copies
+    small = sum(t.numel() for t in saved if t.data_ptr() not in source_ptrs)
+    assert small == 2 * d + N * B * T * H + N * B * T  # query, norm weight, weights, inverse RMS
+    out.square().sum().backward()
+    assert all(s.grad is not None for s in sources)
+
+
+def test_bf16_is_computed_in_fp32_and_close_to_fp64():
+    sources = make_sources(6, shape=(2, 4, 64), dtype=torch.bfloat16)
+    query, norm_weight = torch.randn(64), torch.rand(64) + 0.5
+    out, weights = route_reference(sources, query, norm_weight, 8, return_weights=True)
+    assert out.dtype == torch.bfloat16 and weights.dtype == torch.float32
+    truth = route_stacked(torch.stack([s.double() for s in sources]), query.double(), norm_weight.double(), 8, 1e-6)
+    # bf16 keys change the logits by ~1 ulp; the output stays within a few bf16 ulps.
+    torch.testing.assert_close(out.double(), truth, rtol=2e-2, atol=2e-2)
+
+
+def test_rejects_heads_not_dividing_dim():
+    sources = make_sources(2, shape=(1, 2, 12))
+    with pytest.raises(ValueError, match=r"d=12.*H=5"):
+        route_reference(sources, torch.zeros(12), torch.ones(12), 5)
+    with pytest.raises(ValueError, match=r"must be \(1, 2, 12\)"):
+        route_reference(sources + [torch.zeros(1, 3, 12)], torch.zeros(12), torch.ones(12), 2)
+
+
+def test_delta_route_adds_gated_mix():
+    sources = make_sources(3)
+    partial = torch.randn(2, 5, 16)
+    query, g = torch.randn(16), torch.rand(16) + 0.5
+    assert torch.equal(route(sources, query, g, 4, partial=partial, alpha=torch.zeros(1)), partial)
+    mix = route_reference(sources, query, g, 4)
+    torch.testing.assert_close(route(sources, query, g, 4, partial=partial, alpha=torch.full((1,), 0.5)),
+                               partial + 0.5 * mix)
+    with pytest.raises(ValueError, match="both"):
+        route(sources, query, g, 4, partial=partial)
+
+
+def test_dispatch_auto_on_cpu_is_eager_and_unknown_kernel_errors():
+    sources = make_sources(3)
+    query, g = torch.randn(16), torch.rand(16) + 0.5
+    assert torch.equal(route(sources, query, g, 2, kernel="auto"), route_reference(sources, query, g, 2))
+    with pytest.raises(ValueError, match="unknown routing kernel"):
+        route(sources, query, g, 2, kernel="fused")
+
+
+def test_triton_kernel_missing_gives_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mhar_kernels", None)  # makes `import mhar_kernels` fail
+    with pytest.raises(RuntimeError, match="routing_kernel='triton'"):
+        route(make_sources(2), torch.zeros(16), torch.ones(16), 2, kernel="triton")
+
+
+@pytest.mark.slow
+def test_compile_kernel_matches_eager_forward_and_backward():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(16, generator=gen)
+    g = torch.rand(16, generator=gen) + 0.5
+    results = {}
+    for kernel in ("eager", "compile"):
+        for n in (2, 5):  # two source counts: dynamic=True must not recompile per N
+            sources = make_sources(n, seed=n, requires_grad=True)
+            q, w = query.clone().requires_grad_(), g.clone().requires_grad_()
+            out = route(sources, q, w, 4, kernel=kernel)
+            (out * torch.linspace(-1, 1, 16)).sum().backward()
+            results[kernel, n] = [out.detach(), q.grad, w.grad, *(s.grad for s in sources)]
+    for n in (2, 5):
+        for a, b in zip(results["eager", n], results["compile", n]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
