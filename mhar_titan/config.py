@@ -161,6 +161,10 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1
     fsdp_reshard_after_forward: str = "default"
     """"default", "always" or "never"."""
+    init_full_on_rank0: bool = True
+    """Initialise the full model on rank 0's CPU and broadcast the shards, so any world size
+    starts from the same weights (costs rank 0 host memory for the fp32 model). False: each
+    rank initialises its own shards on the device (values then depend on the world size)."""
 
 
 @dataclass
@@ -335,7 +339,7 @@ def _field_types(cls) -> dict:
 def _model_arg_types() -> Optional[dict]:
     """Field name -> annotation of ``ModelArgs``, or None if the model package is missing."""
     try:
-        from mhar_titan.models import ModelArgs
+        from mhar_titan.models.args import ModelArgs
     except ImportError:
         return None
     return _field_types(ModelArgs)
@@ -458,6 +462,15 @@ def validate(cfg: JobConfig) -> None:
     Raises:
         ConfigError: naming the offending key and its allowed values.
     """
+    # Sections owned by other modules carry their own value checks.
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for check in ("__post_init__", "validate"):
+            if hasattr(obj, check):
+                try:
+                    getattr(obj, check)()
+                except (ValueError, RuntimeError) as e:
+                    raise ConfigError(f"[{section}]: {e}") from e
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in allowed:

@@ -86,9 +86,6 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_model_overrides_checked_against_model_args(tmp_path):
-    models = pytest.importorskip("mhar_titan.models")
-    if not hasattr(models, "ModelArgs"):
-        pytest.skip("mhar_titan.models.ModelArgs not available yet")
     cfg = load_config(str(write(tmp_path, "[model]\nflavor = \"debug\"\nrouting_heads = 2\n")))
     assert cfg.model.overrides == {"routing_heads": 2}
     with pytest.raises(ConfigError, match="model.n_layer"):

@@ -1,0 +1,270 @@
+"""FLOPs, MFU, memory and the metric sinks (console, JSONL, TensorBoard, wandb).
+
+FLOPs per token (PaLM convention, as TorchTitan; no causal discount), for
+``ModelArgs`` with d = dim, L = n_layers, H = n_heads, KV = n_kv_heads,
+hd = head_dim, F = ffn_dim, V = vocab_size, T = seq_len:
+
+* dense matmuls: ``6 * (L * (2 d H hd + 2 d KV hd + 3 d F) + V d)``. The LM-head
+  matmul (``V d``) is counted whether or not the embedding is tied; the
+  embedding lookup is not a matmul and is not counted.
+* attention scores and values: ``12 L H hd T``.
+* depth routing (counted separately): every routing site reads its ``N_s``
+  sources; each source row costs ``2 d`` for the logit against the
+  pseudo-query and ``2 d`` for the weighted sum, times 3 for forward+backward:
+  ``12 d * sum_s N_s``. RMSNorm and softmax are elementwise and not counted
+  (as for the model's own norms).
+
+MFU (percent) = ``100 * flops_per_token * tokens_per_second_per_device / peak_flops``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import resource
+import sys
+import time
+from typing import Optional
+
+import torch
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsPerToken:
+    """Training (forward + backward) FLOPs per token, split by where they go."""
+
+    dense: float
+    """Block matmuls (attention projections and MLP)."""
+    lm_head: float
+    attention: float
+    """Score and value matmuls: 12 L H hd T."""
+    routing: float
+    """Depth routing (0 for the baseline)."""
+
+    @property
+    def model(self) -> float:
+        """Everything except routing."""
+        return self.dense + self.lm_head + self.attention
+
+    @property
+    def total(self) -> float:
+        return self.model + self.routing
+
+
+def _head_dim(args) -> int:
+    return getattr(args, "head_dim", None) or args.dim // args.n_heads
+
+
+def routing_source_counts(args) -> list[int]:
+    """Number of sources read by each routing site (attention, MLP, ..., final).
+
+    Full (``routing_granularity = "sublayer"``): site s of 2L+1 reads s sources
+    (embedding + earlier sublayer outputs). Block (``"block"``, k layers per
+    block, MHAR_SPEC 1.2 convention): completed blocks plus the partial sum. A
+    null source adds one per site. Empty for the standard residual.
+    """
+    if args.residual == "standard":
+        return []
+    L = args.n_layers
+    extra = 1 if getattr(args, "routing_null_source", False) else 0
+    if getattr(args, "routing_granularity", "sublayer") == "sublayer":
+        counts = list(range(1, 2 * L + 2))
+    else:
+        k = args.routing_block_layers
+        counts, n_blocks = [], 0
+        for layer in range(L):
+            counts.append(n_blocks + 1)  # attention: blocks + partial
+            if layer % k == 0:
+                n_blocks += 1  # the partial sum closes a block
+            counts.append(n_blocks + 1)  # MLP
+        counts.append(n_blocks + 1)  # final routing
+    return [c + extra for c in counts]
+
+
+def flops_per_token(args, seq_len: int) -> FlopsPerToken:
+    """Closed-form training FLOPs per token of ``Transformer(args)`` at ``seq_len`` (see module doc)."""
+    d, L, H, KV, F, V = args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size
+    hd = _head_dim(args)
+    per_layer = 2 * d * H * hd + 2 * d * KV * hd + 3 * d * F
+    return FlopsPerToken(
+        dense=6.0 * L * per_layer,
+        lm_head=6.0 * V * d,
+        attention=12.0 * L * H * hd * seq_len,
+        routing=12.0 * d * sum(routing_source_counts(args)),
+    )
+
+
+# Dense bf16 peak FLOP/s per device, matched by substring of the device name (first match wins).
+PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+    ("MI300X", 1307e12),
+)
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """bf16 dense peak of a CUDA device from ``PEAK_FLOPS``; None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS:
+        if key in name:
+            return value
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_second_per_device: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation in percent; None when the peak is unknown."""
+    if not peak:
+        return None
+    return 100.0 * flops_per_token * tokens_per_second_per_device / peak
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory in GiB: CUDA max allocated on GPU, the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class Throughput:
+    """Tokens/s over the steps since the last ``rate()`` call."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rate(self) -> float:
+        now = time.perf_counter()
+        r = self.tokens / max(now - self.t0, 1e-9)
+        self.t0, self.tokens = now, 0
+        return r
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+class ConsoleSink:
+    def __init__(self, color: bool = True):
+        self.color = color and sys.stdout.isatty()
+
+    def log(self, step: int, metrics: dict) -> None:
+        parts = []
+        for k, v in metrics.items():
+            if v is None:
+                continue
+            if isinstance(v, float):
+                v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+            parts.append(f"{k}={v}")
+        head = f"step {step:>6}"
+        if self.color:
+            head = f"\033[36m{head}\033[0m"
+        print(f"{head}  " + "  ".join(parts), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class JSONLSink:
+    """One JSON object per log call, appended (a resumed run continues the same file)."""
+
+    def __init__(self, path: pathlib.Path):
+        self.f = open(path, "a", buffering=1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step}
+        for k, v in metrics.items():
+            if v is None:
+                continue
+            # JSON has no NaN/inf: a skipped step's loss is written as the string "nan"/"inf".
+            row[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
+        self.f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, folder: pathlib.Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """wandb run in ``run_dir``; ``WANDB_MODE=offline`` writes locally without network.
+
+    The run id is kept by the trainer so that a resumed job continues the same run.
+    """
+
+    def __init__(self, project: str, name: str, run_dir: pathlib.Path, config: dict, run_id: Optional[str]):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config,
+                              id=run_id, resume="allow")
+        self.id = self.run.id
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Fans metrics out to the sinks. Only the logging rank (0) owns sinks.
+
+    Args:
+        cfg: the ``[metrics]`` section.
+        run_dir: run folder; JSONL at ``run_dir / cfg.jsonl_file``, TensorBoard under
+            ``run_dir / cfg.save_tb_folder``, wandb under ``run_dir / "wandb"``.
+        rank: global rank; ranks other than 0 log nothing.
+        run_name, config: wandb run name and config dict.
+        wandb_id: id of a previous wandb run to continue (from the train state).
+    """
+
+    def __init__(self, cfg, run_dir: pathlib.Path, rank: int, run_name: str = "run",
+                 config: Optional[dict] = None, wandb_id: Optional[str] = None):
+        self.sinks = []
+        self.wandb_id = None
+        if rank != 0:
+            return
+        run_dir = pathlib.Path(run_dir)
+        self.sinks.append(ConsoleSink(color=not cfg.disable_color_printing))
+        self.sinks.append(JSONLSink(run_dir / cfg.jsonl_file))
+        if cfg.enable_tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir / cfg.save_tb_folder))
+        if cfg.enable_wandb:
+            sink = WandbSink(cfg.wandb_project, run_name, run_dir, config or {}, wandb_id)
+            self.wandb_id = sink.id
+            self.sinks.append(sink)
+
+    def log(self, step: int, metrics: dict) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -1,0 +1,127 @@
+"""AdamW parameter groups, LR schedules, per-group gradient norms and clipping."""
+import math
+
+import pytest
+import torch
+
+from mhar_titan.config import LRScheduler, Optimizer
+from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.model import Transformer
+from mhar_titan.optim import (
+    WarmupStableDecay,
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_by_group,
+    param_group_of,
+)
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    args = ModelArgs.from_flavor("debug", dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
+                                 vocab_size=64, max_seq_len=16, **overrides)
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+def lrs(cfg, steps):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, steps)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out, sched
+
+
+def test_warmup_cosine_to_floor_matches_closed_form():
+    cfg = LRScheduler(warmup_steps=4, decay_type="cosine", min_lr_factor=0.1)
+    got, _ = lrs(cfg, 20)
+    peak = 2.0
+    assert got[:4] == pytest.approx([peak * s / 4 for s in (1, 2, 3, 4)])
+    for s in range(5, 21):
+        p = (s - 4) / 16
+        assert got[s - 1] == pytest.approx(peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))))
+    assert got[-1] == pytest.approx(0.2)  # the floor at the last step
+
+
+def test_wsd_has_stable_phase_then_linear_decay():
+    cfg = LRScheduler(warmup_steps=2, decay_ratio=0.25, decay_type="linear", min_lr_factor=0.0)
+    got, _ = lrs(cfg, 20)
+    assert got[:2] == pytest.approx([1.0, 2.0])
+    assert got[2:15] == pytest.approx([2.0] * 13)  # stable until step 15 = 20 - 5
+    assert got[15:] == pytest.approx([2.0 * (1 - k / 5) for k in range(1, 6)])
+    sqrt = WarmupStableDecay(20, 2, 0.25, "sqrt", 0.0)
+    assert sqrt.factor(16) == pytest.approx(1 - math.sqrt(0.2))
+
+
+def test_scheduler_state_round_trip_resumes_schedule():
+    cfg = LRScheduler(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
+    full, _ = lrs(cfg, 12)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, 12)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2 = torch.optim.AdamW([p], lr=2.0)
+    sched2 = build_lr_scheduler(opt2, cfg, 12)
+    sched2.load_state_dict(state)
+    opt2.param_groups[0]["lr"] = sched2.get_last_lr()[0]
+    assert opt2.param_groups[0]["lr"] == pytest.approx(full[5])
+
+
+def test_param_groups_and_no_decay():
+    model = tiny_model(residual="attn_res", routing_heads=2)
+    groups = param_group_of(model)
+    assert groups["routing.query"] == groups["routing.key_norm"] == "routing"
+    assert groups["tok_embeddings.weight"] == "embeddings"
+    assert groups["norm.weight"] == groups["layers.0.attention_norm.weight"] == "norms"
+    assert groups["layers.0.attention.q_norm.weight"] == "norms"
+    assert groups["layers.1.feed_forward.w1.weight"] == "other"
+
+    opt = build_optimizer(model, Optimizer(lr=1e-3, weight_decay=0.1, no_decay=["norms", "routing"]))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    assert "routing.query" in nd and "norm.weight" in nd and "tok_embeddings.weight" not in nd
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+    # the paper decays everything: a single group
+    assert len(build_optimizer(model, Optimizer()).param_groups) == 1
+
+
+def test_group_grad_norms_and_clipping_match_torch():
+    model = tiny_model(residual="attn_res", routing_heads=2, routing_mode="delta")
+    ref = tiny_model(residual="attn_res", routing_heads=2, routing_mode="delta")
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for m in (model, ref):
+        m.routing.query.data.normal_(generator=torch.Generator().manual_seed(1))
+        m.routing.alpha.data.fill_(0.5)
+        m(tokens).float().pow(2).mean().backward()
+    q, a = model.routing.query.grad.norm(), model.routing.alpha.grad.norm()
+    assert q > 0 and a > 0
+    total, norms = clip_grad_norm_by_group(model, max_norm=0.01)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert total.item() == pytest.approx(ref_total.item(), rel=1e-5)
+    assert norms["routing_query"].item() == pytest.approx(q.item(), rel=1e-5)
+    assert norms["routing_gate"].item() == pytest.approx(a.item(), rel=1e-5)
+    assert sum(n.item() ** 2 for n in norms.values()) == pytest.approx(total.item() ** 2, rel=1e-5)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-9)
+
+
+def test_nonfinite_gradients_are_reported_not_scaled():
+    model = tiny_model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model.norm.weight.grad[0] = float("nan")
+    total, _ = clip_grad_norm_by_group(model, max_norm=1.0)
+    assert not torch.isfinite(total)
+    assert model.layers[0].attention.wq.weight.grad.eq(1).all()  # left untouched
