@@ -1,0 +1,40 @@
+"""`python -m mhar_titan.models`: flavors x families with parameter counts at the default vocabulary."""
+from __future__ import annotations
+
+from .args import FLAVORS, ModelArgs, count_parameters
+
+# Residual-path families the MHAR paper compares, plus the block and delta (conversion) variants.
+FAMILIES: dict[str, dict] = {
+    "baseline": dict(residual="standard"),
+    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
+    "mhar H=8": dict(residual="attn_res", routing_heads=8),
+    "mhar H=kv": dict(residual="attn_res", routing_heads="kv"),
+    "block H=8": dict(residual="attn_res", routing_heads=8, routing_granularity="block"),
+    "delta block H=8 +null": dict(
+        residual="attn_res", routing_heads=8, routing_granularity="block", routing_mode="delta",
+        routing_null_source=True,
+    ),
+}
+
+
+def listing_rows() -> list[tuple[str, str, int, int, int]]:
+    """(flavor, family, total, non-embedding, routing extra) for every flavor and family."""
+    rows = []
+    for flavor in FLAVORS:
+        for family, overrides in FAMILIES.items():
+            counts = count_parameters(ModelArgs.from_flavor(flavor, **overrides))
+            rows.append((flavor, family, counts.total, counts.non_embedding, counts.routing))
+    return rows
+
+
+def main() -> None:
+    header = f"{'flavor':<10} {'family':<22} {'vocab':>8} {'total':>15} {'non-embedding':>15} {'routing extra':>14}"
+    print(header)
+    print("-" * len(header))
+    for flavor, family, total, non_embedding, routing in listing_rows():
+        vocab = FLAVORS[flavor]["vocab_size"]
+        print(f"{flavor:<10} {family:<22} {vocab:>8,} {total:>15,} {non_embedding:>15,} {routing:>14,}")
+
+
+if __name__ == "__main__":
+    main()
