@@ -26,9 +26,11 @@ if [[ -z "${NGPU:-}" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
   fi
-  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$CUDA_VISIBLE_DEVICES" != "-1" ]]; then
     IFS=',' read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
     NGPU="${#visible[@]}"
+  elif [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    NGPU=0
   fi
   if [[ "$NGPU" == 0 ]]; then
     NGPU=1

@@ -43,9 +43,12 @@ shift
 count_gpus() {
   if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE}" =~ ^[0-9]+$ ]]; then
     echo "$SLURM_GPUS_ON_NODE"
-  elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "${CUDA_VISIBLE_DEVICES}" != "-1" ]]; then
-    local -a ids
-    IFS=',' read -r -a ids <<<"$CUDA_VISIBLE_DEVICES"
+  elif [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    # Set but empty, or -1, hides every GPU.
+    local -a ids=()
+    if [[ "$CUDA_VISIBLE_DEVICES" != "-1" ]]; then
+      IFS=',' read -r -a ids <<<"$CUDA_VISIBLE_DEVICES"
+    fi
     echo "${#ids[@]}"
   elif command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true

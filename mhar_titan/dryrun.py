@@ -1,0 +1,280 @@
+"""Dry run: check a job before spending GPUs on it.
+
+    python -m mhar_titan.dryrun --config train_configs/mhar_1b.toml --world-size 16 [--section.key=value ...]
+
+Loads and validates the whole config (every section, the model arguments, batch
+geometry for the given world size), builds the model on the meta device (no
+parameter memory is allocated), prints parameter counts, a per-rank memory
+estimate and the resolved config, and exits: 0 when the job is valid, 1 with a
+message naming the bad key otherwise. It opens no data file, stream or network
+connection; the tokenizer is only checked when its files are already cached.
+
+Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
+c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro-batch):
+
+    sharded state      16 N / W        fp32 params 4, grads 4, AdamW exp_avg + exp_avg_sq 8
+    gathered params    (2 P_block + P_root) c    two blocks in flight (current + prefetch)
+                                                 and the root unit (embedding, routing, norms)
+    unsharded grads    (P_block + P_root) 4      before reduce-scatter (fp32 reduce)
+    activations        b T [ L_full a_layer + L_ckpt d + a_layer_recompute
+                             + routing + V (c + 8) / c ] c
+
+with, per token and layer, in elements of the compute dtype,
+
+    a_layer = (5 d + 3 d_kv) attention (input, its norm, q, k, v, normed q/k, SDPA output)
+            + (2 d + 4 f)    SwiGLU MLP (input, its norm, gate, up, silu(gate), product)
+            + 2 d            the two sublayer outputs kept as depth-routing sources (attn_res)
+
+a checkpointed block keeps only its input (d) and one block is recomputed at a time;
+eager/compile routing also saves the RMS-normalised keys of every source at every site,
+sum_{s=1..S} s d = S (S + 1) d / 2 with S = 2L + 1 sites (the Triton kernel saves none);
+the loss keeps logits (c) and fp32 log-probabilities plus their gradient (8) per vocab
+entry. This is a rough planning number (it ignores allocator fragmentation, NCCL
+buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
+from mhar_titan.models.args import ModelArgs, count_parameters
+from mhar_titan.models.model import Transformer
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank memory in bytes (see the module docstring for the formula)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_params: int
+    unsharded_grads: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+def build_model_args(cfg: JobConfig) -> ModelArgs:
+    """``ModelArgs`` of ``[model]`` (flavor + field overrides).
+
+    Raises:
+        ConfigError: unknown flavor or field, or arguments that ``ModelArgs`` rejects.
+    """
+    try:
+        return ModelArgs.from_flavor(cfg.model.flavor, **cfg.model.overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[model] flavor={cfg.model.flavor!r} overrides={cfg.model.overrides}: {e}") from e
+
+
+def grad_accumulation_steps(cfg: JobConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step for ``world_size`` data-parallel ranks.
+
+    Raises:
+        ConfigError: ``training.global_batch_size`` is not a multiple of local_batch_size x world_size.
+    """
+    t = cfg.training
+    per_micro = t.local_batch_size * world_size
+    if t.global_batch_size == -1:
+        return 1
+    if t.global_batch_size % per_micro:
+        raise ConfigError(
+            f"'training.global_batch_size' ({t.global_batch_size}) must be a multiple of "
+            f"local_batch_size x ranks = {t.local_batch_size} x {world_size} = {per_micro}; "
+            f"change one of them (for example --training.global_batch_size={max(per_micro, t.global_batch_size // per_micro * per_micro)})"
+        )
+    return t.global_batch_size // per_micro
+
+
+def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
+    """Checks that need the world size or the model arguments; returns warnings.
+
+    Raises:
+        ConfigError: naming the first invalid key.
+    """
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    # Section dataclasses validate in __post_init__ or validate(); load_config sets fields
+    # one by one, so run those checks again on the final values.
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        try:
+            type(section)(**{k.name: getattr(section, k.name) for k in dataclasses.fields(section)})
+            if hasattr(section, "validate"):
+                section.validate()
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ConfigError(f"[{f.name}]: {e}") from e
+    degree = cfg.parallelism.data_parallel_shard_degree
+    if degree not in (-1, world_size):
+        raise ConfigError(
+            f"'parallelism.data_parallel_shard_degree' = {degree} but the job has {world_size} ranks; "
+            "use -1 (all ranks) or the world size"
+        )
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"'training.seq_len' ({cfg.training.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}); "
+            f"lower it or set --model.max_seq_len={cfg.training.seq_len}"
+        )
+    grad_accumulation_steps(cfg, world_size)
+    warnings = []
+    if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
+        raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
+    warnings += _check_tokenizer(cfg, args)
+    return warnings
+
+
+def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:
+    """vocab_size >= the tokenizer's vocabulary, when its files are cached locally (never downloads)."""
+    try:
+        from mhar_titan.data.tokenizer import ENCODING_FILES, build_tokenizer, check_cache, resolve_cache_dir
+    except ImportError as e:  # pragma: no cover - data stack missing
+        return [f"tokenizer not checked: {e}"]
+    name = cfg.data.tokenizer
+    if name not in ENCODING_FILES:
+        raise ConfigError(f"'data.tokenizer' = {name!r} is unknown; valid: {', '.join(ENCODING_FILES)}")
+    try:
+        if cfg.data.tokenizer_file is None:
+            check_cache(name, resolve_cache_dir(cfg.data))
+        tok = build_tokenizer(cfg.data)
+    except Exception as e:  # missing or unverified local files: the run would fail the same way
+        return [f"tokenizer {name!r} not checked: {e}"]
+    if tok.n_vocab > args.vocab_size:
+        raise ConfigError(
+            f"model vocab_size {args.vocab_size} is smaller than tokenizer {name!r} ({tok.n_vocab} tokens); "
+            f"set --model.vocab_size to at least {tok.n_vocab} (a multiple of 128 is faster)"
+        )
+    return []
+
+
+def build_meta_model(args: ModelArgs) -> Transformer:
+    """The model on the meta device: shapes only, no parameter storage."""
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig) -> float:
+    d, f = args.dim, args.ffn_dim
+    d_kv = args.n_kv_heads * args.head_dim
+    layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f)
+    routing = 0
+    if args.residual == "attn_res":
+        layer += 2 * d
+        if args.routing_kernel in ("eager", "compile"):
+            S = args.n_routing_sites
+            routing = S * (S + 1) * d / 2
+    L = args.n_layers
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        n_ckpt = 0
+    elif ac.mode == "full":
+        n_ckpt = L
+    else:
+        n_ckpt = L // int(ac.selective_ac_option)
+    blocks = (L - n_ckpt) * layer + n_ckpt * d + (layer if n_ckpt else 0)
+    return blocks + routing
+
+
+def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> MemoryEstimate:
+    """Per-rank bytes for ``model`` (meta) trained with ``cfg`` on ``world_size`` ranks of ``device``.
+
+    ``device`` is "cuda" (compute in ``training.mixed_precision_param``) or "cpu" (fp32).
+    """
+    args: ModelArgs = model.args
+    c = 4 if device == "cpu" or cfg.training.mixed_precision_param == "float32" else 2
+    n = sum(p.numel() for p in model.parameters())
+    p_block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+    p_root = n - sum(p.numel() for p in model.layers.parameters())
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    act = tokens * (_activation_elements_per_token(args, cfg) * c + args.vocab_size * (c + 8))
+    return MemoryEstimate(
+        params=4 * n // world_size,
+        grads=4 * n // world_size,
+        optimizer=8 * n // world_size,
+        gathered_params=(2 * p_block + p_root) * c,
+        unsharded_grads=(p_block + p_root) * 4,
+        activations=int(act),
+    )
+
+
+def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]]:
+    """The dry-run text and its warnings.
+
+    Raises:
+        ConfigError: the job is invalid (the message names the key).
+    """
+    args = build_model_args(cfg)
+    warnings = validate_job(cfg, args, world_size)
+    model = build_meta_model(args)
+    if any(not p.is_meta for p in model.parameters()):
+        raise RuntimeError("the model allocated parameter storage outside the meta device")
+    built = sum(p.numel() for p in model.parameters())
+    counts = count_parameters(args)
+    if built != counts.total:
+        raise RuntimeError(
+            f"parameter count of the built model ({built:,}) differs from count_parameters ({counts.total:,}): "
+            "mhar_titan.models is inconsistent"
+        )
+    mem = estimate_memory(model, cfg, world_size, device)
+    accum = grad_accumulation_steps(cfg, world_size)
+    t = cfg.training
+    family = "baseline" if args.residual == "standard" else (
+        "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})")
+    lines = [
+        f"job: {cfg.job.name} -> {cfg.job.dump_folder}/{cfg.job.name}",
+        f"model: flavor={cfg.model.flavor} {family} d={args.dim} L={args.n_layers} heads={args.n_heads}/"
+        f"{args.n_kv_heads} ffn={args.ffn_dim} vocab={args.vocab_size} routing_kernel={args.routing_kernel}",
+        "parameters (built on the meta device, equal to count_parameters):",
+        f"  total           {counts.total:>15,}",
+        f"  non-embedding   {counts.non_embedding:>15,}",
+        f"  embedding       {counts.total - counts.non_embedding:>15,}",
+        f"  routing         {counts.routing:>15,}",
+        f"batch: {world_size} ranks x local {t.local_batch_size} x grad accumulation {accum} = "
+        f"{world_size * t.local_batch_size * accum} sequences x {t.seq_len} tokens "
+        f"= {world_size * t.local_batch_size * accum * t.seq_len:,} tokens per step",
+        f"memory estimate per rank ({device}, {world_size} FSDP ranks, activation checkpointing "
+        f"{cfg.activation_checkpoint.mode}; formula in mhar_titan/dryrun.py):",
+    ]
+    for name, value in dataclasses.asdict(mem).items():
+        lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB")
+    lines.append(f"  {'total':<16}{mem.total / GIB:>10.2f} GiB")
+    lines += ["resolved config:", to_toml(cfg)]
+    return "\n".join(lines), warnings
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mhar_titan.dryrun",
+        description="Validate a job config, build the model on the meta device, print parameter counts, "
+        "a memory estimate and the resolved config. Opens no data and no network connection.",
+        epilog="Other arguments are --section.key=value overrides, as for train.py.",
+    )
+    parser.add_argument("--config", "--job.config_file", dest="config", required=True, help="TOML job file")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the planned job")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="device the estimate is for (default cuda: bf16 compute as configured)")
+    known, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(known.config, overrides)
+        text, warnings = report(cfg, known.world_size, known.device)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"dry run: invalid job: {e}", file=sys.stderr)
+        return 1
+    print(text)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print("dry run: OK (nothing was trained)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

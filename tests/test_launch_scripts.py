@@ -1,0 +1,79 @@
+"""Acceptance 1 (bash -n, shellcheck) and the command line the per-node launcher builds."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+
+from slurm_tools import ROOT, SCRIPTS, launch_env, require_tool
+
+NODE = ROOT / "slurm" / "torchrun_node.sh"
+
+
+def test_every_launch_script_exists():
+    names = {p.relative_to(ROOT).as_posix() for p in SCRIPTS}
+    assert {"slurm/train.sbatch", "slurm/torchrun_node.sh", "slurm/ci_setup.sh", "scripts/run_train.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_bash_syntax(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_shellcheck_clean():
+    shellcheck = require_tool("shellcheck", "acceptance 1 lints every launch script")
+    r = subprocess.run([shellcheck, "--shell=bash", "--severity=info", *map(str, SCRIPTS)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def node_command(env: dict, *args: str) -> list[str]:
+    """The torchrun command torchrun_node.sh would exec (PRINT_CMD=1), as argv."""
+    r = subprocess.run(["bash", str(NODE), *args], env=launch_env(PRINT_CMD="1", **env),
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    return shlex.split(line.split("] ", 1)[1])
+
+
+def opt(argv: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
+
+
+def test_node_command_from_slurm_variables():
+    argv = node_command(
+        {"RDZV_ENDPOINT": "node001:29123", "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "3",
+         "SLURM_JOB_ID": "777", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1"},
+        "train_configs/x.toml", "--training.steps=5", "--job.description=two words",
+    )
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert opt(argv, "nnodes") == "4" and opt(argv, "node_rank") == "3"
+    assert opt(argv, "nproc_per_node") == "8"  # SLURM_GPUS_ON_NODE wins over CUDA_VISIBLE_DEVICES
+    assert opt(argv, "rdzv_backend") == "c10d" and opt(argv, "rdzv_endpoint") == "node001:29123"
+    assert opt(argv, "rdzv_id") == "777"
+    assert argv[-5:] == [str(ROOT / "train.py"), "--config", "train_configs/x.toml",
+                         "--training.steps=5", "--job.description=two words"]
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"CUDA_VISIBLE_DEVICES": "2,5,7"}, "3"),        # no SLURM GPU count: visible devices
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, "1"),           # GPUs hidden: one CPU worker
+    ({"CUDA_VISIBLE_DEVICES": ""}, "1"),
+    ({}, "1"),                                       # nothing set, no nvidia-smi here
+    ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, "2"),  # explicit override
+])
+def test_workers_per_node(env, expected):
+    argv = node_command({"RDZV_ENDPOINT": "127.0.0.1:1", **env}, "c.toml")
+    assert opt(argv, "nproc_per_node") == expected
+
+
+def test_node_launcher_errors_name_the_variable():
+    r = subprocess.run(["bash", str(NODE), "c.toml"], env=launch_env(PRINT_CMD="1"), capture_output=True, text=True)
+    assert r.returncode != 0 and "RDZV_ENDPOINT" in r.stderr
+    r = subprocess.run(["bash", str(NODE), "c.toml"], capture_output=True, text=True,
+                       env=launch_env(PRINT_CMD="1", RDZV_ENDPOINT="h:1", NODE_RANK="first"))
+    assert r.returncode == 2 and "node_rank must be a non-negative integer, got 'first'" in r.stderr
+    r = subprocess.run(["bash", str(NODE)], env=launch_env(), capture_output=True, text=True)
+    assert r.returncode == 2 and "usage:" in r.stderr
