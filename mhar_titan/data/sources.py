@@ -158,12 +158,14 @@ class HubShard:
         row, failures = start, 0
         while True:
             try:
-                for example in (self.dataset.skip(row) if row else self.dataset):
-                    if self.field not in example:
-                        raise DataError(f"{self.name}: no field {self.field!r} (fields: {sorted(example)}); "
+                # .iter() rather than iter(): datasets would otherwise split a shard across DataLoader workers
+                for batch in (self.dataset.skip(row) if row else self.dataset).iter(batch_size=256):
+                    if self.field not in batch:
+                        raise DataError(f"{self.name}: no field {self.field!r} (fields: {sorted(batch)}); "
                                         f"set data.text_field")
-                    yield example[self.field]
-                    row += 1
+                    for value in batch[self.field]:
+                        yield value
+                        row += 1
                 return
             except DataError:
                 raise
