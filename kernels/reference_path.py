@@ -72,6 +72,6 @@ def backward(
     dalpha = None
     if alpha is not None:
         dalpha = (grad_out.float() * mix.detach().float()).sum().reshape(1)
-    dsources = list(grads[int(has_null) : len(sources)])
+    dsources = [gr.contiguous() for gr in grads[int(has_null) : len(sources)]]
     dnull = grads[0] if has_null else None
     return dsources, grads[-2], grads[-1], dalpha, dnull

@@ -41,6 +41,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # ---------------------------------------------------------------------------- device code
 @triton.jit
+def _to_storage(x, TY: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Cast fp32 x to TY. The interpreter truncates fp32 -> bf16 where a GPU rounds to nearest
+    even; with RNE_BF16 the rounding is done on the bits first, so both give the same values
+    (bf16 subnormals aside)."""
+    if RNE_BF16 and TY == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+    return x.to(TY)
+
+
+@triton.jit
 def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT: tl.constexpr):
     """Tile [BLOCK_T, HB, KB] of source n, cast to the compute dtype."""
     base = tl.load(PTRS + n).to(tl.pointer_type(SRC_TY))
@@ -49,13 +61,16 @@ def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT:
 
 
 @triton.jit
-def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr):
+def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr):
     """r = (mean over the full d of v^2 + eps)^-1/2 per token [BLOCK_T, 1, 1] and the rounded
     normalised key khat = fp32(storage(v * r)) (MHAR_SPEC section 4, steps 2-3)."""
     ss = tl.sum(tl.sum(v * v, axis=2), axis=1)
-    r = 1.0 / tl.sqrt_rn(ss / D + eps)
+    if CDT == tl.float32:
+        r = 1.0 / tl.sqrt_rn(ss / D + eps)  # correctly rounded, also on a GPU
+    else:
+        r = 1.0 / tl.sqrt(ss / D + eps)
     r = r[:, None, None]
-    khat = (v * r).to(SRC_TY).to(CDT)
+    khat = _to_storage(v * r, SRC_TY, RNE_BF16).to(CDT)
     return r, khat
 
 
@@ -65,7 +80,7 @@ def _route_fwd_kernel(
     OUT, LOGITS, LSE,
     N, BT, D, H, K, eps,
     HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr,
-    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
     pid = tl.program_id(0)
@@ -94,7 +109,7 @@ def _route_fwd_kernel(
 
     for n in range(N):
         v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
         logit = tl.sum(khat * g * qg, axis=2)  # [BLOCK_T, HB]
         tl.store(LOGITS + n * BT * H + th, logit, mask=thmask)
         m_new = tl.maximum(m, logit)
@@ -110,7 +125,7 @@ def _route_fwd_kernel(
     if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store
         alpha = tl.load(ALPHA).to(CDT)
         out = tl.load(PARTIAL + rows * D + cols, mask=mask, other=0.0).to(CDT) + alpha * out
-    tl.store(OUT + rows * D + cols, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + rows * D + cols, _to_storage(out, OUT.dtype.element_ty, RNE_BF16), mask=mask)
 
 
 @triton.jit
@@ -125,7 +140,9 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
     dg = tl.sum(dkey * khat, axis=0)
     dkp = dkey * g
     c = tl.sum(tl.sum(dkp * v, axis=2), axis=1)[:, None, None]
-    dv = r * dkp - (r * r * r / D) * c * v + w[:, :, None] * dmix
+    # r * dkp - (r^3 / d) <dkp, v> v, ordered so that r^3 never appears: it underflows fp32
+    # once the source's RMS exceeds ~1e12, while c * r * r stays O(|dkp| |v| r^2).
+    dv = r * (dkp - (c * r * r / D) * v) + w[:, :, None] * dmix
     return dv, dq, dg
 
 
@@ -135,7 +152,7 @@ def _route_bwd_kernel(
     DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr,
-    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
     pid = tl.program_id(0)
@@ -178,7 +195,7 @@ def _route_bwd_kernel(
         v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT)
         logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
         w = tl.where(thmask, tl.exp(logit - lse), 0.0)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
         dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
         dq += dq_n
         dg += dg_n
@@ -188,12 +205,12 @@ def _route_bwd_kernel(
         v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
         logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
         w = tl.where(thmask, tl.exp(logit - lse), 0.0)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
         dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
         dq += dq_n
         dg += dg_n
         dbase = tl.load(DPTRS + n).to(tl.pointer_type(SRC_TY))
-        tl.store(dbase + rows * D + cols, dv.to(SRC_TY), mask=mask)
+        tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
     tl.store(DQ_PART + pid * D + hk, dq, mask=cmask2)
     tl.store(DG_PART + pid * D + hk, dg, mask=cmask2)
 
@@ -295,7 +312,7 @@ def route_forward(
         state[0] if state is not None else out, state[1] if state is not None else lse,
         out, logits, lse,
         len(sources), bt, d, heads, head_dim, eps,
-        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, CDT=_TL_DTYPES[cdt], **cfg,
+        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     return out, logits, lse
 
@@ -336,7 +353,7 @@ def route_backward(
         alpha if alpha is not None else lse, grad_out.contiguous(), logits, lse,
         dq_part, dg_part, dalpha_part, dnull_part,
         len(sources), bt, d, heads, head_dim, eps,
-        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, CDT=_TL_DTYPES[cdt], **cfg,
+        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None
     dnull = dnull_part.sum(0) if has_null else None

@@ -1,0 +1,191 @@
+"""Fused routing kernels vs the eager reference and a float64 oracle (issue 6, acceptance 1-2).
+
+Runs the Triton kernels through TRITON_INTERPRET=1 on CPU (set by conftest.py), or natively
+on CUDA. Errors are ||x - ref|| / max(||ref||, floor) per tensor (test_kernels_oracle.rel_err).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mhar_kernels
+from mhar_titan.models.routing import route as model_route
+from test_kernels_oracle import leaf_names, leaves, make_inputs, oracle_route, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(64, 1), (64, 4), (96, 12), (1280, 8)]  # (d, H); K = 160 at (1280, 8)
+COUNTS = [1, 2, 7, 25]
+
+
+def _to_device(inputs: dict) -> dict:
+    moved = {}
+    for key, value in inputs.items():
+        if isinstance(value, list):
+            moved[key] = [v.detach().to(DEVICE).requires_grad_() for v in value]
+        else:
+            moved[key] = value.detach().to(DEVICE).requires_grad_()
+    return moved
+
+
+def _fused(inputs: dict, heads: int):
+    return mhar_kernels.route(
+        inputs["sources"], inputs["query"], inputs["norm_weight"], heads,
+        partial=inputs.get("partial"), alpha=inputs.get("alpha"), null_source=inputs.get("null_source"),
+    )
+
+
+def _eager(inputs: dict, heads: int):
+    """The model's eager path: route_reference, with the null source as source 0."""
+    null = [inputs["null_source"]] if "null_source" in inputs else []
+    return model_route(
+        null + inputs["sources"], inputs["query"], inputs["norm_weight"], heads, kernel="eager",
+        partial=inputs.get("partial"), alpha=inputs.get("alpha"),
+    )
+
+
+def _oracle(inputs: dict, heads: int):
+    return oracle_route(
+        inputs["sources"], inputs["query"], inputs["norm_weight"], heads,
+        partial=inputs.get("partial"), alpha=inputs.get("alpha"), null_source=inputs.get("null_source"),
+    )
+
+
+def _outputs_and_grads(fn, inputs: dict, heads: int, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    out = fn(inputs, heads)
+    grads = torch.autograd.grad(out, leaves(inputs), grad_out.to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def shape_dtype(inputs: dict) -> torch.dtype:
+    return inputs["sources"][0].dtype
+
+
+def _compare(inputs: dict, heads: int, seed: int = 1):
+    """(names, fused, eager, truth) for the output and every input gradient."""
+    inputs = _to_device(inputs)
+    shape = inputs["sources"][0].shape
+    # Rounded to the storage dtype once, so every path (and the truth) sees the same values.
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(shape_dtype(inputs)).to(DEVICE)
+    fused = _outputs_and_grads(_fused, inputs, heads, grad_out)
+    eager = _outputs_and_grads(_eager, inputs, heads, grad_out)
+    truth = _outputs_and_grads(_oracle, inputs, heads, grad_out)
+    return ["out"] + leaf_names(inputs), fused, eager, truth
+
+
+@pytest.mark.parametrize("n", COUNTS)
+@pytest.mark.parametrize("d,heads", SHAPES)
+def test_fp32_matches_reference_and_oracle(n, d, heads):
+    """Acceptance 1, fp32: output and all gradients (sources, query, norm weight, and in delta mode
+    partial, alpha, null source) within 2e-4 of the eager reference and of the fp64 oracle."""
+    for delta in (False, True):
+        names, fused, eager, truth = _compare(make_inputs(n, d, heads, torch.float32, delta=delta, seed=n), heads)
+        for name, f, e, t in zip(names, fused, eager, truth):
+            assert f.dtype == e.dtype, name
+            assert rel_err(f, e, floor=1e-3) < 2e-4, (delta, name, rel_err(f, e, floor=1e-3))
+            assert rel_err(f, t, floor=1e-3) < 2e-4, (delta, name, rel_err(f, t, floor=1e-3))
+
+
+def test_bf16_within_tolerance_and_no_worse_than_eager():
+    """Acceptance 1, bf16 inputs: every tensor within 4e-2 of the fp64 truth, and the geometric mean
+    over all cases and tensors of err(fused) / err(eager bf16) at most 1.5."""
+    log_ratios = []
+    for d, heads in SHAPES:
+        for n in COUNTS:
+            delta = n % 2 == 1  # both modes across the grid, half the interpreter time
+            names, fused, eager, truth = _compare(make_inputs(n, d, heads, torch.bfloat16, delta=delta, seed=n), heads)
+            for name, f, e, t in zip(names, fused, eager, truth):
+                assert f.dtype == torch.bfloat16, name
+                err_f, err_e = rel_err(f, t, floor=1e-3), rel_err(e, t, floor=1e-3)
+                assert err_f < 4e-2, (n, d, heads, name, err_f)
+                log_ratios.append(math.log((err_f + 1e-6) / (err_e + 1e-6)))
+    geo_mean = math.exp(sum(log_ratios) / len(log_ratios))
+    assert geo_mean <= 1.5, geo_mean
+
+
+# ---------------------------------------------------------------------------- edge cases (acceptance 2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_source_returns_it_exactly(dtype):
+    """N = 1: the depth softmax is 1, so out == source and d source == d out bit for bit, and the
+    query and norm weight get exactly zero gradient (MHAR_SPEC section 5, pitfall 8)."""
+    inputs = _to_device(make_inputs(1, 96, 12, dtype))
+    src = inputs["sources"][0]
+    out = _fused(inputs, 12)
+    assert torch.equal(out, src)
+    grad_out = torch.randn_like(out)
+    dsrc, dq, dg = torch.autograd.grad(out, leaves(inputs), grad_out)
+    assert torch.equal(dsrc, grad_out)
+    assert torch.count_nonzero(dq) == 0 and torch.count_nonzero(dg) == 0
+
+
+def _assert_matches_oracle(inputs: dict, heads: int, tol: float, floor: float):
+    names, fused, eager, truth = _compare(inputs, heads)
+    for name, f, e, t in zip(names, fused, eager, truth):
+        assert torch.isfinite(f).all(), name
+        assert rel_err(f, t, floor=floor) < tol, (name, rel_err(f, t, floor=floor))
+        assert rel_err(f, e, floor=floor) < tol, (name, rel_err(f, e, floor=floor))
+
+
+def test_identical_sources():
+    """All sources equal: uniform weights, out == the source; dq and dg vanish in exact arithmetic,
+    so they are compared with an absolute floor of 1."""
+    inputs = make_inputs(7, 64, 4, torch.float32, delta=True)
+    first = inputs["sources"][0].detach()
+    inputs["sources"] = [first.clone().requires_grad_() for _ in range(7)]
+    _assert_matches_oracle(inputs, 4, tol=2e-4, floor=1.0)
+
+
+def test_saturated_logits():
+    """|q . k| about 1e4: the softmax is one-hot per head; fp32 online softmax stays finite."""
+    inputs = make_inputs(7, 64, 4, torch.float32, delta=True)
+    with torch.no_grad():
+        inputs["query"].mul_(1e4 / 1.5 / 4)  # logits ~ 1e4 (query was scaled to O(1) logits)
+    logits = torch.stack([(s.detach() * inputs["query"].detach()).view(2, 7, 4, 16).sum(-1) for s in inputs["sources"]])
+    assert logits.abs().max() > 5e3
+    _assert_matches_oracle(inputs, 4, tol=2e-4, floor=1.0)
+
+
+def test_zero_source_rows():
+    """A source that is all zero and another with zero rows for some tokens: r = eps^-1/2, key 0."""
+    inputs = make_inputs(5, 96, 12, torch.float32, delta=True)
+    with torch.no_grad():
+        inputs["sources"][1].zero_()
+        inputs["sources"][3][0, 2:5].zero_()
+        inputs["null_source"].zero_()
+    _assert_matches_oracle(inputs, 12, tol=2e-4, floor=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflows, as eager's fp32 does
+def test_bf16_near_dtype_maximum_forward():
+    """Sources near bf16's maximum: sum(s^2) overflows fp32 in both paths (r = 0, uniform weights),
+    but the kernel's normalised accumulator keeps the mix finite and equal to the eager path
+    (to bf16 rounding at the sources' scale; the summation order differs)."""
+    big = torch.finfo(torch.bfloat16).max
+    gen = torch.Generator().manual_seed(0)
+    for delta in (False, True):
+        inputs = make_inputs(7, 64, 4, torch.bfloat16, delta=delta)
+        inputs["sources"] = [((torch.rand(2, 7, 64, generator=gen) * 2 - 1) * big).bfloat16() for _ in range(7)]
+        if delta:
+            inputs["partial"] = torch.zeros(2, 7, 64, dtype=torch.bfloat16)
+            inputs["alpha"] = torch.ones(1, dtype=torch.bfloat16)
+        inputs = _to_device(inputs)
+        with torch.no_grad():
+            fused, eager = _fused(inputs, 4), _eager(inputs, 4)
+        assert torch.isfinite(fused).all() and fused.abs().max() > big / 4
+        torch.testing.assert_close(fused, eager, rtol=1.6e-2, atol=big * 2**-16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_values_forward_and_backward(dtype):
+    """Sources of magnitude 1e18 (sum of squares still finite in fp32): everything finite and within
+    tolerance of the fp64 truth. The kernel never forms r^3 (it underflows fp32 at this scale)."""
+    inputs = make_inputs(7, 64, 4, dtype, delta=True)
+    with torch.no_grad():
+        for s in inputs["sources"]:
+            s.mul_(1e18)
+    tol = 2e-4 if dtype == torch.float32 else 4e-2
+    names, fused, _, truth = _compare(inputs, 4)
+    for name, f, t in zip(names, fused, truth):
+        assert torch.isfinite(f).all(), name
+        assert rel_err(f, t, floor=1e-3) < tol, (name, rel_err(f, t, floor=1e-3))

@@ -1,0 +1,88 @@
+"""Independent float64 oracle for depth routing, shared by the kernel tests.
+
+Plain autograd on a stacked float64 tensor (MHAR_SPEC section 2, delta mode section 1.4),
+written without the reference's helpers and without the storage-dtype rounding of the key:
+the mathematical function the kernels approximate.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def oracle_route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None, null_source=None) -> Tensor:
+    """float64 result of mix (or partial + alpha * mix); differentiable in float64."""
+    shape = sources[0].shape
+    srcs = ([null_source] if null_source is not None else []) + list(sources)
+    x = torch.stack([s.double().expand(shape) for s in srcs])  # (N, B, T, d)
+    key = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    split = x.shape[:-1] + (heads, x.shape[-1] // heads)
+    logits = (key.reshape(split) * query.double().reshape(heads, -1)).sum(-1)  # (N, B, T, H)
+    weights = torch.softmax(logits, dim=0)
+    mix = (weights.unsqueeze(-1) * x.reshape(split)).sum(0).reshape(shape)
+    if partial is None:
+        return mix
+    return partial.double() + alpha.double() * mix
+
+
+def rel_err(x: Tensor, ref: Tensor, floor: float = 1e-6) -> float:
+    """||x - ref|| / max(||ref||, floor) in float64 (the floor covers references that are zero)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
+
+
+def make_inputs(n, d, heads, dtype, *, batch=2, seq=7, delta=False, seed=0):
+    """Random routing inputs: n sources (batch, seq, d), query scaled so logits are O(1) per head,
+    norm weight near 1; with delta=True also partial, alpha (1,) and a null source (d,)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_()
+
+    k = d // heads
+    inputs = dict(
+        sources=[randn(batch, seq, d) for _ in range(n)],
+        query=randn(d, scale=1.5 / k**0.5),
+        norm_weight=(1 + 0.2 * torch.randn(d, generator=gen)).to(dtype).requires_grad_(),
+    )
+    if delta:
+        inputs.update(partial=randn(batch, seq, d), alpha=randn(1, scale=0.5), null_source=randn(d, scale=0.5))
+    return inputs
+
+
+def leaves(inputs: dict) -> list[Tensor]:
+    """Differentiable inputs in a fixed order: sources, query, norm weight, then delta extras."""
+    out = list(inputs["sources"]) + [inputs["query"], inputs["norm_weight"]]
+    return out + [inputs[k] for k in ("partial", "alpha", "null_source") if k in inputs]
+
+
+def leaf_names(inputs: dict) -> list[str]:
+    n = len(inputs["sources"])
+    extras = [k for k in ("partial", "alpha", "null_source") if k in inputs]
+    return [f"source{i}" for i in range(n)] + ["query", "norm_weight"] + extras
+
+
+# ---------------------------------------------------------------------------- the oracle itself
+def test_oracle_identities():
+    """Zero query gives the mean of the sources for any H; per-head logits of H heads sum to the
+    single-head logit, so H=1 with a query equals the softmax of the summed logits (MHAR_SPEC section 6)."""
+    inputs = make_inputs(5, 12, 3, torch.float64)
+    srcs, g = inputs["sources"], inputs["norm_weight"]
+    zero = torch.zeros(12, dtype=torch.float64)
+    mean = torch.stack(srcs).mean(0)
+    torch.testing.assert_close(oracle_route(srcs, zero, g, 3), mean, rtol=1e-12, atol=1e-12)
+    one_head = oracle_route(srcs, inputs["query"], g, 1)
+    x = torch.stack(srcs)
+    key = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    w = torch.softmax((key * inputs["query"]).sum(-1), 0)
+    torch.testing.assert_close(one_head, (w.unsqueeze(-1) * x).sum(0), rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_matches_reference_in_float64():
+    """The fp64 oracle and the model's eager reference agree to rounding in float64 (where the
+    reference's storage-dtype cast of the key is a no-op)."""
+    from mhar_titan.models.routing import route_reference
+
+    inputs = make_inputs(4, 24, 4, torch.float64)
+    args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
+    assert rel_err(route_reference(*args), oracle_route(*args)) < 1e-13
