@@ -11,7 +11,6 @@ raises ``TokenizerFileError`` naming the file and the command that fixes it
 import gzip
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -180,9 +179,3 @@ def _load_encoding(name: str, cache_dir: Path) -> tiktoken.Encoding:
         else:
             os.environ["TIKTOKEN_CACHE_DIR"] = saved
 
-
-def copy_cache(src: Path, dst: Path, name: str) -> None:
-    """Copy the cache entries of one encoding (used by tests and tools that need a private cache)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in ENCODING_FILES[name]:
-        shutil.copyfile(f.cache_path(src), f.cache_path(dst))
