@@ -1,0 +1,226 @@
+"""The routing custom op: saved state, torch.compile, repeatability, checkpointing, errors
+(issue 6, acceptance 4-5 and the op contract of docs/ARCHITECTURE.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import mhar_kernels
+from mhar_kernels import reference_path
+from mhar_titan.models.routing import route_reference, route_stacked
+from test_kernels_oracle import leaves, make_inputs, oracle_route, rel_err
+
+
+def _route(inputs: dict, heads: int):
+    return mhar_kernels.route(
+        inputs["sources"], inputs["query"], inputs["norm_weight"], heads,
+        partial=inputs.get("partial"), alpha=inputs.get("alpha"), null_source=inputs.get("null_source"),
+    )
+
+
+def _saved_outside_sources(fn, sources) -> tuple[int, list[torch.Tensor]]:
+    """Elements of the tensors autograd saves during fn() that share no storage with `sources`."""
+    source_storages = {s.untyped_storage().data_ptr() for s in sources}
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    own = [t for t in saved if t.untyped_storage().data_ptr() not in source_storages]
+    return sum(t.numel() for t in own), saved
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_saved_state_is_references_plus_per_token_head_scalars(delta):
+    """Acceptance 4: besides references to the sources, one call saves at most
+    2 * N * B * T * H elements (logits + lse) plus O(d) (query, norm weight, alpha, null source)."""
+    n, d, heads, batch, seq = 6, 64, 4, 2, 7
+    inputs = make_inputs(n, d, heads, torch.float32, delta=delta)
+    own, saved = _saved_outside_sources(lambda: _route(inputs, heads), inputs["sources"])
+    n_all = n + int(delta)  # the null source counts as a source of the softmax
+    assert own <= 2 * n_all * batch * seq * heads + 4 * d + 1, own
+    saved_ptrs = {t.data_ptr() for t in saved}
+    assert all(s.data_ptr() in saved_ptrs for s in inputs["sources"])  # kept by reference
+
+
+def test_saved_state_bound_rejects_a_stacked_copy():
+    """The same measurement on the stack-and-autograd path (the body `kernel="compile"` compiles)
+    exceeds the bound: the check can tell a stacked copy from references."""
+    n, d, heads = 6, 64, 4
+    inputs = make_inputs(n, d, heads, torch.float32)
+    srcs = inputs["sources"]
+    own, _ = _saved_outside_sources(
+        lambda: route_stacked(torch.stack(srcs), inputs["query"], inputs["norm_weight"], heads, 1e-6), srcs
+    )
+    assert own > 2 * n * 2 * 7 * heads + 4 * d + 1
+
+
+def test_bitwise_repeatable():
+    """Two calls give bit-identical outputs and gradients (dq, dg, dalpha, dnull are reduced from
+    per-program partial sums in a fixed order, no atomics)."""
+    inputs = make_inputs(7, 96, 12, torch.float32, delta=True)
+    results = []
+    for _ in range(2):
+        out = _route(inputs, 12)
+        results.append([out, *torch.autograd.grad(out, leaves(inputs), torch.ones_like(out))])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_non_contiguous_sources_and_grad():
+    """Sources that are views (a slice of a wider tensor, a transposed layout) and an expanded
+    upstream gradient give the same result as contiguous copies."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(2, 7, 128, generator=gen).requires_grad_()
+    tmaj = torch.randn(7, 2, 64, generator=gen).requires_grad_()
+    plain = torch.randn(2, 7, 64, generator=gen).requires_grad_()
+    q, g = torch.randn(64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    srcs = [wide[..., 32:96], tmaj.transpose(0, 1), plain]
+    out = mhar_kernels.route(srcs, q, g, 4)
+    grads = torch.autograd.grad(out.sum(), [wide, tmaj, plain])
+    ref_srcs = [s.detach().contiguous().requires_grad_() for s in srcs]
+    ref = route_reference(ref_srcs, q, g, 4)
+    ref_grads = torch.autograd.grad(ref.sum(), ref_srcs)
+    assert rel_err(out, ref) < 1e-6
+    assert rel_err(grads[0][..., 32:96], ref_grads[0]) < 1e-6 and grads[0][..., :32].abs().max() == 0
+    assert rel_err(grads[1].transpose(0, 1), ref_grads[1]) < 1e-6
+    assert rel_err(grads[2], ref_grads[2]) < 1e-6
+
+
+def test_activation_checkpointing_recompute():
+    """A chain of routing calls (sources grow by one Linear output per call) inside
+    torch.utils.checkpoint gives the same loss and gradients as without checkpointing."""
+    torch.manual_seed(0)
+    d, heads = 32, 4
+    lins = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(3))
+    qs = torch.nn.Parameter(torch.randn(3, d) * 0.3)
+    gs = torch.nn.Parameter(1 + 0.1 * torch.randn(3, d))
+    emb = torch.randn(2, 5, d, requires_grad=True)
+
+    def step(i, *sources):
+        return lins[i](mhar_kernels.route(list(sources), qs[i], gs[i], heads))
+
+    def chain(use_ckpt):
+        sources = [emb]
+        for i in range(3):
+            out = checkpoint(step, i, *sources, use_reentrant=False) if use_ckpt else step(i, *sources)
+            sources.append(out)
+        return mhar_kernels.route(sources, qs[0], gs[0], heads).square().mean()
+
+    params = [emb, qs, gs, *lins.parameters()]
+    plain = chain(False)
+    g_plain = torch.autograd.grad(plain, params)
+    ckpt = chain(True)
+    g_ckpt = torch.autograd.grad(ckpt, params)
+    assert torch.equal(plain, ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
+
+
+def _block(d, heads):
+    """A per-block function as the model has: route, RMSNorm, Linear, in delta mode with a null source."""
+    lin = torch.nn.Linear(d, d)
+    norm = torch.nn.RMSNorm(d)
+
+    def block(sources, query, norm_weight, partial, alpha, null):
+        h = mhar_kernels.route(sources, query, norm_weight, heads, partial=partial, alpha=alpha, null_source=null)
+        return partial + lin(norm(h))
+
+    return block
+
+
+def test_compiled_block_has_no_graph_breaks_and_matches_eager():
+    """Acceptance 5: torch._dynamo.explain finds zero graph breaks in a block that calls the op;
+    the compiled block's output and gradients equal eager."""
+    torch.manual_seed(0)
+    inputs = make_inputs(3, 32, 4, torch.float32, delta=True)
+    block = _block(32, 4)
+    args = (inputs["sources"], inputs["query"], inputs["norm_weight"], inputs["partial"], inputs["alpha"],
+            inputs["null_source"])
+    explanation = torch._dynamo.explain(block)(*args)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    eager = block(*args)
+    g_eager = torch.autograd.grad(eager.sum(), leaves(inputs))
+    compiled = torch.compile(block, fullgraph=True)(*args)
+    g_compiled = torch.autograd.grad(compiled.sum(), leaves(inputs))
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_compiled, g_eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_fake_and_autograd_registration():
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree
+    with the real implementation."""
+    inputs = make_inputs(3, 16, 2, torch.float32, delta=True)
+    args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 2, 1e-6,
+            inputs["partial"], inputs["alpha"], inputs["null_source"])
+    torch.library.opcheck(torch.ops.mhar.route_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_online_softmax_state_merges_exactly():
+    """route_with_state over sources A then B (state carried) equals one route over A + B, and
+    merge_states of two independent states gives the same (forward; the grouped-routing interface)."""
+    inputs = make_inputs(7, 96, 12, torch.float32, delta=True)
+    srcs, q, g, null = inputs["sources"], inputs["query"], inputs["norm_weight"], inputs["null_source"]
+    whole = mhar_kernels.route_with_state(srcs, q, g, 12, null_source=null)
+    first = mhar_kernels.route_with_state(srcs[:3], q, g, 12, null_source=null)
+    carried = mhar_kernels.route_with_state(srcs[3:], q, g, 12, state=first)
+    merged = mhar_kernels.merge_states(first, mhar_kernels.route_with_state(srcs[3:], q, g, 12))
+    truth = oracle_route(srcs, q, g, 12, null_source=null)
+    for mix, lse in (whole, carried, merged):
+        assert mix.dtype == torch.float32 and lse.shape == (2 * 7, 12)
+        assert rel_err(mix, truth) < 1e-6
+        assert rel_err(lse, whole[1]) < 1e-6
+
+
+def test_reference_path_matches_kernels():
+    """The op's implementation without Triton (CPU without the interpreter) is the eager
+    reference; it returns the same (out, logits, lse) and gradients as the kernels."""
+    from mhar_kernels import triton_routing
+
+    inputs = make_inputs(5, 64, 4, torch.float32, delta=True)
+    srcs = [inputs["null_source"], *inputs["sources"]]
+    q, g, partial, alpha = inputs["query"], inputs["norm_weight"], inputs["partial"], inputs["alpha"]
+    with torch.no_grad():
+        ref = reference_path.forward(srcs, q, g, 4, 1e-6, partial, alpha)
+        fused = triton_routing.route_forward(srcs, q, g, 4, 1e-6, partial=partial, alpha=alpha)
+        grad_out = torch.randn_like(ref[0])
+        ref_g = reference_path.backward(grad_out, srcs, q, g, 4, 1e-6, alpha)
+        fused_g = triton_routing.route_backward(grad_out, srcs, q, g, 4, 1e-6, fused[1], fused[2], alpha)
+    for a, b in zip(ref, fused):
+        assert rel_err(b, a) < 1e-6
+    for a, b in zip([*ref_g[0], *ref_g[1:]], [*fused_g[0], *fused_g[1:]]):
+        assert rel_err(b, a) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(heads=5), "not divisible by routing heads"),
+        (dict(sources=[]), "at least one"),
+        (dict(mismatch=True), "every source must match"),
+        (dict(query=torch.zeros(32)), "query and norm_weight"),
+        (dict(alpha_only=True), "both `partial` and `alpha`"),
+        (dict(alpha_shape=True), "alpha must have shape"),
+        (dict(null=torch.zeros(8)), "null_source must be"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(change, message):
+    srcs = [torch.randn(2, 3, 16) for _ in range(2)]
+    kwargs = dict(sources=srcs, query=torch.zeros(16), norm_weight=torch.ones(16), heads=4)
+    extra = {}
+    if "mismatch" in change:
+        kwargs["sources"] = [srcs[0], torch.randn(2, 4, 16)]
+    elif "alpha_only" in change:
+        extra = dict(alpha=torch.zeros(1))
+    elif "alpha_shape" in change:
+        extra = dict(partial=srcs[0], alpha=torch.zeros(()))
+    elif "null" in change:
+        extra = dict(null_source=change["null"])
+    else:
+        kwargs.update(change)
+    with pytest.raises(ValueError, match=message):
+        mhar_kernels.route(kwargs.pop("sources"), **kwargs, **extra)
