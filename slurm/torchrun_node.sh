@@ -59,7 +59,8 @@ count_gpus() {
 
 nnodes="${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"
-nproc="${NPROC_PER_NODE:-$(count_gpus)}"
+gpus="$(count_gpus)"
+nproc="${NPROC_PER_NODE:-$gpus}"
 if [[ -z "$nproc" || "$nproc" == 0 ]]; then
   nproc=1
 fi
@@ -75,7 +76,12 @@ for name in nnodes node_rank nproc; do
 done
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  exec "$python" -m mhar_titan.dryrun --config "$config" --world-size "$((nnodes * nproc))" "$@"
+  device=cuda
+  if [[ -z "$gpus" || "$gpus" == 0 ]]; then
+    device=cpu
+  fi
+  exec "$python" -m mhar_titan.dryrun --config "$config" --world-size "$((nnodes * nproc))" \
+    --device "$device" "$@"
 fi
 
 # torchrun reads the grace period from this variable since pytorch#172596 (early 2026);
