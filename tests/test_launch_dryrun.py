@@ -1,0 +1,140 @@
+"""Acceptance 5: the dry run (python -m mhar_titan.dryrun, DRY_RUN=1 scripts/run_train.sh).
+
+The 1b configs are dry-run on CPU in a fresh process whose sockets raise on any
+connection attempt: the model must stay on the meta device (peak RSS far below the
+4 GB that 1B fp32 parameters would need) and the printed parameter counts must be a
+row of the model-zoo listing (`python -m mhar_titan.models`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mhar_titan.config import ConfigError, load_config
+from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory, report
+from mhar_titan.models import count_parameters
+from slurm_tools import ROOT, launch_env
+
+CONFIGS_1B = sorted(ROOT.glob("train_configs/*_1b.toml"))
+DEBUG = str(ROOT / "train_configs" / "debug_mhar.toml")
+
+# Runs in a fresh interpreter: forbid network, dry-run every config, run the zoo listing,
+# report peak RSS. Prints one JSON line at the end.
+PROBE = r"""
+import contextlib, io, json, resource, runpy, socket, sys
+
+def no_network(*args, **kwargs):
+    raise RuntimeError(f"network access attempted during the dry run: {args!r}")
+socket.socket.connect = socket.socket.connect_ex = no_network
+socket.create_connection = socket.getaddrinfo = no_network
+
+from mhar_titan.dryrun import main
+results = {}
+for config in sys.argv[1:]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["--config", config, "--world-size", "8", "--device", "cpu"])
+    results[config] = {"code": code, "stdout": out.getvalue()}
+listing = io.StringIO()
+with contextlib.redirect_stdout(listing):
+    runpy.run_module("mhar_titan.models", run_name="__main__")
+print(json.dumps({"results": results, "listing": listing.getvalue(),
+                  "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def counts_from_dryrun(text: str) -> tuple[int, int, int]:
+    grab = lambda name: int(re.search(rf"^\s+{name}\s+([\d,]+)$", text, re.M).group(1).replace(",", ""))
+    return grab("total"), grab("non-embedding"), grab("routing")
+
+
+def listing_rows(text: str) -> set[tuple[str, int, int, int]]:
+    """(flavor, total, non-embedding, routing extra) of every row of the zoo listing."""
+    rows = set()
+    for line in text.splitlines():
+        numbers = re.findall(r"\b\d{1,3}(?:,\d{3})+\b|\b\d+\b", line)
+        if line and not line.startswith(("flavor", "-")) and len(numbers) >= 4:
+            total, non_emb, routing = (int(n.replace(",", "")) for n in numbers[-3:])
+            rows.add((line.split()[0], total, non_emb, routing))
+    return rows
+
+
+@pytest.mark.slow
+def test_dry_run_1b_configs_offline_on_meta_matches_zoo_listing():
+    if not CONFIGS_1B:
+        msg = "no train_configs/*_1b.toml yet (written by the configs owner)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    r = subprocess.run([sys.executable, "-c", PROBE, *map(str, CONFIGS_1B)], cwd=ROOT, env=launch_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    probe = json.loads(r.stdout.strip().splitlines()[-1])
+    zoo = listing_rows(probe["listing"])
+    assert any(flavor == "1b" for flavor, *_ in zoo), probe["listing"]
+    for config, res in probe["results"].items():
+        assert res["code"] == 0, (config, r.stderr[-3000:])
+        text = res["stdout"]
+        assert "dry run: OK" in text and "[model]" in text and "memory estimate per rank" in text
+        total, non_emb, routing = counts_from_dryrun(text)
+        assert total > 900_000_000, (config, total)
+        assert ("1b", total, non_emb, routing) in zoo, (config, total, non_emb, routing, probe["listing"])
+    # fp32 parameters of one 1B model alone would be ~3.8 GiB
+    assert probe["maxrss_mib"] < 1500, probe["maxrss_mib"]
+
+
+def test_run_train_dry_run_mode_validates_for_ngpu_ranks():
+    config = str(CONFIGS_1B[0]) if CONFIGS_1B else DEBUG
+    script = str(ROOT / "scripts" / "run_train.sh")
+    env = launch_env(DRY_RUN="1", NGPU="8", CONFIG=config)
+    ok = subprocess.run(["bash", script, "--training.local_batch_size=2", "--training.global_batch_size=32"],
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert re.search(r"batch: 8 ranks x local 2 x grad accumulation 2 = 32 sequences", ok.stdout), ok.stdout[:2000]
+    cfg = load_config(config, ["--training.local_batch_size=2"])
+    assert counts_from_dryrun(ok.stdout)[0] == count_parameters(build_model_args(cfg)).total
+
+    bad = subprocess.run(["bash", script, "--training.local_batch_size=2", "--training.global_batch_size=24"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert "'training.global_batch_size' (24) must be a multiple of local_batch_size x ranks = 2 x 8 = 16" in bad.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--training.seq_len=1024"], "'training.seq_len' (1024) exceeds the model's max_seq_len (512)"),
+    (["--parallelism.data_parallel_shard_degree=2"], "data_parallel_shard_degree' = 2 but the job has 4 ranks"),
+    (["--model.routing_heads=3"], "dim d=128 is not divisible by routing heads H=3"),
+    (["--data.sharding=rows"], "data.sharding must be one of"),
+    (["--data.files=[]"], "'data.files' is empty"),
+])
+def test_invalid_jobs_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        report(load_config(DEBUG, overrides), world_size=4, device="cpu")
+
+
+def test_memory_estimate_terms():
+    cfg = load_config(DEBUG, ["--training.local_batch_size=4", "--training.seq_len=256"])
+    model = build_meta_model(build_model_args(cfg))
+    n = sum(p.numel() for p in model.parameters())
+    m1, m4 = estimate_memory(model, cfg, 1, "cpu"), estimate_memory(model, cfg, 4, "cpu")
+    # sharded fp32 state: 4 (params) + 4 (grads) + 8 (AdamW) bytes per parameter, split over ranks
+    assert (m1.params, m1.grads, m1.optimizer) == (4 * n, 4 * n, 8 * n)
+    assert (m4.params, m4.grads, m4.optimizer) == (n, n, 2 * n)
+    assert m4.activations == m1.activations  # activations are per rank and micro-batch
+    # bf16 compute halves the per-element activation bytes (the fp32 loss terms stay)
+    assert estimate_memory(model, cfg, 1, "cuda").activations < m1.activations
+    full = load_config(DEBUG, ["--training.local_batch_size=4", "--training.seq_len=256",
+                               "--activation_checkpoint.mode=full"])
+    assert estimate_memory(model, full, 1, "cpu").activations < m1.activations
+    # eager routing keeps normalised keys of every source at every site; the Triton kernel does not
+    d, S, tokens = 128, 2 * 4 + 1, 4 * 256
+    triton_cfg = load_config(DEBUG, ["--training.local_batch_size=4", "--training.seq_len=256",
+                                     "--model.routing_kernel=triton"])
+    triton_model = build_meta_model(build_model_args(triton_cfg))
+    saved_keys = m1.activations - estimate_memory(triton_model, triton_cfg, 1, "cpu").activations
+    assert saved_keys == tokens * S * (S + 1) // 2 * d * 4
