@@ -99,10 +99,6 @@ def test_run_train_dry_run_mode_validates_for_ngpu_ranks():
     cfg = load_config(config, ["--training.local_batch_size=2"])
     assert counts_from_dryrun(ok.stdout)[0] == count_parameters(build_model_args(cfg)).total
 
-    bad = subprocess.run(["bash", script, "--training.local_batch_size=2", "--training.global_batch_size=24"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1
-    assert "'training.global_batch_size' (24) must be a multiple of local_batch_size x ranks = 2 x 8 = 16" in bad.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -111,10 +107,21 @@ def test_run_train_dry_run_mode_validates_for_ngpu_ranks():
     (["--model.routing_heads=3"], "dim d=128 is not divisible by routing heads H=3"),
     (["--data.sharding=rows"], "data.sharding must be one of"),
     (["--data.files=[]"], "'data.files' is empty"),
+    (["--training.local_batch_size=2", "--training.global_batch_size=12"],
+     "'training.global_batch_size' (12) must be a multiple of local_batch_size x ranks = 2 x 4 = 8"),
 ])
 def test_invalid_jobs_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         report(load_config(DEBUG, overrides), world_size=4, device="cpu")
+
+
+def test_cli_exit_code_and_message(capsys):
+    from mhar_titan.dryrun import main
+
+    assert main(["--config", DEBUG, "--world-size", "4", "--training.seq_len=4096"]) == 1
+    assert "dry run: invalid job: 'training.seq_len' (4096) exceeds" in capsys.readouterr().err
+    assert main(["--config", "train_configs/missing.toml"]) == 1
+    assert "config file not found: train_configs/missing.toml" in capsys.readouterr().err
 
 
 def test_memory_estimate_terms():
