@@ -77,3 +77,24 @@ def test_node_launcher_errors_name_the_variable():
     assert r.returncode == 2 and "node_rank must be a non-negative integer, got 'first'" in r.stderr
     r = subprocess.run(["bash", str(NODE)], env=launch_env(), capture_output=True, text=True)
     assert r.returncode == 2 and "usage:" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "usage: sbatch slurm/train.sbatch CONFIG.toml"),
+    (["train_configs/nope.toml"], "config file 'train_configs/nope.toml' not found"),
+])
+def test_batch_script_rejects_bad_arguments_before_launching(tmp_path, args, message):
+    # Run as sbatch would, from a copy of the script, with the submit directory set.
+    copy = tmp_path / "slurm_script"
+    copy.write_text((ROOT / "slurm" / "train.sbatch").read_text())
+    r = subprocess.run(["bash", str(copy), *args], cwd=tmp_path, capture_output=True, text=True,
+                       env=launch_env(SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="9"))
+    assert r.returncode == 2 and message in r.stdout, r.stdout + r.stderr
+
+
+def test_batch_script_needs_the_repository(tmp_path):
+    copy = tmp_path / "slurm_script"
+    copy.write_text((ROOT / "slurm" / "train.sbatch").read_text())
+    r = subprocess.run(["bash", str(copy), "c.toml"], cwd=tmp_path, capture_output=True, text=True,
+                       env=launch_env(SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="9"))
+    assert r.returncode == 2 and "submit from the repository root or set REPO_DIR" in r.stdout
