@@ -5,7 +5,8 @@ Each node is `slurm/torchrun_node.sh` (one `torchrun --nnodes=2 --node_rank=i
 variables SLURM sets inside an `srun` task; gloo; `debug_mhar` with window sharding.
 
 - A 5-step two-node run finishes on both nodes with the same losses as one process
-  (global batch 4: 2 ranks x 2, or 1 rank x 2 x 2 micro-batches).
+  started by the single-node launcher `NGPU=1 scripts/run_train.sh` (global batch 4:
+  2 ranks x 2, or 1 rank x 2 x 2 micro-batches).
 - SIGTERM to both launchers: both workers save one complete checkpoint and exit
   cleanly; the same command again resumes from that checkpoint and finishes.
 """
@@ -15,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -98,11 +98,14 @@ def worker_logs(tmp, tag: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
+    """The reference: one worker, started by the single-node launcher (NGPU=1 scripts/run_train.sh)."""
     tmp = tmp_path_factory.mktemp("single")
-    r = subprocess.run([sys.executable, "train.py", "--config", CONFIG, "--training.steps=5",
-                        f"--job.dump_folder={tmp}", *SMALL], cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"),
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "run_train.sh"), "--training.steps=5",
+                        f"--job.dump_folder={tmp}", *SMALL], cwd=tmp,
+                       env=launch_env(NGPU="1", CONFIG=str(ROOT / CONFIG), OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rank0]:" in r.stdout + r.stderr and "ranks=1" in r.stdout + r.stderr
     return losses(tmp / "debug_mhar")
 
 
