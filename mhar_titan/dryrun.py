@@ -14,7 +14,8 @@ c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro
 
     sharded state      16 N / W        fp32 params 4, grads 4, AdamW exp_avg + exp_avg_sq 8
     gathered params    (2 P_block + P_root) c    two blocks in flight (current + prefetch)
-                                                 and the root unit (embedding, routing, norms)
+                                                 and the root unit (embedding, routing, norms);
+                       N c                       with fsdp_reshard_after_forward = "never"
     unsharded grads    (P_block + P_root) 4      before reduce-scatter (fp32 reduce)
     activations        b T [ L_full a_layer + L_ckpt d + a_layer_recompute
                              + routing + V (c + 8) / c ] c
@@ -200,7 +201,7 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
         params=4 * n // world_size,
         grads=4 * n // world_size,
         optimizer=8 * n // world_size,
-        gathered_params=(2 * p_block + p_root) * c,
+        gathered_params=(n if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2 * p_block + p_root) * c,
         unsharded_grads=(p_block + p_root) * 4,
         activations=int(act),
     )

@@ -133,6 +133,12 @@ def test_memory_estimate_terms():
     assert (m1.params, m1.grads, m1.optimizer) == (4 * n, 4 * n, 8 * n)
     assert (m4.params, m4.grads, m4.optimizer) == (n, n, 2 * n)
     assert m4.activations == m1.activations  # activations are per rank and micro-batch
+    p_block = sum(p.numel() for p in model.layers[0].parameters())
+    p_root = n - 4 * p_block
+    assert m1.gathered_params == (2 * p_block + p_root) * 4  # two blocks in flight + the root unit, fp32
+    never = load_config(DEBUG, ["--training.local_batch_size=4", "--training.seq_len=256",
+                                "--parallelism.fsdp_reshard_after_forward=never"])
+    assert estimate_memory(model, never, 4, "cpu").gathered_params == n * 4
     # bf16 compute halves the per-element activation bytes (the fp32 loss terms stay)
     assert estimate_memory(model, cfg, 1, "cuda").activations < m1.activations
     full = load_config(DEBUG, ["--training.local_batch_size=4", "--training.seq_len=256",
