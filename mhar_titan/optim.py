@@ -170,7 +170,8 @@ def clip_grad_norm_by_group(model: nn.Module, max_norm: float) -> tuple[torch.Te
     caller, so it is left untouched).
 
     Returns:
-        (total norm, {group: norm}) as fp32 scalar tensors on the gradients' device.
+        (total norm, {group: norm} for the groups that have gradients) as fp32 scalar
+        tensors on the gradients' device.
     """
     import torch.distributed as dist
 
@@ -188,7 +189,8 @@ def clip_grad_norm_by_group(model: nn.Module, max_norm: float) -> tuple[torch.Te
     ])
     if sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
-    norms = {g: sq[i].sqrt() for i, g in enumerate(GRAD_NORM_GROUPS)}
+    # Groups without parameters (gates exist only in delta mode) are left out.
+    norms = {g: sq[i].sqrt() for i, g in enumerate(GRAD_NORM_GROUPS) if grads[g]}
     total = sq.sum().sqrt()
     if max_norm > 0 and torch.isfinite(total):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -1,0 +1,47 @@
+"""2-rank checks of the trainer, run by tests/test_train_dist.py under one torchrun launch:
+
+    torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR
+
+Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4) and
+OUT_DIR/grads.pt (full gradients of one masked step at local batch 2 x accumulation 2).
+The process group is shared by the runs and destroyed by the last one (clean gloo exit).
+"""
+import json
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E402
+
+from mhar_titan.train import Trainer  # noqa: E402
+
+
+def main(out):
+    result = {}
+    for ac in ("none", "full"):
+        cfg = debug_cfg(out, f"dist_{ac}", "--training.steps=5", "--training.local_batch_size=4",
+                        "--training.global_batch_size=8", f"--activation_checkpoint.mode={ac}")
+        trainer = Trainer(cfg)
+        trainer.train()
+        result[f"losses_{ac}"] = trainer.losses
+        trainer.close(destroy_process_group=False)
+
+    cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
+                    "--training.global_batch_size=8")
+    trainer = Trainer(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert trainer.grad_accum == 2
+    loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    grads = full_grads(trainer.model)
+    result["masked_loss"] = loss
+    if rank == 0:
+        torch.save(grads, pathlib.Path(out) / "grads.pt")
+        (pathlib.Path(out) / "dist.json").write_text(json.dumps(result))
+    trainer.close(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,169 @@
+"""The trainer: exact gradient accumulation, 2-rank parity, compile parity, non-finite guard,
+config errors before any build, resolved config and JSONL output.
+
+The 2-rank checks run under one torchrun launch (tests/dist_train_checks.py) and are
+compared with 1-process references computed here: window sharding gives the same
+per-step losses with activation checkpointing full or none, and 2 ranks x accumulation 2
+gives the same masked-batch gradients. The launch exiting 0 shows the clean gloo exit.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from train_common import DEBUG_MHAR, ROOT, SAMPLE, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
+
+from mhar_titan.config import load_config  # noqa: E402
+from mhar_titan.train import Trainer, main  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                                reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+
+
+def run(cfg):
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        return trainer.losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+
+
+def masked_step_grads(cfg):
+    trainer = Trainer(cfg)
+    try:
+        loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank=0, world=1))
+        return loss, full_grads(trainer.model), trainer.grad_accum
+    finally:
+        trainer.close()
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """1 process, global batch 8 = local 8, 5 steps: the reference for the 2-rank and compile tests."""
+    root = tmp_path_factory.mktemp("ref")
+    cfg = debug_cfg(root, "ref", "--training.steps=5", "--training.local_batch_size=8")
+    losses, _ = run(cfg)
+    return root, losses
+
+
+@pytest.fixture(scope="session")
+def masked_grads(tmp_path_factory):
+    """(micro 8, accum 1) and (micro 2, accum 4) on the same masked global batch of 8."""
+    root = tmp_path_factory.mktemp("grads")
+    out = {}
+    for local in (8, 2):
+        cfg = debug_cfg(root, f"g{local}", "--training.steps=1", f"--training.local_batch_size={local}",
+                        "--training.global_batch_size=8")
+        out[local] = masked_step_grads(cfg)
+    return out
+
+
+def test_reference_run_learns_and_writes_run_folder(reference_run):
+    root, losses = reference_run
+    assert len(losses) == 5 and losses[-1] < losses[0] - 0.5
+    run_dir = root / "ref"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in rows] == pytest.approx(losses)
+    for key in ("grad_norm", "grad_norm/routing_query", "grad_norm/rest", "lr", "tokens_per_s",
+                "tokens_per_s_per_device", "peak_mem_gib", "routing_entropy", "routing_flops_share"):
+        assert key in rows[0], key
+    # zero-initialised queries: every site starts uniform, mean entropy = mean log(N_s) > 0
+    assert rows[0]["routing_entropy"] > 1.0
+    resolved = load_config(str(run_dir / "config.toml"))
+    assert resolved.training.steps == 5 and resolved.model.overrides["routing_heads"] == 8
+
+
+def test_gradient_accumulation_is_exact(masked_grads):
+    (loss8, g8, accum8), (loss2, g2, accum2) = masked_grads[8], masked_grads[2]
+    assert (accum8, accum2) == (1, 4)
+    assert loss2 == pytest.approx(loss8, abs=1e-5)
+    assert rel_diff(g2, g8) <= 1e-5
+
+
+def test_compiled_blocks_match_eager(reference_run, tmp_path):
+    _, eager = reference_run
+    cfg = debug_cfg(tmp_path, "compiled", "--training.steps=2", "--training.local_batch_size=8",
+                    "--compile.enable=true")
+    compiled, _ = run(cfg)
+    # warmup is 2 steps, so steps 1-2 use the same LR whatever training.steps is
+    assert compiled == pytest.approx(eager[:2], abs=1e-4)
+
+
+def test_forced_nan_step_is_skipped_and_counted(tmp_path):
+    _, after_one = run(debug_cfg(tmp_path, "one", "--training.steps=1"))
+    cfg = debug_cfg(tmp_path, "nan", "--training.steps=2", "--debug.force_nonfinite_loss_steps=[2]",
+                    "--training.max_consecutive_nonfinite=2")
+    losses, after_skip = run(cfg)
+    assert losses[1] != losses[1]  # NaN
+    for k in after_one:  # the skipped step did not touch the weights
+        torch.testing.assert_close(after_skip[k], after_one[k], rtol=0, atol=0)
+    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["step"] == 2 and rows[1]["loss"] == "nan" and rows[1]["nonfinite_skipped"] == 1
+
+
+def test_consecutive_nan_steps_stop_the_run(tmp_path, capsys):
+    code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={tmp_path}", "--job.name=stop",
+                 f"--data.files=[\"{SAMPLE}/train-*.parquet\"]", "--validation.enable=false",
+                 "--training.seq_len=32", "--training.steps=6",
+                 "--debug.force_nonfinite_loss_steps=[2, 3, 4]", "--training.max_consecutive_nonfinite=3"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "stopping at step 4" in err and "steps 2-4" in err
+    rows = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 4 and rows[-1]["nonfinite_skipped"] == 3
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("--training.stpes=3", "training.stpes"),
+    ("--optimizer.lr=fast", "optimizer.lr"),
+    ("--trainer.steps=3", "[trainer]"),
+    ("--model.routing_head=2", "model.routing_head"),
+])
+def test_bad_config_fails_before_anything_is_built(tmp_path, capsys, bad, needle):
+    code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={tmp_path}", bad])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no run folder
+    assert not dist.is_initialized()  # no process group, so no model either
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((out / "dist.json").read_text()), torch.load(out / "grads.pt")
+
+
+@pytest.mark.distributed
+def test_two_ranks_match_one_process(dist_results, reference_run):
+    results, _ = dist_results
+    _, reference = reference_run
+    assert len(reference) == 5
+    for ac in ("none", "full"):
+        diffs = [abs(a - b) for a, b in zip(results[f"losses_{ac}"], reference)]
+        assert max(diffs) <= 1e-5, (ac, results[f"losses_{ac}"], reference)
+
+
+@pytest.mark.distributed
+def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads):
+    results, grads = dist_results
+    loss8, g8, _ = masked_grads[8]
+    assert results["masked_loss"] == pytest.approx(loss8, abs=1e-5)
+    assert rel_diff(grads, g8) <= 1e-5

@@ -1,0 +1,65 @@
+"""Shared by test_train*.py and dist_train_checks.py: small trainer configs and gradient probes."""
+import pathlib
+
+import torch
+
+from mhar_titan.config import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEBUG_MHAR = ROOT / "train_configs" / "debug_mhar.toml"
+SAMPLE = ROOT / "data" / "shakespeare"
+
+
+def debug_cfg(run_root, name, *overrides, config=DEBUG_MHAR):
+    """debug_mhar shrunk for tests (seq 32, no validation, log every step), with CLI-style overrides."""
+    base = [
+        f"--job.dump_folder={run_root}", f"--job.name={name}",
+        f"--data.files=[\"{SAMPLE}/train-*.parquet\"]",
+        f"--data.validation_files=[\"{SAMPLE}/validation-*.parquet\"]",
+        "--training.seq_len=32", "--metrics.log_freq=1", "--validation.enable=false",
+        "--metrics.disable_color_printing=true", "--lr_scheduler.warmup_steps=2",
+    ]
+    return load_config(str(config), base + list(overrides))
+
+
+def masked_micro_batches(trainer, rank, world):
+    """The next step's micro-batches with some labels set to -100.
+
+    Row r of the global batch (window order, independent of the world size) ignores its
+    first ``(3 * r) % 11`` labels, so micro-batches hold different numbers of targets.
+    """
+    micro = trainer._next_micro_batches(iter_of(trainer))
+    B = micro[0][0].shape[0]
+    out = []
+    for k, (x, y) in enumerate(micro):
+        y = y.clone()
+        for i in range(B):
+            global_row = (k * world + rank) * B + i
+            y[i, : (3 * global_row) % 11] = -100
+        out.append((x, y))
+    return out
+
+
+_iters = {}
+
+
+def iter_of(trainer):
+    if id(trainer) not in _iters:
+        _iters[id(trainer)] = iter(trainer.train_loader)
+    return _iters[id(trainer)]
+
+
+def full_grads(model):
+    """{name: full gradient} (gathered from FSDP shards), fp64 on CPU."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().double().cpu()
+    return out
+
+
+def rel_diff(g, ref):
+    """||g - ref|| / ||ref|| over all parameters together."""
+    num = sum((g[k] - ref[k]).pow(2).sum() for k in ref)
+    den = sum(ref[k].pow(2).sum() for k in ref)
+    return (num / den).sqrt().item()
