@@ -1,0 +1,198 @@
+"""Depth-routing forward+backward time: eager vs torch.compile vs the fused Triton kernels.
+
+For each shape (the paper's: bf16, H = 8) it times one routing call over N sources and the
+full set of calls of one training step (site s = 1..2L+1 reads s sources), and reports
+milliseconds (median after warm-up; CUDA events on a GPU), bytes moved under the bytes model
+below, achieved GB/s and its fraction of the measured device copy bandwidth.
+
+Bytes model (DESIGN.md "Kernels"; a row is d values of the storage dtype, per token):
+forward reads N rows and writes 1; backward reads every source twice (pass 1 rebuilds the
+mix, pass 2 computes the gradients), reads the upstream gradient and writes N gradient rows.
+So one call moves (N + 1) + (3N + 1) = 4N + 2 rows; the same floor is charged to eager and
+compile (they move more), so the GB/s column compares implementations at equal work.
+
+    python bench/routing.py                       # CUDA: paper shapes, eager/compile/triton
+    python bench/routing.py --append BENCHMARKS.md
+    python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # Triton runs on CPU only through its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mhar_titan.models.routing import route as model_route  # noqa: E402
+
+# name: (B, T, d, N); N = 2L + 1 sources at the final routing of an L-layer model.
+SHAPES = {
+    "paper": {"100m": (2, 2048, 512, 25), "350m": (1, 1024, 1024, 49), "1b": (1, 1024, 1280, 73)},
+    "toy": {"toy": (1, 8, 64, 5)},
+}
+IMPLS = ("eager", "compile", "triton")
+SECTION = "## Kernels: depth routing"
+
+
+def call_rows(n: int) -> int:
+    """Rows (d values per token) one fused call moves, forward + backward (module doc)."""
+    return 4 * n + 2
+
+
+def step_rows(n_max: int) -> int:
+    return sum(call_rows(s) for s in range(1, n_max + 1))
+
+
+def timer(device: torch.device):
+    """Returns f(fn) -> milliseconds of one fn() call."""
+    if device.type == "cuda":
+        def measure(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+    else:
+        def measure(fn):
+            t0 = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t0)
+    return measure
+
+
+def median_ms(fn, device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    measure = timer(device)
+    return statistics.median(measure(fn) for _ in range(iters))
+
+
+def copy_bandwidth(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured device copy bandwidth in GB/s (read + write of a 1 GiB tensor; 64 MiB on CPU)."""
+    numel = (2**30 if device.type == "cuda" else 2**26) // torch.finfo(dtype).bits * 8
+    src = torch.empty(numel, dtype=dtype, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup=2, iters=10)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def make_inputs(b, t, d, n, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sources = [torch.randn(b, t, d, generator=gen).to(device, dtype).requires_grad_() for _ in range(n)]
+    query = (torch.randn(d, generator=gen) * 0.3).to(device, dtype).requires_grad_()
+    norm_weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(device, dtype).requires_grad_()
+    return sources, query, norm_weight
+
+
+def one_call(impl, sources, query, norm_weight, heads):
+    def run():
+        out = model_route(sources, query, norm_weight, heads, kernel=impl)
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def one_step(impl, sources, query, norm_weight, heads):
+    """All 2L+1 routing sites of a step: site s routes over sources[:s] (forward, then one backward)."""
+    def run():
+        total = None
+        for s in range(1, len(sources) + 1):
+            out = model_route(sources[:s], query, norm_weight, heads, kernel=impl)
+            total = out.float().sum() if total is None else total + out.float().sum()
+        total.backward()
+    return run
+
+
+def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool) -> list[dict]:
+    bandwidth = copy_bandwidth(device, dtype)
+    rows = []
+    for name, (b, t, d, n) in shapes.items():
+        sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
+        row_bytes = b * t * d * torch.finfo(dtype).bits // 8
+        for scope in ("call", "step") if step else ("call",):
+            moved = (call_rows(n) if scope == "call" else step_rows(n)) * row_bytes
+            for impl in impls:
+                make = one_call if scope == "call" else one_step
+                ms = median_ms(make(impl, sources, query, norm_weight, heads), device, warmup, iters)
+                gbps = moved / (ms * 1e-3) / 1e9
+                rows.append(dict(shape=name, scope=scope, impl=impl, B=b, T=t, d=d, N=n, ms=ms,
+                                 gb=moved / 1e9, gbps=gbps, frac=gbps / bandwidth))
+    return rows, bandwidth
+
+
+def table(rows: list[dict], bandwidth: float, heads: int, dtype, device) -> str:
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = "CPU (Triton through TRITON_INTERPRET=1: a correctness run, not a speed measurement)"
+    import triton
+
+    lines = [
+        f"Device: {where}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{datetime.date.today().isoformat()}; {dtype}, H = {heads}; measured copy bandwidth "
+        f"{bandwidth:.0f} GB/s.",
+        "",
+        "| shape | scope | B | T | d | N | impl | ms | GB moved (model) | GB/s | of copy BW | vs compile |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ref = next((x["ms"] for x in rows if x["shape"] == r["shape"] and x["scope"] == r["scope"]
+                    and x["impl"] == "compile"), None)
+        speedup = f"{ref / r['ms']:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['shape']} | {r['scope']} | {r['B']} | {r['T']} | {r['d']} | {r['N']} | {r['impl']} | "
+            f"{r['ms']:.3f} | {r['gb']:.4g} | {r['gbps']:.4g} | {100 * r['frac']:.3g}% | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def append_section(path: pathlib.Path, text: str, title: str) -> None:
+    """Append `text` under `title` inside the kernels section of BENCHMARKS.md (other sections untouched)."""
+    content = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"\n### {title}\n\n{text}\n"
+    if SECTION not in content:
+        content = content.rstrip("\n") + f"\n\n{SECTION}\n\nWritten by `bench/routing.py` and `bench/throughput.py`.\n"
+    start = content.index(SECTION)
+    nxt = content.find("\n## ", start + len(SECTION))
+    end = len(content) if nxt == -1 else nxt
+    content = content[:end].rstrip("\n") + "\n" + block + content[end:]
+    path.write_text(content)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="paper" if torch.cuda.is_available() else "toy")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list of eager, compile, triton")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--no-step", action="store_true", help="skip the full-step rows")
+    p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    impls = [i for i in a.impls.split(",") if i]
+    for i in impls:
+        if i not in IMPLS:
+            p.error(f"unknown impl {i!r}; choose from {IMPLS}")
+    heads = a.heads if a.shapes == "paper" else min(a.heads, 4)
+    rows, bandwidth = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters, not a.no_step)
+    text = table(rows, bandwidth, heads, dtype, device)
+    print(text)
+    if a.append:
+        append_section(a.append, text, f"Routing forward+backward ({a.shapes} shapes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""End-to-end training throughput: baseline vs AttnRes (H = 1) vs MHAR (H = 8) on one device.
+
+Trains each model for a few steps on synthetic tokens (bf16 parameters and compute, AdamW, the
+paper's micro-batches: 100m 8x2048, 350m 4x1024, 1b 2x1024), with activation checkpointing
+off and on (the trainer's `apply_ac`), and reports tokens/s, MFU (model FLOPs, routing FLOPs
+not counted, mhar_titan.metrics), peak memory and the ratio to the baseline of the same scale
+and AC mode. Routing uses `routing_kernel` (default "auto": Triton on CUDA, eager on CPU).
+
+    python bench/throughput.py                         # CUDA: 100m, 350m, 1b
+    python bench/throughput.py --append BENCHMARKS.md
+    python bench/throughput.py --scales debug --batch 1 --seq 16 --steps 2 --warmup 1   # CPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # Triton runs on CPU only through its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mhar_titan.config import ActivationCheckpoint  # noqa: E402
+from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
+from mhar_titan.models.args import ModelArgs  # noqa: E402
+from mhar_titan.models.model import Transformer  # noqa: E402
+from mhar_titan.parallel import apply_ac  # noqa: E402
+
+from routing import append_section  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
+FAMILIES = {
+    "baseline": dict(residual="standard"),
+    "attnres": dict(residual="attn_res", routing_heads=1),
+    "mhar": dict(residual="attn_res", routing_heads=8),
+}
+
+
+def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | None, device, compile_blocks: bool):
+    overrides = dict(FAMILIES[family], max_seq_len=max(seq, 64))
+    if family != "baseline":
+        overrides["routing_kernel"] = kernel
+    if vocab:
+        overrides["vocab_size"] = vocab
+    args = ModelArgs.from_flavor(scale, **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=device)
+    model.to(torch.bfloat16)
+    apply_ac(model, ActivationCheckpoint(mode=ac))
+    if compile_blocks:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
+    return model, args
+
+
+def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device, compile_blocks) -> dict:
+    model, args = build(scale, family, kernel, ac, seq, vocab, device, compile_blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen).to(device)
+
+    def step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    loss.item()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tps = batch * seq * steps / seconds
+    fpt = flops_per_token(args, seq)
+    result = dict(scale=scale, family=family, ac=ac, batch=batch, seq=seq, tokens_per_s=tps,
+                  mfu=mfu(fpt.model, tps, peak_flops(device)), peak_gib=peak_memory_gib(device),
+                  loss=loss.item())
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(rows: list[dict], device, kernel: str, compile_blocks: bool) -> str:
+    import triton
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (debug flavor; a smoke run)"
+    lines = [
+        f"Device: {where}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{datetime.date.today().isoformat()}; bf16 params and compute, AdamW, synthetic tokens; "
+        f"routing_kernel={kernel}; per-block compile {'on' if compile_blocks else 'off'}.",
+        "",
+        "| scale | AC | family | micro-batch | tokens/s | vs baseline | MFU (model FLOPs) | peak GiB |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = next(x for x in rows if x["scale"] == r["scale"] and x["ac"] == r["ac"] and x["family"] == "baseline")
+        m = "-" if r["mfu"] is None else f"{r['mfu']:.1f}%"
+        lines.append(
+            f"| {r['scale']} | {r['ac']} | {r['family']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {m} | {r['peak_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scales", default="100m,350m,1b" if cuda else "debug")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--ac", default="none,full", help="comma list of AC modes (none, full)")
+    p.add_argument("--kernel", default="auto", choices=["eager", "compile", "triton", "auto"])
+    p.add_argument("--compile", action="store_true", help="torch.compile every block (as the trainer does)")
+    p.add_argument("--batch", type=int, help="override the micro-batch size")
+    p.add_argument("--seq", type=int, help="override the sequence length")
+    p.add_argument("--vocab", type=int, help="override the vocabulary size (CPU smoke runs)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = []
+    for scale in a.scales.split(","):
+        if scale not in MICRO_BATCH:
+            p.error(f"unknown scale {scale!r}; choose from {sorted(MICRO_BATCH)}")
+        batch, seq = a.batch or MICRO_BATCH[scale][0], a.seq or MICRO_BATCH[scale][1]
+        for ac in a.ac.split(","):
+            families = a.families.split(",")
+            if "baseline" not in families:
+                families = ["baseline", *families]
+            for family in families:
+                r = run_one(scale, family, a.kernel, ac, batch, seq, a.steps, a.warmup, a.vocab, device, a.compile)
+                print(r, flush=True)
+                rows.append(r)
+    text = table(rows, device, a.kernel, a.compile)
+    print(text)
+    if a.append:
+        append_section(a.append, text, "Training throughput (one device)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The routing and throughput benchmarks run at toy sizes on CPU so they cannot rot
+(issue 6, acceptance 6): eager, torch.compile and Triton (interpreter) routing; a debug-flavor
+training step of the baseline and MHAR with activation checkpointing."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import routing as routing_bench  # noqa: E402
+import throughput as throughput_bench  # noqa: E402
+
+
+def test_routing_bench_toy_all_impls(tmp_path, capsys):
+    """One toy call per implementation; the table lands in the kernels section of BENCHMARKS.md
+    without touching another section."""
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n## Data loader\n\nrows of someone else\n")
+    routing_bench.main(["--shapes", "toy", "--iters", "1", "--warmup", "1", "--no-step", "--append", str(md)])
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\n## Data loader\n\nrows of someone else\n")
+    assert routing_bench.SECTION in text
+    rows = [line for line in text.splitlines() if line.startswith("| toy | call |")]
+    assert [r.split("|")[7].strip() for r in rows] == ["eager", "compile", "triton"]
+    assert all(float(r.split("|")[8]) > 0 for r in rows)  # milliseconds
+
+
+def test_bytes_model():
+    """4N + 2 rows per call; a step of an L-layer model sums the 2L + 1 sites."""
+    assert routing_bench.call_rows(1) == 6
+    assert routing_bench.step_rows(3) == 6 + 10 + 14
+
+
+def test_throughput_bench_debug_flavor(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    throughput_bench.main(["--scales", "debug", "--batch", "1", "--seq", "8", "--steps", "1", "--warmup", "0",
+                           "--vocab", "256", "--ac", "full", "--families", "mhar", "--kernel", "triton",
+                           "--append", str(md)])
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| debug | full |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["baseline", "mhar"]
+    assert rows[0].split("|")[6].strip() == "1.00"  # ratio of the baseline to itself
+    assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)  # tokens/s
+
+
+def test_throughput_rejects_unknown_scale():
+    with pytest.raises(SystemExit):
+        throughput_bench.main(["--scales", "7b"])
