@@ -17,8 +17,8 @@ c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro
                                                  and the root unit (embedding, routing, norms);
                        N c                       with fsdp_reshard_after_forward = "never"
     unsharded grads    (P_block + P_root) 4      before reduce-scatter (fp32 reduce)
-    activations        b T [ L_full a_layer + L_ckpt d + a_layer_recompute
-                             + routing + V (c + 8) / c ] c
+    activations        b T [ sum over blocks (a_layer + keys) or, checkpointed, k
+                             + one recomputed block + final keys + V (c + 8) / c ] c
 
 with, per token and layer, in elements of the compute dtype,
 
@@ -26,9 +26,11 @@ with, per token and layer, in elements of the compute dtype,
             + (2 d + 4 f)    SwiGLU MLP (input, its norm, gate, up, silu(gate), product)
             + 2 d            the two sublayer outputs kept as depth-routing sources (attn_res)
 
-a checkpointed block keeps only its input (d) and one block is recomputed at a time;
-eager/compile routing also saves the RMS-normalised keys of every source at every site,
-sum_{s=1..S} s d = S (S + 1) d / 2 with S = 2L + 1 sites (the Triton kernel saves none);
+a checkpointed block keeps only its outputs (k = 2 d routing sources, or d for the baseline)
+and one block is recomputed at a time; eager/compile routing (and "auto" on CPU) also saves
+the RMS-normalised keys of its sources at every site: s d at site s = 1..S, S = 2L + 1
+(S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none). Block
+granularity and delta mode are estimated like sublayer routing;
 the loss keeps logits (c) and fp32 log-probabilities plus their gradient (8) per vocab
 entry. This is a rough planning number (it ignores allocator fragmentation, NCCL
 buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
@@ -163,26 +165,31 @@ def build_meta_model(args: ModelArgs) -> Transformer:
         return Transformer(args)
 
 
-def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig) -> float:
-    d, f = args.dim, args.ffn_dim
+def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str) -> float:
+    """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac."""
+    d, f, L = args.dim, args.ffn_dim, args.n_layers
     d_kv = args.n_kv_heads * args.head_dim
-    layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f)
-    routing = 0
-    if args.residual == "attn_res":
-        layer += 2 * d
-        if args.routing_kernel in ("eager", "compile"):
-            S = args.n_routing_sites
-            routing = S * (S + 1) * d / 2
-    L = args.n_layers
+    routed = args.residual == "attn_res"
+    layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f) + (2 * d if routed else 0)
+    # "auto" picks the Triton kernel on CUDA and the eager reference on CPU
+    saves_keys = routed and (args.routing_kernel in ("eager", "compile")
+                             or (args.routing_kernel == "auto" and device == "cpu"))
+
+    def keys(sources: int) -> int:  # normalised keys saved by one routing site
+        return sources * d if saves_keys else 0
+
     ac = cfg.activation_checkpoint
-    if ac.mode == "none":
-        n_ckpt = 0
-    elif ac.mode == "full":
-        n_ckpt = L
-    else:
-        n_ckpt = L // int(ac.selective_ac_option)
-    blocks = (L - n_ckpt) * layer + n_ckpt * d + (layer if n_ckpt else 0)
-    return blocks + routing
+    every = {"none": 0, "full": 1}.get(ac.mode) or int(ac.selective_ac_option)
+    kept = 2 * d if routed else d  # what a checkpointed block leaves behind: its outputs
+    total, recompute = 0, 0
+    for i in range(L):
+        inside = layer + keys(2 * i + 1) + keys(2 * i + 2)  # attention site, then MLP site of layer i
+        if ac.mode != "none" and (i + 1) % every == 0:
+            total += kept
+            recompute = max(recompute, inside)  # one block is recomputed at a time
+        else:
+            total += inside
+    return total + recompute + keys(args.n_routing_sites)  # + the final routing site
 
 
 def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> MemoryEstimate:
@@ -196,7 +203,7 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     p_block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     p_root = n - sum(p.numel() for p in model.layers.parameters())
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    act = tokens * (_activation_elements_per_token(args, cfg) * c + args.vocab_size * (c + 8))
+    act = tokens * (_activation_elements_per_token(args, cfg, device) * c + args.vocab_size * (c + 8))
     return MemoryEstimate(
         params=4 * n // world_size,
         grads=4 * n // world_size,

@@ -151,3 +151,14 @@ def test_memory_estimate_terms():
     triton_model = build_meta_model(build_model_args(triton_cfg))
     saved_keys = m1.activations - estimate_memory(triton_model, triton_cfg, 1, "cpu").activations
     assert saved_keys == tokens * S * (S + 1) // 2 * d * 4
+
+
+def test_memory_estimate_under_full_checkpointing_keeps_one_block_of_routing_keys():
+    base = ["--training.local_batch_size=4", "--training.seq_len=256", "--activation_checkpoint.mode=full"]
+    eager = load_config(DEBUG, base)
+    triton = load_config(DEBUG, base + ["--model.routing_kernel=triton"])
+    diff = (estimate_memory(build_meta_model(build_model_args(eager)), eager, 1, "cpu").activations
+            - estimate_memory(build_meta_model(build_model_args(triton)), triton, 1, "cpu").activations)
+    d, L, tokens = 128, 4, 4 * 256
+    # the recomputed deepest block's two sites (2L-1 and 2L sources) plus the final site (2L+1)
+    assert diff == tokens * ((2 * L - 1) + 2 * L + (2 * L + 1)) * d * 4
