@@ -149,9 +149,11 @@ class _DepthRoute(torch.autograd.Function):
             if not need_src[n]:
                 grads.append(None)
                 continue
-            sc = s.to(cdt)
+            # dv = r dkp - (r^3/d) <dkp, s> s, written with xhat = r s so that r^3 never
+            # appears (it underflows fp32 once a source's RMS passes ~1e12).
+            xhat = s.to(cdt) * r
             dkp = dkey * g
-            dv = r * dkp - (r.pow(3) / d) * (dkp * sc).sum(-1, keepdim=True) * sc
+            dv = r * (dkp - xhat * ((dkp * xhat).sum(-1, keepdim=True) / d))
             dv = dv + (weights[n].unsqueeze(-1) * dout).flatten(-2)
             if s.dim() == 1:  # broadcast null source: sum over the token dims
                 dv = dv.sum(token_dims)
