@@ -274,3 +274,12 @@ def _assert_same(x, y, where):
         assert np.array_equal(x, y), where
     else:
         assert x == y, where
+
+
+def test_job_config_rejects_bad_checkpoint_section_before_building():
+    from mhar_titan.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="checkpoint.async_mode"):
+        load_config(None, ["--checkpoint.async_mode", "threads"])
+    cfg = load_config(None, ["--checkpoint.enable", "true", "--checkpoint.exclude_from_loading", '["dataloader"]'])
+    assert cfg.checkpoint.enable and cfg.checkpoint.exclude_from_loading == ["dataloader"]

@@ -188,7 +188,8 @@ def test_async_save_overlaps_steps_and_equals_sync(e2e, tmp_path):
     seen = dict(e2e["async"])  # the mhar run resumed at 10 with async_mode = "async", interval 5
     assert seen[16] is True  # step 16 finished while step 15 was still being written
     out = e2e["out"]
-    assert_same_checkpoint(out / "mhar_ref" / "checkpoints" / "step-15", out / "sync_step15", tmp_path)
+    assert_same_checkpoint(out / "mhar_ref" / "checkpoints" / "step-15", out / "sync" / "checkpoints" / "step-15",
+                           tmp_path)
 
 
 def test_should_stop_agrees_when_one_rank_is_signalled(e2e):
