@@ -36,7 +36,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mhar_titan.data.config import DataConfig
 from mhar_titan.data.dataset import PackedBatches
-from mhar_titan.data.pretokenize import check_tokenizer
+from mhar_titan.data.manifest import check_tokenizer
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
 from mhar_titan.data.stream import TokenStream
 

@@ -14,80 +14,21 @@ files, token/row counts, source path and source SHA-256.
 
 Train with ``data.source = "pretokenized"`` and ``data.files = ["data/shakespeare-gpt2/train"]``;
 the stream (shuffling, packing, sharding) is the same as on the fly, so the token
-batches are identical. A manifest made with another tokenizer is refused.
+batches are identical. A manifest made with another tokenizer is refused. Reading the
+format at training time lives in ``mhar_titan.data.manifest`` (this module is only the command).
+Bad input (a missing file, an already pretokenized folder, a missing tokenizer file) prints
+the problem and exits with status 2.
 """
 import argparse
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-FORMAT = "mhar-titan-tokens/1"
-MANIFEST = "manifest.json"
-
-
-class ManifestError(ValueError):
-    """A pretokenized directory that is missing, incomplete or made with another tokenizer."""
-
-
-class PretokenizedShard:
-    """One token shard: row i is ``tokens[offsets[i]:offsets[i+1]]`` of a memory-mapped file."""
-
-    def __init__(self, origin: Path, tokens: Path, offsets: Path, dtype: str, n_tokens: int, name: str):
-        self.origin, self.tokens_path, self.offsets_path = origin, tokens, offsets
-        self.dtype, self.n_tokens, self.name = dtype, n_tokens, name
-
-    def check(self) -> None:
-        size = self.tokens_path.stat().st_size if self.tokens_path.exists() else -1
-        if size != self.n_tokens * np.dtype(self.dtype).itemsize:
-            raise ManifestError(f"token file {self.tokens_path} has {size} bytes, the manifest says "
-                                f"{self.n_tokens} {self.dtype} tokens; re-run python -m mhar_titan.data.pretokenize")
-
-    def rows(self, start: int = 0) -> Iterator[np.ndarray]:
-        offsets = np.load(self.offsets_path)
-        tokens = np.memmap(self.tokens_path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
-        for i in range(start, len(offsets) - 1):
-            yield np.asarray(tokens[offsets[i]:offsets[i + 1]], dtype=np.int64)
-
-
-@dataclass
-class Pretokenized:
-    """A loaded manifest: tokenizer identity and shards in order."""
-
-    tokenizer: str
-    n_vocab: int
-    eos_id: int
-    shards: list
-
-
-def load_pretokenized(directory: Path) -> Pretokenized:
-    """Read ``directory/manifest.json``. Raises ManifestError for a missing or malformed manifest."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise ManifestError(f"{directory} is not a pretokenized directory: no {MANIFEST}; create it with "
-                            f"python -m mhar_titan.data.pretokenize --files ... --out {directory}")
-    m = json.loads(path.read_text())
-    if m.get("format") != FORMAT:
-        raise ManifestError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}; re-run pretokenize")
-    d = Path(directory).resolve()
-    shards = [PretokenizedShard(d, d / s["tokens"], d / s["offsets"], m["dtype"], s["n_tokens"],
-                                f"{d / s['tokens']} (from {s['source']})") for s in m["shards"]]
-    return Pretokenized(m["tokenizer"], m["n_vocab"], m["eos_id"], shards)
-
-
-def check_tokenizer(directory: Path, tokenizer) -> None:
-    """Refuse pretokenized data made with another tokenizer than ``tokenizer``."""
-    p = load_pretokenized(directory)
-    if (p.tokenizer, p.n_vocab, p.eos_id) != (tokenizer.name, tokenizer.n_vocab, tokenizer.eos_id):
-        raise ManifestError(
-            f"pretokenized data {directory} was made with tokenizer {p.tokenizer!r} (n_vocab {p.n_vocab}, eos "
-            f"{p.eos_id}) but this run uses {tokenizer.name!r} (n_vocab {tokenizer.n_vocab}, eos "
-            f"{tokenizer.eos_id}); set data.tokenizer = {p.tokenizer!r} or re-run python -m "
-            f"mhar_titan.data.pretokenize --tokenizer {tokenizer.name} into a new folder")
+from mhar_titan.data.manifest import FORMAT, MANIFEST, ManifestError
 
 
 def write_pretokenized(out: Path, shards: Iterable[tuple[str, str, Iterable[np.ndarray]]], tokenizer) -> dict:
@@ -136,20 +77,46 @@ def tokenize_rows(shard, tokenizer) -> Iterator[np.ndarray]:
         yield np.asarray(tokenizer.encode(text) if text is not None else [], dtype=np.int64)
 
 
+def _text_shards(patterns: list[str], field: str) -> list:
+    """Text shards of ``--files``; a pretokenized directory (or any directory) is refused with ManifestError."""
+    from mhar_titan.data.sources import _text_shard, expand_files
+
+    paths = expand_files(patterns, "--files")
+    for path in paths:
+        if (path / MANIFEST).is_file():
+            raise ManifestError(f"--files entry {path} is already pretokenized (it holds {MANIFEST}); train from it "
+                                f'directly with data.source = "pretokenized" and data.files = ["{path}"], or pass '
+                                f"the original parquet/jsonl files to re-tokenize them")
+        if path.is_dir():
+            raise ManifestError(f"--files entry {path} is a directory; pass parquet/jsonl files or globs such as "
+                                f"'{path}/*.parquet'")
+    shards = [_text_shard(path, field) for path in paths]
+    for shard in shards:
+        shard.check()
+    return shards
+
+
 def main(argv=None) -> None:
+    """The command line (usage in the module docstring). Bad input: message on stderr, exit status 2."""
     from mhar_titan.data.config import DataConfig
-    from mhar_titan.data.sources import _local_shards
-    from mhar_titan.data.tokenizer import build_tokenizer
+    from mhar_titan.data.sources import DataError
+    from mhar_titan.data.tokenizer import TokenizerFileError, build_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", nargs="+", required=True, help="parquet/jsonl paths or globs")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokenizer", default="gpt2")
-    parser.add_argument("--text-field", default="text")
-    parser.add_argument("--tokenizer-cache-dir", default=None)
+    parser.add_argument("--files", nargs="+", required=True,
+                        help="source parquet/jsonl files or globs (quote globs); one token shard per file")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="output folder for shard-NNNNN.bin/.idx.npy and manifest.json (created)")
+    parser.add_argument("--tokenizer", default="gpt2", help="tiktoken encoding: gpt2, cl100k_base or o200k_base")
+    parser.add_argument("--text-field", default="text", help="column (parquet) or key (jsonl) holding the text")
+    parser.add_argument("--tokenizer-cache-dir", default=None,
+                        help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR or <repo>/.cache/tiktoken)")
     args = parser.parse_args(argv)
-    tok = build_tokenizer(DataConfig(tokenizer=args.tokenizer, tokenizer_cache_dir=args.tokenizer_cache_dir))
-    shards = _local_shards(args.files, args.text_field, "--files")
+    try:
+        tok = build_tokenizer(DataConfig(tokenizer=args.tokenizer, tokenizer_cache_dir=args.tokenizer_cache_dir))
+        shards = _text_shards(args.files, args.text_field)
+    except (DataError, TokenizerFileError, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     t0 = time.perf_counter()
 
     def each():
@@ -157,7 +124,10 @@ def main(argv=None) -> None:
             print(f"[{i + 1}/{len(shards)}] {shard.name}", flush=True)
             yield shard.name, _file_sha256(shard.path), tokenize_rows(shard, tok)
 
-    m = write_pretokenized(args.out, each(), tok)
+    try:
+        m = write_pretokenized(args.out, each(), tok)
+    except DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     n = sum(s["n_tokens"] for s in m["shards"])
     dt = time.perf_counter() - t0
     print(f"wrote {args.out}: {len(m['shards'])} shards, {sum(s['n_docs'] for s in m['shards'])} docs, "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 from mhar_titan.data.config import DataConfig
+from mhar_titan.data.manifest import load_pretokenized
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,8 +213,6 @@ def _text_shard(path: Path, field: str):
 
 
 def _local_shards(patterns: list[str], field: str, what: str) -> list:
-    from mhar_titan.data.pretokenize import load_pretokenized
-
     shards = []
     for path in expand_files(patterns, what):
         shards.extend(load_pretokenized(path).shards if path.is_dir() else [_text_shard(path, field)])
