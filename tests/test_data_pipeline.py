@@ -5,6 +5,7 @@ import itertools
 import json
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -228,6 +229,50 @@ def test_validation_unchanged_when_training_files_change(gpt2, text_files):
     # a designated validation file matched by the training globs is excluded from training
     loader = _loader(_cfg(train + [val], validation_files=[val]), gpt2)
     assert val not in loader.layout["sources"] and len(loader.layout["sources"]) == 6
+
+
+def test_hub_validation_files_held_out_and_unchanged_when_training_files_change(gpt2, text_files):
+    """Item 5 on the hub code path (local parquet through datasets' streaming builder)."""
+    train, val = text_files
+
+    def val_digest(files):
+        cfg = _hub_cfg(files, validation_files=[val])
+        return _digest(build_validation_loader(cfg, gpt2, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=32,
+                                               steps=5))
+
+    reference = val_digest(train[:4])
+    assert val_digest(train[:3]) == reference and val_digest(train) == reference
+    local = build_validation_loader(_cfg(train, validation_files=[val]), gpt2, dp_rank=0, dp_world=1,
+                                    local_batch_size=2, seq_len=32, steps=5)
+    assert _digest(local) == reference
+    # a validation file inside the training data files (here through a glob) is excluded from training
+    glob_all = str(Path(val).parent / "*.parquet")
+    loader = _loader(_hub_cfg([glob_all], validation_files=[val]), gpt2)
+    assert sorted(loader.layout["sources"]) == sorted(train)
+    # disjoint by construction: nothing to exclude, verified against datasets' own file list
+    assert sorted(_loader(_hub_cfg(train, validation_files=[val]), gpt2).layout["sources"]) == sorted(train)
+
+
+def test_hub_validation_that_cannot_be_verified_is_an_error(gpt2, text_files, monkeypatch):
+    train, val = text_files
+    with pytest.raises(DataError, match="validation data") as err:
+        _loader(_hub_cfg(train, validation_files=[str(Path(val).parent / "held-out-*.parquet")]), gpt2)
+    assert "held-out-*.parquet" in str(err.value)
+    # a datasets version that no longer exposes the file of each shard: refuse rather than leak held-out data
+    import datasets
+
+    real = datasets.load_dataset
+
+    def without_file_list(*args, **kwargs):
+        ds = real(*args, **kwargs)
+        ds._ex_iterable.kwargs = {k: v for k, v in ds._ex_iterable.kwargs.items() if k != "files"}
+        return ds
+
+    monkeypatch.setattr(datasets, "load_dataset", without_file_list)
+    with pytest.raises(DataError, match="could leak into training") as err:
+        _loader(_hub_cfg(train + [val], validation_files=[val]), gpt2)
+    assert "data.source = 'local'" in str(err.value)
+    _loader(_hub_cfg(train), gpt2)  # without validation files nothing needs the file list
 
 
 # 6. changing the number of data-parallel ranks at resume -----------------------------------------------------

@@ -13,6 +13,7 @@ import fnmatch
 import glob
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
@@ -180,22 +181,72 @@ class HubShard:
                 time.sleep(wait)
 
 
-def _load_hub(cfg: DataConfig, data_files: Optional[list[str]], name: Optional[str]):
+def _load_hub(cfg: DataConfig, data_files: Optional[list[str]], name: Optional[str], role: str = "training"):
     import datasets
 
-    what = f"datasets.load_dataset({cfg.hub_path!r}, name={name!r}, split={cfg.hub_split!r}, streaming=True)"
+    what = (f"opening the {role} data: datasets.load_dataset({cfg.hub_path!r}, name={name!r}, "
+            f"split={cfg.hub_split!r}, data_files={data_files or None!r}, streaming=True)")
     return with_retries(
         lambda: datasets.load_dataset(cfg.hub_path, name, split=cfg.hub_split, streaming=True,
                                       revision=cfg.hub_revision, data_files=data_files or None),
         what, cfg.hub_retries, cfg.hub_retry_backoff_s)
 
 
+def _shard_files(dataset) -> Optional[list[str]]:
+    """The file behind each shard of a streaming dataset, or None if ``datasets`` does not say.
+
+    ``datasets`` (tested with 5.2) keeps them in the private ``_ex_iterable.kwargs["files"]``,
+    one file per shard for parquet/json builders.
+    """
+    files = getattr(getattr(dataset, "_ex_iterable", None), "kwargs", {}).get("files")
+    if not isinstance(files, (list, tuple)) or len(files) != dataset.num_shards:
+        return None
+    return [str(f) for f in files]
+
+
 def _hub_shards(cfg: DataConfig, dataset) -> list[HubShard]:
-    n = dataset.num_shards
-    files = list(getattr(dataset._ex_iterable, "kwargs", {}).get("files") or [])  # one file per shard
-    names = [str(files[i]) if len(files) == n else f"{cfg.hub_path}[shard {i}/{n}]" for i in range(n)]
+    n, files = dataset.num_shards, _shard_files(dataset)
+    names = [files[i] if files else f"{cfg.hub_path}[shard {i}/{n}]" for i in range(n)]
     return [HubShard(dataset.shard(num_shards=n, index=i), names[i], cfg.text_field,
                      cfg.hub_retries, cfg.hub_retry_backoff_s) for i in range(n)]
+
+
+def _unknown_files_error(cfg: DataConfig, role: str) -> DataError:
+    import datasets
+
+    return DataError(
+        f"cannot tell which {role} shards of {cfg.hub_path!r} are the data.validation_files {cfg.validation_files}: "
+        f"datasets {datasets.__version__} does not expose the file of each streaming shard (tested with 5.2), so "
+        f"held-out files could leak into training. Download the files and use data.source = 'local', or install "
+        f"a datasets version that exposes them.")
+
+
+def _repo_path(file: str) -> str:
+    """``hf://datasets/<repo>@<revision>/<path>`` -> ``<path>``; local paths unchanged."""
+    m = re.match(r"^hf://datasets/[^@]+@[^/]+/(.*)$", file)
+    return m.group(1) if m else file
+
+
+def _exclude_hub_validation(cfg: DataConfig, dataset, shards: list[HubShard]) -> list[HubShard]:
+    """The training ``shards`` of ``dataset`` minus every file of ``cfg.validation_files``.
+
+    The validation patterns are resolved by ``datasets`` itself (a pattern matching no file
+    raises DataError) and compared with the training files, so a held-out file is either
+    excluded or verifiably absent from the training files. Raises DataError when the files
+    behind the shards are unknown.
+    """
+    train_files = _shard_files(dataset)
+    if train_files is None:
+        raise _unknown_files_error(cfg, "training")
+    val_files = _shard_files(_load_hub(cfg, cfg.validation_files, None, role="validation"))
+    if val_files is None:
+        raise _unknown_files_error(cfg, "validation")
+    held_out = {_repo_path(f) for f in val_files}
+    kept = [s for s, f in zip(shards, train_files)
+            if _repo_path(f) not in held_out and not _matches_any(f, cfg.validation_files)]
+    logger.info("data: %d hub validation file(s); %d of them were in the training files and are excluded",
+                len(val_files), len(shards) - len(kept))
+    return kept
 
 
 def _matches_any(name: str, patterns: list[str]) -> bool:
@@ -224,8 +275,9 @@ def _local_shards(patterns: list[str], field: str, what: str) -> list:
 def train_shards(cfg: DataConfig) -> list:
     """The training shards in their canonical (unshuffled) order, validation files left out."""
     if cfg.source == "hub":
-        shards = _hub_shards(cfg, _load_hub(cfg, cfg.hub_data_files, cfg.hub_name))
-        kept = [s for s in shards if not _matches_any(s.name, cfg.validation_files)]
+        dataset = _load_hub(cfg, cfg.hub_data_files, cfg.hub_name)
+        shards = _hub_shards(cfg, dataset)
+        kept = _exclude_hub_validation(cfg, dataset, shards) if cfg.validation_files else shards
     else:
         if not cfg.files:
             raise DataError(f"data.files is empty: list the training {'files' if cfg.source == 'local' else 'pretokenized directories'}")
@@ -244,7 +296,7 @@ def validation_shards(cfg: DataConfig) -> list:
     if not cfg.validation_files:
         raise DataError("data.validation_files is empty: designate held-out files to evaluate on")
     if cfg.source == "hub":
-        return _hub_shards(cfg, _load_hub(cfg, cfg.validation_files, None))
+        return _hub_shards(cfg, _load_hub(cfg, cfg.validation_files, None, role="validation"))
     return _local_shards(cfg.validation_files, cfg.text_field, "data.validation_files")
 
 
