@@ -1,6 +1,7 @@
 """Depth routing op: MHAR_SPEC section 6 identities, gradients, dtypes, memory, dispatch."""
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,8 +134,58 @@ def test_rejects_heads_not_dividing_dim():
     sources = make_sources(2, shape=(1, 2, 12))
     with pytest.raises(ValueError, match=r"d=12.*H=5"):
         route_reference(sources, torch.zeros(12), torch.ones(12), 5)
-    with pytest.raises(ValueError, match=r"must be \(1, 2, 12\)"):
+    with pytest.raises(ValueError, match=r"source 2 is \(1, 3, 12\).*must match source 0: \(1, 2, 12\)"):
         route_reference(sources + [torch.zeros(1, 3, 12)], torch.zeros(12), torch.ones(12), 2)
+
+
+@pytest.mark.parametrize("heads", ["kv", 0, -2, True, 2.0])
+def test_heads_that_are_not_positive_ints_are_named_as_such(heads):
+    """A wrong type or sign is not reported as a divisibility problem (heads=True used to crash in view())."""
+    sources = make_sources(2, shape=(1, 2, 8))
+    for call in (route_reference, route):
+        with pytest.raises(ValueError, match=rf"routing heads must be a positive int, got {heads!r}") as err:
+            call(sources, torch.zeros(8), torch.ones(8), heads)
+        assert "divisible" not in str(err.value)
+
+
+def test_numpy_integer_heads_are_accepted():
+    sources = make_sources(3, shape=(1, 2, 8))
+    query, g = torch.randn(8), torch.rand(8) + 0.5
+    expected = route_reference(sources, query, g, 2)
+    assert torch.equal(route_reference(sources, query, g, np.int64(2)), expected)
+    assert torch.equal(route(sources, query, g, np.int64(2), kernel="eager"), expected)
+    with pytest.raises(ValueError, match=r"d=8 is not divisible by routing heads H=3"):
+        route_reference(sources, query, g, np.int64(3))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(sources=[torch.ones(1, 2, 8, dtype=torch.int64)]), "sources must be floating point"),
+        (dict(query=torch.zeros(8, device="meta")), "query must be a floating-point tensor on the sources' device"),
+        (dict(partial=torch.zeros(1, 2, 8, dtype=torch.float64)), r"partial must match the sources: \(1, 2, 8\)"),
+        (dict(partial=torch.zeros(1, 3, 8)), r"partial must match the sources"),
+        (dict(alpha=torch.zeros(())), r"alpha must have shape \(1,\)"),
+        (dict(sources=[torch.zeros(1, 2, 8), torch.zeros(8)]), r"a \(d,\) null source goes first"),
+    ],
+)
+def test_eager_route_checks_every_argument(change, message):
+    """The eager path runs the same validator as the fused op: partial, alpha, devices, dtypes."""
+    kwargs = dict(sources=make_sources(2, shape=(1, 2, 8)), query=torch.zeros(8), norm_weight=torch.ones(8),
+                  heads=2, partial=torch.zeros(1, 2, 8), alpha=torch.zeros(1))
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=message):
+        route(kwargs.pop("sources"), **kwargs, kernel="eager")
+
+
+def test_empty_token_batch_routes_to_empty_output_with_zero_parameter_gradients():
+    sources = make_sources(3, shape=(2, 0, 8), requires_grad=True)
+    query, g = torch.randn(8, requires_grad=True), torch.ones(8, requires_grad=True)
+    out = route_reference(sources, query, g, 2)
+    assert out.shape == (2, 0, 8)
+    dq, dg, *dsources = torch.autograd.grad(out.sum(), [query, g, *sources])
+    assert torch.equal(dq, torch.zeros(8)) and torch.equal(dg, torch.zeros(8))
+    assert all(d.shape == (2, 0, 8) for d in dsources)
 
 
 def test_delta_route_adds_gated_mix():

@@ -10,46 +10,100 @@ heads of K = d/H dims, and a key-norm weight g (d,):
     out[h]       = sum_n a_{n,h} * s_n[h]                     un-normalised sources
 
 H = 1 is single-head AttnRes. `route_reference` is the readable eager oracle (also the one
-the Triton kernels are tested against); `route` dispatches on `routing_kernel`.
+the Triton kernels are tested against); `route` dispatches on `routing_kernel`. The fused
+kernels (`mhar_kernels`) share this module's validator (`check_route_args`), compute dtype,
+logits and mix; this module imports them only lazily (kernel="triton").
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-KERNELS = ("eager", "compile", "triton", "auto")
+ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # values of ModelArgs.routing_kernel
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16/32-bit storage, float64 stays float64."""
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the statistics, softmax and accumulation: float32 for 16/32-bit storage,
+    float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_inputs(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int) -> tuple[int, int]:
+def split_null_source(sources: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
+    """(null source or None, the (B, T, d) sources): a leading (d,) tensor is the null source."""
+    sources = list(sources)
+    if sources and sources[0].dim() == 1:
+        return sources[0], sources[1:]
+    return None, sources
+
+
+def with_null_source(null_source: Tensor | None, sources: list[Tensor]) -> list[Tensor]:
+    """The null source, cast to the sources' dtype (as the fused kernels load it), then the sources."""
+    return sources if null_source is None else [null_source.to(sources[0].dtype), *sources]
+
+
+def check_route_args(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    partial: Tensor | None = None,
+    alpha: Tensor | None = None,
+    null_source: Tensor | None = None,
+) -> int:
+    """Validate the arguments of one routing call; the single validator of every routing path
+    (`route_reference`, `route`, `mhar_kernels.route`).
+
+    Args as `route_reference`, with the null source passed separately; sources are the (B, T, d) ones.
+
+    Returns:
+        heads as a Python int (numpy integers are accepted).
+
+    Raises:
+        ValueError naming the bad argument: no sources; non-floating or mismatched sources (shape,
+        dtype, device); heads not a positive int (bools rejected); d % H != 0 (naming d and H);
+        query / norm_weight / null_source not (d,); partial not like the sources; alpha not (1,);
+        only one of partial / alpha; a tensor on another device than the sources (on CUDA the
+        kernels would read an illegal address).
+    """
     if len(sources) == 0:
-        raise ValueError("depth routing needs at least one source")
-    d = query.shape[-1]
-    if query.shape != (d,) or norm_weight.shape != (d,):
-        raise ValueError(
-            f"query and norm_weight must both have shape (d,), got {tuple(query.shape)} and {tuple(norm_weight.shape)}"
-        )
-    if not isinstance(heads, int) or heads <= 0 or d % heads:
+        raise ValueError("depth routing needs at least one (B, T, d) source")
+    full = sources[0]
+    for i, s in enumerate(sources):
+        if s.dim() < 2:
+            raise ValueError(f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null "
+                             "source goes first in route()/route_reference() or as null_source= in mhar_kernels.route()")
+    if not full.is_floating_point():
+        raise ValueError(f"sources must be floating point, got {full.dtype}")
+    for i, s in enumerate(sources):
+        if s.shape != full.shape or s.dtype != full.dtype or s.device != full.device:
+            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
+                             f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
+    d = full.shape[-1]
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
+        raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")
+    if d % heads:
         raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")
-    full = [s for s in sources if s.dim() != 1]
-    if not full:
-        raise ValueError("depth routing needs at least one (B, T, d) source besides (d,) null sources")
-    shape = full[0].shape
-    for s in sources:
-        if s.shape[-1] != d or (s.dim() != 1 and s.shape != shape):
-            raise ValueError(
-                f"every source must be {tuple(shape)} (or a (d,) null source) with d={d}, got {tuple(s.shape)}"
-            )
-        if s.dtype != full[0].dtype:
-            raise ValueError(f"sources must share one dtype, got {s.dtype} and {full[0].dtype}")
-    return d, d // heads
+    if (partial is None) != (alpha is None):
+        raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
+    expected = dict(query=(d,), norm_weight=(d,), alpha=(1,), null_source=(d,))
+    given = dict(query=query, norm_weight=norm_weight, alpha=alpha, null_source=null_source)
+    for name, tensor in given.items():
+        if tensor is None:
+            continue
+        if tensor.shape != expected[name]:
+            why = " (FSDP rejects 0-dim parameters)" if name == "alpha" else ""
+            raise ValueError(f"{name} must have shape {expected[name]}{why}, got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point() or tensor.device != full.device:
+            raise ValueError(f"{name} must be a floating-point tensor on the sources' device {full.device}, "
+                             f"got {tensor.dtype} on {tensor.device}")
+    if partial is not None and (partial.shape, partial.dtype, partial.device) != (full.shape, full.dtype, full.device):
+        raise ValueError(f"partial must match the sources: {tuple(full.shape)} {full.dtype} on {full.device}, "
+                         f"got {tuple(partial.shape)} {partial.dtype} on {partial.device}")
+    return int(heads)
 
 
 def _inv_rms(source: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
@@ -64,20 +118,48 @@ def _normalised_key(source: Tensor, rstd: Tensor, cdt: torch.dtype) -> Tensor:
 
 
 def _source_logits(source: Tensor, q: Tensor, g: Tensor, eps: float, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Per-head logits (..., H) of one source against q (H, K), and its inverse RMS (..., 1)."""
+    """Per-head logits (..., H) of one source (or a stack of them) against q (H, K), and its
+    inverse RMS (..., 1)."""
     rstd = _inv_rms(source, eps, cdt)
     key = _normalised_key(source, rstd, cdt) * g
     return (key.unflatten(-1, (q.shape[0], -1)) * q).sum(-1), rstd
 
 
+def _logits_and_inv_rms(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    """Logits (N, B, T, H) and inverse RMS (N, B, T) in the compute dtype; a (d,) null source
+    (first) is broadcast over the tokens."""
+    full = sources[-1]
+    cdt = compute_dtype(full.dtype)
+    q, g = query.to(cdt).view(heads, -1), norm_weight.to(cdt)
+    logits, rstds = [], []
+    for s in sources:
+        logit, rstd = _source_logits(s, q, g, eps, cdt)
+        logits.append(logit.expand(*full.shape[:-1], heads))
+        rstds.append(rstd.squeeze(-1).expand(full.shape[:-1]))
+    return torch.stack(logits), torch.stack(rstds)
+
+
+def depth_mix(sources: Sequence[Tensor], weights: Tensor) -> Tensor:
+    """out[h] = sum_n weights[n, ..., h] * s_n[h] (MHAR_SPEC section 2) in the weights' dtype.
+
+    sources: N tensors (B, T, d) (a (d,) null source broadcasts); weights: (N, B, T, H).
+    Returns (B, T, d); accumulates one source at a time (no stacked copy)."""
+    heads = weights.shape[-1]
+    out = None
+    for n, s in enumerate(sources):
+        term = weights[n].unsqueeze(-1) * s.to(weights.dtype).unflatten(-1, (heads, -1))
+        out = term if out is None else out + term
+    return out.flatten(-2)
+
+
 def routing_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
     """Depth logits logit_{n,h} = <q[h], RMSNorm_g(s_n)[h]> as (N, B, T, H) in the compute dtype
-    (MHAR_SPEC section 2); no gradient bookkeeping beyond plain autograd. For analysis and tests."""
-    _check_inputs(sources, query, norm_weight, heads)
-    cdt = _compute_dtype(sources[-1].dtype)
-    batch = next(s for s in sources if s.dim() != 1).shape[:-1]
-    q, g = query.to(cdt).view(heads, -1), norm_weight.to(cdt)
-    return torch.stack([_source_logits(s, q, g, eps, cdt)[0].expand(*batch, heads) for s in sources])
+    (MHAR_SPEC section 2); a leading (d,) source is the null source. Plain autograd; for the
+    online-softmax state, analysis and tests. Raises ValueError as `check_route_args`."""
+    null_source, full = split_null_source(sources)
+    heads = check_route_args(full, query, norm_weight, heads, null_source=null_source)
+    return _logits_and_inv_rms(with_null_source(null_source, full), query, norm_weight, heads, eps)[0]
 
 
 class _DepthRoute(torch.autograd.Function):
@@ -91,26 +173,9 @@ class _DepthRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, norm_weight: Tensor, heads: int, eps: float, *sources: Tensor):
-        cdt = _compute_dtype(sources[-1].dtype)
-        d = query.shape[-1]
-        q = query.to(cdt).view(heads, d // heads)
-        g = norm_weight.to(cdt)
-        full = next(s for s in sources if s.dim() != 1)
-        batch = full.shape[:-1]
-
-        rstds, logits = [], []
-        for s in sources:
-            logit, rstd = _source_logits(s, q, g, eps, cdt)
-            logits.append(logit.expand(*batch, heads))
-            rstds.append(rstd.squeeze(-1).expand(batch))
-        weights = torch.softmax(torch.stack(logits), dim=0)  # (N, B, T, H)
-
-        out = torch.zeros(*batch, heads, d // heads, dtype=cdt, device=full.device)
-        for n, s in enumerate(sources):
-            out += weights[n].unsqueeze(-1) * s.to(cdt).unflatten(-1, (heads, -1))
-        out = out.flatten(-2).to(full.dtype)
-
-        rstd = torch.stack(rstds)  # (N, B, T)
+        logits, rstd = _logits_and_inv_rms(sources, query, norm_weight, heads, eps)
+        weights = torch.softmax(logits, dim=0)  # (N, B, T, H)
+        out = depth_mix(sources, weights).to(sources[-1].dtype)
         ctx.save_for_backward(query, norm_weight, weights, rstd, *sources)
         ctx.heads = heads
         ctx.mark_non_differentiable(weights)
@@ -175,11 +240,11 @@ def route_reference(
 
     Args:
         sources: N tensors of shape (B, T, d), all of one dtype (any leading dims work, as long as
-            they match). A (d,) tensor (the learnable null source) is also accepted and broadcast
-            over the tokens without being copied.
+            they match). A leading (d,) tensor (the learnable null source) is also accepted: cast
+            to the sources' dtype and broadcast over the tokens without being copied.
         query: pseudo-query (d,), viewed as H contiguous heads of d/H dims.
         norm_weight: key RMSNorm weight g (d,); the RMS statistic is over the full d.
-        heads: routing heads H; d % H must be 0.
+        heads: routing heads H, a positive int (numpy integers accepted); d % H must be 0.
         eps: RMSNorm epsilon.
         return_weights: also return the depth-softmax weights.
 
@@ -192,10 +257,12 @@ def route_reference(
     scalar per source and token (see `_DepthRoute`).
 
     Raises:
-        ValueError: d % H != 0 (naming d and H), no sources, or mismatched shapes/dtypes.
+        ValueError: as `check_route_args` (no sources, mismatched shapes/dtypes/devices, heads
+        not a positive int, d % H != 0 naming d and H).
     """
-    _check_inputs(sources, query, norm_weight, heads)
-    out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
+    null_source, full = split_null_source(sources)
+    heads = check_route_args(full, query, norm_weight, heads, null_source=null_source)
+    out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *with_null_source(null_source, full))
     return (out, weights) if return_weights else out
 
 
@@ -203,25 +270,21 @@ def route_stacked(stacked: Tensor, query: Tensor, norm_weight: Tensor, heads: in
     """The same function on a pre-stacked (N, B, T, d) tensor with plain autograd; the body that
     `kernel="compile"` compiles (MHAR_SPEC pitfall 9: stack outside the compiled region).
     Keeps the stack and fp32 intermediates for backward, unlike `route_reference`."""
-    cdt = _compute_dtype(stacked.dtype)
-    x = stacked.to(cdt)
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    key = (x * rstd).to(stacked.dtype).to(cdt) * norm_weight.to(cdt)
-    q = query.to(cdt).view(heads, -1)
-    weights = torch.softmax((key.unflatten(-1, (heads, -1)) * q).sum(-1), dim=0)  # (N, B, T, H)
-    out = (weights.unsqueeze(-1) * x.unflatten(-1, (heads, -1))).sum(0)
+    cdt = compute_dtype(stacked.dtype)
+    logits, _ = _source_logits(stacked, query.to(cdt).view(heads, -1), norm_weight.to(cdt), eps, cdt)
+    weights = torch.softmax(logits, dim=0)  # (N, B, T, H)
+    out = (weights.unsqueeze(-1) * stacked.to(cdt).unflatten(-1, (heads, -1))).sum(0)
     return out.flatten(-2).to(stacked.dtype)
 
 
 _compiled_route_stacked = None
 
 
-def _route_compiled(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+def _route_compiled(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
     global _compiled_route_stacked
     if _compiled_route_stacked is None:
         _compiled_route_stacked = torch.compile(route_stacked, dynamic=True)
-    shape = next(s for s in sources if s.dim() != 1).shape
-    stacked = torch.stack([s.expand(shape) for s in sources])
+    stacked = torch.stack([s.expand(sources[-1].shape) for s in sources])
     return _compiled_route_stacked(stacked, query, norm_weight, heads, eps)
 
 
@@ -254,31 +317,28 @@ def route(
     eager otherwise). A leading (d,) source is the null source.
 
     Replacement mode returns the mix (B, T, d). Delta mode (MHAR_SPEC section 1.4) passes the
-    residual `partial` (B, T, d) and the gate `alpha` (1,) and returns partial + alpha * mix;
-    with alpha = 0 the result equals `partial` bit for bit.
+    residual `partial` (B, T, d, the sources' dtype) and the gate `alpha` (1,) and returns
+    partial + alpha * mix; with alpha = 0 the result equals `partial` bit for bit.
 
     Raises:
-        ValueError: unknown kernel, only one of partial/alpha given, or bad shapes (see route_reference).
+        ValueError: unknown kernel, or bad arguments as `check_route_args` (including only one
+            of partial/alpha, or their shapes).
         RuntimeError: kernel="triton" when the fused kernels cannot be imported.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    if (partial is None) != (alpha is None):
-        raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
+    if kernel not in ROUTING_KERNELS:
+        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {ROUTING_KERNELS}")
+    null_source, full = split_null_source(sources)
+    heads = check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
     if kernel == "auto":
-        kernel = "triton" if sources[-1].is_cuda else "eager"
+        kernel = "triton" if full[0].is_cuda else "eager"
     if kernel == "triton":
-        null_source = None
-        if sources[0].dim() == 1:
-            null_source, sources = sources[0], sources[1:]
-        return _triton_route()(
-            list(sources), query, norm_weight, heads, eps, partial=partial, alpha=alpha, null_source=null_source
-        )
+        return _triton_route()(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                               null_source=null_source)
+    sources = with_null_source(null_source, full)
     if kernel == "compile":
-        _check_inputs(sources, query, norm_weight, heads)
         mix = _route_compiled(sources, query, norm_weight, heads, eps)
     else:
-        mix = route_reference(sources, query, norm_weight, heads, eps)
+        mix, _ = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
     if partial is None:
         return mix
     return partial + alpha.to(mix.dtype) * mix
