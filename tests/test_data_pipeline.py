@@ -19,7 +19,7 @@ from mhar_titan.data.pretokenize import main as pretokenize_main
 from mhar_titan.data.pretokenize import write_pretokenized
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
 from mhar_titan.data.sources import with_retries
-from mhar_titan.data.stream import split_parts
+from mhar_titan.data.stream import epoch_parts, split_parts
 from mhar_titan.data.tokenizer import default_cache_dir
 
 WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
@@ -134,33 +134,77 @@ def _check_windows_in_bounds(windows, n_docs):
                 assert b != EOS and (b - 1) % DOC_LEN == 0
 
 
-@pytest.mark.parametrize("sharding", ["window", "document"])
-def test_coverage_world4_no_token_twice_and_bounded_leftover(synthetic_tokens, sharding):
+@pytest.mark.parametrize("sharding,workers", [("window", 0), ("document", 0), ("document", 2)])
+def test_coverage_world4_no_token_twice_and_bounded_leftover(synthetic_tokens, sharding, workers, caplog):
     tok, folder, n_docs = synthetic_tokens
     world, batch, seq_len = 4, 2, 8
-    cfg = _cfg([str(folder)], source="pretokenized", sharding=sharding, infinite=False, shuffle_buffer=4)
-    per_rank = _all_windows(cfg, tok, world, batch, seq_len)
+    window = seq_len + 1
+    cfg = _cfg([str(folder)], source="pretokenized", sharding=sharding, infinite=False, shuffle_buffer=4,
+               num_workers=workers)
+    with caplog.at_level(logging.WARNING, logger="mhar_titan.data.loader"):
+        per_rank = _all_windows(cfg, tok, world, batch, seq_len)
     used = [t for ws in per_rank.values() for w in ws for t in w if t != EOS]
     assert len(used) == len(set(used)), "a token was used twice in one epoch"
     for ws in per_rank.values():
         _check_windows_in_bounds(ws, n_docs)
     stream_tokens = n_docs * (DOC_LEN + 1)
-    used_total = sum(len(ws) for ws in per_rank.values()) * (seq_len + 1)
+    steps = {len(ws) // batch for ws in per_rank.values()}
+    assert len(steps) == 1 and all(len(ws) % batch == 0 for ws in per_rank.values()), "ranks out of step"
+    in_step = steps.pop()
+    unused = stream_tokens - in_step * world * batch * window  # the steps every rank reaches
     if sharding == "window":
-        steps = {len(ws) // batch for ws in per_rank.values()}
-        assert len(steps) == 1
-        global_order = list(itertools.islice(
-            (w for w in _all_windows(cfg, tok, 1, world * batch, seq_len)[0]), None))
-        interleaved = [w for step in range(steps.pop()) for r in range(world)
+        global_order = _all_windows(cfg, tok, 1, world * batch, seq_len)[0]
+        interleaved = [w for step in range(in_step) for r in range(world)
                        for w in per_rank[r][step * batch:(step + 1) * batch]]
         assert interleaved == global_order  # the ranks' windows partition the global order exactly
         # dropped: the last incomplete round and partial window
-        assert 0 <= stream_tokens - used_total < world * batch * (seq_len + 1)
-    else:
-        docs_per_rank = [{(t - 1) // DOC_LEN for w in ws for t in w if t != EOS} for ws in per_rank.values()]
-        assert all(a.isdisjoint(b) for a, b in itertools.combinations(docs_per_rank, 2))
-        # documented bound: per rank one partial window plus one incomplete batch
-        assert 0 <= stream_tokens - used_total <= world * (batch * (seq_len + 1) - 1)
+        assert 0 <= unused < world * batch * window
+        return
+    docs_per_rank = [{(t - 1) // DOC_LEN for w in ws for t in w if t != EOS} for ws in per_rank.values()]
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(docs_per_rank, 2))
+    # 7 shards of 10 documents on 4 ranks: one whole shard each, and 3 leftover shards split by row
+    # striding (rows r, r+4, ...): ranks 0-3 own 19, 19, 16, 16 documents of DOC_LEN + 1 tokens
+    n_shards, rows = 7, 10
+    owned = [rows * (n_shards // world) + (n_shards % world) * len(range(r, rows, world)) for r in range(world)]
+    assert owned == [19, 19, 16, 16]
+    tokens = [d * (DOC_LEN + 1) for d in owned]
+    if workers == 0:
+        expected = [t // window // batch for t in tokens]
+        assert expected == [106, 106, 89, 89]
+        loader = _loader(cfg, tok, rank=0, world=world, batch=batch, seq_len=seq_len)
+        assert loader.epoch_batches == expected and loader.steps_every_rank_reaches == 89
+        assert in_step == 89
+    # the documented bound: sum_r (T_r - T_min) + world * W * (B * L - 1), where for equal shards
+    # T_r - T_min <= (n_shards mod world) * (DOC_LEN + 1)
+    per_stream_loss = batch * window - 1
+    imbalance = sum(t - min(tokens) for t in tokens)
+    assert imbalance <= world * (n_shards % world) * (DOC_LEN + 1)
+    assert 0 <= unused <= imbalance + world * max(1, workers) * per_stream_loss
+    assert unused > imbalance // 2  # the in-step cost is real, not hidden by the bound's slack
+    assert "rank 0 stops after batch" in caplog.text and "data.infinite = true" in caplog.text
+
+
+def test_finite_document_mode_on_text_keeps_ranks_in_step_across_resume(gpt2, text_files):
+    """Text shards (counted by tokenizing): 6 shards on 4 ranks, so ranks 0-1 own more documents."""
+    files, world, batch, seq_len = text_files[0], 4, 2, 32
+    cfg = _cfg(files, sharding="document", infinite=False)
+    loader = _loader(cfg, gpt2, rank=0, world=world, batch=batch, seq_len=seq_len)
+    # independent count: each rank's rows of the epoch-0 shard order, tokenized, + one EOS per document
+    texts = [pq.read_table(f).column("text").to_pylist() for f in files]
+    expected = []
+    for rank in range(world):
+        parts = epoch_parts(len(files), 7, 0, True, [(world, rank), (1, 0)])
+        tokens = sum(len(gpt2.encode(texts[s][j])) + 1 for s, stride, off in parts
+                     for j in range(len(texts[s])) if j % stride == off)
+        expected.append(tokens // (seq_len + 1) // batch)
+    assert loader.epoch_batches == expected and len(set(expected)) > 1
+    limit = min(expected)
+    for rank in range(world):
+        first = _loader(cfg, gpt2, rank=rank, world=world, batch=batch, seq_len=seq_len)
+        head = list(itertools.islice(first, 5))
+        resumed = _loader(cfg, gpt2, rank=rank, world=world, batch=batch, seq_len=seq_len)
+        resumed.load_state_dict(first.state_dict())
+        assert len(head) + len(list(resumed)) == limit and resumed.batches_done == limit
 
 
 def test_split_parts_partitions_rows_for_indivisible_counts():

@@ -20,13 +20,31 @@ that point. ``load_state_dict`` applies these rules:
   epoch) at the new layout and logs that the rest of epoch E is skipped;
 - a different seq_len, seed, sharding mode or list of shards always raises.
 
-Unused tokens per epoch (finite mode, ``infinite = false``): ``window`` mode drops
-the last incomplete round (< dp_world * B windows, the same for all ranks) and
-partial window. In ``document`` mode each (rank, worker) stream drops at most one
-partial window (< seq_len + 1 tokens) plus its last incomplete batch (< B windows);
-ranks finish their epoch independently, so a finite multi-rank run must stop at a
-step count that every rank reaches (the default ``infinite = true`` never stops, and
-the token buffer carries across epochs, so nothing is dropped).
+Finite data (``infinite = false``) and unused tokens per epoch
+--------------------------------------------------------------
+With ``L = seq_len + 1`` tokens per window and ``B = local_batch_size``:
+
+- ``window`` mode: every rank stops at the same step; the epoch drops its last
+  incomplete round (< ``dp_world * B`` windows) and partial window, so fewer than
+  ``dp_world * B * L`` tokens are unused.
+- ``document`` mode: rank r owns ``T_r`` tokens of the epoch (its documents plus one EOS
+  each) and alone could fill ``s_r`` batches (per worker stream: one partial window and
+  an incomplete batch dropped, < ``B * L`` tokens). To keep ranks in step, so that no
+  rank waits in a collective for one that ran out, every rank stops after
+  ``s = min_r s_r`` batches (``TrainLoader.epoch_batches`` lists the ``s_r``; computed
+  at build time from the shards: pretokenized data reads only its row offsets, text
+  data is tokenized once more, counted and discarded). Tokens unused per epoch:
+  ``sum_r T_r - dp_world * s * B * L <= sum_r (T_r - T_min) + dp_world * W * (B * L - 1)``
+  (W = workers per rank, at least 1). The imbalance ``T_r - T_min`` comes from
+  ``split_parts``: whole shards go round-robin (no imbalance when shards have equal
+  size) and each of the ``n_shards mod dp_world`` leftover shards is split by row
+  striding, where ranks differ by at most one document. With equal-size shards of
+  equal documents of D tokens that is at most ``(n_shards mod dp_world) * (D + 1)``
+  tokens per rank, i.e. about one document per leftover shard. The batches a rank
+  skips are logged when it stops. A finite run must therefore stop within
+  ``min(epoch_batches)`` loader batches (``training.steps * gradient accumulation``);
+  the default ``infinite = true`` never stops and drops nothing (the token buffer
+  carries across epochs).
 """
 import logging
 from typing import Optional
@@ -34,6 +52,7 @@ from typing import Optional
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from mhar_titan.data.balance import epoch_batches_per_rank
 from mhar_titan.data.config import DataConfig
 from mhar_titan.data.dataset import PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
@@ -54,7 +73,12 @@ def _check_pretokenized(cfg: DataConfig, shards: list, tokenizer) -> None:
 
 
 class TrainLoader:
-    """Iterable of ``(inputs, labels)`` int64 ``(local_batch_size, seq_len)`` with resumable state."""
+    """Iterable of ``(inputs, labels)`` int64 ``(local_batch_size, seq_len)`` with resumable state.
+
+    ``epoch_batches``: in finite document mode on several ranks, the batches each rank's epoch
+    holds (index = rank; None otherwise); every rank stops after ``steps_every_rank_reaches``
+    = their minimum (module docstring), so a trainer can check its step count up front.
+    """
 
     def __init__(self, cfg: DataConfig, shards: list, tokenizer, *, dp_rank: int, dp_world: int,
                  local_batch_size: int, seq_len: int, seed: int):
@@ -64,11 +88,20 @@ class TrainLoader:
                        "num_workers": cfg.num_workers, "seed": seed, "sources": sources_fingerprint(shards)}
         self._windows_base = 0  # global windows consumed before this loader's first step (window mode)
         self._steps = 0         # batches yielded by this loader since it was built or loaded
+        self._batches_base = 0  # batches yielded before that since the start of the current layout's first epoch
         self._build()
 
     def _build(self, start_stream: Optional[dict] = None, start_epoch: int = 0) -> None:
         lay = self.layout
-        self._start_stream = start_stream
+        self._start_stream, self._first_epoch = start_stream, start_epoch
+        self.epoch_batches: Optional[list[int]] = None
+        if lay["sharding"] == "document" and not self.cfg.infinite and lay["dp_world"] > 1:
+            self.epoch_batches = epoch_batches_per_rank(
+                self.shards, self.tokenizer.encode, dp_world=lay["dp_world"], num_workers=self.cfg.num_workers,
+                local_batch_size=lay["local_batch_size"], seq_len=lay["seq_len"], seed=lay["seed"],
+                shuffle=self.cfg.shuffle, epoch=start_epoch)
+            logger.info("data: finite document-mode epoch %d: batches per rank %s; every rank stops after %d",
+                        start_epoch, self.epoch_batches, min(self.epoch_batches))
         self.dataset = PackedBatches(
             self.shards, self.tokenizer, sharding=lay["sharding"], dp_rank=lay["dp_rank"], dp_world=lay["dp_world"],
             local_batch_size=lay["local_batch_size"], seq_len=lay["seq_len"], seed=lay["seed"],
@@ -89,10 +122,36 @@ class TrainLoader:
         """Global windows consumed by all ranks together (window mode)."""
         return self._windows_base + self._steps * self.round_size
 
+    @property
+    def batches_done(self) -> int:
+        """Batches this rank has yielded since the start of its layout's first epoch (persisted in the state)."""
+        return self._batches_base + self._steps
+
+    @property
+    def steps_every_rank_reaches(self) -> Optional[int]:
+        """Finite document mode on several ranks: the batches every rank yields (then all stop); else None."""
+        return min(self.epoch_batches) if self.epoch_batches else None
+
     def __iter__(self):
-        for batch in self._loader:
+        limit, rank = self.steps_every_rank_reaches, self.layout["dp_rank"]
+        it = iter(self._loader)
+        while limit is None or self.batches_done < limit:
+            try:
+                batch = next(it)
+            except StopIteration:
+                if limit is not None:
+                    raise DataError(f"internal: rank {rank}'s finite document-mode data ended after "
+                                    f"{self.batches_done} batches, expected {limit}") from None
+                logger.info("data: rank %d's finite data ran out after %d batches; set data.infinite = true to "
+                            "train longer", rank, self.batches_done)
+                return
             self._steps += 1
             yield batch
+        logger.warning(
+            "data: rank %d stops after batch %d, the number every rank reaches in this finite document-mode "
+            "epoch (batches per rank: %s; this rank leaves %d unused to keep ranks in step). Set data.infinite = "
+            "true to train longer, or keep training.steps x gradient accumulation <= %d.", rank, limit,
+            self.epoch_batches, self.epoch_batches[rank] - limit, limit)
 
     # -- state -----------------------------------------------------------------
     def _worker_states(self, loader_state: dict) -> list[dict]:
@@ -112,7 +171,8 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         loader_state = self._loader.state_dict()
-        sd = {"format": STATE_FORMAT, **self.layout, "steps": self._steps, "loader": loader_state,
+        sd = {"format": STATE_FORMAT, **self.layout, "steps": self._steps, "batches_done": self.batches_done,
+              "first_epoch": self._first_epoch, "loader": loader_state,
               "epoch": max([ws["stream"]["epoch"] for ws in self._worker_states(loader_state)
                             if ws["stream"] is not None] or [0])}
         if self.layout["sharding"] == "window":
@@ -143,6 +203,7 @@ class TrainLoader:
             if same:
                 self._loader.load_state_dict(sd["loader"])
                 self._windows_base, self._steps = sd["windows_done"], 0
+                self._batches_base = sd.get("batches_done", 0)
                 self._start_stream = sd["global_stream"]
                 return
             logger.warning("data: window-mode state saved at dp world %d x local batch %d (%d workers) resumes at "
@@ -150,11 +211,13 @@ class TrainLoader:
                            sd["dp_world"], sd["local_batch_size"], sd["num_workers"], lay["dp_world"],
                            lay["local_batch_size"], lay["num_workers"], sd["windows_done"])
             self._build(start_stream=sd["global_stream"])
-            self._windows_base, self._steps = sd["windows_done"], 0
+            self._windows_base, self._steps, self._batches_base = sd["windows_done"], 0, 0
             return
         if same and sd["dp_rank"] == lay["dp_rank"]:
+            if sd.get("first_epoch", 0) != self._first_epoch:  # a layout that began after a reshard
+                self._build(start_epoch=sd["first_epoch"])
             self._loader.load_state_dict(sd["loader"])
-            self._steps = 0
+            self._steps, self._batches_base = 0, sd.get("batches_done", 0)
             return
         if not self.cfg.allow_document_reshard:
             raise DataStateError(
@@ -170,7 +233,7 @@ class TrainLoader:
                        "starts now", sd["dp_world"], sd["num_workers"], lay["dp_world"], lay["num_workers"],
                        sd["epoch"], sd["epoch"] + 1)
         self._build(start_epoch=sd["epoch"] + 1)
-        self._steps = 0
+        self._steps, self._batches_base = 0, 0
 
 
 def build_train_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,

@@ -48,7 +48,15 @@ def epoch_shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> li
     return order
 
 
-def clean_document(value, shard_name: str, row: int, counts: dict) -> Optional[object]:
+def epoch_parts(n_shards: int, seed: int, epoch: int, shuffle: bool, consumer: list[tuple[int, int]]) -> list[Part]:
+    """The parts of epoch ``epoch``'s shard order that ``consumer`` (see ``TokenStream``) reads, in order."""
+    parts = [(s, 1, 0) for s in epoch_shard_order(n_shards, seed, epoch, shuffle)]
+    for n, i in consumer:
+        parts = split_parts(parts, n, i)
+    return parts
+
+
+def clean_document(value, shard_name: str, row: int, counts: dict, warn: bool = True) -> Optional[object]:
     """A row's document (str or token array), or None if it is empty or not valid UTF-8 (counted, warned)."""
     kind = None
     if value is None or (isinstance(value, (str, bytes, np.ndarray)) and len(value) == 0):
@@ -65,7 +73,7 @@ def clean_document(value, shard_name: str, row: int, counts: dict) -> Optional[o
                         f"check data.text_field")
     counts[kind] = counts.get(kind, 0) + 1
     n = counts[kind]
-    if n & (n - 1) == 0:  # warn at 1, 2, 4, 8, ... occurrences
+    if warn and n & (n - 1) == 0:  # warn at 1, 2, 4, 8, ... occurrences
         logger.warning("data: skipped %s document (%s row %d); %d %s document(s) skipped so far",
                        kind.replace("_", " "), shard_name, row, n, kind)
     return None
@@ -111,10 +119,7 @@ class TokenStream:
                         self.label, epoch, self.seed, epoch)
 
     def _parts_of(self, epoch: int) -> list[Part]:
-        parts = [(s, 1, 0) for s in epoch_shard_order(len(self.shards), self.seed, epoch, self.shuffle)]
-        for n, i in self.consumer:
-            parts = split_parts(parts, n, i)
-        return parts
+        return epoch_parts(len(self.shards), self.seed, epoch, self.shuffle, self.consumer)
 
     # -- documents -------------------------------------------------------------
     def _read_doc(self):
