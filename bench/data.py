@@ -3,20 +3,27 @@
 Usage::
 
     python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare   # once
-    python bench/data.py [--data data/shakespeare] [--seq-len 2048] [--batch 8] [--tokens 3000000] [--workers 0 1 2]
+    python bench/data.py [--data data/shakespeare] [--seq-len 2048] [--batch 8] [--tokens 3000000] [--workers 0 1 2] \\
+        [--append BENCHMARKS.md]
 
 Each row iterates the train loader until ``--tokens`` input tokens have been
 delivered (the ~1.5 M-token Shakespeare training split wraps into new epochs) and
 reports the rate including worker start-up. Rows: window sharding (every worker
 tokenizes the whole stream), document sharding with 0..N workers, pretokenized
-shards, and raw ``encode_ordinary`` for reference. Target: ~0.5 M tokens/s feeds a
-100M-parameter model on one H200.
+shards, the pretokenize command itself, and raw ``encode_ordinary`` for reference.
+Target: ~0.5 M tokens/s feeds a 100M-parameter model on one H200. ``--append FILE``
+adds the table, with the command, machine (CPU model, cores, load), library versions
+and date, at the end of the "## Data loader" section of FILE (created if missing).
 """
 import argparse
+import datetime
 import os
 import platform
+import shlex
+import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -37,14 +44,56 @@ def rate(cfg: DataConfig, tok, args) -> float:
     return n * per_batch / (time.perf_counter() - t0)
 
 
-def main() -> None:
+SECTION = "## Data loader"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_run(argv: list[str], corpus_tokens: int, args) -> str:
+    """Command, machine, versions and date of this run (markdown lines)."""
+    libs = ", ".join(f"{name} {version(name)}" for name in ("torch", "torchdata", "tiktoken", "datasets", "pyarrow"))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"Command: `python bench/data.py {shlex.join(argv)}`  \n"
+            f"Machine: {cpu_model()}, {os.cpu_count()} CPU cores (load average {load} at the end), "
+            f"{platform.system()} {platform.release()}  \n"
+            f"Versions: Python {platform.python_version()}, {libs}  \n"
+            f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}. Corpus {args.data}: "
+            f"{corpus_tokens:,} gpt2 tokens; seq_len {args.seq_len}, local batch {args.batch}, {args.tokens:,} "
+            f"delivered input tokens per loader row (rates include worker start-up).")
+
+
+def append_section(path: Path, text: str, title: str) -> None:
+    """Append ``### title`` + ``text`` at the end of the data-loader section of ``path`` (other sections untouched)."""
+    content = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION not in content:
+        content = content.rstrip("\n") + f"\n\n{SECTION}\n\nWritten by `bench/data.py --append`.\n"
+    start = content.index(SECTION)
+    nxt = content.find("\n## ", start + len(SECTION))
+    end = len(content) if nxt == -1 else nxt
+    content = content[:end].rstrip("\n") + f"\n\n### {title}\n\n{text}\n" + content[end:]
+    path.write_text(content)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("data/shakespeare"))
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=3_000_000)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-    args = parser.parse_args()
+    parser.add_argument("--data", type=Path, default=Path("data/shakespeare"),
+                        help="folder with train-*.parquet (python -m mhar_titan.data.prepare_shakespeare --out DIR)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
+    parser.add_argument("--batch", type=int, default=8, help="local batch size (sequences per batch)")
+    parser.add_argument("--tokens", type=int, default=3_000_000, help="input tokens delivered per loader row")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loader worker counts to measure")
+    parser.add_argument("--append", type=Path, default=None,
+                        help="append the table with command, machine, versions and date to this BENCHMARKS.md")
+    args = parser.parse_args(argv)
     files = sorted(str(p) for p in args.data.glob("train-*.parquet"))
     if not files:
         raise SystemExit(f"no train-*.parquet in {args.data}: run python -m mhar_titan.data.prepare_shakespeare "
@@ -55,22 +104,26 @@ def main() -> None:
     n_raw = sum(len(tok.encode(t)) for t in texts)
     raw = n_raw / (time.perf_counter() - t0)
 
-    rows = [("tiktoken encode_ordinary only (1 thread)", raw)]
+    rows = [("tiktoken `encode_ordinary` only (1 thread)", raw)]
     for w in args.workers:
         rows.append((f"window sharding, {w} workers", rate(DataConfig(files=files, sharding="window", num_workers=w), tok, args)))
     for w in args.workers:
         rows.append((f"document sharding, {w} workers",
                      rate(DataConfig(files=files, sharding="document", num_workers=w), tok, args)))
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
         pretokenize_main(["--files", *files, "--out", tmp, "--tokenizer", "gpt2"])
-        rows.append(("pretokenized, window sharding, 0 workers",
+        pretokenize_rate = n_raw / (time.perf_counter() - t0)
+        rows.append(("pretokenized (`python -m mhar_titan.data.pretokenize`), window sharding, 0 workers",
                      rate(DataConfig(source="pretokenized", files=[tmp], sharding="window"), tok, args)))
+        rows.append(("`pretokenize` command itself (tokenize + write)", pretokenize_rate))
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores; corpus "
-          f"{n_raw:,} gpt2 tokens; seq_len {args.seq_len}, local batch {args.batch}, {args.tokens:,} tokens per row")
-    print("| loader | tokens/s |\n|---|---:|")
-    for name, r in rows:
-        print(f"| {name} | {r / 1e6:.2f} M |")
+    table = "\n".join(["| loader | tokens/s |", "|---|---:|"] + [f"| {name} | {r / 1e6:.3g} M |" for name, r in rows])
+    text = describe_run(argv, n_raw, args) + "\n\n" + table
+    print("\n" + text)
+    if args.append:
+        append_section(args.append, text, f"Run of {datetime.date.today().isoformat()} ({os.cpu_count()} cores)")
+        print(f"appended to {args.append}")
 
 
 if __name__ == "__main__":
