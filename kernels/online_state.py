@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .op import check_route_args, uses_triton
-from . import reference_path
+from mhar_titan.models.routing import check_route_args, depth_mix, routing_logits, with_null_source
+
+from .op import uses_triton
 
 State = tuple[Tensor, Tensor]
 
@@ -36,25 +37,22 @@ def route_with_state(
     Returns (mix (B, T, d) fp32, lse (B*T, H) fp32); no autograd.
     Raises ValueError as `mhar_kernels.route`, or when the state's shapes do not fit."""
     sources = list(sources)
-    check_route_args(sources, query, norm_weight, heads, null_source=null_source)
-    srcs = [null_source.to(sources[0].dtype), *sources] if null_source is not None else sources
+    heads = check_route_args(sources, query, norm_weight, heads, null_source=null_source)
+    srcs = with_null_source(null_source, sources)
     bt = sources[0].numel() // sources[0].shape[-1]
     if state is not None and (state[0].shape != sources[0].shape or state[1].shape != (bt, heads)):
         raise ValueError(f"state must be (mix {tuple(sources[0].shape)}, lse ({bt}, {heads})), got "
                          f"({tuple(state[0].shape)}, {tuple(state[1].shape)})")
     with torch.no_grad():
-        if uses_triton(sources[0].device):
+        if uses_triton(sources[0].device, sources[0].shape[-1], heads):
             from .triton_routing import route_forward
 
             out, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
             return out, lse
-        logits = reference_path.depth_logits(srcs, query, norm_weight, heads, eps)
+        logits = routing_logits(srcs, query, norm_weight, heads, eps)  # (N, B, T, H)
         lse = torch.logsumexp(logits, dim=0)
-        weights = torch.exp(logits - lse)  # (N, B*T, H)
-        d = sources[0].shape[-1]
-        mix = sum(w.unsqueeze(-1) * s.float().expand(sources[0].shape).reshape(bt, heads, d // heads)
-                  for w, s in zip(weights, srcs))
-        new = (mix.reshape(sources[0].shape), lse)
+        mix = depth_mix(srcs, torch.exp(logits - lse))
+        new = (mix.float(), lse.flatten(0, -2).float())
         return new if state is None else merge_states(state, new)
 
 

@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from mhar_titan.models.routing import check_route_args, compute_dtype, with_null_source
+
 from . import reference_path
 
 try:
@@ -32,22 +34,15 @@ except ImportError:  # triton not installed: the reference path only
     triton_routing = None
 
 
-def uses_triton(device: torch.device) -> bool:
-    """True when the op runs the Triton kernels for tensors on `device`."""
+def uses_triton(device: torch.device, dim: int, heads: int) -> bool:
+    """True when the op runs the Triton kernels for (B, T, dim) sources on `device` routed with
+    `heads` heads: on CUDA, or on CPU under TRITON_INTERPRET=1, and only when one token's
+    [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`); otherwise the
+    eager reference runs (MHAR_SPEC section 4: larger tiles fall back to eager)."""
     if triton_routing is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _all_sources(sources: Sequence[Tensor], null_source: Optional[Tensor]) -> list[Tensor]:
-    """null_source (cast to the sources' dtype, a (d,) copy at most) as source 0, then sources."""
-    if null_source is None:
-        return list(sources)
-    return [null_source.to(sources[0].dtype), *sources]
+    on_device = device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
+    return on_device and triton_routing.fits_tile(heads, dim // heads)
 
 
 # ---------------------------------------------------------------------------- forward op
@@ -62,8 +57,8 @@ def route_fwd(
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    srcs = _all_sources(sources, null_source)
-    if uses_triton(sources[0].device):
+    srcs = with_null_source(null_source, list(sources))
+    if uses_triton(sources[0].device, sources[0].shape[-1], heads):
         return triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha)
     return reference_path.forward(srcs, query, norm_weight, heads, eps, partial, alpha)
 
@@ -73,7 +68,7 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
     full = sources[0]
     n = len(sources) + int(null_source is not None)
     bt = full.numel() // full.shape[-1]
-    cdt = _stat_dtype(full.dtype)
+    cdt = compute_dtype(full.dtype)
     return full.new_empty(full.shape), full.new_empty((n, bt, heads), dtype=cdt), full.new_empty((bt, heads), dtype=cdt)
 
 
@@ -92,8 +87,8 @@ def route_bwd(
     null_source: Optional[Tensor],
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None."""
-    srcs = _all_sources(sources, null_source)
-    if uses_triton(grad_out.device):
+    srcs = with_null_source(null_source, list(sources))
+    if uses_triton(grad_out.device, grad_out.shape[-1], heads):
         grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
             grad_out, srcs, query, norm_weight, heads, eps, logits, lse, alpha
         )
@@ -149,42 +144,6 @@ route_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- public API
-def check_route_args(
-    sources: Sequence[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    partial: Optional[Tensor] = None,
-    alpha: Optional[Tensor] = None,
-    null_source: Optional[Tensor] = None,
-) -> None:
-    """Raise ValueError naming the bad argument (shapes, dtypes, devices, heads)."""
-    if len(sources) == 0:
-        raise ValueError("depth routing needs at least one (B, T, d) source")
-    full = sources[0]
-    if full.dim() < 2:
-        raise ValueError(f"sources must be (B, T, d) tensors, got shape {tuple(full.shape)}; pass a (d,) "
-                         "null source as null_source=")
-    d = full.shape[-1]
-    for i, s in enumerate(sources):
-        if s.shape != full.shape or s.dtype != full.dtype or s.device != full.device:
-            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
-                             f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
-    if query.shape != (d,) or norm_weight.shape != (d,):
-        raise ValueError(f"query and norm_weight must be ({d},), got {tuple(query.shape)} and "
-                         f"{tuple(norm_weight.shape)}")
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or d % heads:
-        raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")
-    if (partial is None) != (alpha is None):
-        raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
-    if partial is not None and partial.shape != full.shape:
-        raise ValueError(f"partial must match the sources' shape {tuple(full.shape)}, got {tuple(partial.shape)}")
-    if alpha is not None and alpha.shape != (1,):
-        raise ValueError(f"alpha must have shape (1,) (FSDP rejects 0-dim parameters), got {tuple(alpha.shape)}")
-    if null_source is not None and null_source.shape != (d,):
-        raise ValueError(f"null_source must be ({d},), got {tuple(null_source.shape)}")
-
-
 def route(
     sources: Sequence[Tensor],
     query: Tensor,
@@ -203,7 +162,7 @@ def route(
             For block granularity pass the block sums and the partial block as sources.
         query: pseudo-query (d,), viewed as `heads` contiguous slices of K = d/H.
         norm_weight: key RMSNorm weight g (d,); the RMS statistic is over the full d.
-        heads: routing heads H (d % H == 0; K need not be a power of two).
+        heads: routing heads H, a positive int (d % H == 0; K need not be a power of two).
         eps: RMSNorm epsilon.
         partial, alpha: delta mode, residual stream (B, T, d) and gate (1,); returns
             partial + alpha * mix. Both or neither.
@@ -214,9 +173,11 @@ def route(
         Statistics, softmax and accumulation in fp32 (fp64 for fp64 sources).
 
     Raises:
-        ValueError: empty or mismatched sources, d % H != 0, bad partial/alpha/null_source shapes.
+        ValueError: as `check_route_args` (shared with the models' routing): empty, non-floating
+            or mismatched sources, heads not a positive int, d % H != 0, bad partial / alpha /
+            null_source shapes, dtypes or devices.
     """
     sources = list(sources)
-    check_route_args(sources, query, norm_weight, heads, partial, alpha, null_source)
+    heads = check_route_args(sources, query, norm_weight, heads, partial, alpha, null_source)
     out, _, _ = route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)
     return out

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mhar_titan.models.routing import compute_dtype
+
 # The flag is read when the @triton.jit decorators run (ENV_NOTES gotcha (b)).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -222,6 +224,14 @@ _FWD_TILE = 4096
 _BWD_TILE = 2048
 # Under the interpreter programs run one after another in Python: few, large programs.
 _INTERPRET_BLOCK_T = 128
+# Largest [HB, KB] tile of one token (elements); larger ones run the eager reference
+# (MHAR_SPEC section 4), also under the interpreter so that CPU tests see the GPU's choice.
+MAX_TILE = 8192
+
+
+def fits_tile(heads: int, head_dim: int) -> bool:
+    """True when one token's [next_pow2(H), next_pow2(K)] tile is at most MAX_TILE elements."""
+    return triton.next_power_of_2(heads) * triton.next_power_of_2(head_dim) <= MAX_TILE
 
 
 def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
@@ -238,10 +248,6 @@ def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
     tile = block_t * hb * kb
     num_warps = 8 if tile >= 4096 else 4 if tile >= 1024 else 2
     return dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
@@ -295,11 +301,13 @@ def route_forward(
     full = next(s for s in sources if s.dim() != 1)
     shape, d = full.shape, full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
-    cdt = _compute_dtype(full.dtype)
+    cdt = compute_dtype(full.dtype)
     tensors, ptrs, strides = _source_table(sources, d)
     out = torch.empty(shape, dtype=out_dtype or full.dtype, device=full.device)
     logits = torch.empty((len(sources), bt, heads), dtype=cdt, device=full.device)
     lse = torch.empty((bt, heads), dtype=cdt, device=full.device)
+    if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
+        return out, logits, lse
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
@@ -339,8 +347,12 @@ def route_backward(
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
     device = full.device
-    tensors, ptrs, strides = _source_table(sources, d)
     grads = [torch.empty(full.shape, dtype=full.dtype, device=device) for _ in sources[int(has_null):]]
+    if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
+        dq, dg = (torch.zeros(d, dtype=cdt, device=device) for _ in range(2))
+        dalpha = dq.new_zeros(1) if alpha is not None else None
+        return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
+    tensors, ptrs, strides = _source_table(sources, d)
     dptrs = _device_table([0] * int(has_null) + [gr.data_ptr() for gr in grads], device)
     cfg = launch_config(bt, heads, head_dim, backward=True)
     programs = triton.cdiv(bt, cfg["BLOCK_T"])

@@ -2,13 +2,15 @@
 (issue 6, acceptance 4-5 and the op contract of docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import mhar_kernels
 from mhar_kernels import reference_path
-from mhar_titan.models.routing import route_reference, route_stacked
+from mhar_kernels import triton_routing
+from mhar_titan.models.routing import route, route_reference, route_stacked
 from test_kernels_oracle import leaves, make_inputs, oracle_route, rel_err
 
 
@@ -202,16 +204,24 @@ def test_reference_path_matches_kernels():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(heads=5), "not divisible by routing heads"),
+        (dict(heads=5), "d=16 is not divisible by routing heads H=5"),
+        (dict(heads="kv"), "routing heads must be a positive int, got 'kv'"),
+        (dict(heads=0), "routing heads must be a positive int, got 0"),
+        (dict(heads=True), "routing heads must be a positive int, got True"),
         (dict(sources=[]), "at least one"),
+        (dict(sources=[torch.ones(2, 3, 16, dtype=torch.int32)]), "sources must be floating point"),
         (dict(mismatch=True), "every source must match"),
-        (dict(query=torch.zeros(32)), "query and norm_weight"),
+        (dict(query=torch.zeros(32)), r"query must have shape \(16,\)"),
+        (dict(norm_weight=torch.ones(16, device="meta")), "norm_weight must be a floating-point tensor on the "
+                                                          "sources' device cpu"),
         (dict(alpha_only=True), "both `partial` and `alpha`"),
         (dict(alpha_shape=True), "alpha must have shape"),
-        (dict(null=torch.zeros(8)), "null_source must be"),
+        (dict(partial_dtype=True), "partial must match the sources"),
+        (dict(null=torch.zeros(8)), "null_source must have shape"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, message):
+    """The fused op and the models' eager routing share one validator: same error, same words."""
     srcs = [torch.randn(2, 3, 16) for _ in range(2)]
     kwargs = dict(sources=srcs, query=torch.zeros(16), norm_weight=torch.ones(16), heads=4)
     extra = {}
@@ -221,9 +231,71 @@ def test_bad_arguments_raise_clear_errors(change, message):
         extra = dict(alpha=torch.zeros(1))
     elif "alpha_shape" in change:
         extra = dict(partial=srcs[0], alpha=torch.zeros(()))
+    elif "partial_dtype" in change:
+        extra = dict(partial=srcs[0].double(), alpha=torch.zeros(1))
     elif "null" in change:
         extra = dict(null_source=change["null"])
     else:
         kwargs.update(change)
-    with pytest.raises(ValueError, match=message):
-        mhar_kernels.route(kwargs.pop("sources"), **kwargs, **extra)
+    sources = kwargs.pop("sources")
+    with pytest.raises(ValueError, match=message) as fused:
+        mhar_kernels.route(sources, **kwargs, **extra)
+    null = extra.pop("null_source", None)
+    with pytest.raises(ValueError) as eager:
+        route(([null] if null is not None else []) + sources, **kwargs, **extra, kernel="eager")
+    assert str(eager.value) == str(fused.value)
+
+
+def test_numpy_integer_heads():
+    inputs = make_inputs(3, 16, 4, torch.float32, delta=True)
+    assert torch.equal(_route(inputs, np.int64(4)), _route(inputs, 4))
+
+
+def test_empty_token_batch_gives_empty_output_and_zero_gradients():
+    """B*T = 0 (an empty micro-batch): empty output and source gradients, zero parameter gradients,
+    as the eager path gives (the kernels are not launched)."""
+    inputs = make_inputs(3, 16, 4, torch.float32, delta=True, seq=0)
+    out = _route(inputs, 4)
+    grads = torch.autograd.grad(out.sum(), leaves(inputs))
+    srcs = [inputs["null_source"], *inputs["sources"]]
+    ref = route(srcs, inputs["query"], inputs["norm_weight"], 4, partial=inputs["partial"], alpha=inputs["alpha"])
+    ref_grads = torch.autograd.grad(ref.sum(), leaves(inputs))
+    assert out.shape == ref.shape == (2, 0, 16)
+    for got, expected in zip(grads, ref_grads):
+        assert got.shape == expected.shape and torch.equal(got, torch.zeros_like(expected))
+    mix, lse = mhar_kernels.route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
+    assert mix.shape == (2, 0, 16) and lse.shape == (0, 4)
+
+
+def test_tile_larger_than_the_register_budget_runs_the_eager_reference():
+    """MHAR_SPEC section 4: a token tile [next_pow2(H), next_pow2(d/H)] above 8192 elements falls back
+    to eager: output and gradients equal the eager routing bit for bit; the state API falls back too."""
+    assert triton_routing.fits_tile(8, 160) and triton_routing.fits_tile(1, 8192)
+    assert not triton_routing.fits_tile(1, 8200)
+    inputs = make_inputs(3, 8200, 1, torch.float32, delta=True, batch=1, seq=3)
+    out = _route(inputs, 1)
+    grads = torch.autograd.grad(out.sum(), leaves(inputs))
+    srcs = [inputs["null_source"], *inputs["sources"]]
+    ref = route(srcs, inputs["query"], inputs["norm_weight"], 1, partial=inputs["partial"], alpha=inputs["alpha"])
+    ref_grads = torch.autograd.grad(ref.sum(), leaves(inputs))
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    mix, lse = mhar_kernels.route_with_state(
+        inputs["sources"], inputs["query"], inputs["norm_weight"], 1, null_source=inputs["null_source"]
+    )
+    truth = oracle_route(inputs["sources"], inputs["query"], inputs["norm_weight"], 1,
+                         null_source=inputs["null_source"])
+    assert mix.dtype == torch.float32 and lse.shape == (3, 1) and rel_err(mix, truth) < 1e-6
+
+
+def test_reference_path_keeps_float64_for_dalpha():
+    """The non-Triton backward sums dalpha = <grad_out, mix> in the compute dtype: fp64 inputs give
+    an fp64 dalpha exact to fp64 rounding."""
+    inputs = make_inputs(4, 16, 4, torch.float64, delta=True)
+    srcs = [inputs["null_source"], *inputs["sources"]]
+    q, g, alpha = inputs["query"], inputs["norm_weight"], inputs["alpha"]
+    grad_out = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dalpha = reference_path.backward(grad_out, srcs, q, g, 4, 1e-6, alpha)[3]
+    mix = oracle_route(inputs["sources"], q, g, 4, null_source=inputs["null_source"]).detach()
+    assert dalpha.dtype == torch.float64 and dalpha.shape == (1,)
+    assert rel_err(dalpha, (grad_out * mix).sum().reshape(1)) < 1e-13
