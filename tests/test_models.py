@@ -58,6 +58,27 @@ def test_args_validation_names_the_problem():
     assert ModelArgs.from_flavor("1b", residual="attn_res").n_routing_sites == 73
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(routing_mode="delta"), r"routing_mode='delta' and routing_null_source=False need residual='attn_res'"),
+        (dict(routing_null_source=True), r"routing_null_source=True need residual='attn_res'"),
+        (dict(rope_theta="1e4"), r"ModelArgs.rope_theta must be a finite number > 0, got '1e4'"),
+        (dict(norm_eps=float("nan")), r"ModelArgs.norm_eps must be a finite number > 0"),
+        (dict(routing_eps=0), r"ModelArgs.routing_eps must be a finite number > 0, got 0"),
+        (dict(rope_scaling_factor=True), r"ModelArgs.rope_scaling_factor must be a finite number"),
+        (dict(rope_original_max_seq_len=8192.0), r"ModelArgs.rope_original_max_seq_len must be a positive integer"),
+        (dict(routing_block_layers="2"), r"ModelArgs.routing_block_layers must be a positive integer"),
+        (dict(qk_norm="false"), r"ModelArgs.qk_norm must be true or false, got 'false'"),
+        (dict(tie_embeddings=1), r"ModelArgs.tie_embeddings must be true or false"),
+    ],
+)
+def test_args_reject_wrong_types_and_routing_fields_without_routing(fields, message):
+    """Wrong types fail at construction with the field's name, not deep inside the model."""
+    with pytest.raises(ValueError, match=message):
+        ModelArgs(**fields)
+
+
 def test_vocab_padding():
     assert pad_vocab(50_257) == FLAVORS["debug"]["vocab_size"] == 50_304
     assert pad_vocab(100_277) == FLAVORS["100m"]["vocab_size"] == 100_352
@@ -281,6 +302,22 @@ def test_forward_rejects_sequences_longer_than_max_seq_len():
     args = tiny()
     with pytest.raises(ValueError, match="max_seq_len=32"):
         build(args)(tokens(args, T=33))
+
+
+def test_forward_rejects_empty_batches_and_token_ids_outside_the_vocabulary():
+    """A tokenizer with a larger vocabulary than the model (ids >= vocab_size), an empty sequence or
+    float "tokens" get a ValueError naming the problem, not an IndexError inside the embedding."""
+    args = tiny(residual="attn_res", routing_heads=4)
+    model = build(args)
+    with pytest.raises(ValueError, match=r"token ids span \[3, 256\] but vocab_size=256: the tokenizer"):
+        model(torch.tensor([[3, 256, 7]]))
+    with pytest.raises(ValueError, match=r"token ids span \[-1, 5\]"):
+        model(torch.tensor([[5, -1]]))
+    with pytest.raises(ValueError, match=r"at least one token per sequence, got shape \(2, 0\)"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(B, T\) integer tensor, got \(1, 2\) torch.float32"):
+        model(torch.zeros(1, 2))
+    assert model(torch.tensor([[0, 255]])).shape == (1, 2, 256)  # the whole id range is accepted
 
 
 # -- RoPE ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ FAMILIES = {
     "block": dict(residual="attn_res", routing_heads="kv", routing_granularity="block", routing_block_layers=2),
     "delta": dict(residual="attn_res", routing_heads="kv", routing_mode="delta", routing_granularity="block",
                   routing_block_layers=2, routing_null_source=True),
+    "delta sublayer": dict(residual="attn_res", routing_heads="kv", routing_mode="delta"),
 }
 
 

@@ -17,14 +17,22 @@ Flavors are data: `FLAVORS[name]` holds the fields that differ from the defaults
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
+
+from .routing import ROUTING_KERNELS
 
 RESIDUALS = ("standard", "attn_res")
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
-ROUTING_KERNELS = ("eager", "compile", "triton", "auto")
 ROPE_SCALINGS = (None, "llama3")
+INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+              "rope_original_max_seq_len", "routing_block_layers")
+REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "routing_eps")
+BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source")
 
 
 def pad_vocab(n_vocab: int, multiple: int = 128) -> int:
@@ -72,20 +80,13 @@ class ModelArgs:
     # -- validation ---------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the offending field(s) and how to fix them."""
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
+        self._check_types()
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads} (GQA)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.norm_eps <= 0 or self.routing_eps <= 0:
-            raise ValueError(f"norm_eps={self.norm_eps} and routing_eps={self.routing_eps} must be > 0")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"unknown rope_scaling {self.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
         if self.rope_scaling == "llama3" and not (
@@ -110,8 +111,26 @@ class ModelArgs:
                 f"dim d={self.dim} is not divisible by routing heads H={self.resolved_routing_heads}: "
                 "MHAR splits the pseudo-query into H contiguous slices of d/H"
             )
-        if not isinstance(self.routing_block_layers, int) or self.routing_block_layers <= 0:
-            raise ValueError(f"routing_block_layers must be a positive integer, got {self.routing_block_layers!r}")
+        if self.residual == "standard" and (self.routing_mode == "delta" or self.routing_null_source):
+            raise ValueError(
+                f"routing_mode={self.routing_mode!r} and routing_null_source={self.routing_null_source} need "
+                "residual='attn_res' (the standard residual has no routing sites); set residual='attn_res', "
+                "or routing_mode='replace' and routing_null_source=False"
+            )
+
+    def _check_types(self) -> None:
+        """Numeric and boolean fields: positive ints, finite positive reals, bools (ValueError)."""
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
+        for name in REAL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a finite number > 0, got {value!r}")
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelArgs.{name} must be true or false, got {getattr(self, name)!r}")
 
     # -- derived quantities -------------------------------------------------------------
     @property

@@ -6,8 +6,9 @@ Residual paths (MHAR_SPEC sections 1, 2; names in args.py):
   route(sources) over [embedding, a_0, m_0, ..., earlier outputs]; the final routing over all
   2L+1 sources feeds the final norm and the LM head.
 - attn_res, replace, block granularity (Kimi Block AttnRes, MHAR_SPEC 1.2): sources are the
-  completed block sums plus the running partial sum; layer i starts a block when
-  i % routing_block_layers == 0 (0-indexed; layer 0's block holds the embedding alone).
+  completed block sums plus the running partial sum. The embedding is block b_0; layer i
+  (0-indexed) starts a new block when i % routing_block_layers == 0, so layer 0 starts block
+  b_1, whose attention site routes over [b_0] alone.
 - attn_res, delta (MHAR_SPEC 1.4): the standard residual stream h is kept and every sublayer
   input is h + alpha * route(sources). Sources: [null?, embedding, a_0, m_0, ...] at sublayer
   granularity; [null?, embedding, D_1, ..., D_k] at block granularity, D_j the sum of the
@@ -199,7 +200,10 @@ class DepthRouting(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size)."""
+    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size).
+
+    forward / hidden_states raise ValueError for an empty batch, T > max_seq_len, or token ids
+    outside [0, vocab_size) (a tokenizer / vocab_size mismatch)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -242,9 +246,8 @@ class Transformer(nn.Module):
         With `trace` (a list), appends for each routing site, in order, the list of sources that
         site routes over (the attention and MLP sites of every layer, then the final one).
         """
-        B, T = tokens.shape
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
+        self._check_tokens(tokens)
+        T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
         if self.routing is None:
@@ -282,6 +285,26 @@ class Transformer(nn.Module):
         if trace is not None:
             trace.append(sources)
         return self._route_final(sources, h if delta else None)
+
+    def _check_tokens(self, tokens: Tensor) -> None:
+        """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
+        [0, vocab_size), or longer than max_seq_len. The id range check reads one min/max pair
+        back from the device (skipped on the meta device and while torch.compile traces)."""
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+            raise ValueError(f"tokens must be a (B, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        B, T = tokens.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"tokens must hold at least one token per sequence, got shape {(B, T)}")
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
+        if torch.compiler.is_compiling() or tokens.device.type == "meta":
+            return
+        low, high = (int(v) for v in torch.aminmax(tokens))
+        if low < 0 or high >= self.args.vocab_size:
+            raise ValueError(
+                f"token ids span [{low}, {high}] but vocab_size={self.args.vocab_size}: the tokenizer does not match "
+                "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
+            )
 
     def _site_sources(self, layer: TransformerBlock, sources: list[Tensor], out: list[Tensor]) -> list[list[Tensor]]:
         """The source lists `layer` routed over at its attention and MLP sites (for tracing)."""
