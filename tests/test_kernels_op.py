@@ -251,15 +251,18 @@ def test_numpy_integer_heads():
     assert torch.equal(_route(inputs, np.int64(4)), _route(inputs, 4))
 
 
+def _fused_and_eager(inputs: dict, heads: int):
+    """(output, gradients of all leaves) of the fused op and of the models' eager routing (delta inputs)."""
+    srcs = [inputs["null_source"], *inputs["sources"]]
+    eager = route(srcs, inputs["query"], inputs["norm_weight"], heads, partial=inputs["partial"], alpha=inputs["alpha"])
+    return [(out, torch.autograd.grad(out.sum(), leaves(inputs))) for out in (_route(inputs, heads), eager)]
+
+
 def test_empty_token_batch_gives_empty_output_and_zero_gradients():
     """B*T = 0 (an empty micro-batch): empty output and source gradients, zero parameter gradients,
     as the eager path gives (the kernels are not launched)."""
     inputs = make_inputs(3, 16, 4, torch.float32, delta=True, seq=0)
-    out = _route(inputs, 4)
-    grads = torch.autograd.grad(out.sum(), leaves(inputs))
-    srcs = [inputs["null_source"], *inputs["sources"]]
-    ref = route(srcs, inputs["query"], inputs["norm_weight"], 4, partial=inputs["partial"], alpha=inputs["alpha"])
-    ref_grads = torch.autograd.grad(ref.sum(), leaves(inputs))
+    (out, grads), (ref, ref_grads) = _fused_and_eager(inputs, 4)
     assert out.shape == ref.shape == (2, 0, 16)
     for got, expected in zip(grads, ref_grads):
         assert got.shape == expected.shape and torch.equal(got, torch.zeros_like(expected))
@@ -273,11 +276,7 @@ def test_tile_larger_than_the_register_budget_runs_the_eager_reference():
     assert triton_routing.fits_tile(8, 160) and triton_routing.fits_tile(1, 8192)
     assert not triton_routing.fits_tile(1, 8200)
     inputs = make_inputs(3, 8200, 1, torch.float32, delta=True, batch=1, seq=3)
-    out = _route(inputs, 1)
-    grads = torch.autograd.grad(out.sum(), leaves(inputs))
-    srcs = [inputs["null_source"], *inputs["sources"]]
-    ref = route(srcs, inputs["query"], inputs["norm_weight"], 1, partial=inputs["partial"], alpha=inputs["alpha"])
-    ref_grads = torch.autograd.grad(ref.sum(), leaves(inputs))
+    (out, grads), (ref, ref_grads) = _fused_and_eager(inputs, 1)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     mix, lse = mhar_kernels.route_with_state(

@@ -219,17 +219,20 @@ def random_queries(model):
     return model
 
 
-def test_block_sources_on_three_layers_match_hand_built_lists():
-    # Blocks of 2 layers: layers 0-1 form block 1 (after the embedding block), layer 2 starts block 2.
-    args = tiny(n_layers=3, residual="attn_res", routing_granularity="block", routing_block_layers=2)
-    model = random_queries(build(args))
+def trace_sources(model, x):
+    """The per-site source lists the model routes over, the embedding and the recorded (a_i), (m_i)."""
     out = record_sublayer_outputs(model)
-    x = tokens(args)
     trace = []
     with torch.no_grad():
         model.hidden_states(x, trace=trace)
         emb = model.tok_embeddings(x)
-    (a0, a1, a2), (m0, m1, m2) = out["a"], out["m"]
+    return trace, emb, out["a"], out["m"]
+
+
+def test_block_sources_on_three_layers_match_hand_built_lists():
+    # Blocks of 2 layers: the embedding is block b_0, layers 0-1 form b_1, layer 2 starts b_2.
+    args = tiny(n_layers=3, residual="attn_res", routing_granularity="block", routing_block_layers=2)
+    trace, emb, (a0, a1, a2), (m0, m1, m2) = trace_sources(random_queries(build(args)), tokens(args))
     b1 = a0 + m0 + a1 + m1  # completed block: sum of its sublayer outputs, no embedding
     assert_same_sources(trace, [
         [emb],                     # layer 0 attention: one source, returned as is
@@ -244,14 +247,7 @@ def test_block_sources_on_three_layers_match_hand_built_lists():
 
 def test_sublayer_and_delta_block_sources_match_hand_built_lists():
     args = tiny(n_layers=3, residual="attn_res", routing_heads=2)
-    model = random_queries(build(args))
-    out = record_sublayer_outputs(model)
-    x = tokens(args)
-    trace = []
-    with torch.no_grad():
-        model.hidden_states(x, trace=trace)
-        emb = model.tok_embeddings(x)
-    (a0, a1, a2), (m0, m1, m2) = out["a"], out["m"]
+    trace, emb, (a0, a1, a2), (m0, m1, m2) = trace_sources(random_queries(build(args)), tokens(args))
     assert_same_sources(trace, [
         [emb], [emb, a0], [emb, a0, m0], [emb, a0, m0, a1], [emb, a0, m0, a1, m1],
         [emb, a0, m0, a1, m1, a2], [emb, a0, m0, a1, m1, a2, m2],
@@ -261,12 +257,7 @@ def test_sublayer_and_delta_block_sources_match_hand_built_lists():
     model = random_queries(build(args))
     with torch.no_grad():
         model.routing.alpha.fill_(0.5)
-    out = record_sublayer_outputs(model)
-    trace = []
-    with torch.no_grad():
-        model.hidden_states(x, trace=trace)
-        emb = model.tok_embeddings(x)
-    (a0, a1, a2), (m0, m1, m2) = out["a"], out["m"]
+    trace, emb, (a0, a1, a2), (m0, m1, m2) = trace_sources(model, tokens(args))
     null, d1, d2 = model.routing.null_source, a0 + m0 + a1 + m1, a2 + m2  # true block deltas
     assert_same_sources(trace, [[null, emb]] * 4 + [[null, emb, d1]] * 2 + [[null, emb, d1, d2]])
 

@@ -74,8 +74,10 @@ def check_route_args(
     full = sources[0]
     for i, s in enumerate(sources):
         if s.dim() < 2:
-            raise ValueError(f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null "
-                             "source goes first in route()/route_reference() or as null_source= in mhar_kernels.route()")
+            raise ValueError(
+                f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null source "
+                "goes first in route()/route_reference() or as null_source= in mhar_kernels.route()"
+            )
     if not full.is_floating_point():
         raise ValueError(f"sources must be floating point, got {full.dtype}")
     for i, s in enumerate(sources):
@@ -153,7 +155,9 @@ def depth_mix(sources: Sequence[Tensor], weights: Tensor) -> Tensor:
     return out.flatten(-2)
 
 
-def routing_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+def routing_logits(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> Tensor:
     """Depth logits logit_{n,h} = <q[h], RMSNorm_g(s_n)[h]> as (N, B, T, H) in the compute dtype
     (MHAR_SPEC section 2); a leading (d,) source is the null source. Plain autograd; for the
     online-softmax state, analysis and tests. Raises ValueError as `check_route_args`."""
