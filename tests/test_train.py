@@ -88,6 +88,7 @@ def test_gradient_accumulation_is_exact(masked_grads):
     assert rel_diff(g2, g8) <= 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_blocks_match_eager(reference_run, tmp_path):
     _, eager = reference_run
     cfg = debug_cfg(tmp_path, "compiled", "--training.steps=2", "--training.local_batch_size=8",
