@@ -12,6 +12,7 @@ sqrt or cosine) to ``min_lr_factor * peak`` at the last step.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 # Wrappers that insert a path component into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
+
+logger = logging.getLogger(__name__)
 
 
 def clean_name(name: str) -> str:
@@ -96,7 +99,8 @@ class WarmupStableDecay:
     ``1 - sqrt(p)`` (sqrt) or ``(1 + cos(pi p)) / 2`` (cosine); it equals
     ``min_lr_factor`` at ``s = steps`` and stays there past the end.
 
-    A callable object rather than a lambda so ``LambdaLR.state_dict`` keeps it.
+    A callable object rather than a lambda, so a checkpoint records the schedule it ran
+    with and a resume can tell when the config's schedule differs (``ConfigLambdaLR``).
     """
 
     def __init__(self, steps: int, warmup_steps: int, decay_ratio, decay_type: str, min_lr_factor: float):
@@ -129,6 +133,26 @@ class WarmupStableDecay:
         return self.factor(last_epoch + 1)
 
 
+class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` whose schedule always comes from the current config.
+
+    Loading a checkpoint restores the step counter and learning rates but keeps the
+    schedule built from the config, so a resumed run with a raised ``training.steps``
+    stretches its decay to the new end. When the saved schedule differs, it says so.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        saved = state.get("lr_lambdas") or [None]
+        current = [fn.__dict__ if not isinstance(fn, type(lambda: 0)) else None for fn in self.lr_lambdas]
+        if saved[0] is not None and current[0] is not None and saved[0] != current[0]:
+            logger.warning(
+                "the LR schedule differs from the checkpoint's (saved %s, now %s): continuing with the "
+                "current config's schedule from step %s", saved[0], current[0], state.get("last_epoch"))
+        state["lr_lambdas"] = current
+        super().load_state_dict(state)
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` with ``WarmupStableDecay`` from the ``[lr_scheduler]`` section.
 
@@ -136,7 +160,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, steps: int) -> tor
     step, so the schedule stays aligned with the step counter).
     """
     fn = WarmupStableDecay(steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    return ConfigLambdaLR(optimizer, fn)
 
 
 # --------------------------------------------------------------------------- gradient norms

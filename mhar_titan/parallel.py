@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from mhar_titan.launch_env import resolve_device, resolve_launch_env
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -61,8 +63,10 @@ def init_distributed(cfg) -> ParallelEnv:
     """
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    # torchrun sets LOCAL_RANK, SLURM sets SLURM_LOCALID; a task that sees one GPU uses cuda:0.
+    launch = resolve_launch_env()
+    local_rank = launch.local_rank
+    device = resolve_device()
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():

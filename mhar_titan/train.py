@@ -31,6 +31,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -328,6 +329,14 @@ class Trainer:
         if cfg.profiling.enable_memory_snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         tokens_per_step = self.global_batch_size * t.seq_len
+        if self.state.step >= t.steps:
+            self._log(self.state.step, {
+                "event": "nothing_to_do",
+                "message": f"resumed at step {self.state.step} and training.steps = {t.steps}: raise "
+                           "--training.steps to continue, or start a fresh run with another --job.name "
+                           "(or --checkpoint.enable=false)",
+            }, console_only=True)
+            return
         throughput = Throughput()
         it = iter(self.train_loader)
         gc.disable()
@@ -434,6 +443,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     config (nothing is built), 1 when the run stops for training health.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # torchdata 0.11 calls a torch API that torch 2.13 deprecated; harmless, and printed once per worker.
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(None, argv)

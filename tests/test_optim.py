@@ -75,6 +75,28 @@ def test_scheduler_state_round_trip_resumes_schedule():
     assert opt2.param_groups[0]["lr"] == pytest.approx(full[5])
 
 
+
+def test_resume_with_more_steps_follows_the_new_schedule_and_warns(caplog):
+    cfg = LRScheduler(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=2.0)
+    sched = build_lr_scheduler(opt, cfg, 12)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    longer = build_lr_scheduler(torch.optim.AdamW([p], lr=2.0), cfg, 24)
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        longer.load_state_dict(state)
+    assert "LR schedule differs" in caplog.text and "'steps': 12" in caplog.text
+    assert longer.last_epoch == 5
+    assert longer.lr_lambdas[0].steps == 24  # the config's schedule, not the checkpoint's
+    same = build_lr_scheduler(torch.optim.AdamW([p], lr=2.0), cfg, 12)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        same.load_state_dict(state)
+    assert caplog.text == ""
+
 def test_param_groups_and_no_decay():
     model = tiny_model(residual="attn_res", routing_heads=2)
     groups = param_group_of(model)

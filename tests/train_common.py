@@ -18,6 +18,7 @@ def debug_cfg(run_root, name, *overrides, config=DEBUG_MHAR):
         f"--data.validation_files=[\"{SAMPLE}/validation-*.parquet\"]",
         "--training.seq_len=32", "--metrics.log_freq=1", "--validation.enable=false",
         "--metrics.disable_color_printing=true", "--lr_scheduler.warmup_steps=2",
+        "--checkpoint.enable=false",
     ]
     return load_config(str(config), base + list(overrides))
 
