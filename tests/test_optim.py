@@ -25,12 +25,13 @@ def tiny_model(**overrides):
     return model
 
 
-def lrs(cfg, steps):
+def lrs(cfg, steps, run=None):
+    """The LR of each of the first `run` (default all) steps of a `steps`-step schedule, and the scheduler."""
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=2.0)
     sched = build_lr_scheduler(opt, cfg, steps)
     out = []
-    for _ in range(steps):
+    for _ in range(steps if run is None else run):
         out.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
@@ -62,11 +63,7 @@ def test_scheduler_state_round_trip_resumes_schedule():
     cfg = LRScheduler(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
     full, _ = lrs(cfg, 12)
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([p], lr=2.0)
-    sched = build_lr_scheduler(opt, cfg, 12)
-    for _ in range(5):
-        opt.step()
-        sched.step()
+    _, sched = lrs(cfg, 12, run=5)
     state = sched.state_dict()
     opt2 = torch.optim.AdamW([p], lr=2.0)
     sched2 = build_lr_scheduler(opt2, cfg, 12)
@@ -79,11 +76,7 @@ def test_scheduler_state_round_trip_resumes_schedule():
 def test_resume_with_more_steps_follows_the_new_schedule_and_warns(caplog):
     cfg = LRScheduler(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([p], lr=2.0)
-    sched = build_lr_scheduler(opt, cfg, 12)
-    for _ in range(5):
-        opt.step()
-        sched.step()
+    _, sched = lrs(cfg, 12, run=5)
     state = sched.state_dict()
     longer = build_lr_scheduler(torch.optim.AdamW([p], lr=2.0), cfg, 24)
     with caplog.at_level("WARNING", logger="mhar_titan.optim"):
