@@ -1,9 +1,9 @@
-"""2-rank checks of the trainer, run by tests/test_train_dist.py under one torchrun launch:
+"""2-rank checks of the trainer, run by tests/test_train.py under one torchrun launch:
 
     torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR
 
 Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4) and
-OUT_DIR/grads.pt (full gradients of one masked step at local batch 2 x accumulation 2).
+OUT_DIR/grads.pt (full unclipped gradients of one masked step at local batch 2 x accumulation 2).
 The process group is shared by the runs and destroyed by the last one (clean gloo exit).
 """
 import json
@@ -30,13 +30,14 @@ def main(out):
         trainer.close(destroy_process_group=False)
 
     cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
-                    "--training.global_batch_size=8")
+                    "--training.global_batch_size=8", "--training.max_norm=0")
     trainer = Trainer(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert trainer.grad_accum == 2
-    loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
     grads = full_grads(trainer.model)
     result["masked_loss"] = loss
+    result["masked_grad_norm"] = norm.item()
     if rank == 0:
         torch.save(grads, pathlib.Path(out) / "grads.pt")
         (pathlib.Path(out) / "dist.json").write_text(json.dumps(result))

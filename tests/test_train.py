@@ -35,11 +35,20 @@ def run(cfg):
         trainer.close()
 
 
-def masked_step_grads(cfg):
+def masked_step_grads(cfg, world_size=None):
+    """(loss, full gradients, accumulation steps, grad norm) of one masked step.
+
+    ``cfg`` must have ``training.max_norm = 0``: clipping divides out any uniform
+    gradient factor, so clipped gradients cannot show a wrong scale. ``world_size``
+    overrides the trainer's loss scale factor (to show the comparison catches it).
+    """
+    assert cfg.training.max_norm == 0
     trainer = Trainer(cfg)
+    if world_size is not None:
+        trainer.env.world_size = world_size
     try:
-        loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank=0, world=1))
-        return loss, full_grads(trainer.model), trainer.grad_accum
+        loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank=0, world=1))
+        return loss, full_grads(trainer.model), trainer.grad_accum, norm.item()
     finally:
         trainer.close()
 
@@ -55,12 +64,12 @@ def reference_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def masked_grads(tmp_path_factory):
-    """(micro 8, accum 1) and (micro 2, accum 4) on the same masked global batch of 8."""
+    """(micro 8, accum 1) and (micro 2, accum 4) on the same masked global batch of 8, unclipped."""
     root = tmp_path_factory.mktemp("grads")
     out = {}
     for local in (8, 2):
         cfg = debug_cfg(root, f"g{local}", "--training.steps=1", f"--training.local_batch_size={local}",
-                        "--training.global_batch_size=8")
+                        "--training.global_batch_size=8", "--training.max_norm=0")
         out[local] = masked_step_grads(cfg)
     return out
 
@@ -82,10 +91,22 @@ def test_reference_run_learns_and_writes_run_folder(reference_run):
 
 
 def test_gradient_accumulation_is_exact(masked_grads):
-    (loss8, g8, accum8), (loss2, g2, accum2) = masked_grads[8], masked_grads[2]
+    (loss8, g8, accum8, norm8), (loss2, g2, accum2, norm2) = masked_grads[8], masked_grads[2]
     assert (accum8, accum2) == (1, 4)
     assert loss2 == pytest.approx(loss8, abs=1e-5)
     assert rel_diff(g2, g8) <= 1e-5
+    assert norm2 == pytest.approx(norm8, rel=1e-5)
+    assert norm8 > 1.0  # above the configured max_norm: clipping would have hidden a scale error
+
+
+def test_gradient_comparison_detects_a_wrong_scale(masked_grads, tmp_path):
+    """The unclipped comparison fails when the loss is scaled by a wrong world size."""
+    _, g8, _, norm8 = masked_grads[8]
+    cfg = debug_cfg(tmp_path, "half", "--training.steps=1", "--training.local_batch_size=2",
+                    "--training.global_batch_size=8", "--training.max_norm=0")
+    _, g_half, _, norm_half = masked_step_grads(cfg, world_size=0.5)
+    assert rel_diff(g_half, g8) == pytest.approx(0.5, abs=1e-5)
+    assert norm_half == pytest.approx(norm8 / 2, rel=1e-5)
 
 
 @pytest.mark.slow
@@ -158,6 +179,7 @@ def test_two_ranks_match_one_process(dist_results, reference_run):
     _, reference = reference_run
     assert len(reference) == 5
     for ac in ("none", "full"):
+        assert len(results[f"losses_{ac}"]) == 5, (ac, results[f"losses_{ac}"])
         diffs = [abs(a - b) for a, b in zip(results[f"losses_{ac}"], reference)]
         assert max(diffs) <= 1e-5, (ac, results[f"losses_{ac}"], reference)
 
@@ -165,6 +187,7 @@ def test_two_ranks_match_one_process(dist_results, reference_run):
 @pytest.mark.distributed
 def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads):
     results, grads = dist_results
-    loss8, g8, _ = masked_grads[8]
+    loss8, g8, _, norm8 = masked_grads[8]
     assert results["masked_loss"] == pytest.approx(loss8, abs=1e-5)
     assert rel_diff(grads, g8) <= 1e-5
+    assert results["masked_grad_norm"] == pytest.approx(norm8, rel=1e-5)
