@@ -7,8 +7,10 @@ variables SLURM sets inside an `srun` task; gloo; `debug_mhar` with window shard
 - A 5-step two-node run finishes on both nodes with the same losses as one process
   started by the single-node launcher `NGPU=1 scripts/run_train.sh` (global batch 4:
   2 ranks x 2, or 1 rank x 2 x 2 micro-batches).
-- SIGTERM to both launchers: both workers save one complete checkpoint and exit
-  cleanly; the same command again resumes from that checkpoint and finishes.
+- SIGTERM to both launchers: both workers save one complete checkpoint and exit 0
+  (each writes its own exit status through tests/ckpt_train_entry.py, since torchrun's
+  status then reports the signal); the same command again resumes from that checkpoint
+  and finishes, again with both workers exiting 0.
 """
 from __future__ import annotations
 
@@ -42,15 +44,16 @@ def _shakespeare_sample():
         pytest.skip(msg)
 
 
-def start_nodes(tmp, tag: str, overrides: list[str], port: int) -> list[tuple[subprocess.Popen, object]]:
-    """Two node launchers with SLURM-like task variables; returns (process, log file) pairs."""
+def start_nodes(tmp, tag: str, overrides: list[str], port: int,
+                **extra_env: str) -> list[tuple[subprocess.Popen, object]]:
+    """Two node launchers with SLURM-like task variables (plus `extra_env`); returns (process, log file) pairs."""
     procs = []
     for node in range(2):
         env = launch_env(
             RDZV_ENDPOINT=f"127.0.0.1:{port}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
             SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0", SLURM_NTASKS="2",
             SLURM_JOB_NODELIST="localhost", NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
-            TORCHRUN_LOG_DIR=str(tmp / f"{tag}-torchrun-{node}"),
+            TORCHRUN_LOG_DIR=str(tmp / f"{tag}-torchrun-{node}"), **extra_env,
         )
         log = open(tmp / f"{tag}-node{node}.log", "w")
         p = subprocess.Popen(["bash", str(NODE), CONFIG, *overrides], cwd=ROOT, env=env,
@@ -72,6 +75,18 @@ def wait_nodes(procs, timeout: float) -> list[int]:
                 p.wait()
             log.close()
     return codes
+
+
+def exit_entry_env(tmp, tag: str) -> dict[str, str]:
+    """Run tests/ckpt_train_entry.py (train.py that writes rank<R>.rc) with its exit folder under `tmp`."""
+    exit_dir = tmp / f"{tag}-exit"
+    exit_dir.mkdir()
+    return {"TRAIN_SCRIPT": str(ROOT / "tests" / "ckpt_train_entry.py"), "CKPT_EXIT_DIR": str(exit_dir)}
+
+
+def worker_exit_codes(tmp, tag: str) -> dict[str, str]:
+    """{"rank0.rc": "0", ...}: the exit status each worker wrote (missing: it died before returning)."""
+    return {p.name: p.read_text() for p in sorted((tmp / f"{tag}-exit").iterdir())}
 
 
 def read_text(path) -> str:
@@ -132,7 +147,7 @@ def test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes(tmp_path, si
     run_dir = tmp_path / "out" / "debug_mhar"
     ckpt_root = run_dir / "checkpoints"
 
-    procs = start_nodes(tmp_path, "first", overrides, free_port())
+    procs = start_nodes(tmp_path, "first", overrides, free_port(), **exit_entry_env(tmp_path, "first"))
     deadline = time.monotonic() + 240
     while not (run_dir / "metrics.jsonl").exists() or 1 not in losses(run_dir):
         assert all(p.poll() is None for p, _ in procs), read_text(tmp_path / "first-node0.log")[-4000:]
@@ -143,6 +158,8 @@ def test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes(tmp_path, si
     wait_nodes(procs, timeout=180)
     node_logs = [read_text(tmp_path / f"first-node{i}.log") for i in range(2)]
     everything = "\n".join(node_logs)
+    # both workers returned from main() with status 0 (torchrun's own status reports the signal)
+    assert worker_exit_codes(tmp_path, "first") == {"rank0.rc": "0", "rank1.rc": "0"}, everything[-4000:]
 
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt_root.glob("step-*"))
     assert len(saved) == 1 and 1 <= saved[0] < steps, (saved, everything[-4000:])
@@ -158,10 +175,11 @@ def test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes(tmp_path, si
     for text in worker_logs(tmp_path, "first"):
         assert "Traceback" not in text, text[-3000:]
 
-    procs = start_nodes(tmp_path, "again", overrides, free_port())
+    procs = start_nodes(tmp_path, "again", overrides, free_port(), **exit_entry_env(tmp_path, "again"))
     codes = wait_nodes(procs, timeout=300)
     again = [read_text(tmp_path / f"again-node{i}.log") for i in range(2)]
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in again)
+    assert worker_exit_codes(tmp_path, "again") == {"rank0.rc": "0", "rank1.rc": "0"}
     assert f"loaded checkpoint {folder}" in again[0]
     resumed = losses(run_dir)
     assert sorted(resumed) == list(range(1, steps + 1))  # steps 1..k from the first run, k+1.. from the second
