@@ -5,7 +5,8 @@
 #   DRY_RUN=1 NGPU=8 CONFIG=train_configs/mhar_1b.toml scripts/run_train.sh
 #
 #   CONFIG     TOML job file            (default: train_configs/debug_mhar.toml)
-#   NGPU       worker processes         (default: the GPUs visible here, 1 without GPUs)
+#   NGPU       worker processes         (default: the GPUs visible here, counted by count_gpus
+#              in slurm/lib.sh; 1 without GPUs)
 #   LOG_RANK   ranks whose output is shown, comma-separated (default: 0)
 #   PYTHON     interpreter with torch   (default: python3)
 #   DRY_RUN=1  do not train: build the model on the meta device, validate the whole config
@@ -18,21 +19,14 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+# shellcheck source=slurm/lib.sh
+source "$repo/slurm/lib.sh"
 
 config="${CONFIG:-train_configs/debug_mhar.toml}"
 python="${PYTHON:-python3}"
 if [[ -z "${NGPU:-}" ]]; then
-  NGPU=0
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
-  fi
-  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$CUDA_VISIBLE_DEVICES" != "-1" ]]; then
-    IFS=',' read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
-    NGPU="${#visible[@]}"
-  elif [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-    NGPU=0
-  fi
-  if [[ "$NGPU" == 0 ]]; then
+  NGPU="$(count_gpus)"
+  if [[ -z "$NGPU" || "$NGPU" == 0 ]]; then
     NGPU=1
   fi
 fi

@@ -20,8 +20,8 @@
 #   DRY_RUN=1        instead of training, check the config for NNODES x NPROC_PER_NODE ranks
 #                    (python -m mhar_titan.dryrun: model on the meta device, no data, no network)
 #
-# GPUs on this node, in order: SLURM_GPUS_ON_NODE (set inside a step that holds GPUs), the
-# entries of CUDA_VISIBLE_DEVICES, the devices `nvidia-smi -L` lists. LOCAL_WORLD_SIZE and
+# GPUs on this node: count_gpus in slurm/lib.sh (SLURM_GPUS_ON_NODE, else the entries of
+# CUDA_VISIBLE_DEVICES, else the devices `nvidia-smi -L` lists). LOCAL_WORLD_SIZE and
 # CUDA_VISIBLE_DEVICES may differ between nodes; workers map LOCAL_RANK to a device with
 # mhar_titan.launch_env.
 #
@@ -40,22 +40,8 @@ fi
 config="$1"
 shift
 
-count_gpus() {
-  if [[ -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE}" =~ ^[0-9]+$ ]]; then
-    echo "$SLURM_GPUS_ON_NODE"
-  elif [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-    # Set but empty, or -1, hides every GPU.
-    local -a ids=()
-    if [[ "$CUDA_VISIBLE_DEVICES" != "-1" ]]; then
-      IFS=',' read -r -a ids <<<"$CUDA_VISIBLE_DEVICES"
-    fi
-    echo "${#ids[@]}"
-  elif command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
-  else
-    echo 0
-  fi
-}
+# shellcheck source=slurm/lib.sh
+source "$here/lib.sh"
 
 nnodes="${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}"
 node_rank="${NODE_RANK:-${SLURM_NODEID:-0}}"

@@ -19,6 +19,8 @@ import socket
 import subprocess
 import time
 
+from slurm_tools import free_port
+
 SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
 
 
@@ -30,12 +32,6 @@ def missing_requirements() -> str | None:
     if os.geteuid() != 0:
         return "a local SLURM cluster needs root (slurmd starts job steps as the submitting user)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _program(name: str) -> str:

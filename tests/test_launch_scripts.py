@@ -98,3 +98,21 @@ def test_batch_script_needs_the_repository(tmp_path):
     r = subprocess.run(["bash", str(copy), "c.toml"], cwd=tmp_path, capture_output=True, text=True,
                        env=launch_env(SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="9"))
     assert r.returncode == 2 and "submit from the repository root or set REPO_DIR" in r.stdout
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1"}, "4"),
+    ({"CUDA_VISIBLE_DEVICES": "2,5,7"}, "3"),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, "1"),
+    ({}, "1"),
+    ({"NGPU": "2", "CUDA_VISIBLE_DEVICES": "0"}, "2"),
+])
+def test_single_node_launcher_counts_gpus_like_the_node_launcher(env, expected):
+    # PYTHON=echo turns the dry-run exec into a print of its command line
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "run_train.sh")], capture_output=True, text=True,
+                       env=launch_env(DRY_RUN="1", PYTHON="echo", **env))
+    assert r.returncode == 0, r.stderr
+    argv = r.stdout.split()
+    assert argv[argv.index("--world-size") + 1] == expected
+    if "NGPU" not in env:  # same count (same helper, slurm/lib.sh) as the per-node launcher
+        assert opt(node_command({"RDZV_ENDPOINT": "127.0.0.1:1", **env}, "c.toml"), "nproc_per_node") == expected
