@@ -515,6 +515,78 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("'profiling.profile_freq' must be >= 1")
 
 
+# --------------------------------------------------------------------------- derived job values
+# One place for what the trainer and the dry run both derive from a config.
+
+TOKENIZER_N_VOCAB = {"gpt2": 50_257, "cl100k_base": 100_277, "o200k_base": 200_019}
+"""Vocabulary size (``n_vocab``, special tokens included) of each tiktoken encoding
+``data.tokenizer`` accepts, so the model can be sized without loading the encoding files."""
+
+
+def tokenizer_n_vocab(name: str) -> int:
+    """``n_vocab`` of the tiktoken encoding ``name`` (no file or network access).
+
+    Raises:
+        ConfigError: ``name`` is not a supported encoding.
+    """
+    if name not in TOKENIZER_N_VOCAB:
+        raise ConfigError(f"'data.tokenizer' = {name!r} is unknown; valid: {', '.join(TOKENIZER_N_VOCAB)}")
+    return TOKENIZER_N_VOCAB[name]
+
+
+def resolve_model_args(cfg: JobConfig, n_vocab: int):
+    """The ``ModelArgs`` a job trains: flavor + ``[model]`` overrides, with the defaults
+    ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128) and
+    ``max_seq_len = max(flavor's, training.seq_len)`` unless the config sets them.
+
+    Raises:
+        ConfigError: unknown flavor or field, arguments ``ModelArgs`` rejects, a vocab_size
+            below ``n_vocab``, or training.seq_len above an explicit max_seq_len.
+    """
+    from mhar_titan.models.args import ModelArgs, pad_vocab
+
+    m = cfg.model
+    try:
+        overrides = dict(m.overrides)
+        overrides.setdefault("vocab_size", pad_vocab(n_vocab))
+        overrides.setdefault("max_seq_len", max(ModelArgs.from_flavor(m.flavor).max_seq_len, cfg.training.seq_len))
+        args = ModelArgs.from_flavor(m.flavor, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[model] flavor={m.flavor!r} overrides={m.overrides}: {e}") from e
+    if args.vocab_size < n_vocab:
+        raise ConfigError(
+            f"'model.vocab_size' ({args.vocab_size}) is smaller than tokenizer {cfg.data.tokenizer!r} "
+            f"({n_vocab} tokens); set --model.vocab_size to at least {n_vocab} (a multiple of 128 is faster) "
+            "or leave it unset"
+        )
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"'training.seq_len' ({cfg.training.seq_len}) exceeds 'model.max_seq_len' ({args.max_seq_len}); "
+            f"lower it or set --model.max_seq_len={cfg.training.seq_len}"
+        )
+    return args
+
+
+def batch_geometry(cfg: JobConfig, world_size: int) -> tuple[int, int]:
+    """(global batch in sequences, gradient-accumulation steps) for ``world_size`` data-parallel ranks.
+
+    ``training.global_batch_size = -1`` means local_batch_size x world_size (no accumulation).
+
+    Raises:
+        ConfigError: the global batch is not a multiple of local_batch_size x world_size.
+    """
+    t = cfg.training
+    per_micro = t.local_batch_size * world_size
+    global_batch = per_micro if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_micro:
+        raise ConfigError(
+            f"'training.global_batch_size' ({global_batch}) must be a multiple of "
+            f"local_batch_size x ranks = {t.local_batch_size} x {world_size} = {per_micro}; change one of them "
+            f"(for example --training.global_batch_size={max(per_micro, global_batch // per_micro * per_micro)})"
+        )
+    return global_batch, global_batch // per_micro
+
+
 # --------------------------------------------------------------------------- writing
 
 

@@ -45,7 +45,8 @@ from typing import Optional
 
 import torch
 
-from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
+from mhar_titan.config import (ConfigError, JobConfig, batch_geometry, load_config, resolve_model_args, to_toml,
+                               tokenizer_n_vocab)
 from mhar_titan.models.args import ModelArgs, count_parameters
 from mhar_titan.models.model import Transformer
 
@@ -69,34 +70,13 @@ class MemoryEstimate:
 
 
 def build_model_args(cfg: JobConfig) -> ModelArgs:
-    """``ModelArgs`` of ``[model]`` (flavor + field overrides).
+    """The ``ModelArgs`` the trainer would build (``config.resolve_model_args``), with the
+    tokenizer's vocabulary size from ``config.TOKENIZER_N_VOCAB`` (no file is read).
 
     Raises:
-        ConfigError: unknown flavor or field, or arguments that ``ModelArgs`` rejects.
+        ConfigError: unknown tokenizer or flavor, or arguments the trainer would reject.
     """
-    try:
-        return ModelArgs.from_flavor(cfg.model.flavor, **cfg.model.overrides)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"[model] flavor={cfg.model.flavor!r} overrides={cfg.model.overrides}: {e}") from e
-
-
-def grad_accumulation_steps(cfg: JobConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step for ``world_size`` data-parallel ranks.
-
-    Raises:
-        ConfigError: ``training.global_batch_size`` is not a multiple of local_batch_size x world_size.
-    """
-    t = cfg.training
-    per_micro = t.local_batch_size * world_size
-    if t.global_batch_size == -1:
-        return 1
-    if t.global_batch_size % per_micro:
-        raise ConfigError(
-            f"'training.global_batch_size' ({t.global_batch_size}) must be a multiple of "
-            f"local_batch_size x ranks = {t.local_batch_size} x {world_size} = {per_micro}; "
-            f"change one of them (for example --training.global_batch_size={max(per_micro, t.global_batch_size // per_micro * per_micro)})"
-        )
-    return t.global_batch_size // per_micro
+    return resolve_model_args(cfg, tokenizer_n_vocab(cfg.data.tokenizer))
 
 
 def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
@@ -123,12 +103,7 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
             f"'parallelism.data_parallel_shard_degree' = {degree} but the job has {world_size} ranks; "
             "use -1 (all ranks) or the world size"
         )
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"'training.seq_len' ({cfg.training.seq_len}) exceeds the model's max_seq_len ({args.max_seq_len}); "
-            f"lower it or set --model.max_seq_len={cfg.training.seq_len}"
-        )
-    grad_accumulation_steps(cfg, world_size)
+    batch_geometry(cfg, world_size)
     warnings = []
     if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
@@ -233,7 +208,7 @@ def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]
             "mhar_titan.models is inconsistent"
         )
     mem = estimate_memory(model, cfg, world_size, device)
-    accum = grad_accumulation_steps(cfg, world_size)
+    _, accum = batch_geometry(cfg, world_size)
     t = cfg.training
     family = "baseline" if args.residual == "standard" else (
         "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})")

@@ -136,9 +136,10 @@ class WarmupStableDecay:
 class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     """``LambdaLR`` whose schedule always comes from the current config.
 
-    Loading a checkpoint restores the step counter and learning rates but keeps the
-    schedule built from the config, so a resumed run with a raised ``training.steps``
-    stretches its decay to the new end. When the saved schedule differs, it says so.
+    Loading a checkpoint restores the step counter but keeps the schedule built from the
+    config, and sets the optimizer's group LRs from it (call it after loading the
+    optimizer), so a resumed run with a raised ``training.steps`` stretches its decay to
+    the new end from its first step. When the saved schedule differs, it says so.
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -151,6 +152,12 @@ class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
                 "current config's schedule from step %s", saved[0], current[0], state.get("last_epoch"))
         state["lr_lambdas"] = current
         super().load_state_dict(state)
+        # The optimizer's restored group LRs (and the saved _last_lr) come from the saved
+        # schedule; recompute both from the current one. The checkpoint manager loads the
+        # optimizer before the scheduler, so this is the LR the next step uses.
+        self._last_lr = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from mhar_titan.launch_env import resolve_device, resolve_launch_env
+from mhar_titan.launch_env import LaunchEnvError, resolve_device, resolve_launch_env
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -44,10 +44,8 @@ class ParallelEnv:
     """Where this process runs: ``rank`` of ``world_size`` data-parallel ranks on ``device``."""
 
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
-    backend: str
     mesh: DeviceMesh
 
 
@@ -59,13 +57,21 @@ def init_distributed(cfg) -> ParallelEnv:
     FSDP2 code path runs in both cases.
 
     Raises:
+        LaunchEnvError: SLURM started several tasks without torchrun (each would train
+            alone as rank 0 of 1 into the same run folder).
         ValueError: ``parallelism.data_parallel_shard_degree`` is neither -1 nor the world size.
     """
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
-    # torchrun sets LOCAL_RANK, SLURM sets SLURM_LOCALID; a task that sees one GPU uses cuda:0.
     launch = resolve_launch_env()
-    local_rank = launch.local_rank
+    if not dist.is_initialized() and launch.source == "slurm" and launch.world_size > 1:
+        raise LaunchEnvError(
+            f"SLURM started {launch.world_size} tasks (SLURM_NTASKS) but RANK/WORLD_SIZE are unset: "
+            "`srun python train.py` would run independent 1-rank jobs writing the same run folder. "
+            "Run one torchrun per node (slurm/torchrun_node.sh, see docs/MULTINODE.md), "
+            "or srun with --ntasks=1"
+        )
+    # torchrun sets LOCAL_RANK, SLURM sets SLURM_LOCALID; a task that sees one GPU uses cuda:0.
     device = resolve_device()
     if use_cuda:
         torch.cuda.set_device(device)
@@ -83,7 +89,7 @@ def init_distributed(cfg) -> ParallelEnv:
             "use -1 (all ranks) or the world size (FSDP is the only parallelism)"
         )
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    return ParallelEnv(dist.get_rank(), local_rank, world, device, backend, mesh)
+    return ParallelEnv(dist.get_rank(), world, device, mesh)
 
 
 def apply_ac(model: nn.Module, ac_cfg) -> int:

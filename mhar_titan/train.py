@@ -30,7 +30,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 import warnings
 from typing import Optional
 
@@ -38,25 +37,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mhar_titan.config import CheckpointConfig, ConfigError, JobConfig, load_config, to_toml
-from mhar_titan.data import build_tokenizer
+from mhar_titan.checkpoint import CheckpointError, CheckpointManager
+from mhar_titan.config import ConfigError, batch_geometry, load_config, resolve_model_args, to_toml
+from mhar_titan.data import DataError, DataStateError, ManifestError, TokenizerFileError, build_tokenizer
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, mfu, peak_flops, peak_memory_gib
-from mhar_titan.models.args import ModelArgs, pad_vocab
 from mhar_titan.models.model import Transformer, routing_entropy
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
+from mhar_titan.launch_env import LaunchEnvError
 from mhar_titan.parallel import build_model, init_distributed
+from mhar_titan.preemption import PreemptionHandler
 
 logger = logging.getLogger("mhar_titan")
-
-try:
-    from mhar_titan.checkpoint import CheckpointManager
-except ImportError:  # checkpointing not available: the trainer runs without it
-    CheckpointManager = None
-try:
-    from mhar_titan.preemption import PreemptionHandler
-except ImportError:
-    PreemptionHandler = None
 
 IGNORE_INDEX = -100
 
@@ -84,21 +76,15 @@ class TrainState:
                 setattr(self, key, value)
 
 
-def check_batch_geometry(cfg: JobConfig, world_size: int) -> tuple[int, int]:
-    """(global batch in sequences, gradient-accumulation steps) for ``world_size`` ranks.
+# Fields of ModelArgs that do not change the weights: a checkpoint resumes across them.
+RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len")
 
-    Raises:
-        ConfigError: the global batch is not a multiple of local batch x ranks.
-    """
-    t = cfg.training
-    per_step = t.local_batch_size * world_size
-    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_step:
-        raise ConfigError(
-            f"'training.global_batch_size' ({global_batch}) must be a multiple of "
-            f"'training.local_batch_size' x ranks ({t.local_batch_size} x {world_size} = {per_step})"
-        )
-    return global_batch, global_batch // per_step
+
+def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:
+    """What must match between a checkpoint and the run resuming it: the model arguments that
+    shape or define the weights (not ``RESUMABLE_MODEL_FIELDS``) and the tokenizer."""
+    args = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in RESUMABLE_MODEL_FIELDS}
+    return {"model_args": args, "tokenizer": tokenizer_name}
 
 
 def _target_count(labels: torch.Tensor) -> torch.Tensor:
@@ -125,7 +111,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         t = cfg.training
-        self.global_batch_size, self.grad_accum = check_batch_geometry(cfg, env.world_size)
+        self.global_batch_size, self.grad_accum = batch_geometry(cfg, env.world_size)
 
         self.run_dir = pathlib.Path(cfg.job.dump_folder) / cfg.job.name
         if env.rank == 0:
@@ -136,16 +122,7 @@ class Trainer:
         dist.barrier()
 
         self.tokenizer = build_tokenizer(cfg.data)
-        overrides = dict(cfg.model.overrides)
-        overrides.setdefault("vocab_size", pad_vocab(self.tokenizer.n_vocab))
-        flavor_len = ModelArgs.from_flavor(cfg.model.flavor).max_seq_len
-        overrides.setdefault("max_seq_len", max(flavor_len, t.seq_len))
-        self.model_args = ModelArgs.from_flavor(cfg.model.flavor, **overrides)
-        if self.model_args.vocab_size < self.tokenizer.n_vocab:
-            raise ConfigError(
-                f"'model.vocab_size' ({self.model_args.vocab_size}) is smaller than the tokenizer "
-                f"'{self.tokenizer.name}' ({self.tokenizer.n_vocab} tokens)"
-            )
+        self.model_args = resolve_model_args(cfg, self.tokenizer.n_vocab)
 
         self.model = build_model(Transformer, self.model_args, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -172,14 +149,10 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = None
         if cfg.checkpoint.enable:
-            if CheckpointManager is None or not dataclasses.is_dataclass(CheckpointConfig) or not hasattr(
-                cfg.checkpoint, "folder"
-            ):
-                raise ConfigError("'checkpoint.enable' is true but mhar_titan.checkpoint cannot be imported")
             self.checkpointer = CheckpointManager(
                 cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
-                fingerprint={"model_args": dataclasses.asdict(self.model_args), "tokenizer": self.tokenizer.name},
+                fingerprint=checkpoint_fingerprint(self.model_args, self.tokenizer.name),
             )
             self.state.step = self.checkpointer.load()
         if env.rank == 0:
@@ -187,11 +160,23 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, env.rank, run_name=cfg.job.name,
                                      config=cfg.to_dict(), wandb_id=self.state.wandb_id)
         self.state.wandb_id = self.metrics.wandb_id or self.state.wandb_id
-        self.preemption = PreemptionHandler() if PreemptionHandler is not None else None
+        self._sync_rank0_state()
+        self.preemption = PreemptionHandler()
         self.losses: list[float] = []  # per-step training loss of this process's run (for tests)
         self._log(self.state.step, self._startup_summary(), console_only=True)
 
     # ------------------------------------------------------------------ helpers
+
+    def _sync_rank0_state(self) -> None:
+        """Give every rank rank 0's ``wandb_id`` (set only where the W&B run lives).
+
+        Every rank saves ``train_state`` under one checkpoint key and DCP keeps one
+        copy, not necessarily rank 0's, so the train state must be equal on all ranks.
+        """
+        if self.env.world_size > 1:
+            box = [self.state.wandb_id]
+            dist.broadcast_object_list(box, src=0)
+            self.state.wandb_id = box[0]
 
     def _startup_summary(self) -> dict:
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -336,60 +321,62 @@ class Trainer:
                            "--training.steps to continue, or start a fresh run with another --job.name "
                            "(or --checkpoint.enable=false)",
             }, console_only=True)
-            return
+            return self.state
         throughput = Throughput()
         it = iter(self.train_loader)
-        gc.disable()
-        self.model.train()
-        with self._profiler() as prof:
-            while self.state.step < t.steps:
-                step = self.state.step + 1
-                micro = self._next_micro_batches(it)
-                loss, grad_norm, group_norms = self.train_step(micro)
-                finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-                if finite:
-                    self.optimizer.step()
-                    self.state.consecutive_nonfinite = 0
-                else:
-                    self.state.nonfinite_skipped += 1
-                    self.state.consecutive_nonfinite += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                lr = self.lr_scheduler.get_last_lr()[0]
-                self.lr_scheduler.step()
-                self.state.step = step
-                self.state.tokens_seen += tokens_per_step
-                throughput.add(tokens_per_step)
-                self.losses.append(loss)
+        gc.disable()  # collected every training.gc_freq steps instead
+        try:
+            self.model.train()
+            with self._profiler() as prof:
+                while self.state.step < t.steps:
+                    step = self.state.step + 1
+                    micro = self._next_micro_batches(it)
+                    loss, grad_norm, group_norms = self.train_step(micro)
+                    finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+                    if finite:
+                        self.optimizer.step()
+                        self.state.consecutive_nonfinite = 0
+                    else:
+                        self.state.nonfinite_skipped += 1
+                        self.state.consecutive_nonfinite += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    self.lr_scheduler.step()
+                    self.state.step = step
+                    self.state.tokens_seen += tokens_per_step
+                    throughput.add(tokens_per_step)
+                    self.losses.append(loss)
 
-                if not finite:
-                    logger.warning("step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
-                                   step, loss, grad_norm.item(), self.state.consecutive_nonfinite)
-                if not finite or step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps:
-                    self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
-                if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                    self._log(step, {"val_loss": self.validate()})
-                if self.state.consecutive_nonfinite >= t.max_consecutive_nonfinite:
-                    first = step - self.state.consecutive_nonfinite + 1
-                    raise TrainingHealthError(
-                        f"stopping at step {step}: {self.state.consecutive_nonfinite} consecutive steps "
-                        f"(steps {first}-{step}) had a non-finite loss or gradient norm "
-                        f"(training.max_consecutive_nonfinite = {t.max_consecutive_nonfinite}); "
-                        f"lower optimizer.lr or check the data"
-                    )
-                if self.checkpointer is not None:
-                    self.checkpointer.save(step, last=step == t.steps)
-                if prof is not None:
-                    prof.step()
-                self._memory_snapshot(step)
-                if step % t.gc_freq == 0:
-                    gc.collect(1)
-                if self.preemption is not None and self.preemption.should_stop():
+                    if not finite:
+                        logger.warning("step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
+                                       step, loss, grad_norm.item(), self.state.consecutive_nonfinite)
+                    if not finite or step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps:
+                        self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
+                    if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
+                        self._log(step, {"val_loss": self.validate()})
+                    if self.state.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+                        first = step - self.state.consecutive_nonfinite + 1
+                        raise TrainingHealthError(
+                            f"stopping at step {step}: {self.state.consecutive_nonfinite} consecutive steps "
+                            f"(steps {first}-{step}) had a non-finite loss or gradient norm "
+                            f"(training.max_consecutive_nonfinite = {t.max_consecutive_nonfinite}); "
+                            f"lower optimizer.lr or check the data"
+                        )
                     if self.checkpointer is not None:
-                        self.checkpointer.save(step, force=True)
-                    self._log(step, {"event": "preempted", "signal": str(self.preemption.received)},
-                              console_only=True)
-                    break
-        gc.enable()
+                        self.checkpointer.save(step, last=step == t.steps)
+                    if prof is not None:
+                        prof.step()
+                    self._memory_snapshot(step)
+                    if step % t.gc_freq == 0:
+                        gc.collect(1)
+                    if self.preemption is not None and self.preemption.should_stop():
+                        if self.checkpointer is not None:
+                            self.checkpointer.save(step, force=True)
+                        self._log(step, {"event": "preempted", "signal": str(self.preemption.received)},
+                                  console_only=True)
+                        break
+        finally:
+            gc.enable()
         return self.state
 
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
@@ -436,11 +423,18 @@ class Trainer:
                 dist.destroy_process_group()
 
 
+# Errors in the job's inputs found while building the Trainer: reported in one line, exit code 2.
+SETUP_ERRORS = (ConfigError, FileNotFoundError, LaunchEnvError, CheckpointError, DataError, DataStateError,
+                ManifestError, TokenizerFileError)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
 
-    Returns the exit code: 0 on success (also after a preemption), 2 for a bad
-    config (nothing is built), 1 when the run stops for training health.
+    Returns the exit code: 0 on success (also after a preemption); 2 for a bad config
+    (nothing is built), launch environment, checkpoint (e.g. made for another model) or
+    data (message on stderr, process group torn down); 1 when the run stops for
+    training health.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # torchdata 0.11 calls a torch API that torch 2.13 deprecated; harmless, and printed once per worker.
@@ -448,11 +442,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(None, argv)
-        check_batch_geometry(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        batch_geometry(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except SETUP_ERRORS as e:
+        print(f"cannot start training: {type(e).__name__}: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
     try:
         trainer.train()
     except TrainingHealthError as e:

@@ -2,11 +2,13 @@
 
     torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR
 
-Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4) and
+Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4, every
+rank's train state with an offline W&B run) and
 OUT_DIR/grads.pt (full unclipped gradients of one masked step at local batch 2 x accumulation 2).
 The process group is shared by the runs and destroyed by the last one (clean gloo exit).
 """
 import json
+import os
 import pathlib
 import sys
 
@@ -30,9 +32,14 @@ def main(out):
         trainer.close(destroy_process_group=False)
 
     cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
-                    "--training.global_batch_size=8", "--training.max_norm=0")
+                    "--training.global_batch_size=8", "--training.max_norm=0", "--metrics.enable_wandb=true")
+    os.environ.setdefault("WANDB_MODE", "offline")
     trainer = Trainer(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the checkpoint keeps one rank's train_state: it must be rank 0's on every rank
+    states = [None] * world
+    dist.all_gather_object(states, trainer.state.state_dict())
+    result["train_states"] = states
     assert trainer.grad_accum == 2
     loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
     grads = full_grads(trainer.model)

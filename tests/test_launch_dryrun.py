@@ -102,7 +102,9 @@ def test_run_train_dry_run_mode_validates_for_ngpu_ranks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--training.seq_len=1024"], "'training.seq_len' (1024) exceeds the model's max_seq_len (512)"),
+    (["--training.seq_len=1024", "--model.max_seq_len=512"], "'training.seq_len' (1024) exceeds 'model.max_seq_len' (512)"),
+    (["--data.tokenizer=cl100k_base", "--model.vocab_size=50304"],
+     "'model.vocab_size' (50304) is smaller than tokenizer 'cl100k_base' (100277 tokens)"),
     (["--parallelism.data_parallel_shard_degree=2"], "data_parallel_shard_degree' = 2 but the job has 4 ranks"),
     (["--model.routing_heads=3"], "dim d=128 is not divisible by routing heads H=3"),
     (["--data.sharding=rows"], "data.sharding must be one of"),
@@ -118,10 +120,43 @@ def test_invalid_jobs_name_the_key(overrides, message):
 def test_cli_exit_code_and_message(capsys):
     from mhar_titan.dryrun import main
 
-    assert main(["--config", DEBUG, "--world-size", "4", "--training.seq_len=4096"]) == 1
+    assert main(["--config", DEBUG, "--world-size", "4", "--training.seq_len=4096", "--model.max_seq_len=512"]) == 1
     assert "dry run: invalid job: 'training.seq_len' (4096) exceeds" in capsys.readouterr().err
     assert main(["--config", "train_configs/missing.toml"]) == 1
     assert "config file not found: train_configs/missing.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, vocab, max_seq_len", [
+    ([], 50304, 512),
+    (["--training.seq_len=4096"], 50304, 4096),  # the trainer raises max_seq_len to seq_len
+    (["--data.tokenizer=cl100k_base"], 100352, 512),  # and pads the tokenizer's vocabulary (100,277)
+    (["--data.tokenizer=o200k_base"], 200064, 512),
+])
+def test_dry_run_sizes_the_model_like_the_trainer(overrides, vocab, max_seq_len, capsys):
+    from mhar_titan.dryrun import main
+
+    assert main(["--config", DEBUG, "--device", "cpu", *overrides]) == 0
+    assert f"vocab={vocab} " in capsys.readouterr().out
+    args = build_model_args(load_config(DEBUG, overrides))
+    assert (args.vocab_size, args.max_seq_len) == (vocab, max_seq_len)
+
+
+def test_known_vocab_sizes_match_tiktoken():
+    """config.TOKENIZER_N_VOCAB against the encodings themselves, where the offline cache has them."""
+    from mhar_titan.config import TOKENIZER_N_VOCAB
+    from mhar_titan.data.tokenizer import check_cache, default_cache_dir
+
+    checked = 0
+    for name, n_vocab in TOKENIZER_N_VOCAB.items():
+        try:
+            check_cache(name, default_cache_dir())
+        except Exception:
+            continue
+        import tiktoken
+        assert tiktoken.get_encoding(name).n_vocab == n_vocab, name
+        checked += 1
+    if not checked:
+        pytest.skip("no tiktoken encoding cached: run python -m mhar_titan.data.prepare_tokenizer")
 
 
 def test_memory_estimate_terms():

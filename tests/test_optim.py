@@ -68,7 +68,6 @@ def test_scheduler_state_round_trip_resumes_schedule():
     opt2 = torch.optim.AdamW([p], lr=2.0)
     sched2 = build_lr_scheduler(opt2, cfg, 12)
     sched2.load_state_dict(state)
-    opt2.param_groups[0]["lr"] = sched2.get_last_lr()[0]
     assert opt2.param_groups[0]["lr"] == pytest.approx(full[5])
 
 
@@ -84,6 +83,9 @@ def test_resume_with_more_steps_follows_the_new_schedule_and_warns(caplog):
     assert "LR schedule differs" in caplog.text and "'steps': 12" in caplog.text
     assert longer.last_epoch == 5
     assert longer.lr_lambdas[0].steps == 24  # the config's schedule, not the checkpoint's
+    longer_full, _ = lrs(cfg, 24)
+    assert longer.get_last_lr()[0] == pytest.approx(longer_full[5])
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(longer_full[5])
     same = build_lr_scheduler(torch.optim.AdamW([p], lr=2.0), cfg, 12)
     caplog.clear()
     with caplog.at_level("WARNING", logger="mhar_titan.optim"):

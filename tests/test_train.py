@@ -20,6 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_common import DEBUG_MHAR, ROOT, SAMPLE, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
+from mhar_titan.optim import WarmupStableDecay  # noqa: E402
 from mhar_titan.train import Trainer, main  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
@@ -191,3 +192,80 @@ def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads)
     assert results["masked_loss"] == pytest.approx(loss8, abs=1e-5)
     assert rel_diff(grads, g8) <= 1e-5
     assert results["masked_grad_norm"] == pytest.approx(norm8, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_train_state_is_rank0s_on_every_rank(dist_results):
+    """Rank 0 owns the W&B run; its id must reach every rank's train_state (the checkpoint keeps one copy)."""
+    results, _ = dist_results
+    states = results["train_states"]
+    assert len(states) == 2 and states[0]["wandb_id"]
+    assert states[1] == states[0]
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def saved_at_8(tmp_path_factory):
+    """A run of 8 steps (an 8-step LR schedule) with a checkpoint at step 8."""
+    root = tmp_path_factory.mktemp("resume")
+    run(debug_cfg(root, "r", "--training.steps=8", "--checkpoint.enable=true"))
+    return root
+
+
+def test_resume_with_longer_schedule_uses_its_lr_from_the_first_step(saved_at_8):
+    """Step 9 after a resume with training.steps 8 -> 24 uses the 24-step schedule's LR,
+    not the one restored with the optimizer state; switching routing_kernel or raising
+    max_seq_len does not block the resume (they do not change the weights)."""
+    cfg = debug_cfg(saved_at_8, "r", "--training.steps=24", "--checkpoint.enable=true",
+                    "--model.routing_kernel=compile", "--model.max_seq_len=1024")
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.state.step == 8
+        sched = cfg.lr_scheduler
+        new = WarmupStableDecay(24, sched.warmup_steps, sched.decay_ratio, sched.decay_type, sched.min_lr_factor)
+        old = WarmupStableDecay(8, sched.warmup_steps, sched.decay_ratio, sched.decay_type, sched.min_lr_factor)
+        expected = cfg.optimizer.lr * new.factor(9)
+        assert abs(expected - cfg.optimizer.lr * old.factor(9)) > 0.1 * expected
+        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-9)
+        assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(expected, rel=1e-9)
+    finally:
+        trainer.close()
+
+
+def test_checkpoint_for_another_model_exits_2_with_a_message(saved_at_8, capsys):
+    code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={saved_at_8}", "--job.name=r",
+                 f"--data.files=[\"{SAMPLE}/train-*.parquet\"]", "--validation.enable=false",
+                 "--training.seq_len=32", "--training.steps=24", "--lr_scheduler.warmup_steps=2",
+                 "--model.routing_heads=4"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "CheckpointMismatchError" in err and "routing_heads" in err and "Traceback" not in err
+    assert not dist.is_initialized()
+
+
+def test_missing_data_files_exit_2_with_a_message(tmp_path, capsys):
+    code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={tmp_path}", "--job.name=nodata",
+                 f"--data.files=[\"{tmp_path}/none-*.parquet\"]", "--validation.enable=false",
+                 "--checkpoint.enable=false"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "none-*.parquet" in err and "Traceback" not in err
+    assert not dist.is_initialized()
+
+
+def test_srun_without_torchrun_is_refused(tmp_path, monkeypatch, capsys):
+    """SLURM tasks without torchrun's RANK/WORLD_SIZE would each train alone as rank 0."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={tmp_path}", "--job.name=srun",
+                 f"--data.files=[\"{SAMPLE}/train-*.parquet\"]", "--checkpoint.enable=false"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "SLURM_NTASKS" in err and "torchrun_node.sh" in err
+    assert not any(tmp_path.iterdir())
+    assert not dist.is_initialized()
