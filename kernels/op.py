@@ -1,8 +1,8 @@
 """`mhar_kernels.route`: fused depth routing as registered custom ops with autograd.
 
 Two ops, so that `torch.compile` (per block, fullgraph) traces them as opaque nodes and
-never touches a data pointer (ENV_NOTES gotcha (d): `triton_op` + `wrap_triton` fails under
-compile with the interpreter):
+never touches a data pointer (`triton_op` + `wrap_triton` fails under compile with the
+interpreter: fake tensors have no data pointer):
 
     mhar::route_fwd(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         -> (out (B, T, d), logits (N, B*T, H), lse (B*T, H))

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from mhar_titan.models.routing import compute_dtype
 
-# The flag is read when the @triton.jit decorators run (ENV_NOTES gotcha (b)).
+# Triton reads the flag when the @triton.jit decorators run, so it must be set before this import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
