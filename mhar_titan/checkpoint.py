@@ -21,7 +21,8 @@ What one checkpoint holds (DCP keys):
 ``rng.rank_R``      each rank's python, numpy, torch CPU (and CUDA) RNG states
 ==================  ==========================================================
 
-Non-tensor values are stored as ``torch.save`` bytes, one DCP byte item each.
+Non-tensor values are stored as ``torch.save`` bytes of plain data, one DCP byte
+item each, and read back with ``weights_only=True`` (no code runs from a checkpoint).
 Model and optimizer tensors reshard on load, so a checkpoint saved at world
 size W loads at any other world size; per-rank items (data position, RNG) are
 matched by rank, see ``CheckpointManager.load``.
@@ -30,11 +31,12 @@ matched by rank, see ``CheckpointManager.load``.
 *fingerprint* (model arguments, tokenizer name...). ``load()`` compares the
 fingerprint and every requested key and shape against the checkpoint *before*
 reading any tensor, and raises ``CheckpointMismatchError`` naming the first
-differences; nothing in memory or on disk is changed in that case.
+differences; nothing in memory or on disk is changed in that case. Those checks
+live in ``mhar_titan.checkpoint_checks``, the ``[checkpoint]`` settings in
+``mhar_titan.checkpoint_config`` (both re-exported here).
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -44,7 +46,6 @@ import shutil
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -60,78 +61,29 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from mhar_titan.checkpoint_checks import (
+    CheckpointError,
+    CheckpointMismatchError,
+    check_fingerprint,
+    check_keys,
+    check_no_newer,
+    decode,
+    encode,
+    json_safe,
+)
+from mhar_titan.checkpoint_config import ASYNC_MODES, COMPONENTS, EXPORT_DTYPES, CheckpointConfig
+
+__all__ = [
+    "ASYNC_MODES", "COMPONENTS", "EXPORT_DTYPES", "MARKER", "CheckpointConfig", "CheckpointError",
+    "CheckpointManager", "CheckpointMismatchError", "is_complete", "read_marker", "step_folders",
+]
+
 logger = logging.getLogger(__name__)
 
 MARKER = "complete.json"
 """Name of the completion marker inside a ``step-N`` folder, written last."""
 
-COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-"""Parts of the train state; any of them can be named in ``exclude_from_loading``."""
-
-ASYNC_MODES = ("disabled", "async")
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (missing, incomplete, wrong kind, bad config)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was made for a different model, tokenizer or optimizer setup."""
-
-
-@dataclass
-class CheckpointConfig:
-    """``[checkpoint]``: DCP save/load of the whole train state (TorchTitan v0.2.2 names)."""
-
-    enable: bool = False
-    """Save checkpoints and resume from the newest complete one in the run folder."""
-    folder: str = "checkpoints"
-    """Sub-folder of the run folder that holds the ``step-N`` checkpoints."""
-    interval: int = 500
-    """Save every this many steps (the last step and a preemption always save); <= 0: only those."""
-    keep_latest_k: int = 10
-    """Keep the k newest complete checkpoints, delete older ones; 0 keeps all. The newest
-    complete one is never deleted."""
-    load_step: int = -1
-    """Step to resume from; -1 means the newest complete checkpoint."""
-    async_mode: str = "disabled"
-    """"disabled" (save blocks the step) or "async" (``dcp.async_save`` on a dedicated gloo
-    group; the next save or ``close()`` waits for it). The last step and a preemption always
-    save synchronously."""
-    initial_load_path: Optional[str] = None
-    """A ``step-N`` folder (of another run, or a converted model) loaded when the run folder
-    has no complete checkpoint yet; None: start from the random init."""
-    initial_load_model_only: bool = True
-    """Load only the model from ``initial_load_path`` (step counts from 0); False loads the
-    whole train state and continues at its step."""
-    exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader,
-    train_state, rng (e.g. ["dataloader"] to switch data sets)."""
-    last_save_model_only: bool = False
-    """Save only the model (cast to ``export_dtype``) at the last step: a smaller export that
-    cannot be resumed from (load it through ``initial_load_path``)."""
-    export_dtype: str = "float32"
-    """dtype of the model-only last save: "float32", "bfloat16" or "float16"."""
-
-    def validate(self) -> None:
-        """Raise ``CheckpointError`` naming the first invalid key of ``[checkpoint]``."""
-        if self.async_mode not in ASYNC_MODES:
-            raise CheckpointError(f"checkpoint.async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
-        if self.export_dtype not in EXPORT_DTYPES:
-            raise CheckpointError(
-                f"checkpoint.export_dtype must be one of {tuple(EXPORT_DTYPES)}, got {self.export_dtype!r}"
-            )
-        bad = [name for name in self.exclude_from_loading if name not in COMPONENTS]
-        if bad:
-            raise CheckpointError(
-                f"checkpoint.exclude_from_loading has unknown part(s) {bad}; valid parts: {list(COMPONENTS)}"
-            )
-        if self.keep_latest_k < 0:
-            raise CheckpointError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
-        if self.load_step < -1:
-            raise CheckpointError(f"checkpoint.load_step must be -1 (newest) or a step >= 0, got {self.load_step}")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -151,18 +103,10 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=False)
-
-
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss))  # plain data, no ndarray
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -170,7 +114,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -181,31 +126,6 @@ def _flatten(tree: dict) -> dict:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     return flatten_state_dict(tree)[0]
-
-
-def _flatten_plain(tree: Any, prefix: str = "") -> dict:
-    """Nested dict -> ``{"a.b": leaf}`` (used for fingerprints)."""
-    if isinstance(tree, dict):
-        out = {}
-        for key in sorted(tree, key=str):
-            out.update(_flatten_plain(tree[key], f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def _json_safe(tree: Any) -> Any:
-    """Fingerprints go into JSON: tuples become lists, unknown objects their ``repr``."""
-    if isinstance(tree, dict):
-        return {str(k): _json_safe(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [_json_safe(v) for v in tree]
-    if tree is None or isinstance(tree, (bool, int, float, str)):
-        return tree
-    return repr(tree)
-
-
-def _shape(value: Any) -> Optional[tuple]:
-    return tuple(value.size()) if isinstance(value, torch.Tensor) else None
 
 
 def _cast_floats(state: dict, dtype: torch.dtype) -> dict:
@@ -278,7 +198,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.dataloader = dataloader
         self.train_state = train_state
-        self.fingerprint = _json_safe(fingerprint or {})
+        self.fingerprint = json_safe(fingerprint or {})
         self._writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(path))
         self.rank, self.world_size = _rank_world()
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -346,10 +266,10 @@ class CheckpointManager:
         for name in ("lr_scheduler", "train_state"):
             obj = getattr(self, name)
             if obj is not None:
-                state[name] = _to_bytes(obj.state_dict())
+                state[name] = encode(obj.state_dict())
         if self.dataloader is not None:
-            state["dataloader"] = {f"rank_{self.rank}": _to_bytes(self.dataloader.state_dict())}
-        state["rng"] = {f"rank_{self.rank}": _to_bytes(_rng_state())}
+            state["dataloader"] = {f"rank_{self.rank}": encode(self.dataloader.state_dict())}
+        state["rng"] = {f"rank_{self.rank}": encode(_rng_state())}
         return state
 
     def _clear_folder(self, path: Path) -> None:
@@ -428,7 +348,9 @@ class CheckpointManager:
         its fresh RNG. Call on every rank.
 
         Raises:
-            CheckpointError: ``load_step`` names a missing, incomplete or model-only checkpoint.
+            CheckpointError: ``load_step`` names a missing, incomplete or model-only checkpoint,
+                or one older than the newest complete checkpoint; or a non-tensor item is not
+                plain data (a pickle that could run code).
             CheckpointMismatchError: fingerprint, keys or shapes differ; nothing is loaded.
         """
         if not self.cfg.enable:
@@ -483,6 +405,10 @@ class CheckpointManager:
                     f"checkpoint.load_step={wanted}: {self.folder / f'step-{wanted}'} is {state}; "
                     f"complete checkpoints: {complete or 'none'}"
                 )
+            try:
+                check_no_newer(self.folder, wanted, sorted(s for s, p in folders.items() if is_complete(p)))
+            except CheckpointError as e:
+                return e
             return str(folders[wanted])
         for step in sorted(folders, reverse=True):
             if is_complete(folders[step]):
@@ -494,28 +420,34 @@ class CheckpointManager:
     def _load_from(self, path: Path, parts: list[str], marker: dict) -> None:
         started = time.perf_counter()
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        self._check_fingerprint(path, marker)
+        if "fingerprint" in marker:
+            check_fingerprint(path, marker["fingerprint"], self.fingerprint)
         state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
-        self._check_keys(path, state, metadata)
+        check_keys(path, _flatten(state), metadata, has_model="model" in state)
 
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
+
+        # decode every object before restoring any: an unsafe item stops the load here
+        objects = {name: decode(state[name], name, path) for name in ("lr_scheduler", "train_state") if name in state}
+        for name in ("dataloader", "rng"):
+            if name in state:
+                ((rank_key, blob),) = state[name].items()
+                objects[name] = decode(blob, f"{name}.{rank_key}", path)
 
         if "optimizer" in state:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         elif "model" in state:
             set_model_state_dict(self.model, state["model"])
-        if "lr_scheduler" in state:
-            self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
-        if "train_state" in state:
-            self.train_state.load_state_dict(_from_bytes(state["train_state"]))
-        if "dataloader" in state:
-            (blob,) = state["dataloader"].values()
-            self.dataloader.load_state_dict(_from_bytes(blob))
-        if "rng" in state:
-            (blob,) = state["rng"].values()
-            _set_rng_state(_from_bytes(blob))
+        if "lr_scheduler" in objects:
+            self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
+        if "train_state" in objects:
+            self.train_state.load_state_dict(objects["train_state"])
+        if "dataloader" in objects:
+            self.dataloader.load_state_dict(objects["dataloader"])
+        if "rng" in objects:
+            _set_rng_state(objects["rng"])
         if self.rank == 0:
             logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
                         time.perf_counter() - started)
@@ -543,51 +475,3 @@ class CheckpointManager:
             elif self.rank == 0:
                 logger.info("checkpoint has no RNG state for rank %d: keeping this run's seed", self.rank)
         return state
-
-    def _check_fingerprint(self, path: Path, marker: dict) -> None:
-        if "fingerprint" not in marker:
-            return
-        saved, current = _flatten_plain(marker["fingerprint"]), _flatten_plain(self.fingerprint)
-        diffs = [
-            f"{key}: checkpoint {saved.get(key, '<unset>')!r}, this run {current.get(key, '<unset>')!r}"
-            for key in sorted(set(saved) | set(current))
-            if saved.get(key, "<unset>") != current.get(key, "<unset>")
-        ]
-        if diffs:
-            raise CheckpointMismatchError(
-                f"checkpoint {path} was made with different settings ({len(diffs)} differ), e.g.\n  "
-                + "\n  ".join(diffs[:8])
-                + "\nNothing was loaded. Use the original settings, a new run folder (job.name), or "
-                "checkpoint.initial_load_path with a matching model."
-            )
-
-    def _check_keys(self, path: Path, state: dict, metadata: Metadata) -> None:
-        """Every requested key must exist with the same shape; saved model keys must all be used."""
-        saved = metadata.state_dict_metadata
-        requested = _flatten(state)
-        missing = [k for k in requested if k not in saved]
-        shapes = []
-        for key, value in requested.items():
-            meta = saved.get(key)
-            if isinstance(meta, TensorStorageMetadata) and _shape(value) is not None:
-                if tuple(meta.size) != _shape(value):
-                    shapes.append(f"{key}: checkpoint {tuple(meta.size)}, this run {_shape(value)}")
-            elif isinstance(meta, BytesStorageMetadata) and _shape(value) is not None:
-                shapes.append(f"{key}: checkpoint holds an object, this run a tensor {_shape(value)}")
-        unexpected = []
-        if "model" in state:
-            unexpected = [k for k in saved if k.startswith("model.") and k not in requested]
-        if missing or shapes or unexpected:
-            lines = []
-            if shapes:
-                lines.append(f"shape mismatch ({len(shapes)}): " + "; ".join(shapes[:5]))
-            if missing:
-                lines.append(f"missing from the checkpoint ({len(missing)}): " + ", ".join(missing[:5]))
-            if unexpected:
-                lines.append(f"in the checkpoint but not in this model ({len(unexpected)}): "
-                             + ", ".join(unexpected[:5]))
-            raise CheckpointMismatchError(
-                f"checkpoint {path} does not match this run:\n  " + "\n  ".join(lines)
-                + "\nNothing was loaded. Check [model] (flavor, residual, routing_heads) against the run that "
-                "saved it, or list parts to skip in checkpoint.exclude_from_loading."
-            )

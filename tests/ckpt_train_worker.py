@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from ckpt_writers import slow_writer
 from mhar_titan.checkpoint import CheckpointConfig, CheckpointManager
 from mhar_titan.config import load_config
 from mhar_titan.preemption import PreemptionHandler
@@ -73,12 +73,6 @@ def tensors(tree, prefix=""):
             yield from tensors(v, f"{prefix}{i}.")
     elif isinstance(tree, torch.Tensor):
         yield prefix[:-1], tree
-
-
-class SlowWriter(dcp.FileSystemWriter):
-    def write_data(self, plan, planner):
-        time.sleep(5.0)
-        return super().write_data(plan, planner)
 
 
 class Runner:
@@ -151,10 +145,24 @@ class Runner:
         dist.barrier()
 
     def resume_copy(self, src: str, step: int, name: str) -> None:
-        """A new run folder holding only ``src``'s step-N checkpoint: a resume, nothing else."""
+        """A new run folder holding only ``src``'s step-N checkpoint: a resume, nothing else.
+        The checkpoint comes from ``src/checkpoints`` or, if ``go_back`` moved it, ``src/abandoned``."""
         if self.rank == 0:
             dst = self.out / name / "checkpoints" / f"step-{step}"
-            shutil.copytree(self.out / src / "checkpoints" / f"step-{step}", dst)
+            origin = self.out / src / "checkpoints" / f"step-{step}"
+            if not origin.exists():
+                origin = self.out / src / "abandoned" / f"step-{step}"
+            shutil.copytree(origin, dst)
+        dist.barrier()
+
+    def go_back(self, name: str, step: int) -> None:
+        """Move the checkpoints after ``step`` to ``name/abandoned/`` (what checkpoint.load_step's
+        error asks for): the resume at ``step`` then replaces them."""
+        if self.rank == 0:
+            for path in sorted((self.out / name / "checkpoints").glob("step-*")):
+                if int(path.name.split("-")[1]) > step:
+                    (self.out / name / "abandoned").mkdir(exist_ok=True)
+                    path.rename(self.out / name / "abandoned" / path.name)
         dist.barrier()
 
     def compare_with_dump(self, tr: Trainer, dump: str) -> list[str]:
@@ -175,6 +183,19 @@ class Runner:
         self.report[key] = value
         if self.rank == 0:
             (self.out / f"{PHASE}.json").write_text(json.dumps(self.report, indent=1))
+
+
+def reshard(r: Runner, *, window_src: str, dump: str, doc_src: str, name: str, doc_name: str) -> None:
+    """Resume runs saved at another world size: ``window_src`` step 10 (window sharding) must
+    load the state dumped in ``dump`` and continue to step 13; ``doc_src`` step 2 (document
+    sharding) must be refused by the data rule. Results under ``name``/``doc_name``."""
+    r.resume_copy(window_src, 10, name)
+    tr = r.trainer(name, FAMILIES["mhar"])
+    r.save(f"{name}_loaded", [tr.state.step] + r.compare_with_dump(tr, dump))
+    r.run(name, trainer=tr, stop_after=13)
+    r.save(f"{name}_rows", rows(r.out, name))
+    r.resume_copy(doc_src, 2, doc_name)
+    r.save(doc_name, r.expect_error(doc_name, FAMILIES["mhar"] + ["--data.sharding", "document"]))
 
 
 def phase_one(r: Runner) -> None:
@@ -202,10 +223,11 @@ def phase_two(r: Runner) -> None:
         r.save(f"{family}_ref", rows(r.out, f"{family}_ref"))
         # resume in the same run folder: rows after step 10 must be replaced, not duplicated
         resume = args + ["--checkpoint.load_step", "10"]
+        r.go_back(f"{family}_ref", 10)
         tr = None
         if mhar:  # also: the async save of step 15 (slow writer) must equal a sync save of that state
             tr = r.trainer("mhar_ref", resume + ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"])
-            tr.checkpointer._writer_factory = SlowWriter
+            tr.checkpointer._writer_factory = slow_writer(5.0)
             r.watch_async(tr)
         r.save(f"{family}_resume10", r.run(f"{family}_ref", resume, trainer=tr))
         r.save(f"{family}_resume10_rows", rows(r.out, f"{family}_ref"))
@@ -216,13 +238,8 @@ def phase_two(r: Runner) -> None:
         r.save(f"mhar_at{k}_rows", rows(r.out, f"mhar_at{k}"))
 
     # reshard 1 -> 2 (window: continue exactly; document: the data rule refuses)
-    r.resume_copy("w1_ref", 10, "w1_to_w2")
-    tr = r.trainer("w1_to_w2", FAMILIES["mhar"])
-    r.save("w1_to_w2_loaded", [tr.state.step] + r.compare_with_dump(tr, "w1_ref_full_10.pt"))
-    r.run("w1_to_w2", trainer=tr, stop_after=13)
-    r.save("w1_to_w2_rows", rows(r.out, "w1_to_w2"))
-    r.resume_copy("w1_doc", 2, "w1_doc_to_w2")
-    r.save("w1_doc_to_w2", r.expect_error("w1_doc_to_w2", FAMILIES["mhar"] + ["--data.sharding", "document"]))
+    reshard(r, window_src="w1_ref", dump="w1_ref_full_10.pt", doc_src="w1_doc", name="w1_to_w2",
+            doc_name="w1_doc_to_w2")
     r.run("w2_doc", FAMILIES["mhar"] + ["--data.sharding", "document"], save_at={2}, stop_after=2)
 
     # compile (+ activation checkpointing): save, resume, save, resume; keys are the plain model's
@@ -243,13 +260,8 @@ def phase_two(r: Runner) -> None:
 
 def phase_three(r: Runner) -> None:
     """1 rank: reshard 2 -> 1."""
-    r.resume_copy("mhar_ref", 10, "w2_to_w1")
-    tr = r.trainer("w2_to_w1", FAMILIES["mhar"])
-    r.save("w2_to_w1_loaded", [tr.state.step] + r.compare_with_dump(tr, "mhar_ref_full_10.pt"))
-    r.run("w2_to_w1", trainer=tr, stop_after=13)
-    r.save("w2_to_w1_rows", rows(r.out, "w2_to_w1"))
-    r.resume_copy("w2_doc", 2, "w2_doc_to_w1")
-    r.save("w2_doc_to_w1", r.expect_error("w2_doc_to_w1", FAMILIES["mhar"] + ["--data.sharding", "document"]))
+    reshard(r, window_src="mhar_ref", dump="mhar_ref_full_10.pt", doc_src="w2_doc", name="w2_to_w1",
+            doc_name="w2_doc_to_w1")
 
 
 if __name__ == "__main__":

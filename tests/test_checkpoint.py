@@ -1,12 +1,12 @@
 """CheckpointManager in one process: exact resume, retention, incomplete folders,
-mismatch errors, model-only export, async save. Distributed (FSDP2, 2 ranks,
-resharding, SIGKILL mid-save) checks are in test_checkpoint_dist.py."""
+mismatch errors, model-only export, async save. Distributed checks with the real
+trainer (2 ranks, resharding, SIGTERM) are in test_checkpoint_e2e.py, SIGKILL in the
+middle of a save in test_checkpoint_kill.py."""
 from __future__ import annotations
 
 import io
 import logging
 import random
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from ckpt_writers import slow_writer
 from mhar_titan.checkpoint import (
     CheckpointConfig,
     CheckpointError,
@@ -160,9 +161,51 @@ def test_incomplete_folder_is_skipped_and_named(tmp_path, caplog):
 
 def test_load_step_must_name_a_complete_checkpoint(tmp_path):
     Run(tmp_path, interval=2).train(4, total=10)
-    assert Run(tmp_path, load_step=2).ckpt.load() == 2
+    assert Run(tmp_path, load_step=4).ckpt.load() == 4
     with pytest.raises(CheckpointError, match=r"load_step=3.*missing.*\[2, 4\]"):
         Run(tmp_path, load_step=3).ckpt.load()
+
+
+def test_load_step_behind_newer_checkpoints_is_refused_until_they_are_moved(tmp_path):
+    Run(tmp_path, interval=2).train(6, total=10)
+    folder = tmp_path / "checkpoints"
+    older = Run(tmp_path, load_step=2)
+    with pytest.raises(CheckpointError, match=r"load_step=2 is older") as err:
+        older.ckpt.load()
+    assert str(folder / "step-4") in str(err.value) and str(folder / "step-6") in str(err.value)
+    assert "move those folders" in str(err.value)
+    assert sorted(step_folders(folder)) == [2, 4, 6] and older.state.n == 0  # nothing deleted or loaded
+    (folder / "step-4").rename(tmp_path / "step-4")
+    (folder / "step-6").rename(tmp_path / "step-6")
+    assert Run(tmp_path, load_step=2).ckpt.load() == 2
+
+
+class OpenOnUnpickle:
+    """A pickle payload: unpickling it calls ``open(path, "w")``, i.e. runs code of the file's choosing."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("via", ["run_folder", "initial_load_path"])
+def test_checkpoint_with_a_code_running_pickle_is_refused(tmp_path, via):
+    flag = tmp_path / "code_ran"
+    bad = Run(tmp_path / "bad", interval=2)
+    bad.state.state_dict = lambda: {"n": OpenOnUnpickle(flag)}
+    bad.train(2, total=10)
+    assert is_complete(tmp_path / "bad" / "checkpoints" / "step-2") and not flag.exists()
+    if via == "run_folder":
+        victim = Run(tmp_path / "bad")
+    else:
+        victim = Run(tmp_path / "victim", initial_load_path=str(tmp_path / "bad" / "checkpoints" / "step-2"),
+                     initial_load_model_only=False)
+    with pytest.raises(CheckpointError, match=r"item 'train_state' is not plain data and was refused"):
+        victim.ckpt.load()
+    assert not flag.exists()  # the payload never ran
+    assert victim.state.n == 0
 
 
 def test_fingerprint_mismatch_names_the_setting_and_changes_nothing(tmp_path):
@@ -224,16 +267,10 @@ def test_wrapped_and_compiled_blocks_save_plain_keys(tmp_path):
     assert all(torch.equal(v, want[k]) for k, v in params(plain.model).items())
 
 
-class SlowWriter(dcp.FileSystemWriter):
-    def write_data(self, plan, planner):
-        time.sleep(1.0)
-        return super().write_data(plan, planner)
-
-
 def test_async_save_overlaps_training_and_equals_sync_save(tmp_path):
     sync = Run(tmp_path / "sync", interval=2)
     sync.train(2, total=10)
-    run = Run(tmp_path / "async", interval=2, async_mode="async", writer=SlowWriter)
+    run = Run(tmp_path / "async", interval=2, async_mode="async", writer=slow_writer(1.0))
     run.train(2, total=10)
     in_flight = run.ckpt._in_flight[3]
     run.train(1, total=10)  # step 3 runs while step 2 is written

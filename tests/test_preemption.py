@@ -1,6 +1,7 @@
 """PreemptionHandler in one process: the signals set the flag, nothing else happens.
-Agreement across ranks is in test_checkpoint_dist.py; SIGTERM to real training runs
-(single process and torchrun) is in test_checkpoint_e2e.py."""
+Agreement across ranks and SIGTERM to real training runs (single process and torchrun)
+are in test_checkpoint_e2e.py; SIGTERM through the two-node launcher in
+test_launch_two_node.py."""
 from __future__ import annotations
 
 import os
