@@ -30,36 +30,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from mhar_titan.checkpoint import CheckpointConfig
+from mhar_titan.data import DataConfig
+
 
 class ConfigError(ValueError):
     """A configuration file or command-line override is invalid."""
-
-
-def _pending_section(owner: str):
-    """Placeholder for a section whose owning module is not importable.
-
-    It accepts no keys, so a TOML that sets any key in it fails with a message
-    saying which module is missing, instead of silently ignoring the keys.
-    """
-
-    @dataclass
-    class _Pending:
-        enable: bool = False
-
-    _Pending.__name__ = _Pending.__qualname__ = f"Unavailable({owner})"
-    _Pending.__doc__ = f"Section provided by {owner}, which could not be imported."
-    return _Pending
-
-
-try:
-    from mhar_titan.data import DataConfig
-except ImportError:  # the data pipeline is not installed/importable
-    DataConfig = _pending_section("mhar_titan.data.DataConfig")
-
-try:
-    from mhar_titan.checkpoint import CheckpointConfig
-except ImportError:  # checkpointing is optional: without the module it stays disabled
-    CheckpointConfig = _pending_section("mhar_titan.checkpoint.CheckpointConfig")
 
 
 # --------------------------------------------------------------------------- sections
@@ -336,12 +312,10 @@ def _field_types(cls) -> dict:
         return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-def _model_arg_types() -> Optional[dict]:
-    """Field name -> annotation of ``ModelArgs``, or None if the model package is missing."""
-    try:
-        from mhar_titan.models.args import ModelArgs
-    except ImportError:
-        return None
+def _model_arg_types() -> dict:
+    """Field name -> annotation of ``ModelArgs``."""
+    from mhar_titan.models.args import ModelArgs
+
     return _field_types(ModelArgs)
 
 
@@ -372,8 +346,6 @@ def _apply_section(cfg: JobConfig, section: str, values: dict, where: str) -> No
         arg_types = _model_arg_types()
     for key, value in values.items():
         if section == "model" and key not in types_:
-            if arg_types is None:
-                raise ConfigError(f"{where}: 'model.{key}' needs mhar_titan.models, which cannot be imported")
             obj.overrides[key] = _check_key("model", key, value, arg_types, where)
             continue
         setattr(obj, key, _check_key(section, key, value, types_, where))

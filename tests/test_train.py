@@ -6,6 +6,7 @@ compared with 1-process references computed here: window sharding gives the same
 per-step losses with activation checkpointing full or none, and 2 ranks x accumulation 2
 gives the same masked-batch gradients. The launch exiting 0 shows the clean gloo exit.
 """
+import gc
 import json
 import os
 import pathlib
@@ -143,6 +144,7 @@ def test_consecutive_nan_steps_stop_the_run(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4 and rows[-1]["nonfinite_skipped"] == 3
     assert not dist.is_initialized()
+    assert gc.isenabled()  # the loop disables automatic collection; an exception must not leave it off
 
 
 @pytest.mark.parametrize("bad, needle", [
