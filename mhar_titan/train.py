@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mhar_titan.checkpoint import CheckpointError, CheckpointManager
-from mhar_titan.config import ConfigError, batch_geometry, load_config, resolve_model_args, to_toml
+from mhar_titan.config import ConfigError, JobConfig, batch_geometry, load_config, resolve_model_args, to_toml
 from mhar_titan.data import DataError, DataStateError, ManifestError, TokenizerFileError, build_tokenizer
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, mfu, peak_flops, peak_memory_gib
