@@ -93,7 +93,12 @@ def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert "got SIGUSR1: sending SIGTERM to the training step" in batch
     assert f"requeuing job {job}" in batch
 
-    # 3. released, the same job id starts again and resumes from the checkpoint
+    # 3. released, the same job id starts again and resumes from the checkpoint. Release only
+    # once the node is idle and a new second has begun: slurmd revokes the old attempt's job
+    # credential with one-second resolution, and a start in that same second is refused
+    # ("Job credential revoked"), which fails the job instead of running attempt 2.
+    wait_until(lambda: cluster.node_state() == "idle", 60, "the node to be idle after the requeue", context)
+    time.sleep(2.0)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True,
                    capture_output=True)
     wait_until(lambda: cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
