@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -130,6 +131,17 @@ def _flatten(tree: dict) -> dict:
 
 def _cast_floats(state: dict, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
+
+
+def _first_line(error: BaseException) -> str:
+    """A one-line reason from ``error``, unwrapping DCP's per-rank ``CheckpointException``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_first_line(inner)}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def step_folders(root: Path) -> dict[int, Path]:
@@ -350,7 +362,9 @@ class CheckpointManager:
         Raises:
             CheckpointError: ``load_step`` names a missing, incomplete or model-only checkpoint,
                 or one older than the newest complete checkpoint; or a non-tensor item is not
-                plain data (a pickle that could run code).
+                plain data (a pickle that could run code); or the chosen checkpoint's files cannot
+                be read (truncated or corrupted): the message names the folder and the previous
+                complete step to fall back to, and nothing is deleted.
             CheckpointMismatchError: fingerprint, keys or shapes differ; nothing is loaded.
         """
         if not self.cfg.enable:
@@ -419,14 +433,20 @@ class CheckpointManager:
 
     def _load_from(self, path: Path, parts: list[str], marker: dict) -> None:
         started = time.perf_counter()
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            raise self._unreadable(path, e) from None
         if "fingerprint" in marker:
             check_fingerprint(path, marker["fingerprint"], self.fingerprint)
         state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
         check_keys(path, _flatten(state), metadata, has_model="model" in state)
 
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
+        try:
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            raise self._unreadable(path, e) from None
 
         # decode every object before restoring any: an unsafe item stops the load here
         objects = {name: decode(state[name], name, path) for name in ("lr_scheduler", "train_state") if name in state}
@@ -451,6 +471,24 @@ class CheckpointManager:
         if self.rank == 0:
             logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
                         time.perf_counter() - started)
+
+    def _unreadable(self, path: Path, error: BaseException) -> CheckpointError:
+        """The error for a checkpoint whose files cannot be read (truncated, corrupted, unreadable)."""
+        if path.parent == self.folder and _STEP_DIR.match(path.name):
+            step = int(_STEP_DIR.match(path.name).group(1))
+            older = sorted(s for s, p in step_folders(self.folder).items() if s < step and is_complete(p))
+            way_out = (
+                f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
+                + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
+                   f"(or pass --checkpoint.load_step={older[-1]})" if older else
+                   "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
+            )
+        else:
+            way_out = "point checkpoint.initial_load_path at another checkpoint"
+        return CheckpointError(
+            f"checkpoint {path} cannot be read ({_first_line(error)}); its files are truncated or corrupted. "
+            f"Nothing was loaded or deleted. To continue, {way_out}."
+        )
 
     def _state_for_load(self, parts: list[str], metadata: Metadata, saved_world: int) -> dict:
         """Placeholders shaped like the current run; DCP fills them in place."""

@@ -320,3 +320,22 @@ def test_job_config_rejects_bad_checkpoint_section_before_building():
         load_config(None, ["--checkpoint.async_mode", "threads"])
     cfg = load_config(None, ["--checkpoint.enable", "true", "--checkpoint.exclude_from_loading", '["dataloader"]'])
     assert cfg.checkpoint.enable and cfg.checkpoint.exclude_from_loading == ["dataloader"]
+
+
+def test_truncated_shard_names_the_folder_and_the_previous_step(tmp_path):
+    Run(tmp_path, interval=2).train(4, total=10)
+    folder = tmp_path / "checkpoints"
+    shard = folder / "step-4" / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # as `truncate -s` does: a real shard cut short
+        f.truncate(shard.stat().st_size // 2)
+    before = folder_snapshot(folder)
+    resumed = Run(tmp_path, interval=2)
+    with pytest.raises(CheckpointError) as err:
+        resumed.ckpt.load()
+    message = str(err.value)
+    assert str(folder / "step-4") in message and "cannot be read" in message
+    assert "--checkpoint.load_step=2" in message and "step-2" in message
+    assert "\n" not in message and err.value.__cause__ is None and err.value.__suppress_context__
+    assert folder_snapshot(folder) == before and resumed.state.n == 0  # nothing deleted or loaded
+    (folder / "step-4").rename(folder / "step-4.corrupt")  # the way out the message gives
+    assert Run(tmp_path, interval=2).ckpt.load() == 2
