@@ -450,6 +450,18 @@ def validate(cfg: JobConfig) -> None:
     bad = [g for g in cfg.optimizer.no_decay if g not in _NO_DECAY_GROUPS]
     if bad:
         raise ConfigError(f"'optimizer.no_decay' has unknown groups {bad}; valid: {', '.join(_NO_DECAY_GROUPS)}")
+    o = cfg.optimizer
+    if not o.lr > 0:
+        raise ConfigError(f"'optimizer.lr' must be > 0, got {o.lr}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"'optimizer.{key}' must be in [0, 1), got {getattr(o, key)}")
+    if not o.eps > 0:
+        raise ConfigError(f"'optimizer.eps' must be > 0, got {o.eps}")
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
+    if cfg.data.tokenizer in TOKENIZER_N_VOCAB:  # an unknown tokenizer is reported by the data checks
+        resolve_model_args(cfg, TOKENIZER_N_VOCAB[cfg.data.tokenizer])
     t = cfg.training
     for key in ("local_batch_size", "seq_len", "steps"):
         if getattr(t, key) < 1:
@@ -506,6 +518,25 @@ def tokenizer_n_vocab(name: str) -> int:
     return TOKENIZER_N_VOCAB[name]
 
 
+def _blamed_model_key(m: Model, overrides: dict) -> str:
+    """Which ``[model]`` key makes ``ModelArgs`` fail: the first override (in config order)
+    whose addition to the flavor breaks it; the flavor itself if nothing does alone."""
+    from mhar_titan.models.args import ModelArgs
+
+    try:
+        ModelArgs.from_flavor(m.flavor)
+    except (ValueError, TypeError):
+        return f"'model.flavor' = {m.flavor!r}"
+    applied = {}
+    for key, value in overrides.items():
+        applied[key] = value
+        try:
+            ModelArgs.from_flavor(m.flavor, **applied)
+        except (ValueError, TypeError):
+            return f"'model.{key}' = {value!r} (flavor {m.flavor!r})"
+    return f"[model] flavor={m.flavor!r} overrides={m.overrides}"
+
+
 def resolve_model_args(cfg: JobConfig, n_vocab: int):
     """The ``ModelArgs`` a job trains: flavor + ``[model]`` overrides, with the defaults
     ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128) and
@@ -524,7 +555,7 @@ def resolve_model_args(cfg: JobConfig, n_vocab: int):
         overrides.setdefault("max_seq_len", max(ModelArgs.from_flavor(m.flavor).max_seq_len, cfg.training.seq_len))
         args = ModelArgs.from_flavor(m.flavor, **overrides)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"[model] flavor={m.flavor!r} overrides={m.overrides}: {e}") from e
+        raise ConfigError(f"{_blamed_model_key(m, overrides)}: {e}") from e
     if args.vocab_size < n_vocab:
         raise ConfigError(
             f"'model.vocab_size' ({args.vocab_size}) is smaller than tokenizer {cfg.data.tokenizer!r} "

@@ -54,6 +54,15 @@ def test_config_file_from_cli_and_list_and_bool_values(tmp_path):
         ("", ["--activation_checkpoint.mode=some"], ["activation_checkpoint.mode", "'selective'"]),
         ("", ["--optimizer.no_decay=[\"norm\"]"], ["optimizer.no_decay", "norms"]),
         ("[lr_scheduler]\ndecay_ratio = 1.5\n", [], ["lr_scheduler.decay_ratio"]),
+        ("", ["--optimizer.lr=-1"], ["optimizer.lr", "> 0"]),
+        ("", ["--optimizer.lr=0"], ["optimizer.lr", "> 0"]),
+        ("", ["--optimizer.beta1=-0.1"], ["optimizer.beta1", "[0, 1)"]),
+        ("", ["--optimizer.beta2=1"], ["optimizer.beta2", "[0, 1)"]),
+        ("", ["--optimizer.eps=0"], ["optimizer.eps"]),
+        ("", ["--optimizer.weight_decay=-0.1"], ["optimizer.weight_decay", ">= 0"]),
+        ("[model]\nflavor = \"debug\"\nresidual = \"attn_res\"\n", ["--model.routing_heads=3"], ["'model.routing_heads' = 3", "H=3"]),
+        ("[model]\nflavor = \"debug\"\nn_heads = 3\n", [], ["'model.n_heads' = 3"]),
+        ("[training]\nseq_len = 64\n[model]\nmax_seq_len = 32\n", [], ["training.seq_len", "max_seq_len"]),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, cli, needles):
