@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import gc
 import json
 import logging
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mhar_titan.checkpoint import CheckpointError, CheckpointManager
+from mhar_titan.checkpoint import CheckpointError, CheckpointManager, step_folders
 from mhar_titan.config import ConfigError, JobConfig, batch_geometry, load_config, resolve_model_args, to_toml
 from mhar_titan.data import DataError, DataStateError, ManifestError, TokenizerFileError, build_tokenizer
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
@@ -51,6 +52,10 @@ from mhar_titan.preemption import PreemptionHandler
 logger = logging.getLogger("mhar_titan")
 
 IGNORE_INDEX = -100
+
+
+class RunFolderError(RuntimeError):
+    """The run folder is in use by another training, or holds a run this start would overwrite."""
 
 
 class TrainingHealthError(RuntimeError):
@@ -114,13 +119,19 @@ class Trainer:
         self.global_batch_size, self.grad_accum = batch_geometry(cfg, env.world_size)
 
         self.run_dir = pathlib.Path(cfg.job.dump_folder) / cfg.job.name
+        self._run_lock = None
         if env.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / cfg.job.save_config_file).write_text(to_toml(cfg))
-            if cfg.job.print_config:
-                print(to_toml(cfg), flush=True)
-        dist.barrier()
+        self._on_rank0(self._lock_run_dir)
+        try:
+            self._build()
+        except BaseException:
+            self._unlock_run_dir()
+            raise
 
+    def _build(self) -> None:
+        """Model, data, optimizer, checkpoint load, metrics sinks (config.toml is written by ``train()``)."""
+        cfg, env, t = self.cfg, self.env, self.cfg.training
         self.tokenizer = build_tokenizer(cfg.data)
         self.model_args = resolve_model_args(cfg, self.tokenizer.n_vocab)
 
@@ -155,6 +166,8 @@ class Trainer:
                 fingerprint=checkpoint_fingerprint(self.model_args, self.tokenizer.name),
             )
             self.state.step = self.checkpointer.load()
+        if self.state.step == 0:
+            self._on_rank0(self._refuse_existing_run)
         if env.rank == 0:
             self._truncate_metrics(self.state.step)
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, env.rank, run_name=cfg.job.name,
@@ -166,6 +179,75 @@ class Trainer:
         self._log(self.state.step, self._startup_summary(), console_only=True)
 
     # ------------------------------------------------------------------ helpers
+
+    def _on_rank0(self, fn) -> None:
+        """Run the check ``fn`` on rank 0 and raise its ``RunFolderError`` on every rank."""
+        error = None
+        if self.env.rank == 0:
+            try:
+                fn()
+            except RunFolderError as e:
+                error = e
+        if self.env.world_size > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise error
+
+    def _lock_run_dir(self) -> None:
+        """Hold an exclusive ``flock`` on ``<run_dir>/.lock`` until ``close()`` (the OS drops it
+        if the process dies), so two trainings cannot write one run folder at once.
+
+        Raises:
+            RunFolderError: another process holds the lock.
+        """
+        handle = open(self.run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RunFolderError(
+                f"another training is running in {self.run_dir} (it holds {self.run_dir / '.lock'}); "
+                "wait for it to finish, or use another --job.name"
+            ) from None
+        self._run_lock = handle
+
+    def _unlock_run_dir(self) -> None:
+        if self._run_lock is not None:
+            self._run_lock.close()  # closing the file releases the flock
+            self._run_lock = None
+
+    def _refuse_existing_run(self) -> None:
+        """A fresh start (no checkpoint restored) must not mix with a run already in the folder.
+
+        Raises:
+            RunFolderError: the folder holds metrics rows or checkpoint folders.
+        """
+        metrics = self.run_dir / self.cfg.metrics.jsonl_file
+        found = []
+        if metrics.is_file() and metrics.read_text().strip():
+            found.append(metrics.name)
+        if step_folders(self.run_dir / self.cfg.checkpoint.folder):
+            found.append(f"{self.cfg.checkpoint.folder}/step-N")
+        if found:
+            why = ("no complete checkpoint to resume from" if self.cfg.checkpoint.enable
+                   else "checkpoint.enable = false, so nothing is resumed")
+            raise RunFolderError(
+                f"{self.run_dir} already holds a run ({', '.join(found)}) and this start would overwrite it "
+                f"({why}); start a fresh run with another --job.name, or delete or move {self.run_dir}"
+            )
+
+    def _save_config(self) -> None:
+        """Write the resolved config to ``job.save_config_file``; a differing one from an earlier
+        start of this run (a resume with changed settings) is kept as ``<stem>.prev.toml``."""
+        path = self.run_dir / self.cfg.job.save_config_file
+        text = to_toml(self.cfg)
+        if path.is_file() and path.read_text() != text:
+            path.replace(path.with_name(f"{path.stem}.prev{path.suffix}"))
+        path.write_text(text)
+        if self.cfg.job.print_config:
+            print(text, flush=True)
 
     def _sync_rank0_state(self) -> None:
         """Give every rank rank 0's ``wandb_id`` (set only where the W&B run lives).
@@ -319,9 +401,11 @@ class Trainer:
                 "event": "nothing_to_do",
                 "message": f"resumed at step {self.state.step} and training.steps = {t.steps}: raise "
                            "--training.steps to continue, or start a fresh run with another --job.name "
-                           "(or --checkpoint.enable=false)",
+                           f"(or delete or move {self.run_dir} first)",
             }, console_only=True)
             return self.state
+        if self.env.rank == 0:
+            self._save_config()
         throughput = Throughput()
         it = iter(self.train_loader)
         gc.disable()  # collected every training.gc_freq steps instead
@@ -413,6 +497,7 @@ class Trainer:
         self.metrics.close()
         if self.preemption is not None:
             self.preemption.restore()
+        self._unlock_run_dir()
         for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn"):
             setattr(self, name, None)
         self.env.mesh = None
@@ -424,7 +509,7 @@ class Trainer:
 
 
 # Errors in the job's inputs found while building the Trainer: reported in one line, exit code 2.
-SETUP_ERRORS = (ConfigError, FileNotFoundError, LaunchEnvError, CheckpointError, DataError, DataStateError,
+SETUP_ERRORS = (ConfigError, RunFolderError, FileNotFoundError, LaunchEnvError, CheckpointError, DataError, DataStateError,
                 ManifestError, TokenizerFileError)
 
 

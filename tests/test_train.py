@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from train_common import DEBUG_MHAR, ROOT, SAMPLE, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
+from train_common import DEBUG_MHAR, ROOT, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
 from mhar_titan.optim import WarmupStableDecay  # noqa: E402
@@ -152,11 +152,14 @@ def test_consecutive_nan_steps_stop_the_run(tmp_path, capsys):
     ("--optimizer.lr=fast", "optimizer.lr"),
     ("--trainer.steps=3", "[trainer]"),
     ("--model.routing_head=2", "model.routing_head"),
+    ("--model.routing_heads=3", "model.routing_heads"),  # d=128 not divisible by H=3 (ModelArgs)
+    ("--optimizer.lr=-1", "optimizer.lr"),  # torch's AdamW would raise only once the model is built
 ])
 def test_bad_config_fails_before_anything_is_built(tmp_path, capsys, bad, needle):
     code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={tmp_path}", bad])
     assert code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())  # no run folder
     assert not dist.is_initialized()  # no process group, so no model either
 
@@ -237,6 +240,7 @@ def test_resume_with_longer_schedule_uses_its_lr_from_the_first_step(saved_at_8)
 
 
 def test_checkpoint_for_another_model_exits_2_with_a_message(saved_at_8, capsys):
+    config_before = (saved_at_8 / "r" / "config.toml").read_text()
     code = main(["--config", str(DEBUG_MHAR), f"--job.dump_folder={saved_at_8}", "--job.name=r",
                  f"--data.files=[\"{SAMPLE}/train-*.parquet\"]", "--validation.enable=false",
                  "--training.seq_len=32", "--training.steps=24", "--lr_scheduler.warmup_steps=2",
@@ -245,6 +249,23 @@ def test_checkpoint_for_another_model_exits_2_with_a_message(saved_at_8, capsys)
     err = capsys.readouterr().err
     assert "CheckpointMismatchError" in err and "routing_heads" in err and "Traceback" not in err
     assert not dist.is_initialized()
+    assert (saved_at_8 / "r" / "config.toml").read_text() == config_before  # a failed start keeps it
+
+
+def test_noop_resume_and_missing_data_keep_the_runs_config(saved_at_8, capsys):
+    """Neither a resume with fewer steps (nothing to do) nor a failed start rewrites config.toml,
+    and the nothing-to-do advice does not suggest --checkpoint.enable=false (that now refuses)."""
+    run_dir = saved_at_8 / "r"
+    config_before = (run_dir / "config.toml").read_text()
+    assert main(debug_argv(saved_at_8, "r", "--training.steps=4", "--checkpoint.enable=true")) == 0
+    out = capsys.readouterr().out
+    assert "nothing_to_do" in out and "--job.name" in out and str(run_dir) in out
+    assert "checkpoint.enable" not in out
+    code = main(debug_argv(saved_at_8, "r", "--training.steps=24", "--checkpoint.enable=true",
+                           f"--data.files=[\"{saved_at_8}/none-*.parquet\"]"))
+    assert code == 2 and "none-*.parquet" in capsys.readouterr().err
+    assert (run_dir / "config.toml").read_text() == config_before
+    assert not (run_dir / "config.prev.toml").exists()
 
 
 def test_missing_data_files_exit_2_with_a_message(tmp_path, capsys):
@@ -271,3 +292,80 @@ def test_srun_without_torchrun_is_refused(tmp_path, monkeypatch, capsys):
     assert "SLURM_NTASKS" in err and "torchrun_node.sh" in err
     assert not any(tmp_path.iterdir())
     assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------- the run folder
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    """A finished 1-step run without checkpoints (folder ``old``)."""
+    root = tmp_path_factory.mktemp("folder")
+    run(debug_cfg(root, "old", "--training.steps=1"))
+    return root
+
+
+@pytest.mark.parametrize("checkpoint", ["false", "true"])
+def test_fresh_start_into_a_used_run_folder_exits_2_and_keeps_it(one_step_run, capsys, checkpoint):
+    """Without a checkpoint to resume, a start into a folder holding a run refuses (exit 2)
+    instead of truncating its metrics and overwriting its config."""
+    run_dir = one_step_run / "old"
+    metrics, config = (run_dir / "metrics.jsonl").read_text(), (run_dir / "config.toml").read_text()
+    assert len(metrics.splitlines()) == 1
+    code = main(debug_argv(one_step_run, "old", "--training.steps=3", f"--checkpoint.enable={checkpoint}"))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "RunFolderError" in err and str(run_dir) in err and "Traceback" not in err
+    assert "--job.name" in err and "delete or move" in err
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "config.toml").read_text() == config
+    assert not dist.is_initialized()
+
+
+def test_resume_keeps_changed_config_as_prev_and_truncates_metrics(tmp_path):
+    """A resume from a complete checkpoint still works: metrics rows after the restored step
+    (logged by the interrupted run) are dropped, and the earlier config.toml, differing in
+    training.steps, is kept as config.prev.toml."""
+    run(debug_cfg(tmp_path, "p", "--training.steps=1", "--checkpoint.enable=true"))
+    run_dir = tmp_path / "p"
+    with open(run_dir / "metrics.jsonl", "a") as f:  # the interrupted run logged step 2, saved no checkpoint
+        f.write(json.dumps({"step": 2, "loss": 99.0}) + "\n")
+    losses, _ = run(debug_cfg(tmp_path, "p", "--training.steps=2", "--checkpoint.enable=true"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] == pytest.approx(losses[0])
+    assert load_config(str(run_dir / "config.prev.toml")).training.steps == 1
+    assert load_config(str(run_dir / "config.toml")).training.steps == 2
+
+
+def test_second_training_into_a_locked_run_folder_exits_2(tmp_path, capsys):
+    """Rank 0 holds an flock on <run>/.lock until close(); a second training into the folder
+    (here: in the same process, a separate open file) is refused, and can start after close()."""
+    first = Trainer(debug_cfg(tmp_path, "busy", "--training.steps=1"))
+    try:
+        code = main(debug_argv(tmp_path, "busy", "--training.steps=1"))
+        assert code == 2
+        err = capsys.readouterr().err
+        assert "another training" in err and str(tmp_path / "busy") in err
+    finally:
+        first.close()
+    assert not (tmp_path / "busy" / "metrics.jsonl").exists() or not (tmp_path / "busy" / "metrics.jsonl").read_text()
+    second = Trainer(debug_cfg(tmp_path, "busy", "--training.steps=1"))  # the lock was released
+    second.close()
+
+
+def test_lock_is_released_when_the_holding_process_dies(tmp_path):
+    """Another process holding the lock blocks a start; once it is killed the OS drops the lock."""
+    run_dir = tmp_path / "held"
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(run_dir / ".lock")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(debug_argv(tmp_path, "held", "--training.steps=1")) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(debug_argv(tmp_path, "held", "--training.steps=1")) == 0

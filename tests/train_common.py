@@ -10,17 +10,21 @@ DEBUG_MHAR = ROOT / "train_configs" / "debug_mhar.toml"
 SAMPLE = ROOT / "data" / "shakespeare"
 
 
-def debug_cfg(run_root, name, *overrides, config=DEBUG_MHAR):
-    """debug_mhar shrunk for tests (seq 32, no validation, log every step), with CLI-style overrides."""
-    base = [
-        f"--job.dump_folder={run_root}", f"--job.name={name}",
+def debug_argv(run_root, name, *overrides, config=DEBUG_MHAR):
+    """Command line of debug_mhar shrunk for tests (seq 32, no validation, log every step, no checkpoints)."""
+    return [
+        "--config", str(config), f"--job.dump_folder={run_root}", f"--job.name={name}",
         f"--data.files=[\"{SAMPLE}/train-*.parquet\"]",
         f"--data.validation_files=[\"{SAMPLE}/validation-*.parquet\"]",
         "--training.seq_len=32", "--metrics.log_freq=1", "--validation.enable=false",
         "--metrics.disable_color_printing=true", "--lr_scheduler.warmup_steps=2",
-        "--checkpoint.enable=false",
+        "--checkpoint.enable=false", *overrides,
     ]
-    return load_config(str(config), base + list(overrides))
+
+
+def debug_cfg(run_root, name, *overrides, config=DEBUG_MHAR):
+    """``debug_argv`` as a loaded ``JobConfig``."""
+    return load_config(None, debug_argv(run_root, name, *overrides, config=config))
 
 
 def masked_micro_batches(trainer, rank, world):
