@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM / SIGUSR1 -> finish the current step, save, exit 0.
+"""Preemption: SIGTERM / SIGUSR1 / first Ctrl-C -> finish the current step, save, exit 0.
 
 Clusters stop jobs with SIGTERM: ``torchrun`` forwards the SIGTERM it receives
 to its workers and kills them after a grace period (30 s by default); SLURM
@@ -8,6 +8,12 @@ single-process run). The handler only records the signal; the training loop
 asks ``should_stop()`` after each step and, when it says yes, saves with
 ``CheckpointManager.save(step, force=True)`` and leaves the loop normally.
 
+Ctrl-C (SIGINT) is a stop request too: the first one is treated like SIGTERM and
+prints one line saying so; it also puts Python's default SIGINT handler back, so a
+second Ctrl-C raises ``KeyboardInterrupt`` (abort without saving). Under ``torchrun``
+the terminal's Ctrl-C reaches the workers directly and the launcher turns its own
+SIGINT into SIGTERM for them, so they save the same way.
+
 Ranks can receive the signal at slightly different times, so ``should_stop()``
 all-reduces the flag (MAX) over the default process group: every rank gets
 the same answer at the same step and they save the same step together.
@@ -15,6 +21,7 @@ the same answer at the same step and they save the same step together.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from types import FrameType
 from typing import Optional
@@ -24,11 +31,16 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+_SIGINT_NOTICE = (
+    b"\nCtrl-C: finishing this step, saving a checkpoint (if checkpoint.enable) and exiting; "
+    b"press Ctrl-C again to abort without saving\n"
+)
 
 
 class PreemptionHandler:
-    """Installs handlers for ``signals`` (default SIGTERM and SIGUSR1) on construction.
+    """Installs handlers for ``signals`` (default SIGTERM, SIGUSR1, SIGINT) on construction.
 
     Must be created in the main thread (Python delivers signals there). ``restore()``
     puts the previous handlers back.
@@ -40,7 +52,12 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         # Keep the handler minimal: it may run in the middle of any Python bytecode.
-        self.received = signal.Signals(signum)
+        if signum == signal.SIGINT:
+            if self.received is None:
+                os.write(2, _SIGINT_NOTICE)  # os.write, not print: safe inside a signal handler
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C aborts
+        if self.received is None or signum != signal.SIGINT:
+            self.received = signal.Signals(signum)
 
     def should_stop(self) -> bool:
         """Whether any rank has received a stop signal; the same answer on every rank.

@@ -1,15 +1,87 @@
 """PreemptionHandler in one process: the signals set the flag, nothing else happens.
 Agreement across ranks and SIGTERM to real training runs (single process and torchrun)
 are in test_checkpoint_e2e.py; SIGTERM through the two-node launcher in
-test_launch_two_node.py."""
+test_launch_two_node.py. Ctrl-C (SIGINT) runs in a child process here, since a
+second Ctrl-C must raise KeyboardInterrupt; one short ``train.py`` run gets Ctrl-C."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
+from mhar_titan.checkpoint import is_complete, read_marker, step_folders
 from mhar_titan.preemption import PreemptionHandler
+from train_common import ROOT, debug_argv
+
+# A loop of "steps" that stops when should_stop() says so, like the trainer.
+CHILD = textwrap.dedent("""
+    import sys, time
+    from mhar_titan.preemption import PreemptionHandler
+    handler = PreemptionHandler()
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while not handler.should_stop():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    print("stopped on", handler.received.name, flush=True)
+    time.sleep(float(sys.argv[1]))  # "saving": a second Ctrl-C lands here
+    print("saved", flush=True)
+""")
+
+
+def run_child(n_sigint: int, save_s: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(save_s)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    if n_sigint == 2:
+        assert proc.stdout.readline() == "stopped on SIGINT\n"
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_first_ctrl_c_stops_like_sigterm_and_says_how_to_abort():
+    res = run_child(1, 0.0)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["stopped on SIGINT", "saved"]  # after "ready"
+    notice = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(notice) == 1 and "press Ctrl-C again to abort without saving" in notice[0]
+
+
+def test_second_ctrl_c_raises_keyboard_interrupt():
+    res = run_child(2, 30.0)
+    assert res.returncode == -signal.SIGINT  # Python's exit after an uncaught KeyboardInterrupt
+    assert "saved" not in res.stdout and "KeyboardInterrupt" in res.stderr
+
+
+def test_ctrl_c_to_train_py_saves_a_complete_checkpoint_and_exits_0(tmp_path):
+    argv = debug_argv(tmp_path, "ctrl_c", "--training.steps=500", "--checkpoint.enable=true",
+                      "--checkpoint.interval=1000")
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "ctrl_c" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "press Ctrl-C again to abort without saving" in out and "Traceback" not in out
+    steps = step_folders(tmp_path / "ctrl_c" / "checkpoints")
+    assert len(steps) == 1 and 2 <= min(steps) < 500
+    (step, folder), = steps.items()
+    assert is_complete(folder) and read_marker(folder)["step"] == step
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    assert max(r["step"] for r in rows if "loss" in r) == step  # saved the last finished step
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
