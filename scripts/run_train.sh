@@ -8,7 +8,7 @@
 #   NGPU       worker processes         (default: the GPUs visible here, counted by count_gpus
 #              in slurm/lib.sh; 1 without GPUs)
 #   LOG_RANK   ranks whose output is shown, comma-separated (default: 0)
-#   PYTHON     interpreter with torch   (default: python3)
+#   PYTHON     interpreter with torch   (default: <repo>/.venv/bin/python if present, else python3)
 #   DRY_RUN=1  do not train: build the model on the meta device, validate the whole config
 #              for NGPU ranks, print parameter counts, a memory estimate and the resolved
 #              config, and exit (python -m mhar_titan.dryrun; no data, no network, no GPU).
@@ -23,7 +23,7 @@ cd "$repo"
 source "$repo/slurm/lib.sh"
 
 config="${CONFIG:-train_configs/debug_mhar.toml}"
-python="${PYTHON:-python3}"
+python="$(python_for "$repo")"
 if [[ -z "${NGPU:-}" ]]; then
   NGPU="$(count_gpus)"
   if [[ -z "$NGPU" || "$NGPU" == 0 ]]; then

@@ -21,3 +21,18 @@ count_gpus() {
     echo 0
   fi
 }
+
+# python_for REPO: print the interpreter the launchers run (and take torchrun from, as
+# `"$python" -m torch.distributed.run`), first match wins:
+#   1. PYTHON when it is set;
+#   2. REPO/.venv/bin/python, the project's virtual environment, when it exists;
+#   3. python3 from PATH.
+python_for() {
+  if [[ -n "${PYTHON:-}" ]]; then
+    echo "$PYTHON"
+  elif [[ -x "$1/.venv/bin/python" ]]; then
+    echo "$1/.venv/bin/python"
+  else
+    echo python3
+  fi
+}

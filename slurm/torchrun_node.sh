@@ -12,7 +12,7 @@
 #   NODE_RANK        this node's index          (default: SLURM_NODEID, else 0; c10d may reorder nodes)
 #   NPROC_PER_NODE   worker processes here      (default: GPUs on this node, see below; 1 without GPUs)
 #   RDZV_ID          rendezvous id              (default: SLURM_JOB_ID, else "mhar-titan")
-#   PYTHON           interpreter with torch     (default: python3)
+#   PYTHON           interpreter with torch     (default: <repo>/.venv/bin/python if present, else python3)
 #   TRAIN_SCRIPT     training entry point       (default: <repo>/train.py)
 #   TORCHRUN_LOG_DIR per-rank stdout/stderr files (default: none, output goes to this task's log)
 #   SHUTDOWN_TIMEOUT seconds workers get to save after SIGTERM before SIGKILL (default 100)
@@ -51,7 +51,7 @@ if [[ -z "$nproc" || "$nproc" == 0 ]]; then
   nproc=1
 fi
 rdzv_id="${RDZV_ID:-${SLURM_JOB_ID:-mhar-titan}}"
-python="${PYTHON:-python3}"
+python="$(python_for "$repo")"
 train_script="${TRAIN_SCRIPT:-$repo/train.py}"
 
 for name in nnodes node_rank nproc; do

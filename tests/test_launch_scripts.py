@@ -116,3 +116,29 @@ def test_single_node_launcher_counts_gpus_like_the_node_launcher(env, expected):
     assert argv[argv.index("--world-size") + 1] == expected
     if "NGPU" not in env:  # same count (same helper, slurm/lib.sh) as the per-node launcher
         assert opt(node_command({"RDZV_ENDPOINT": "127.0.0.1:1", **env}, "c.toml"), "nproc_per_node") == expected
+
+
+@pytest.mark.parametrize("with_venv", [True, False])
+def test_launchers_default_to_the_repository_venv_python(tmp_path, with_venv):
+    # a copy of the launchers in a fake repository, with or without .venv/bin/python
+    import shutil
+
+    for name in ("scripts/run_train.sh", "slurm/torchrun_node.sh", "slurm/lib.sh"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    if with_venv:
+        venv_python.parent.mkdir(parents=True)
+        venv_python.write_text("#!/bin/sh\necho venv-python \"$@\"\n")
+        venv_python.chmod(0o755)
+    env = launch_env(CUDA_VISIBLE_DEVICES="-1")
+    del env["PYTHON"]
+    expected = str(venv_python) if with_venv else "python3"
+    r = subprocess.run(["bash", str(tmp_path / "slurm" / "torchrun_node.sh"), "c.toml"], capture_output=True,
+                       text=True, env=dict(env, PRINT_CMD="1", RDZV_ENDPOINT="127.0.0.1:1"))
+    argv = shlex.split(r.stderr.strip().splitlines()[-1].split("] ", 1)[1])
+    assert argv[:3] == [expected, "-m", "torch.distributed.run"]  # torchrun of that same Python
+    if with_venv:
+        r = subprocess.run(["bash", str(tmp_path / "scripts" / "run_train.sh")], capture_output=True, text=True,
+                           env=dict(env, DRY_RUN="1"))
+        assert r.returncode == 0 and r.stdout.split()[:3] == ["venv-python", "-m", "mhar_titan.dryrun"], r.stderr
