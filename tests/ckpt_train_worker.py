@@ -14,7 +14,6 @@ Phases, in order: ``one`` (W=1), ``two`` (W=2), ``three`` (W=1).
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -136,13 +135,9 @@ class Runner:
         tr.checkpointer.save = save
 
     def finish(self, tr: Trainer) -> None:
-        """Trainer.close() without destroying the process group (later runs reuse it)."""
-        tr.checkpointer.close()
-        tr.metrics.close()
-        tr.preemption.restore()
-        del tr
-        gc.collect()
-        dist.barrier()
+        """Trainer.close() without destroying the process group (later runs reuse it); it
+        also releases the run-folder lock, so the next run may use the same folder."""
+        tr.close(destroy_process_group=False)
 
     def resume_copy(self, src: str, step: int, name: str) -> None:
         """A new run folder holding only ``src``'s step-N checkpoint: a resume, nothing else.
