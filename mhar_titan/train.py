@@ -489,8 +489,8 @@ class Trainer:
         """Wait for checkpoints, close sinks, free FSDP state, then destroy the process group.
 
         Freeing the FSDP modules and optimizer (and collecting) before
-        ``destroy_process_group`` avoids the SIGABRT at exit seen on 2-rank gloo runs
-        (ENV_NOTES section 2).
+        ``destroy_process_group`` avoids an intermittent SIGABRT at exit of 2-rank gloo runs
+        (gloo worker threads still holding tensors at interpreter shutdown).
         """
         if self.checkpointer is not None:
             self.checkpointer.close()
