@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 
 import torch
 from torch import nn
@@ -145,7 +146,7 @@ class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     def load_state_dict(self, state_dict: dict) -> None:
         state = dict(state_dict)
         saved = state.get("lr_lambdas") or [None]
-        current = [fn.__dict__ if not isinstance(fn, type(lambda: 0)) else None for fn in self.lr_lambdas]
+        current = [fn.__dict__ if not isinstance(fn, types.FunctionType) else None for fn in self.lr_lambdas]
         if saved[0] is not None and current[0] is not None and saved[0] != current[0]:
             logger.warning(
                 "the LR schedule differs from the checkpoint's (saved %s, now %s): continuing with the "
