@@ -1,11 +1,29 @@
 """Fused Triton depth-routing kernels for AttnRes / MHAR (imported as `mhar_kernels`).
 
-`route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None,
-null_source=None)` is the registered custom op `mhar::route_fwd` with autograd
-(`mhar::route_bwd`); see `op.py`. `route_with_state` / `merge_states` expose the
-online-softmax state (normalised mix, log-sum-exp) for grouped routing.
-"""
-from .online_state import merge_states, route_with_state
-from .op import check_route_args, route, uses_triton
+A leaf package: imports torch and triton, nothing of the models. Contents:
 
-__all__ = ["route", "route_with_state", "merge_states", "check_route_args", "uses_triton"]
+- `contract`: the op's argument checks, compute dtype and null-source handling (torch only).
+- `route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None,
+  null_source=None)`: the registered custom op `mhar::route_fwd` with autograd (`op.py`);
+  `can_run(device, dim, heads)` says where it runs (CUDA; CPU under TRITON_INTERPRET=1).
+- `route_with_state` / `merge_states`: the online-softmax state for grouped routing.
+- `traffic`: bytes each routing launch reads and writes, against the floor.
+
+`route`, `can_run`, `route_with_state` and `merge_states` import Triton on first use, so
+importing the package (or `mhar_kernels.contract`) does not run any @triton.jit decorator:
+TRITON_INTERPRET=1 may still be set afterwards.
+"""
+from . import contract
+
+_LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
+         "route_with_state": "online_state", "merge_states": "online_state"}
+
+__all__ = ["contract", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'mhar_kernels' has no attribute {name!r}")

@@ -4,7 +4,8 @@ A depth softmax over sources A + B can be computed in two pieces: route A, route
 the two normalised mixes by their log-sum-exps (exact in real arithmetic; the summation order
 changes, so not bitwise). A state is (mix (B, T, d) fp32, normalised; lse (B*T, H) fp32).
 
-Forward only: the backward of a merged route is left to the grouped-routing issue.
+Forward only: the backward of a merged route is left to the grouped-routing issue. Runs the
+Triton kernels only (`mhar_kernels.can_run`); `merge_states` is plain torch.
 """
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from mhar_titan.models.routing import check_route_args, depth_mix, routing_logits, with_null_source
-
-from .op import uses_triton
+from . import contract
+from .op import _require
 
 State = tuple[Tensor, Tensor]
 
@@ -35,25 +35,21 @@ def route_with_state(
     Args as `mhar_kernels.route`; state: (mix (B, T, d), lse (B*T, H)) of earlier sources
     routed with the same query and norm weight, e.g. from a previous call.
     Returns (mix (B, T, d) fp32, lse (B*T, H) fp32); no autograd.
-    Raises ValueError as `mhar_kernels.route`, or when the state's shapes do not fit."""
+    Raises ValueError as `mhar_kernels.route`, or when the state's shapes do not fit;
+    RuntimeError where the kernels cannot run (`mhar_kernels.can_run` is False)."""
     sources = list(sources)
-    heads = check_route_args(sources, query, norm_weight, heads, null_source=null_source)
-    srcs = with_null_source(null_source, sources)
+    heads = contract.check_route_args(sources, query, norm_weight, heads, null_source=null_source)
+    srcs = contract.with_null_source(null_source, sources)
     bt = sources[0].numel() // sources[0].shape[-1]
     if state is not None and (state[0].shape != sources[0].shape or state[1].shape != (bt, heads)):
         raise ValueError(f"state must be (mix {tuple(sources[0].shape)}, lse ({bt}, {heads})), got "
                          f"({tuple(state[0].shape)}, {tuple(state[1].shape)})")
-    with torch.no_grad():
-        if uses_triton(sources[0].device, sources[0].shape[-1], heads):
-            from .triton_routing import route_forward
+    _require(sources[0].device, sources[0].shape[-1], heads)
+    from .triton_routing import route_forward
 
-            out, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
-            return out, lse
-        logits = routing_logits(srcs, query, norm_weight, heads, eps)  # (N, B, T, H)
-        lse = torch.logsumexp(logits, dim=0)
-        mix = depth_mix(srcs, torch.exp(logits - lse))
-        new = (mix.float(), lse.flatten(0, -2).float())
-        return new if state is None else merge_states(state, new)
+    with torch.no_grad():
+        out, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
+    return out, lse
 
 
 def merge_states(a: State, b: State) -> State:

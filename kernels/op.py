@@ -9,8 +9,9 @@ interpreter: fake tensors have no data pointer):
     mhar::route_bwd(grad_out, sources, query, norm_weight, heads, eps, logits, lse, alpha, null_source)
         -> (grads of the N sources, dq, dg, dalpha, dnull)
 
-Each implementation runs the Triton kernels on CUDA, and on CPU when TRITON_INTERPRET=1 was
-set before this package was imported; otherwise the eager reference (`reference_path`).
+Both run the Triton kernels: on CUDA, and on CPU when TRITON_INTERPRET=1 was set before the
+kernels were imported (`can_run`). Elsewhere they raise; the caller (the models' routing
+module) runs its eager reference instead.
 
 Saved for backward: references to the source tensors (no copies), query, norm weight,
 alpha, null source and the fp32 logits and lse (N*B*T*H + B*T*H elements). Nothing is
@@ -24,25 +25,37 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from mhar_titan.models.routing import check_route_args, compute_dtype, with_null_source
-
-from . import reference_path
+from . import contract
 
 try:
     from . import triton_routing
-except ImportError:  # triton not installed: the reference path only
+except ImportError:  # triton not installed: can_run() is False everywhere
     triton_routing = None
 
 
-def uses_triton(device: torch.device, dim: int, heads: int) -> bool:
-    """True when the op runs the Triton kernels for (B, T, dim) sources on `device` routed with
-    `heads` heads: on CUDA, or on CPU under TRITON_INTERPRET=1, and only when one token's
-    [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`); otherwise the
-    eager reference runs (MHAR_SPEC section 4: larger tiles fall back to eager)."""
+def can_run(device: torch.device, dim: int, heads: int) -> bool:
+    """True when the Triton kernels can route (B, T, dim) sources on `device` with `heads` heads:
+    triton is installed, the device is CUDA (or CPU under TRITON_INTERPRET=1), and one token's
+    [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`; MHAR_SPEC
+    section 4: larger tiles run the eager reference)."""
     if triton_routing is None:
         return False
     on_device = device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
     return on_device and triton_routing.fits_tile(heads, dim // heads)
+
+
+def _require(device: torch.device, dim: int, heads: int) -> None:
+    """Raise RuntimeError saying why, where `can_run` is False."""
+    if can_run(device, dim, heads):
+        return
+    if triton_routing is None:
+        why = "triton is not installed"
+    elif device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET):
+        why = f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
+    else:
+        why = f"Triton cannot run on {device} (on CPU only with TRITON_INTERPRET=1 set before the kernels load)"
+    raise RuntimeError(f"mhar_kernels.route cannot run here: {why}. Check mhar_kernels.can_run() first and use "
+                       "an eager implementation (the models' routing reference) where it is False")
 
 
 # ---------------------------------------------------------------------------- forward op
@@ -57,10 +70,9 @@ def route_fwd(
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    srcs = with_null_source(null_source, list(sources))
-    if uses_triton(sources[0].device, sources[0].shape[-1], heads):
-        return triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha)
-    return reference_path.forward(srcs, query, norm_weight, heads, eps, partial, alpha)
+    _require(sources[0].device, sources[0].shape[-1], heads)
+    srcs = contract.with_null_source(null_source, list(sources))
+    return triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha)
 
 
 @route_fwd.register_fake
@@ -68,7 +80,7 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
     full = sources[0]
     n = len(sources) + int(null_source is not None)
     bt = full.numel() // full.shape[-1]
-    cdt = compute_dtype(full.dtype)
+    cdt = contract.compute_dtype(full.dtype)
     return full.new_empty(full.shape), full.new_empty((n, bt, heads), dtype=cdt), full.new_empty((bt, heads), dtype=cdt)
 
 
@@ -87,13 +99,11 @@ def route_bwd(
     null_source: Optional[Tensor],
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None."""
-    srcs = with_null_source(null_source, list(sources))
-    if uses_triton(grad_out.device, grad_out.shape[-1], heads):
-        grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
-            grad_out, srcs, query, norm_weight, heads, eps, logits, lse, alpha
-        )
-    else:
-        grads, dq, dg, dalpha, dnull = reference_path.backward(grad_out, srcs, query, norm_weight, heads, eps, alpha)
+    _require(grad_out.device, grad_out.shape[-1], heads)
+    srcs = contract.with_null_source(null_source, list(sources))
+    grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
+        grad_out, srcs, query, norm_weight, heads, eps, logits, lse, alpha
+    )
     return (
         grads,
         dq.to(query.dtype),
@@ -173,11 +183,30 @@ def route(
         Statistics, softmax and accumulation in fp32 (fp64 for fp64 sources).
 
     Raises:
-        ValueError: as `check_route_args` (shared with the models' routing): empty, non-floating
-            or mismatched sources, heads not a positive int, d % H != 0, bad partial / alpha /
-            null_source shapes, dtypes or devices.
+        ValueError: as `contract.check_route_args`: empty, non-floating or mismatched sources,
+            heads not a positive int, d % H != 0, bad partial / alpha / null_source shapes,
+            dtypes or devices.
+        RuntimeError: where the kernels cannot run (`can_run` is False).
     """
     sources = list(sources)
-    heads = check_route_args(sources, query, norm_weight, heads, partial, alpha, null_source)
+    heads = contract.check_route_args(sources, query, norm_weight, heads, partial, alpha, null_source)
+    return route_unchecked(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                           null_source=null_source)
+
+
+def route_unchecked(
+    sources: list[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    *,
+    partial: Optional[Tensor] = None,
+    alpha: Optional[Tensor] = None,
+    null_source: Optional[Tensor] = None,
+) -> Tensor:
+    """`route` for arguments that `contract.check_route_args` already accepted (heads an int):
+    the models' routing checks each call once and then calls this."""
+    _require(sources[0].device, sources[0].shape[-1], heads)
     out, _, _ = route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)
     return out

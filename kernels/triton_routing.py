@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mhar_titan.models.routing import compute_dtype
+from .contract import compute_dtype
 
 # Triton reads the flag when the @triton.jit decorators run, so it must be set before this import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

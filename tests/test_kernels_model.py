@@ -81,7 +81,7 @@ def test_triton_model_under_fsdp2_two_ranks(tmp_path):
     the single-process eager model on the full batch (one torchrun launch, all variants)."""
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "test_kernels_fsdp_worker.py"), str(tmp_path)]
+           str(ROOT / "tests" / "kernels_fsdp_worker.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for variant in VARIANTS:

@@ -1,7 +1,7 @@
 """Fused routing kernels vs the eager reference and a float64 oracle (issue 6, acceptance 1-2).
 
 Runs the Triton kernels through TRITON_INTERPRET=1 on CPU (set by conftest.py), or natively
-on CUDA. Errors are ||x - ref|| / max(||ref||, floor) per tensor (test_kernels_oracle.rel_err).
+on CUDA. Errors are ||x - ref|| / max(||ref||, floor) per tensor (kernels_oracle.rel_err).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mhar_kernels
-from mhar_titan.models.routing import route as model_route
-from test_kernels_oracle import leaf_names, leaves, make_inputs, oracle_route, rel_err
+from mhar_titan.models.routing import route as model_route, route_reference
+from kernels_oracle import leaf_names, leaves, make_inputs, oracle_route, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(64, 1), (64, 4), (96, 12), (1280, 8)]  # (d, H); K = 160 at (1280, 8)
@@ -189,3 +189,27 @@ def test_large_values_forward_and_backward(dtype):
     for name, f, t in zip(names, fused, truth):
         assert torch.isfinite(f).all(), name
         assert rel_err(f, t, floor=1e-3) < tol, (name, rel_err(f, t, floor=1e-3))
+
+
+# ---------------------------------------------------------------------------- the oracle itself
+def test_oracle_identities():
+    """Zero query gives the mean of the sources for any H; per-head logits of H heads sum to the
+    single-head logit, so H=1 with a query equals the softmax of the summed logits (MHAR_SPEC section 6)."""
+    inputs = make_inputs(5, 12, 3, torch.float64)
+    srcs, g = inputs["sources"], inputs["norm_weight"]
+    zero = torch.zeros(12, dtype=torch.float64)
+    mean = torch.stack(srcs).mean(0)
+    torch.testing.assert_close(oracle_route(srcs, zero, g, 3), mean, rtol=1e-12, atol=1e-12)
+    one_head = oracle_route(srcs, inputs["query"], g, 1)
+    x = torch.stack(srcs)
+    key = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    w = torch.softmax((key * inputs["query"]).sum(-1), 0)
+    torch.testing.assert_close(one_head, (w.unsqueeze(-1) * x).sum(0), rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_matches_reference_in_float64():
+    """The fp64 oracle and the model's eager reference agree to rounding in float64 (where the
+    reference's storage-dtype cast of the key is a no-op)."""
+    inputs = make_inputs(4, 24, 4, torch.float64)
+    args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
+    assert rel_err(route_reference(*args), oracle_route(*args)) < 1e-13

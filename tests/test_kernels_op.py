@@ -8,10 +8,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import mhar_kernels
-from mhar_kernels import reference_path
 from mhar_kernels import triton_routing
 from mhar_titan.models.routing import route, route_reference, route_stacked
-from test_kernels_oracle import leaves, make_inputs, oracle_route, rel_err
+from kernels_oracle import leaves, make_inputs, oracle_route, rel_err
 
 
 def _route(inputs: dict, heads: int):
@@ -181,26 +180,6 @@ def test_online_softmax_state_merges_exactly():
         assert rel_err(lse, whole[1]) < 1e-6
 
 
-def test_reference_path_matches_kernels():
-    """The op's implementation without Triton (CPU without the interpreter) is the eager
-    reference; it returns the same (out, logits, lse) and gradients as the kernels."""
-    from mhar_kernels import triton_routing
-
-    inputs = make_inputs(5, 64, 4, torch.float32, delta=True)
-    srcs = [inputs["null_source"], *inputs["sources"]]
-    q, g, partial, alpha = inputs["query"], inputs["norm_weight"], inputs["partial"], inputs["alpha"]
-    with torch.no_grad():
-        ref = reference_path.forward(srcs, q, g, 4, 1e-6, partial, alpha)
-        fused = triton_routing.route_forward(srcs, q, g, 4, 1e-6, partial=partial, alpha=alpha)
-        grad_out = torch.randn_like(ref[0])
-        ref_g = reference_path.backward(grad_out, srcs, q, g, 4, 1e-6, alpha)
-        fused_g = triton_routing.route_backward(grad_out, srcs, q, g, 4, 1e-6, fused[1], fused[2], alpha)
-    for a, b in zip(ref, fused):
-        assert rel_err(b, a) < 1e-6
-    for a, b in zip([*ref_g[0], *ref_g[1:]], [*fused_g[0], *fused_g[1:]]):
-        assert rel_err(b, a) < 1e-5
-
-
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -271,30 +250,36 @@ def test_empty_token_batch_gives_empty_output_and_zero_gradients():
 
 
 def test_tile_larger_than_the_register_budget_runs_the_eager_reference():
-    """MHAR_SPEC section 4: a token tile [next_pow2(H), next_pow2(d/H)] above 8192 elements falls back
-    to eager: output and gradients equal the eager routing bit for bit; the state API falls back too."""
+    """MHAR_SPEC section 4: a token tile [next_pow2(H), next_pow2(d/H)] above 8192 elements is not
+    for the kernels: the models' routing (kernel="triton") runs the eager reference itself (output
+    and gradients bit for bit), while the kernel package refuses with a clear error."""
     assert triton_routing.fits_tile(8, 160) and triton_routing.fits_tile(1, 8192)
     assert not triton_routing.fits_tile(1, 8200)
     inputs = make_inputs(3, 8200, 1, torch.float32, delta=True, batch=1, seq=3)
-    (out, grads), (ref, ref_grads) = _fused_and_eager(inputs, 1)
-    assert torch.equal(out, ref)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
-    mix, lse = mhar_kernels.route_with_state(
-        inputs["sources"], inputs["query"], inputs["norm_weight"], 1, null_source=inputs["null_source"]
-    )
-    truth = oracle_route(inputs["sources"], inputs["query"], inputs["norm_weight"], 1,
-                         null_source=inputs["null_source"])
-    assert mix.dtype == torch.float32 and lse.shape == (3, 1) and rel_err(mix, truth) < 1e-6
+    assert not mhar_kernels.can_run(torch.device("cpu"), 8200, 1)
+    with pytest.raises(RuntimeError, match="d=8200, H=1 exceeds the kernels' register budget"):
+        _route(inputs, 1)
+    with pytest.raises(RuntimeError, match="register budget"):
+        mhar_kernels.route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 1)
+    _assert_model_triton_equals_eager(inputs, 1)
 
 
-def test_reference_path_keeps_float64_for_dalpha():
-    """The non-Triton backward sums dalpha = <grad_out, mix> in the compute dtype: fp64 inputs give
-    an fp64 dalpha exact to fp64 rounding."""
-    inputs = make_inputs(4, 16, 4, torch.float64, delta=True)
+def test_models_routing_falls_back_to_eager_where_triton_cannot_run(monkeypatch):
+    """CPU without the interpreter: the kernels cannot run, so route(kernel="triton") is the
+    eager reference bit for bit, and the kernel package says why it refuses."""
+    monkeypatch.setattr(triton_routing, "INTERPRET", False)
+    inputs = make_inputs(3, 16, 4, torch.float32, delta=True)
+    assert not mhar_kernels.can_run(torch.device("cpu"), 16, 4)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _route(inputs, 4)
+    _assert_model_triton_equals_eager(inputs, 4)
+
+
+def _assert_model_triton_equals_eager(inputs: dict, heads: int) -> None:
     srcs = [inputs["null_source"], *inputs["sources"]]
-    q, g, alpha = inputs["query"], inputs["norm_weight"], inputs["alpha"]
-    grad_out = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    dalpha = reference_path.backward(grad_out, srcs, q, g, 4, 1e-6, alpha)[3]
-    mix = oracle_route(inputs["sources"], q, g, 4, null_source=inputs["null_source"]).detach()
-    assert dalpha.dtype == torch.float64 and dalpha.shape == (1,)
-    assert rel_err(dalpha, (grad_out * mix).sum().reshape(1)) < 1e-13
+    results = []
+    for kernel in ("triton", "eager"):
+        out = route(srcs, inputs["query"], inputs["norm_weight"], heads, kernel=kernel,
+                    partial=inputs["partial"], alpha=inputs["alpha"])
+        results.append([out, *torch.autograd.grad(out.sum(), leaves(inputs))])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -10,102 +10,23 @@ heads of K = d/H dims, and a key-norm weight g (d,):
     out[h]       = sum_n a_{n,h} * s_n[h]                     un-normalised sources
 
 H = 1 is single-head AttnRes. `route_reference` is the readable eager oracle (also the one
-the Triton kernels are tested against); `route` dispatches on `routing_kernel`. The fused
-kernels (`mhar_kernels`) share this module's validator (`check_route_args`), compute dtype,
-logits and mix; this module imports them only lazily (kernel="triton").
+the Triton kernels are tested against); `route` picks the implementation (`routing_kernel`):
+eager, torch.compile, or the fused kernels of `mhar_kernels` (imported lazily), and runs the
+eager reference itself where the kernels cannot run. The op's contract (argument checks,
+compute dtype, null-source handling) is `mhar_kernels.contract`; `route` checks each call's
+arguments there once.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from mhar_kernels import contract
+
 ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # values of ModelArgs.routing_kernel
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the statistics, softmax and accumulation: float32 for 16/32-bit storage,
-    float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def split_null_source(sources: Sequence[Tensor]) -> tuple[Tensor | None, list[Tensor]]:
-    """(null source or None, the (B, T, d) sources): a leading (d,) tensor is the null source."""
-    sources = list(sources)
-    if sources and sources[0].dim() == 1:
-        return sources[0], sources[1:]
-    return None, sources
-
-
-def with_null_source(null_source: Tensor | None, sources: list[Tensor]) -> list[Tensor]:
-    """The null source, cast to the sources' dtype (as the fused kernels load it), then the sources."""
-    return sources if null_source is None else [null_source.to(sources[0].dtype), *sources]
-
-
-def check_route_args(
-    sources: Sequence[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    partial: Tensor | None = None,
-    alpha: Tensor | None = None,
-    null_source: Tensor | None = None,
-) -> int:
-    """Validate the arguments of one routing call; the single validator of every routing path
-    (`route_reference`, `route`, `mhar_kernels.route`).
-
-    Args as `route_reference`, with the null source passed separately; sources are the (B, T, d) ones.
-
-    Returns:
-        heads as a Python int (numpy integers are accepted).
-
-    Raises:
-        ValueError naming the bad argument: no sources; non-floating or mismatched sources (shape,
-        dtype, device); heads not a positive int (bools rejected); d % H != 0 (naming d and H);
-        query / norm_weight / null_source not (d,); partial not like the sources; alpha not (1,);
-        only one of partial / alpha; a tensor on another device than the sources (on CUDA the
-        kernels would read an illegal address).
-    """
-    if len(sources) == 0:
-        raise ValueError("depth routing needs at least one (B, T, d) source")
-    full = sources[0]
-    for i, s in enumerate(sources):
-        if s.dim() < 2:
-            raise ValueError(
-                f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null source "
-                "goes first in route()/route_reference() or as null_source= in mhar_kernels.route()"
-            )
-    if not full.is_floating_point():
-        raise ValueError(f"sources must be floating point, got {full.dtype}")
-    for i, s in enumerate(sources):
-        if s.shape != full.shape or s.dtype != full.dtype or s.device != full.device:
-            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
-                             f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
-    d = full.shape[-1]
-    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
-        raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")
-    if d % heads:
-        raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")
-    if (partial is None) != (alpha is None):
-        raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
-    expected = dict(query=(d,), norm_weight=(d,), alpha=(1,), null_source=(d,))
-    given = dict(query=query, norm_weight=norm_weight, alpha=alpha, null_source=null_source)
-    for name, tensor in given.items():
-        if tensor is None:
-            continue
-        if tensor.shape != expected[name]:
-            why = " (FSDP rejects 0-dim parameters)" if name == "alpha" else ""
-            raise ValueError(f"{name} must have shape {expected[name]}{why}, got {tuple(tensor.shape)}")
-        if not tensor.is_floating_point() or tensor.device != full.device:
-            raise ValueError(f"{name} must be a floating-point tensor on the sources' device {full.device}, "
-                             f"got {tensor.dtype} on {tensor.device}")
-    if partial is not None and (partial.shape, partial.dtype, partial.device) != (full.shape, full.dtype, full.device):
-        raise ValueError(f"partial must match the sources: {tuple(full.shape)} {full.dtype} on {full.device}, "
-                         f"got {tuple(partial.shape)} {partial.dtype} on {partial.device}")
-    return int(heads)
 
 
 def _inv_rms(source: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
@@ -132,7 +53,7 @@ def _logits_and_inv_rms(sources: Sequence[Tensor], query: Tensor, norm_weight: T
     """Logits (N, B, T, H) and inverse RMS (N, B, T) in the compute dtype; a (d,) null source
     (first) is broadcast over the tokens."""
     full = sources[-1]
-    cdt = compute_dtype(full.dtype)
+    cdt = contract.compute_dtype(full.dtype)
     q, g = query.to(cdt).view(heads, -1), norm_weight.to(cdt)
     logits, rstds = [], []
     for s in sources:
@@ -160,10 +81,10 @@ def routing_logits(
 ) -> Tensor:
     """Depth logits logit_{n,h} = <q[h], RMSNorm_g(s_n)[h]> as (N, B, T, H) in the compute dtype
     (MHAR_SPEC section 2); a leading (d,) source is the null source. Plain autograd; for the
-    online-softmax state, analysis and tests. Raises ValueError as `check_route_args`."""
-    null_source, full = split_null_source(sources)
-    heads = check_route_args(full, query, norm_weight, heads, null_source=null_source)
-    return _logits_and_inv_rms(with_null_source(null_source, full), query, norm_weight, heads, eps)[0]
+    online-softmax state, analysis and tests. Raises ValueError as `mhar_kernels.contract.check_route_args`."""
+    null_source, full = contract.split_null_source(sources)
+    heads = contract.check_route_args(full, query, norm_weight, heads, null_source=null_source)
+    return _logits_and_inv_rms(contract.with_null_source(null_source, full), query, norm_weight, heads, eps)[0]
 
 
 class _DepthRoute(torch.autograd.Function):
@@ -261,12 +182,13 @@ def route_reference(
     scalar per source and token (see `_DepthRoute`).
 
     Raises:
-        ValueError: as `check_route_args` (no sources, mismatched shapes/dtypes/devices, heads
-        not a positive int, d % H != 0 naming d and H).
+        ValueError: as `mhar_kernels.contract.check_route_args` (no sources, mismatched
+        shapes/dtypes/devices, heads not a positive int, d % H != 0 naming d and H).
     """
-    null_source, full = split_null_source(sources)
-    heads = check_route_args(full, query, norm_weight, heads, null_source=null_source)
-    out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *with_null_source(null_source, full))
+    null_source, full = contract.split_null_source(sources)
+    heads = contract.check_route_args(full, query, norm_weight, heads, null_source=null_source)
+    sources = contract.with_null_source(null_source, full)
+    out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
     return (out, weights) if return_weights else out
 
 
@@ -274,7 +196,7 @@ def route_stacked(stacked: Tensor, query: Tensor, norm_weight: Tensor, heads: in
     """The same function on a pre-stacked (N, B, T, d) tensor with plain autograd; the body that
     `kernel="compile"` compiles (MHAR_SPEC pitfall 9: stack outside the compiled region).
     Keeps the stack and fp32 intermediates for backward, unlike `route_reference`."""
-    cdt = compute_dtype(stacked.dtype)
+    cdt = contract.compute_dtype(stacked.dtype)
     logits, _ = _source_logits(stacked, query.to(cdt).view(heads, -1), norm_weight.to(cdt), eps, cdt)
     weights = torch.softmax(logits, dim=0)  # (N, B, T, H)
     out = (weights.unsqueeze(-1) * stacked.to(cdt).unflatten(-1, (heads, -1))).sum(0)
@@ -292,15 +214,16 @@ def _route_compiled(sources: list[Tensor], query: Tensor, norm_weight: Tensor, h
     return _compiled_route_stacked(stacked, query, norm_weight, heads, eps)
 
 
-def _triton_route():
+def _fused_op():
+    """The fused kernels' op module (`mhar_kernels.op`), imported on first use."""
     try:
-        from mhar_kernels import route as triton_route
+        from mhar_kernels import op
     except ImportError as exc:
         raise RuntimeError(
-            "routing_kernel='triton' needs the fused kernels (`mhar_kernels.route`, the repo's kernels/ folder, "
-            f"and triton installed), but importing them failed: {exc}. Use routing_kernel='eager' or 'compile'."
+            "routing_kernel='triton' needs the fused kernels (`mhar_kernels`, the repo's kernels/ folder), but "
+            f"importing them failed: {exc}. Use routing_kernel='eager' or 'compile'."
         ) from exc
-    return triton_route
+    return op
 
 
 def route(
@@ -317,28 +240,32 @@ def route(
     """Depth routing with the implementation chosen by `kernel` (the `routing_kernel` field).
 
     kernel: "eager" (`route_reference`), "compile" (`route_stacked` under torch.compile,
-    dynamic=True), "triton" (`mhar_kernels.route`, fused), "auto" (triton for CUDA sources,
-    eager otherwise). A leading (d,) source is the null source.
+    dynamic=True), "triton" (`mhar_kernels.route`, fused; the eager reference where
+    `mhar_kernels.can_run` is False: no triton, CPU without TRITON_INTERPRET=1, or a tile over
+    the register budget), "auto" (triton for CUDA sources, eager otherwise). A leading (d,)
+    source is the null source. The arguments are checked once per call.
 
     Replacement mode returns the mix (B, T, d). Delta mode (MHAR_SPEC section 1.4) passes the
     residual `partial` (B, T, d, the sources' dtype) and the gate `alpha` (1,) and returns
     partial + alpha * mix; with alpha = 0 the result equals `partial` bit for bit.
 
     Raises:
-        ValueError: unknown kernel, or bad arguments as `check_route_args` (including only one
+        ValueError: unknown kernel, or bad arguments as `mhar_kernels.contract.check_route_args` (including only one
             of partial/alpha, or their shapes).
-        RuntimeError: kernel="triton" when the fused kernels cannot be imported.
+        RuntimeError: kernel="triton" when the kernel package cannot be imported.
     """
     if kernel not in ROUTING_KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {ROUTING_KERNELS}")
-    null_source, full = split_null_source(sources)
-    heads = check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
+    null_source, full = contract.split_null_source(sources)
+    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
     if kernel == "auto":
         kernel = "triton" if full[0].is_cuda else "eager"
     if kernel == "triton":
-        return _triton_route()(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                               null_source=null_source)
-    sources = with_null_source(null_source, full)
+        op = _fused_op()
+        if op.can_run(full[0].device, full[0].shape[-1], heads):
+            return op.route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                      null_source=null_source)
+    sources = contract.with_null_source(null_source, full)
     if kernel == "compile":
         mix = _route_compiled(sources, query, norm_weight, heads, eps)
     else:

@@ -1,7 +1,7 @@
 """torchrun worker for test_kernels_model.py (no tests here): 2-rank FSDP2 + full AC with
 routing_kernel="triton" vs the single-process eager model on the full batch.
 
-Usage: torchrun --nproc_per_node=2 tests/test_kernels_fsdp_worker.py OUT_DIR
+Usage: torchrun --nproc_per_node=2 tests/kernels_fsdp_worker.py OUT_DIR
 Writes OUT_DIR/ok_<variant> on rank 0 for each variant that matches (fp32, 2e-4).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Independent float64 oracle for depth routing, shared by the kernel tests.
+"""Independent float64 oracle for depth routing, shared by the kernel tests (a helper, no tests).
 
 Plain autograd on a stacked float64 tensor (MHAR_SPEC section 2, delta mode section 1.4),
 written without the reference's helpers and without the storage-dtype rounding of the key:
@@ -60,29 +60,3 @@ def leaf_names(inputs: dict) -> list[str]:
     n = len(inputs["sources"])
     extras = [k for k in ("partial", "alpha", "null_source") if k in inputs]
     return [f"source{i}" for i in range(n)] + ["query", "norm_weight"] + extras
-
-
-# ---------------------------------------------------------------------------- the oracle itself
-def test_oracle_identities():
-    """Zero query gives the mean of the sources for any H; per-head logits of H heads sum to the
-    single-head logit, so H=1 with a query equals the softmax of the summed logits (MHAR_SPEC section 6)."""
-    inputs = make_inputs(5, 12, 3, torch.float64)
-    srcs, g = inputs["sources"], inputs["norm_weight"]
-    zero = torch.zeros(12, dtype=torch.float64)
-    mean = torch.stack(srcs).mean(0)
-    torch.testing.assert_close(oracle_route(srcs, zero, g, 3), mean, rtol=1e-12, atol=1e-12)
-    one_head = oracle_route(srcs, inputs["query"], g, 1)
-    x = torch.stack(srcs)
-    key = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-    w = torch.softmax((key * inputs["query"]).sum(-1), 0)
-    torch.testing.assert_close(one_head, (w.unsqueeze(-1) * x).sum(0), rtol=1e-12, atol=1e-12)
-
-
-def test_oracle_matches_reference_in_float64():
-    """The fp64 oracle and the model's eager reference agree to rounding in float64 (where the
-    reference's storage-dtype cast of the key is a no-op)."""
-    from mhar_titan.models.routing import route_reference
-
-    inputs = make_inputs(4, 24, 4, torch.float64)
-    args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
-    assert rel_err(route_reference(*args), oracle_route(*args)) < 1e-13

@@ -1,0 +1,99 @@
+"""The routing op's contract: argument checks, compute dtype and null-source handling.
+
+Every routing path (the models' eager reference, `torch.compile`, the fused kernels) obeys
+this one contract; the models' routing module checks a call's arguments here once and then
+runs whichever implementation it picked. Imports torch only.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the statistics, softmax and accumulation: float32 for 16/32-bit storage,
+    float64 stays float64 (MHAR_SPEC section 4)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def split_null_source(sources: Sequence[Tensor]) -> tuple[Optional[Tensor], list[Tensor]]:
+    """(null source or None, the (B, T, d) sources): a leading (d,) tensor is the null source."""
+    sources = list(sources)
+    if sources and sources[0].dim() == 1:
+        return sources[0], sources[1:]
+    return None, sources
+
+
+def with_null_source(null_source: Optional[Tensor], sources: list[Tensor]) -> list[Tensor]:
+    """The null source, cast to the sources' dtype (as the fused kernels load it), then the sources."""
+    return sources if null_source is None else [null_source.to(sources[0].dtype), *sources]
+
+
+def check_route_args(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    partial: Optional[Tensor] = None,
+    alpha: Optional[Tensor] = None,
+    null_source: Optional[Tensor] = None,
+) -> int:
+    """Validate the arguments of one routing call (MHAR_SPEC sections 2 and 1.4).
+
+    Args:
+        sources: the N >= 1 (B, T, d) sources (any matching leading dims), null source excluded.
+        query, norm_weight: pseudo-query and key RMSNorm weight, (d,) each.
+        heads: routing heads H; d % H == 0.
+        partial, alpha: delta mode, residual stream like the sources and gate (1,); both or neither.
+        null_source: learnable (d,) source, or None.
+
+    Returns:
+        heads as a Python int (numpy integers are accepted).
+
+    Raises:
+        ValueError naming the bad argument: no sources; non-floating or mismatched sources (shape,
+        dtype, device); heads not a positive int (bools rejected); d % H != 0 (naming d and H);
+        query / norm_weight / null_source not (d,); partial not like the sources; alpha not (1,);
+        only one of partial / alpha; a tensor on another device than the sources (on CUDA the
+        kernels would read an illegal address).
+    """
+    if len(sources) == 0:
+        raise ValueError("depth routing needs at least one (B, T, d) source")
+    full = sources[0]
+    for i, s in enumerate(sources):
+        if s.dim() < 2:
+            raise ValueError(
+                f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null source "
+                "goes first in route()/route_reference() or as null_source= in mhar_kernels.route()"
+            )
+    if not full.is_floating_point():
+        raise ValueError(f"sources must be floating point, got {full.dtype}")
+    for i, s in enumerate(sources):
+        if s.shape != full.shape or s.dtype != full.dtype or s.device != full.device:
+            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
+                             f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
+    d = full.shape[-1]
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
+        raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")
+    if d % heads:
+        raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")
+    if (partial is None) != (alpha is None):
+        raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
+    expected = dict(query=(d,), norm_weight=(d,), alpha=(1,), null_source=(d,))
+    given = dict(query=query, norm_weight=norm_weight, alpha=alpha, null_source=null_source)
+    for name, tensor in given.items():
+        if tensor is None:
+            continue
+        if tensor.shape != expected[name]:
+            why = " (FSDP rejects 0-dim parameters)" if name == "alpha" else ""
+            raise ValueError(f"{name} must have shape {expected[name]}{why}, got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point() or tensor.device != full.device:
+            raise ValueError(f"{name} must be a floating-point tensor on the sources' device {full.device}, "
+                             f"got {tensor.dtype} on {tensor.device}")
+    if partial is not None and (partial.shape, partial.dtype, partial.device) != (full.shape, full.dtype, full.device):
+        raise ValueError(f"partial must match the sources: {tuple(full.shape)} {full.dtype} on {full.device}, "
+                         f"got {tuple(partial.shape)} {partial.dtype} on {partial.device}")
+    return int(heads)
