@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from mhar_titan.models.plan import RoutingPlan
+
 # --------------------------------------------------------------------------- FLOPs
 
 
@@ -59,29 +61,14 @@ def _head_dim(args) -> int:
 
 
 def routing_source_counts(args) -> list[int]:
-    """Number of sources read by each routing site (attention, MLP, ..., final).
+    """Number of sources read by each routing site (attention, MLP, ..., final), the null
+    source included: ``RoutingPlan.from_args(args).source_counts`` (mhar_titan/models/plan.py).
 
-    Full (``routing_granularity = "sublayer"``): site s of 2L+1 reads s sources
-    (embedding + earlier sublayer outputs). Block (``"block"``, k layers per
-    block, MHAR_SPEC 1.2 convention): completed blocks plus the partial sum. A
-    null source adds one per site. Empty for the standard residual.
+    Sublayer granularity: site s of 2L+1 reads s sources (embedding + earlier sublayer
+    outputs). Block granularity (k layers per block, MHAR_SPEC 1.2 convention): completed
+    blocks plus, in replace mode, the open block's partial sum. Empty for the standard residual.
     """
-    if args.residual == "standard":
-        return []
-    L = args.n_layers
-    extra = 1 if getattr(args, "routing_null_source", False) else 0
-    if getattr(args, "routing_granularity", "sublayer") == "sublayer":
-        counts = list(range(1, 2 * L + 2))
-    else:
-        k = args.routing_block_layers
-        counts, n_blocks = [], 0
-        for layer in range(L):
-            counts.append(n_blocks + 1)  # attention: blocks + partial
-            if layer % k == 0:
-                n_blocks += 1  # the partial sum closes a block
-            counts.append(n_blocks + 1)  # MLP
-        counts.append(n_blocks + 1)  # final routing
-    return [c + extra for c in counts]
+    return list(RoutingPlan.from_args(args).source_counts)
 
 
 def flops_per_token(args, seq_len: int) -> FlopsPerToken:

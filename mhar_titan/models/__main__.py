@@ -1,20 +1,7 @@
 """`python -m mhar_titan.models`: flavors x families with parameter counts at the default vocabulary."""
 from __future__ import annotations
 
-from .args import FLAVORS, ModelArgs, count_parameters
-
-# Residual-path families the MHAR paper compares, plus the block and delta (conversion) variants.
-FAMILIES: dict[str, dict] = {
-    "baseline": dict(residual="standard"),
-    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
-    "mhar H=8": dict(residual="attn_res", routing_heads=8),
-    "mhar H=kv": dict(residual="attn_res", routing_heads="kv"),
-    "block H=8": dict(residual="attn_res", routing_heads=8, routing_granularity="block"),
-    "delta block H=8 +null": dict(
-        residual="attn_res", routing_heads=8, routing_granularity="block", routing_mode="delta",
-        routing_null_source=True,
-    ),
-}
+from .args import FAMILIES, FLAVORS, ModelArgs, count_parameters
 
 
 def listing_rows() -> list[tuple[str, str, int, int, int]]:

@@ -11,8 +11,9 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | Block AttnRes | "attn_res"   | any           | "block"             | "replace"    |
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
-Flavors are data: `FLAVORS[name]` holds the fields that differ from the defaults, and
-`ModelArgs.from_flavor(name, **overrides)` builds one.
+Flavors and families are data: `FLAVORS[name]` holds the shape fields that differ from the
+defaults, `FAMILIES[name]` the residual-path fields, and
+`ModelArgs.from_flavor(name, **FAMILIES[family], **overrides)` builds one.
 """
 from __future__ import annotations
 
@@ -176,6 +177,21 @@ FLAVORS: dict[str, dict] = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, vocab_size=128_256,
         norm_eps=1e-5, rope_theta=500_000.0, rope_scaling="llama3", qk_norm=False, tie_embeddings=False,
         max_seq_len=8192,
+    ),
+}
+
+
+# Residual-path families the MHAR paper compares, plus the block and delta (conversion) variants:
+# the rows of the zoo listing (`python -m mhar_titan.models`) and of the benchmarks.
+FAMILIES: dict[str, dict] = {
+    "baseline": dict(residual="standard"),
+    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
+    "mhar H=8": dict(residual="attn_res", routing_heads=8),
+    "mhar H=kv": dict(residual="attn_res", routing_heads="kv"),
+    "block H=8": dict(residual="attn_res", routing_heads=8, routing_granularity="block"),
+    "delta block H=8 +null": dict(
+        residual="attn_res", routing_heads=8, routing_granularity="block", routing_mode="delta",
+        routing_null_source=True,
     ),
 }
 

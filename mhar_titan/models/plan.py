@@ -1,0 +1,256 @@
+"""The routing plan: which sources every depth-routing site reads (MHAR_SPEC sections 1.1, 1.2, 1.4).
+
+The model keeps ONE growing list of sources per forward. It starts with the learnable null
+source (when enabled) and the token embedding; after each sublayer, the entries that sublayer
+creates are appended. A routing site reads a subset of the entries that exist when it runs.
+`RoutingPlan.from_args(args)` writes all of this down once, as immutable data: the model's
+forward and tracing, the metrics (source counts, routing FLOPs), the dry run's memory estimate
+and the kernels' bytes accounting read it; nobody else re-derives it.
+
+Sites are numbered like the rows of `DepthRouting.query`: site 2i is layer i's attention,
+2i + 1 its MLP, 2L the final routing. Sublayer j is the output of site j (j < 2L).
+
+Layout "canonical" (this repository's convention; entry values in brackets):
+
+| granularity, mode   | entries created after each sublayer  | a site reads                                  |
+|---------------------|--------------------------------------|-----------------------------------------------|
+| sublayer, replace   | its output a_i / m_i                 | every entry so far                            |
+| sublayer, delta     | its output a_i / m_i                 | every entry so far (input h + alpha * mix)    |
+| block, replace      | the open block's partial sum         | null, embedding, completed blocks, the open   |
+|                     | [b_n^i = b_n^(i-1) + output]         | block's latest partial (Kimi Block AttnRes)   |
+| block, delta        | the same partial sums                | null, embedding, completed blocks only        |
+
+A block of k = routing_block_layers layers opens at every layer i with i % k == 0 (0-indexed)
+and completes after the MLP of its last layer; its last partial sum is the completed block
+(b_n in block-replace mode, the true block delta D_n in block-delta mode). The final routing
+reads null, embedding and every completed block (the last one included).
+
+Each created entry carries a recipe (a signed sum of this sublayer's output, the residual
+stream after it and earlier entries), so another layout (for example the paper's block-delta
+sources, MHAR_SPEC 1.4 "code quirk") is new data built here, not new branches in the model.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+OUTPUT = "output"  # recipe operand: the output of the sublayer that creates the entry
+STREAM = "stream"  # recipe operand: the residual stream h after that sublayer (kept in delta mode)
+SOURCE_KINDS = ("null", "embedding", "output", "partial")
+LAYOUTS = ("canonical",)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of the growing source list.
+
+    index: position in the list. kind: one of `SOURCE_KINDS`. site: index of the site whose
+    sublayer creates it (None: exists before the first site). recipe: how the model computes
+    it, ((coefficient +1 or -1, operand), ...) summed left to right, operand = `OUTPUT`,
+    `STREAM` or the index of an earlier entry (empty for the null source and the embedding).
+    embedding, sublayers: its value, the embedding (when True) plus the listed sublayer
+    outputs (derived from the recipe; the null source has neither).
+    """
+
+    index: int
+    kind: str
+    site: int | None = None
+    recipe: tuple[tuple[int, int | str], ...] = ()
+    embedding: bool = False
+    sublayers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Site:
+    """One routing site.
+
+    index: site number (row of the routing parameters). layer: transformer layer (None for
+    the final routing). sublayer: "attention", "mlp" or "final". reads: indices of the entries
+    it routes over, in routing order. creates: the entries appended after its sublayer runs.
+    gated: delta mode, input = h + alpha * mix. opens_block: a block (block granularity) starts
+    at this sublayer. block: number n >= 1 of the block its sublayer belongs to (None at
+    sublayer granularity and for the final routing).
+    """
+
+    index: int
+    layer: int | None
+    sublayer: str
+    reads: tuple[int, ...]
+    creates: tuple[Source, ...] = ()
+    gated: bool = False
+    opens_block: bool = False
+    block: int | None = None
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.reads)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block n (n >= 1) of block granularity: layers [first_layer, stop_layer); `source` is the
+    entry that holds its completed sum (b_n, or the block delta D_n in delta mode)."""
+
+    index: int
+    first_layer: int
+    stop_layer: int
+    source: int
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Immutable routing plan of one `ModelArgs` (module docstring). Build with `from_args`.
+
+    Fields: layout, granularity, mode, null_source, stream (the residual stream h is kept:
+    standard residual and delta mode), sources (every entry, in list order), sites (in
+    order; empty for the standard residual), blocks (block granularity only).
+
+    Raises (on construction):
+        ValueError: a site or recipe names an entry that does not exist yet, a recipe uses
+            the stream where none is kept, or an entry's value is not a plain sum.
+    """
+
+    layout: str
+    granularity: str
+    mode: str
+    null_source: bool
+    stream: bool
+    sources: tuple[Source, ...]
+    sites: tuple[Site, ...]
+    blocks: tuple[Block, ...] = ()
+    source_counts: tuple[int, ...] = field(init=False)
+    """Sources read per site, the null source included (what `metrics` counts)."""
+    source_rows: int = field(init=False)
+    """(B, T, d) sources read per token by one forward over all sites, the (d,) null source not
+    counted: the bytes model's rows per token (docs/DESIGN.md)."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        object.__setattr__(self, "source_counts", tuple(site.n_sources for site in self.sites))
+        object.__setattr__(self, "source_rows", sum(
+            sum(self.sources[j].kind != "null" for j in site.reads) for site in self.sites))
+
+    @classmethod
+    def from_args(cls, args, layout: str = "canonical") -> "RoutingPlan":
+        """The plan of `ModelArgs` `args` (residual, n_layers, routing_granularity,
+        routing_block_layers, routing_mode, routing_null_source are read).
+
+        Raises:
+            ValueError: unknown layout.
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown routing layout {layout!r}; choose one of {LAYOUTS}")
+        if args.residual == "standard":
+            return cls(layout, "sublayer", "replace", False, stream=True, sources=(), sites=())
+        return _canonical(args)
+
+    # -- what the model and the accountants read ------------------------------------------------
+    @property
+    def n_sites(self) -> int:
+        return len(self.sites)
+
+    @property
+    def initial(self) -> tuple[Source, ...]:
+        """Entries that exist before the first site (null source, embedding)."""
+        return tuple(s for s in self.sources if s.site is None)
+
+    @property
+    def final(self) -> Site | None:
+        """The final routing site (None for the standard residual)."""
+        return self.sites[-1] if self.sites else None
+
+    def layer_sites(self, layer: int) -> tuple[Site | None, Site | None]:
+        """(attention site, MLP site) of `layer`; (None, None) for the standard residual."""
+        if not self.sites:
+            return None, None
+        return self.sites[2 * layer], self.sites[2 * layer + 1]
+
+
+def _canonical(args) -> RoutingPlan:
+    """The canonical layout (module docstring table)."""
+    L, by_block, delta = args.n_layers, args.routing_granularity == "block", args.routing_mode == "delta"
+    sources: list[Source] = []
+    if args.routing_null_source:
+        sources.append(Source(0, "null"))
+    sources.append(Source(len(sources), "embedding", embedding=True))
+    completed = [s.index for s in sources]  # read by every later site
+    open_partial: int | None = None  # latest partial sum of the open block (block granularity)
+    sites, blocks, n_block, first_layer = [], [], 0, 0
+
+    def close_block(stop_layer: int) -> None:
+        nonlocal open_partial
+        if open_partial is not None:
+            completed.append(open_partial)
+            blocks.append(Block(n_block, first_layer, stop_layer, open_partial))
+            open_partial = None
+
+    for index in range(2 * L):
+        layer, sublayer = divmod(index, 2)
+        opens = by_block and sublayer == 0 and layer % args.routing_block_layers == 0
+        if opens:
+            close_block(layer)
+            n_block, first_layer = n_block + 1, layer
+        reads = completed + ([open_partial] if open_partial is not None and not delta else [])
+        if by_block:
+            base = () if open_partial is None else ((1, open_partial),)
+            new = _source(len(sources), "partial", index, (*base, (1, OUTPUT)), sources)
+            open_partial = new.index
+        else:
+            new = _source(len(sources), "output", index, ((1, OUTPUT),), sources)
+            completed.append(new.index)
+        sources.append(new)
+        sites.append(Site(index, layer, ("attention", "mlp")[sublayer], tuple(reads), (new,), delta, opens,
+                          n_block if by_block else None))
+    close_block(L)
+    sites.append(Site(2 * L, None, "final", tuple(completed), (), delta))
+    return RoutingPlan("canonical", args.routing_granularity, args.routing_mode, args.routing_null_source,
+                       stream=delta, sources=tuple(sources), sites=tuple(sites), blocks=tuple(blocks))
+
+
+def _source(index: int, kind: str, site: int, recipe: tuple, earlier: list[Source]) -> Source:
+    """A created entry with its value (embedding flag, sublayers) derived from its recipe.
+
+    The stream after sublayer j holds the embedding and the outputs of sublayers 0..j.
+    Raises ValueError when the value is not a plain sum (a coefficient other than 0 or 1).
+    """
+    value: Counter = Counter()
+    for coefficient, operand in recipe:
+        if operand == OUTPUT:
+            terms = Counter([site])
+        elif operand == STREAM:
+            terms = Counter(["embedding", *range(site + 1)])
+        else:
+            entry = earlier[operand]
+            terms = Counter((["embedding"] if entry.embedding else []) + list(entry.sublayers))
+        for term, n in terms.items():
+            value[term] += coefficient * n
+    if any(n not in (0, 1) for n in value.values()):
+        raise ValueError(f"source {index} recipe {recipe} is not a plain sum of the embedding and sublayer outputs")
+    return Source(index, kind, site, recipe, value["embedding"] == 1,
+                  tuple(sorted(t for t, n in value.items() if n == 1 and t != "embedding")))
+
+
+def _check(plan: RoutingPlan) -> None:
+    """Every index names an entry that exists when it is used (ValueError otherwise)."""
+    for position, source in enumerate(plan.sources):
+        if source.index != position or source.kind not in SOURCE_KINDS:
+            raise ValueError(f"source {position} is {source}; indices must follow list order and kinds be "
+                             f"one of {SOURCE_KINDS}")
+    exists = len(plan.initial)
+    for site in plan.sites:
+        if not site.reads or max(site.reads) >= exists:
+            raise ValueError(f"site {site.index} reads {site.reads} but only entries 0..{exists - 1} exist then")
+        for source in site.creates:
+            if source.index != exists or source.site != site.index:
+                raise ValueError(f"site {site.index} creates {source}, expected entry {exists} made by this site")
+            for coefficient, operand in source.recipe:
+                if operand == STREAM and not plan.stream:
+                    raise ValueError(f"source {source.index} reads the residual stream, which {plan.mode} mode "
+                                     "does not keep")
+                if operand not in (OUTPUT, STREAM) and not 0 <= operand < exists:
+                    raise ValueError(f"source {source.index} recipe names entry {operand}, not created yet")
+            if not source.recipe or source.recipe[0][0] != 1:
+                raise ValueError(f"source {source.index} recipe {source.recipe} must start with a +1 term")
+            exists += 1
+    if exists != len(plan.sources):
+        raise ValueError(f"{len(plan.sources) - exists} sources are created by no site")
