@@ -1,0 +1,76 @@
+"""Model-only DCP checkpoints written and read by the conversion commands.
+
+A converted model is saved like the trainer's model-only last save (``checkpoint.py``): one
+DCP checkpoint with the ``model.*`` keys and a ``complete.json`` marker
+(``model_only = true``, step 0), so it loads through ``checkpoint.initial_load_path``. The
+marker also records the ``ModelArgs`` (under ``model_args``; the trainer's markers hold them
+under ``fingerprint.model_args``) so the export command can rebuild the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from mhar_titan.checkpoint import MARKER
+from mhar_titan.models.args import ModelArgs
+
+from .hf_config import ConversionError, read_json
+from .hf_llama import empty_model
+
+
+def save_model_dcp(model, path: str | os.PathLike, **marker_extra) -> Path:
+    """Save ``model``'s weights as a model-only DCP checkpoint at ``path`` (a new folder);
+    tensors are written in the model's dtype. Returns the folder.
+
+    Raises:
+        ConversionError: ``path`` exists and is not empty.
+    """
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise ConversionError(f"{path} exists and is not empty; choose a new folder for the checkpoint")
+    path.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path), no_dist=True)
+    dtype = next(model.parameters()).dtype
+    marker = {
+        "step": 0, "model_only": True, "dtype": str(dtype).removeprefix("torch."), "world_size": 1,
+        "model_args": dataclasses.asdict(model.args), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **marker_extra,
+    }
+    with open(path / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+    return path
+
+
+def dcp_model_args(path: str | os.PathLike, **overrides) -> ModelArgs:
+    """The ``ModelArgs`` recorded in a checkpoint's marker (a converted model's ``model_args``
+    or a training checkpoint's ``fingerprint.model_args``), with ``overrides``.
+
+    Raises:
+        ConversionError: no marker, or a marker without model arguments.
+    """
+    marker = read_json(Path(path) / MARKER)
+    fields = marker.get("model_args") or marker.get("fingerprint", {}).get("model_args")
+    if not fields:
+        raise ConversionError(f"{Path(path) / MARKER} records no model arguments; cannot rebuild the model")
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    return ModelArgs(**{**{k: v for k, v in fields.items() if k in known}, **overrides})
+
+
+def load_model_dcp(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **overrides):
+    """Rebuild the model of a DCP checkpoint (args from its marker) and load its weights."""
+    model = empty_model(dcp_model_args(path, **overrides), dtype)
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return model
