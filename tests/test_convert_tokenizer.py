@@ -1,0 +1,107 @@
+"""A Llama-3-style tokenizer read from tokenizer.model and from tokenizer.json encodes like
+transformers' tokenizer for the same files (issue 14, acceptance 8)."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from tiktoken._educational import bpe_train  # noqa: E402
+from transformers.convert_slow_tokenizer import TikTokenConverter  # noqa: E402
+
+from mhar_titan.data.hf_tokenizer import (  # noqa: E402
+    LLAMA3_PATTERN, HFTokenizerError, byte_to_unicode, is_hf_tokenizer_folder, load_hf_tokenizer,
+)
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. It's 2026; we've seen 12345 foxes, they'll run!\n"
+    "Attention residuals route over depth: sources, pseudo-queries and heads.\r\n  Indented    text\t tabs.\n"
+    "Ünïcödé wörds, naïve café, 東京 and emoji 🦊 too. Numbers like 3.14159 and 1,000,000.\n"
+) * 3
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+TEXTS = [
+    "Hello world, it's a test.",
+    "The lazy fox's 98765 jumps\n\n  over   Ünïcödé 東京 🦊!",
+    "<|begin_of_text|>Some text<|end_of_text|>",
+    "<|start_header_id|>user<|end_header_id|>\n\nWhy?<|eot_id|><|start_header_id|>assistant<|end_header_id|>",
+    "unseen words: zyxw qvbj, and sp<|eot_id|>lit tokens",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A model folder with original/tokenizer.model (tiktoken BPE trained on CORPUS), the
+    tokenizer.json transformers converts it to, and tokenizer_config.json with the special tokens."""
+    root = tmp_path_factory.mktemp("llama3_tokenizer")
+    ranks = bpe_train(CORPUS, vocab_size=320, pat_str=LLAMA3_PATTERN, visualise=None)
+    (root / "original").mkdir()
+    (root / "original" / "tokenizer.model").write_text(
+        "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda x: x[1]))
+    )
+    specials = {text: len(ranks) + i for i, text in enumerate(SPECIALS)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken would otherwise cache a copy of the file
+        backend = TikTokenConverter(vocab_file=str(root / "original" / "tokenizer.model"), pattern=LLAMA3_PATTERN,
+                                    extra_special_tokens=specials).converted()
+    backend.save(str(root / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for t, i in specials.items()},
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                                bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+
+
+@pytest.mark.parametrize("prefer", ["tiktoken", "json"])
+def test_ids_equal_transformers(folder, reference, prefer):
+    tok = load_hf_tokenizer(folder, prefer=prefer)
+    assert tok.n_vocab == 320 + len(SPECIALS)
+    assert tok.eos_id == reference.eos_token_id == 321 and tok.bos_id == reference.bos_token_id == 320
+    merged = 0
+    for text in TEXTS:
+        expected = reference(text, add_special_tokens=False)["input_ids"]
+        merged += len(text.encode()) - len(expected)
+        assert tok.encode_with_special(text) == expected, text
+        assert tok.decode(expected) == text
+    assert merged > 100  # the BPE merges (and special tokens) are exercised, not only single bytes
+    # ordinary encoding keeps special-token text as text, as for every tokenizer of the project
+    assert tok.special_tokens["<|eot_id|>"] not in tok.encode("a<|eot_id|>b")
+    assert tok.encode("plain text only") == reference("plain text only", add_special_tokens=False)["input_ids"]
+
+
+def test_json_alone_and_errors(folder, tmp_path):
+    only_json = tmp_path / "json_only"
+    only_json.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (only_json / name).write_bytes((folder / name).read_bytes())
+    assert is_hf_tokenizer_folder(only_json) and not is_hf_tokenizer_folder(tmp_path / "nothing")
+    assert load_hf_tokenizer(only_json).encode_with_special(TEXTS[3]) == load_hf_tokenizer(folder).encode_with_special(TEXTS[3])
+
+    data = json.loads((folder / "tokenizer.json").read_text())
+    merges = data["model"]["merges"]
+    data["model"]["merges"] = [merges[-1], *merges[:-1]]  # the last merge first: not in id order
+    (only_json / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(HFTokenizerError, match="not in id order"):
+        load_hf_tokenizer(only_json)
+
+    (only_json / "tokenizer.json").unlink()
+    (only_json / "tokenizer.model").write_text("not base64 at all\n")
+    with pytest.raises(HFTokenizerError, match="not a tiktoken BPE file"):
+        load_hf_tokenizer(only_json)
+
+
+def test_byte_table_is_gpt2s():
+    table = byte_to_unicode()
+    assert len(set(table.values())) == 256
+    assert table[ord("A")] == "A" and table[ord(" ")] == "Ġ" and table[ord("\n")] == "Ċ"
