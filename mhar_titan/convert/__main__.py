@@ -1,12 +1,14 @@
 """Conversion commands.
 
-    python -m mhar_titan.convert import HF_FOLDER OUT_CHECKPOINT [--dtype bfloat16] [--max-seq-len 8192]
-    python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--dtype bfloat16]
+    python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--dtype bfloat16] [--max-seq-len 8192]
+    python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--format auto|hf|mhar] [--dtype bfloat16]
 
-``import`` reads a Hugging Face Llama folder (streamed shard by shard) and writes a model-only
-DCP checkpoint for ``checkpoint.initial_load_path``. ``export`` rebuilds the model of a DCP
-checkpoint (converted or trained; arguments from its ``complete.json``) and writes a Hugging
-Face Llama folder. Errors exit with status 2 and one message.
+``import`` reads a pretrained folder (a Hugging Face Llama folder or one of our ``mhar_titan``
+folders, streamed shard by shard) and writes a model-only DCP checkpoint for
+``checkpoint.initial_load_path``. ``export`` rebuilds the model of a DCP checkpoint (converted
+or trained; arguments from its ``complete.json``) and writes a Hugging Face Llama folder
+(standard models) or a ``mhar_titan`` folder (routing models). Errors exit with status 2 and
+one message.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import sys
 import torch
 
 from .dcp_io import load_model_dcp, save_model_dcp
+from .folders import FORMATS, export_pretrained, load_pretrained
 from .hf_config import ConversionError
-from .hf_llama import export_hf, import_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,15 +27,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mhar_titan.convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="Hugging Face Llama folder -> model-only DCP checkpoint")
-    imp.add_argument("hf_folder")
+    imp = sub.add_parser("import", help="pretrained folder -> model-only DCP checkpoint")
+    imp.add_argument("folder")
     imp.add_argument("out")
     imp.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
     imp.add_argument("--max-seq-len", type=int, default=None,
                      help="RoPE table length (default: config.json max_position_embeddings)")
-    exp = sub.add_parser("export", help="DCP checkpoint -> Hugging Face Llama folder")
+    exp = sub.add_parser("export", help="DCP checkpoint -> pretrained folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out")
+    exp.add_argument("--format", choices=FORMATS, default="auto",
+                     help="hf: Llama folder (standard models); mhar: our model type; auto: hf when possible")
     exp.add_argument("--dtype", choices=DTYPES, default=None, help="dtype of the exported weights (default: float32)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     return parser
@@ -44,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.command == "import":
             overrides = {} if opts.max_seq_len is None else {"max_seq_len": opts.max_seq_len}
-            model = import_hf(opts.hf_folder, DTYPES[opts.dtype], **overrides)
-            path = save_model_dcp(model, opts.out, source=str(opts.hf_folder))
+            model = load_pretrained(opts.folder, DTYPES[opts.dtype], **overrides)
+            path = save_model_dcp(model, opts.out, source=str(opts.folder))
             print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
             model = load_model_dcp(opts.checkpoint)
-            paths = export_hf(model, opts.out, DTYPES[opts.dtype] if opts.dtype else None,
-                              int(opts.max_shard_gb * 2**30))
+            paths = export_pretrained(model, opts.out, opts.format, DTYPES[opts.dtype] if opts.dtype else None,
+                                      int(opts.max_shard_gb * 2**30))
             print(f"wrote {opts.out} ({len(paths)} shard(s))")
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,70 @@
+"""Routing models exported as our own model type and reloaded (issue 14, acceptance 4, second half)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from mhar_titan.convert import ConversionError, export_mhar, export_pretrained, load_mhar  # noqa: E402
+from mhar_titan.convert.__main__ import main as convert_main  # noqa: E402
+from mhar_titan.convert.dcp_io import load_model_dcp, save_model_dcp  # noqa: E402
+from mhar_titan.convert.mhar_format import load_mhar_weights  # noqa: E402
+from mhar_titan.convert.safetensors_io import shard_paths  # noqa: E402
+from mhar_titan.models import ModelArgs, Transformer  # noqa: E402
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def trained_like(**fields) -> Transformer:
+    """A routing model whose every parameter (gates, pseudo-queries, nulls included) is random."""
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, max_seq_len=32,
+                     residual="attn_res", routing_heads=4, **fields)
+    torch.manual_seed(7)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.routing.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("fields", [
+    dict(routing_mode="delta", routing_granularity="block", routing_block_layers=2, routing_null_source=True),
+    dict(routing_mode="replace", routing_granularity="sublayer", qk_norm=True),
+], ids=["delta-block-null", "replace-sublayer"])
+def test_export_and_reload_gives_equal_logits(tmp_path, fields):
+    model = trained_like(**fields)
+    export_pretrained(model, tmp_path / "out", max_shard_bytes=100_000)  # auto: a routing model -> mhar
+    assert len(shard_paths(tmp_path / "out")) > 1
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mhar_titan" and config["model_args"]["routing_mode"] == fields["routing_mode"]
+    reloaded = load_mhar(tmp_path / "out")
+    assert reloaded.args == model.args
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), reloaded(TOKENS))
+
+
+def test_commands_round_trip_a_routing_checkpoint(tmp_path):
+    model = trained_like(routing_mode="delta", routing_granularity="sublayer", routing_null_source=True)
+    save_model_dcp(model, tmp_path / "ckpt")
+    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder")]) == 0
+    assert convert_main(["import", str(tmp_path / "folder"), str(tmp_path / "ckpt2")]) == 0
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), load_model_dcp(tmp_path / "ckpt2")(TOKENS))
+    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]) == 2
+
+
+def test_loading_into_a_different_model_is_refused(tmp_path):
+    model = trained_like(routing_mode="delta", routing_granularity="block", routing_block_layers=2)
+    export_mhar(model, tmp_path / "out")
+    other = Transformer(ModelArgs(**{**vars(model.args), "routing_heads": 2}))
+    with pytest.raises(ConversionError, match="routing_heads: folder 4, model 2"):
+        load_mhar_weights(other, tmp_path / "out")
+    # fields that do not touch the weights may differ
+    longer = Transformer(ModelArgs(**{**vars(model.args), "max_seq_len": 64}))
+    load_mhar_weights(longer, tmp_path / "out")
+    with torch.no_grad():
+        assert torch.equal(longer(TOKENS), model(TOKENS))
