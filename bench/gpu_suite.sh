@@ -1,45 +1,77 @@
 #!/usr/bin/env bash
-# GPU checks for the fused routing kernels (issue 6), one script, about 5 minutes on one H200:
-#   1. CUDA correctness tests of the kernels (numerics vs eager + fp64 oracle, edge cases, op tests
-#      including bitwise repeatability of two calls);
-#   2. bench/routing.py at the paper's shapes (eager, torch.compile, Triton);
-#   3. bench/throughput.py for baseline / AttnRes / MHAR at 100m, 350m, 1b, AC off and on.
-# The GPU machine has torch, triton and numpy only: every step runs with the data stack
-# (datasets, torchdata, tiktoken, wandb) blocked, so an accidental import fails loudly.
+# The GPU suite: everything worth measuring in one short window on one GPU, from a plain checkout.
 #
-# Usage: bench/gpu_suite.sh LOG_DIR [--append BENCHMARKS.md]
-set -euo pipefail
-LOG_DIR=${1:?usage: bench/gpu_suite.sh LOG_DIR [--append BENCHMARKS.md]}
-shift
-APPEND=()
-if [[ "${1:-}" == "--append" ]]; then APPEND=(--append "${2:?--append needs a path}"); fi
+#   bench/gpu_suite.sh OUT_DIR [--tiny]
+#
+# Needs only python with torch, triton, numpy and pytest: no install step (`mhar_kernels` comes
+# from the checkout through the root shim), and every section runs through bench/plain_python.py,
+# which blocks datasets / torchdata / tiktoken / wandb and ignores an editable install.
+# Every section runs even when an earlier one fails; each has its own time budget (`timeout`),
+# and the budgets add up to under 4 minutes, so the whole suite ends in time by construction.
+# Each section writes OUT_DIR/<name>.md (its table) and OUT_DIR/<name>.log; OUT_DIR/summary.json
+# lists every section's status, exit code, seconds and budget. --tiny: the same sections at toy
+# sizes (the CI test runs it on CPU through the Triton interpreter).
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--tiny]}
+TINY=0
+[[ "${2:-}" == "--tiny" ]] && TINY=1
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-mkdir -p "$LOG_DIR"
 PY=${PYTHON:-python}
+RUN=("$PY" bench/plain_python.py)
 
-# run_py NAME SCRIPT_OR_-m ARGS...: python with the data stack made unimportable.
-run_py() {
-  local name=$1; shift
-  echo "== $name: $*" | tee "$LOG_DIR/$name.log"
-  "$PY" - "$@" <<'PYEOF' 2>&1 | tee -a "$LOG_DIR/$name.log"
-import runpy, sys
-for mod in ("datasets", "torchdata", "tiktoken", "wandb"):
-    sys.modules[mod] = None  # ImportError on any import
-sys.path.insert(0, ".")
-args = sys.argv[1:]
-if args[0] == "-m":
-    sys.argv = [args[1], *args[2:]]
-    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-else:
-    sys.argv = args
-    runpy.run_path(args[0], run_name="__main__")
-PYEOF
+if (( TINY )); then
+  TESTS=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
+  ROUTING=(--shapes toy --impls triton,eager --warmup 1 --iters 1 --no-step)
+  THROUGHPUT=(--scales debug --batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0 --ac none --families mhar
+              --kernel triton)
+else
+  # The kernel tests on CUDA tensors (the FSDP test is CPU/gloo and needs torchrun: left to CI).
+  TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py
+         tests/test_kernels_model.py -m "not distributed")
+  ROUTING=(--shapes paper --impls triton,eager,compile --warmup 3 --iters 10)
+  THROUGHPUT=(--steps 3 --warmup 1 --ac none,full --kernel triton)
+fi
+
+# Sections in order, each with its budget in seconds (the sum stays under 240).
+SECTIONS=(env tests routing throughput)
+declare -A BUDGET=([env]=15 [tests]=80 [routing]=50 [throughput]=85)
+
+# section_cmd NAME: sets CMD to the section's command; it writes OUT/NAME.md.
+section_cmd() {
+  local stop_s=$(( BUDGET[$1] - 10 ))  # the benchmarks start no new work 10 s before the kill
+  case $1 in
+    env) CMD=("${RUN[@]}" bench/suite_report.py env "$OUT/env.md") ;;
+    tests) CMD=(env MHAR_SUITE_TESTS_TABLE="$OUT/tests.md" "${RUN[@]}" -m pytest -v -p no:cacheprovider
+                -p bench.suite_report --continue-on-collection-errors "${TESTS[@]}") ;;
+    routing) CMD=("${RUN[@]}" bench/routing.py "${ROUTING[@]}" --out "$OUT/routing.md" --budget-s "$stop_s") ;;
+    throughput) CMD=("${RUN[@]}" bench/throughput.py "${THROUGHPUT[@]}" --out "$OUT/throughput.md"
+                     --budget-s "$stop_s") ;;
+  esac
 }
 
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-  | tee "$LOG_DIR/versions.log"
-run_py tests -m pytest -q -x -p no:cacheprovider tests/test_kernels_numerics.py tests/test_kernels_op.py \
-  -k "not opcheck and not reference_path"
-run_py routing bench/routing.py --shapes paper --warmup 5 --iters 20 "${APPEND[@]}"
-run_py throughput bench/throughput.py --steps 5 --warmup 2 "${APPEND[@]}"
-echo "logs in $LOG_DIR"
+total=0
+for name in "${SECTIONS[@]}"; do total=$(( total + BUDGET[$name] )); done
+{
+  echo "GPU suite plan ($(date -u +%FT%TZ), tiny=$TINY): ${#SECTIONS[@]} sections, at most ${total} s in all"
+  for name in "${SECTIONS[@]}"; do printf '  %-11s budget %3d s\n' "$name" "${BUDGET[$name]}"; done
+  echo "  tests: ${TESTS[*]}"
+  echo "  routing: ${ROUTING[*]}"
+  echo "  throughput: ${THROUGHPUT[*]}"
+} | tee "$OUT/plan.txt"
+
+: > "$OUT/sections.tsv"
+for name in "${SECTIONS[@]}"; do
+  echo "== $name (budget ${BUDGET[$name]} s)"
+  start=$(date +%s)
+  section_cmd "$name"
+  timeout --kill-after=5 "${BUDGET[$name]}" "${CMD[@]}" > "$OUT/$name.log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - start ))
+  tail -n 3 "$OUT/$name.log"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" "${BUDGET[$name]}" >> "$OUT/sections.tsv"
+  echo "== $name: exit $rc after ${seconds} s"
+done
+"$PY" bench/plain_python.py bench/suite_report.py summary "$OUT" "$TINY"
+echo "tables, logs and summary.json in $OUT"

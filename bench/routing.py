@@ -24,6 +24,7 @@ import pathlib
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -113,24 +114,42 @@ def one_step(impl, sources, query, norm_weight, heads):
     return run
 
 
-def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool) -> list[dict]:
+def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool,
+          budget_s: float | None = None, progress=None) -> tuple[list[dict], float, list[str]]:
+    """Time every (shape, scope, impl); returns (rows, copy bandwidth GB/s, names not run or failed).
+
+    With budget_s, no new measurement starts after that many seconds; a failing implementation
+    (for example a compile error) is reported and the others still run. progress(rows, bandwidth)
+    is called after every row."""
+    start = time.perf_counter()
     bandwidth = copy_bandwidth(device, dtype)
-    rows = []
+    rows, missing = [], []
     for name, (b, t, d, n) in shapes.items():
         sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
         row_bytes = b * t * d * torch.finfo(dtype).bits // 8
         for scope in ("call", "step") if step else ("call",):
             moved = (call_rows(n) if scope == "call" else step_rows(n)) * row_bytes
             for impl in impls:
+                label = f"{name}/{scope}/{impl}"
+                if budget_s is not None and time.perf_counter() - start > budget_s:
+                    missing.append(f"{label} (time budget spent)")
+                    continue
                 make = one_call if scope == "call" else one_step
-                ms = median_ms(make(impl, sources, query, norm_weight, heads), device, warmup, iters)
+                try:
+                    ms = median_ms(make(impl, sources, query, norm_weight, heads), device, warmup, iters)
+                except Exception:  # e.g. an inductor failure: keep the other rows
+                    traceback.print_exc()
+                    missing.append(f"{label} (failed, see the log)")
+                    continue
                 gbps = moved / (ms * 1e-3) / 1e9
                 rows.append(dict(shape=name, scope=scope, impl=impl, B=b, T=t, d=d, N=n, ms=ms,
                                  gb=moved / 1e9, gbps=gbps, frac=gbps / bandwidth))
-    return rows, bandwidth
+                if progress is not None:
+                    progress(rows, bandwidth)
+    return rows, bandwidth, missing
 
 
-def table(rows: list[dict], bandwidth: float, heads: int, dtype, device) -> str:
+def table(rows: list[dict], bandwidth: float, heads: int, dtype, device, missing=()) -> str:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
@@ -153,7 +172,15 @@ def table(rows: list[dict], bandwidth: float, heads: int, dtype, device) -> str:
             f"| {r['shape']} | {r['scope']} | {r['B']} | {r['T']} | {r['d']} | {r['N']} | {r['impl']} | "
             f"{r['ms']:.3f} | {r['gb']:.4g} | {r['gbps']:.4g} | {100 * r['frac']:.3g}% | {speedup} |"
         )
+    if missing:
+        lines += ["", f"Not measured: {', '.join(missing)}."]
     return "\n".join(lines)
+
+
+def write_table(path: pathlib.Path, text: str) -> None:
+    """Write a table file (the GPU suite's OUT_DIR), replacing an earlier version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
 
 
 def append_section(path: pathlib.Path, text: str, title: str) -> None:
@@ -179,6 +206,8 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-step", action="store_true", help="skip the full-step rows")
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
+    p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -187,11 +216,21 @@ def main(argv=None) -> None:
         if i not in IMPLS:
             p.error(f"unknown impl {i!r}; choose from {IMPLS}")
     heads = a.heads if a.shapes == "paper" else min(a.heads, 4)
-    rows, bandwidth = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters, not a.no_step)
-    text = table(rows, bandwidth, heads, dtype, device)
+
+    def progress(rows, bandwidth):
+        if a.out:
+            write_table(a.out, table(rows, bandwidth, heads, dtype, device))
+
+    rows, bandwidth, missing = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters,
+                                     not a.no_step, a.budget_s, progress)
+    text = table(rows, bandwidth, heads, dtype, device, missing)
     print(text)
+    if a.out:
+        write_table(a.out, text)
     if a.append:
         append_section(a.append, text, f"Routing forward+backward ({a.shapes} shapes)")
+    if any("failed" in m for m in missing):
+        raise SystemExit(f"failed: {', '.join(m for m in missing if 'failed' in m)}")
 
 
 if __name__ == "__main__":

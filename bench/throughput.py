@@ -9,6 +9,12 @@ and AC mode. Routing uses `routing_kernel` (default "auto": Triton on CUDA, eage
     python bench/throughput.py                         # CUDA: 100m, 350m, 1b
     python bench/throughput.py --append BENCHMARKS.md
     python bench/throughput.py --scales debug --batch 1 --seq 16 --steps 2 --warmup 1   # CPU
+    python bench/throughput.py --out OUT/throughput.md --budget-s 80   # the GPU suite
+
+Imports only the model, metrics and parallel pieces it needs (never the config or the data
+stack), so it runs on a machine with torch and triton only. Runs go AC mode by AC mode, scale by
+scale; with --out the table is rewritten after every run, and --budget-s starts no new run once
+that many seconds have passed (the rows not run are listed as skipped).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import os
 import pathlib
 import sys
 import time
+import traceback
+from types import SimpleNamespace
 
 import torch
 
@@ -27,13 +35,12 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mhar_titan.config import ActivationCheckpoint  # noqa: E402
 from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.parallel import apply_ac  # noqa: E402
 
-from routing import append_section  # noqa: E402  (bench/ is on sys.path when run as a script)
+from routing import append_section, write_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
 FAMILIES = {
@@ -56,7 +63,8 @@ def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | 
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
     model.to(torch.bfloat16)
-    apply_ac(model, ActivationCheckpoint(mode=ac))
+    # The [activation_checkpoint] fields apply_ac reads (the config module is not imported here).
+    apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="1", preserve_rng_state=False))
     if compile_blocks:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
@@ -100,7 +108,7 @@ def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device,
     return result
 
 
-def table(rows: list[dict], device, kernel: str, compile_blocks: bool) -> str:
+def table(rows: list[dict], device, kernel: str, compile_blocks: bool, skipped=(), failed=()) -> str:
     import triton
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (debug flavor; a smoke run)"
@@ -113,12 +121,18 @@ def table(rows: list[dict], device, kernel: str, compile_blocks: bool) -> str:
         "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        base = next(x for x in rows if x["scale"] == r["scale"] and x["ac"] == r["ac"] and x["family"] == "baseline")
+        base = next((x for x in rows if x["scale"] == r["scale"] and x["ac"] == r["ac"]
+                     and x["family"] == "baseline"), None)
+        ratio = "-" if base is None else f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
         m = "-" if r["mfu"] is None else f"{r['mfu']:.1f}%"
         lines.append(
             f"| {r['scale']} | {r['ac']} | {r['family']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {m} | {r['peak_gib']:.2f} |"
+            f"{ratio} | {m} | {r['peak_gib']:.2f} |"
         )
+    if failed:
+        lines += ["", f"Failed (see the log): {', '.join(failed)}."]
+    if skipped:
+        lines += ["", f"Not run (time budget spent): {', '.join(skipped)}."]
     return "\n".join(lines)
 
 
@@ -136,25 +150,45 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every run")
+    p.add_argument("--budget-s", type=float, help="start no new run after this many seconds")
     a = p.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
-    rows = []
-    for scale in a.scales.split(","):
+    scales = a.scales.split(",")
+    for scale in scales:
         if scale not in MICRO_BATCH:
             p.error(f"unknown scale {scale!r}; choose from {sorted(MICRO_BATCH)}")
+    families = a.families.split(",")
+    if "baseline" not in families:
+        families = ["baseline", *families]
+    plan = [(ac, scale, family) for ac in a.ac.split(",") for scale in scales for family in families]
+    start, rows, skipped, failed = time.perf_counter(), [], [], []
+    for ac, scale, family in plan:
+        name = f"{scale}/{ac}/{family}"
+        if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
+            skipped.append(name)
+            continue
         batch, seq = a.batch or MICRO_BATCH[scale][0], a.seq or MICRO_BATCH[scale][1]
-        for ac in a.ac.split(","):
-            families = a.families.split(",")
-            if "baseline" not in families:
-                families = ["baseline", *families]
-            for family in families:
-                r = run_one(scale, family, a.kernel, ac, batch, seq, a.steps, a.warmup, a.vocab, device, a.compile)
-                print(r, flush=True)
-                rows.append(r)
-    text = table(rows, device, a.kernel, a.compile)
+        try:
+            r = run_one(scale, family, a.kernel, ac, batch, seq, a.steps, a.warmup, a.vocab, device, a.compile)
+        except Exception:  # one failing run (e.g. out of memory) must not lose the others
+            traceback.print_exc()
+            failed.append(name)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        print(r, flush=True)
+        rows.append(r)
+        if a.out:
+            write_table(a.out, table(rows, device, a.kernel, a.compile, failed=failed))
+    text = table(rows, device, a.kernel, a.compile, skipped, failed)
     print(text)
+    if a.out:
+        write_table(a.out, text)
     if a.append:
         append_section(a.append, text, "Training throughput (one device)")
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

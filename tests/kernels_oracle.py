@@ -31,19 +31,24 @@ def rel_err(x: Tensor, ref: Tensor, floor: float = 1e-6) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
 
 
-def make_inputs(n, d, heads, dtype, *, batch=2, seq=7, delta=False, seed=0):
-    """Random routing inputs: n sources (batch, seq, d), query scaled so logits are O(1) per head,
-    norm weight near 1; with delta=True also partial, alpha (1,) and a null source (d,)."""
+# The kernel tests run on CUDA where there is one (the GPU suite), else on CPU (interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_inputs(n, d, heads, dtype, *, batch=2, seq=7, delta=False, seed=0, device=DEVICE):
+    """Random routing inputs on `device`: n sources (batch, seq, d), query scaled so logits are
+    O(1) per head, norm weight near 1; with delta=True also partial, alpha (1,) and a null
+    source (d,). Drawn on the CPU, so every device gets the same values."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
 
     k = d // heads
     inputs = dict(
         sources=[randn(batch, seq, d) for _ in range(n)],
         query=randn(d, scale=1.5 / k**0.5),
-        norm_weight=(1 + 0.2 * torch.randn(d, generator=gen)).to(dtype).requires_grad_(),
+        norm_weight=(1 + 0.2 * torch.randn(d, generator=gen)).to(device, dtype).requires_grad_(),
     )
     if delta:
         inputs.update(partial=randn(batch, seq, d), alpha=randn(1, scale=0.5), null_source=randn(d, scale=0.5))

@@ -3,6 +3,7 @@ importable from a plain checkout, and one routing call checks its arguments exac
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -45,16 +46,10 @@ def test_ast_scan_would_see_a_models_import(tmp_path):
                                                                                  "mhar_titan.config"]
 
 
-# A fresh interpreter without the editable install's finder: only the checkout's folders.
+# Run by bench/plain_python.py (the GPU suite's launcher): no editable install, the checkout first.
 _PLAIN_CHECKOUT = """
-import os, sys
-sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path_hooks = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
-sys.path = [p for p in sys.path if "__editable__" not in p]
+import importlib.util, os, sys
 sys.modules["mhar_titan"] = None  # the kernels must not need the models
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.getcwd())
-import importlib.util
 found = importlib.util.find_spec("mhar_kernels").origin
 assert found == os.path.join(os.getcwd(), "mhar_kernels.py"), found  # the checkout's shim, not an install
 import torch, mhar_kernels
@@ -66,9 +61,12 @@ print("plain checkout ok")
 """
 
 
-def test_kernels_import_from_a_plain_checkout_without_the_models():
-    proc = subprocess.run([sys.executable, "-c", _PLAIN_CHECKOUT], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+def test_kernels_import_from_a_plain_checkout_without_the_models(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(_PLAIN_CHECKOUT)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plain_python.py"), str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "plain checkout ok" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -12,9 +12,8 @@ import torch
 
 import mhar_kernels
 from mhar_titan.models.routing import route as model_route, route_reference
-from kernels_oracle import leaf_names, leaves, make_inputs, oracle_route, rel_err
+from kernels_oracle import DEVICE, leaf_names, leaves, make_inputs, oracle_route, rel_err
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(64, 1), (64, 4), (96, 12), (1280, 8)]  # (d, H); K = 160 at (1280, 8)
 COUNTS = [1, 2, 7, 25]
 
@@ -195,7 +194,7 @@ def test_large_values_forward_and_backward(dtype):
 def test_oracle_identities():
     """Zero query gives the mean of the sources for any H; per-head logits of H heads sum to the
     single-head logit, so H=1 with a query equals the softmax of the summed logits (MHAR_SPEC section 6)."""
-    inputs = make_inputs(5, 12, 3, torch.float64)
+    inputs = make_inputs(5, 12, 3, torch.float64, device="cpu")
     srcs, g = inputs["sources"], inputs["norm_weight"]
     zero = torch.zeros(12, dtype=torch.float64)
     mean = torch.stack(srcs).mean(0)
@@ -210,6 +209,6 @@ def test_oracle_identities():
 def test_oracle_matches_reference_in_float64():
     """The fp64 oracle and the model's eager reference agree to rounding in float64 (where the
     reference's storage-dtype cast of the key is a no-op)."""
-    inputs = make_inputs(4, 24, 4, torch.float64)
+    inputs = make_inputs(4, 24, 4, torch.float64, device="cpu")
     args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
     assert rel_err(route_reference(*args), oracle_route(*args)) < 1e-13

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 import mhar_kernels
 from mhar_kernels import triton_routing
 from mhar_titan.models.routing import route, route_reference, route_stacked
-from kernels_oracle import leaves, make_inputs, oracle_route, rel_err
+from kernels_oracle import DEVICE, leaves, make_inputs, oracle_route, rel_err
 
 
 def _route(inputs: dict, heads: int):
@@ -64,9 +64,6 @@ def test_bitwise_repeatable():
     """Two calls give bit-identical outputs and gradients (dq, dg, dalpha, dnull are reduced from
     per-program partial sums in a fixed order, no atomics)."""
     inputs = make_inputs(7, 96, 12, torch.float32, delta=True)
-    if torch.cuda.is_available():  # the GPU suite checks the native kernels
-        inputs = {k: [t.detach().cuda().requires_grad_() for t in v] if isinstance(v, list)
-                  else v.detach().cuda().requires_grad_() for k, v in inputs.items()}
     results = []
     for _ in range(2):
         out = _route(inputs, 12)
@@ -78,10 +75,10 @@ def test_non_contiguous_sources_and_grad():
     """Sources that are views (a slice of a wider tensor, a transposed layout) and an expanded
     upstream gradient give the same result as contiguous copies."""
     gen = torch.Generator().manual_seed(0)
-    wide = torch.randn(2, 7, 128, generator=gen).requires_grad_()
-    tmaj = torch.randn(7, 2, 64, generator=gen).requires_grad_()
-    plain = torch.randn(2, 7, 64, generator=gen).requires_grad_()
-    q, g = torch.randn(64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    wide = torch.randn(2, 7, 128, generator=gen).to(DEVICE).requires_grad_()
+    tmaj = torch.randn(7, 2, 64, generator=gen).to(DEVICE).requires_grad_()
+    plain = torch.randn(2, 7, 64, generator=gen).to(DEVICE).requires_grad_()
+    q, g = torch.randn(64, generator=gen).to(DEVICE), (torch.rand(64, generator=gen) + 0.5).to(DEVICE)
     srcs = [wide[..., 32:96], tmaj.transpose(0, 1), plain]
     out = mhar_kernels.route(srcs, q, g, 4)
     grads = torch.autograd.grad(out.sum(), [wide, tmaj, plain])
@@ -99,10 +96,10 @@ def test_activation_checkpointing_recompute():
     torch.utils.checkpoint gives the same loss and gradients as without checkpointing."""
     torch.manual_seed(0)
     d, heads = 32, 4
-    lins = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(3))
-    qs = torch.nn.Parameter(torch.randn(3, d) * 0.3)
-    gs = torch.nn.Parameter(1 + 0.1 * torch.randn(3, d))
-    emb = torch.randn(2, 5, d, requires_grad=True)
+    lins = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(3)).to(DEVICE)
+    qs = torch.nn.Parameter((torch.randn(3, d) * 0.3).to(DEVICE))
+    gs = torch.nn.Parameter((1 + 0.1 * torch.randn(3, d)).to(DEVICE))
+    emb = torch.randn(2, 5, d).to(DEVICE).requires_grad_()
 
     def step(i, *sources):
         return lins[i](mhar_kernels.route(list(sources), qs[i], gs[i], heads))
@@ -125,8 +122,8 @@ def test_activation_checkpointing_recompute():
 
 def _block(d, heads):
     """A per-block function as the model has: route, RMSNorm, Linear, in delta mode with a null source."""
-    lin = torch.nn.Linear(d, d)
-    norm = torch.nn.RMSNorm(d)
+    lin = torch.nn.Linear(d, d).to(DEVICE)
+    norm = torch.nn.RMSNorm(d).to(DEVICE)
 
     def block(sources, query, norm_weight, partial, alpha, null):
         h = mhar_kernels.route(sources, query, norm_weight, heads, partial=partial, alpha=alpha, null_source=null)
@@ -256,7 +253,7 @@ def test_tile_larger_than_the_register_budget_runs_the_eager_reference():
     assert triton_routing.fits_tile(8, 160) and triton_routing.fits_tile(1, 8192)
     assert not triton_routing.fits_tile(1, 8200)
     inputs = make_inputs(3, 8200, 1, torch.float32, delta=True, batch=1, seq=3)
-    assert not mhar_kernels.can_run(torch.device("cpu"), 8200, 1)
+    assert not mhar_kernels.can_run(DEVICE, 8200, 1)
     with pytest.raises(RuntimeError, match="d=8200, H=1 exceeds the kernels' register budget"):
         _route(inputs, 1)
     with pytest.raises(RuntimeError, match="register budget"):
@@ -268,7 +265,7 @@ def test_models_routing_falls_back_to_eager_where_triton_cannot_run(monkeypatch)
     """CPU without the interpreter: the kernels cannot run, so route(kernel="triton") is the
     eager reference bit for bit, and the kernel package says why it refuses."""
     monkeypatch.setattr(triton_routing, "INTERPRET", False)
-    inputs = make_inputs(3, 16, 4, torch.float32, delta=True)
+    inputs = make_inputs(3, 16, 4, torch.float32, delta=True, device="cpu")
     assert not mhar_kernels.can_run(torch.device("cpu"), 16, 4)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         _route(inputs, 4)
