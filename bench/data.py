@@ -4,13 +4,18 @@ Usage::
 
     python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare   # once
     python bench/data.py [--data data/shakespeare] [--seq-len 2048] [--batch 8] [--tokens 3000000] [--workers 0 1 2] \\
-        [--append BENCHMARKS.md]
+        [--long-chars 8000000] [--append BENCHMARKS.md]
 
 Each row iterates the train loader until ``--tokens`` input tokens have been
 delivered (the ~1.5 M-token Shakespeare training split wraps into new epochs) and
 reports the rate including worker start-up. Rows: window sharding (every worker
 tokenizes the whole stream), document sharding with 0..N workers, pretokenized
 shards, the pretokenize command itself, and raw ``encode_ordinary`` for reference.
+Long-document rows: the same loaders on a parquet whose documents are each
+``--long-chars`` characters long (the corpus repeated; one document per worker so
+document sharding has one for each), with the ratio to the matching corpus row
+(1.0 = document length does not matter; FineWeb-Edu holds documents of millions
+of characters).
 Target: ~0.5 M tokens/s feeds a 100M-parameter model on one H200. ``--append FILE``
 adds the table, with the command, machine (CPU model, cores, load), library versions
 and date, at the end of the "## Data loader" section of FILE (created if missing).
@@ -26,6 +31,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
@@ -42,6 +48,21 @@ def rate(cfg: DataConfig, tok, args) -> float:
         if k + 1 == n:
             break
     return n * per_batch / (time.perf_counter() - t0)
+
+
+def long_document_rows(texts: list[str], corpus: dict, folder: Path, tok, args) -> list[tuple]:
+    """Rows for documents of ``args.long_chars`` characters: (name, tokens/s, ratio to the corpus row)."""
+    text = "\n".join(texts)
+    doc = (text * (args.long_chars // len(text) + 1))[:args.long_chars]
+    n_docs = max([1, *args.workers])  # document sharding gives each worker whole documents
+    path = folder / "long.parquet"
+    pq.write_table(pa.table({"text": [doc] * n_docs}), path)
+    rows = []
+    for (sharding, w), base in corpus.items():
+        r = rate(DataConfig(files=[str(path)], sharding=sharding, num_workers=w), tok, args)
+        rows.append((f"{n_docs} document(s) of {args.long_chars / 1e6:g} M characters, {sharding} sharding, "
+                     f"{w} workers", r, r / base))
+    return rows
 
 
 SECTION = "## Data loader"
@@ -91,6 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="local batch size (sequences per batch)")
     parser.add_argument("--tokens", type=int, default=3_000_000, help="input tokens delivered per loader row")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loader worker counts to measure")
+    parser.add_argument("--long-chars", type=int, default=8_000_000,
+                        help="characters per document of the long-document rows (0 = no such rows)")
     parser.add_argument("--append", type=Path, default=None,
                         help="append the table with command, machine, versions and date to this BENCHMARKS.md")
     args = parser.parse_args(argv)
@@ -105,12 +128,14 @@ def main(argv=None) -> None:
     raw = n_raw / (time.perf_counter() - t0)
 
     rows = [("tiktoken `encode_ordinary` only (1 thread)", raw)]
-    for w in args.workers:
-        rows.append((f"window sharding, {w} workers", rate(DataConfig(files=files, sharding="window", num_workers=w), tok, args)))
-    for w in args.workers:
-        rows.append((f"document sharding, {w} workers",
-                     rate(DataConfig(files=files, sharding="document", num_workers=w), tok, args)))
+    corpus = {}
+    for sharding in ("window", "document"):
+        for w in args.workers:
+            corpus[sharding, w] = rate(DataConfig(files=files, sharding=sharding, num_workers=w), tok, args)
+            rows.append((f"{sharding} sharding, {w} workers", corpus[sharding, w]))
     with tempfile.TemporaryDirectory() as tmp:
+        if args.long_chars > 0:
+            rows += long_document_rows(texts, corpus, Path(tmp), tok, args)
         t0 = time.perf_counter()
         pretokenize_main(["--files", *files, "--out", tmp, "--tokenizer", "gpt2"])
         pretokenize_rate = n_raw / (time.perf_counter() - t0)
@@ -118,7 +143,8 @@ def main(argv=None) -> None:
                      rate(DataConfig(source="pretokenized", files=[tmp], sharding="window"), tok, args)))
         rows.append(("`pretokenize` command itself (tokenize + write)", pretokenize_rate))
 
-    table = "\n".join(["| loader | tokens/s |", "|---|---:|"] + [f"| {name} | {r / 1e6:.3g} M |" for name, r in rows])
+    table = "\n".join(["| loader | tokens/s | vs corpus |", "|---|---:|---:|"] + [
+        f"| {row[0]} | {row[1] / 1e6:.3g} M | {f'{row[2]:.2f}' if len(row) > 2 else ''} |" for row in rows])
     text = describe_run(argv, n_raw, args) + "\n\n" + table
     print("\n" + text)
     if args.append:

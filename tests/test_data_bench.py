@@ -30,7 +30,7 @@ def test_bench_appends_table_with_command_machine_versions_and_date(bench_data, 
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n## Data loader\n\nEarlier notes.\n\n## Kernels: depth routing\n\nKernel text.\n")
     argv = ["--data", str(tmp_path), "--seq-len", "16", "--batch", "2", "--tokens", "640", "--workers", "0",
-            "--append", str(out)]
+            "--long-chars", "3000", "--append", str(out)]
     bench_data.main(argv)
     text = out.read_text()
     data_section = text[text.index("## Data loader"):text.index("## Kernels")]
@@ -39,6 +39,9 @@ def test_bench_appends_table_with_command_machine_versions_and_date(bench_data, 
     assert f"{__import__('os').cpu_count()} CPU cores" in data_section and "Date: " in data_section
     assert "tiktoken " in data_section and "torch " in data_section
     rows = [line for line in data_section.splitlines() if line.startswith("| ") and " M |" in line]
-    assert len(rows) == 5  # raw encode, window x1, document x1, pretokenized, pretokenize command
-    assert all(float(line.rsplit("|", 2)[-2].split()[0]) > 0 for line in rows)
+    # raw encode, window x1, document x1, long-document window x1 and document x1, pretokenized, pretokenize command
+    assert len(rows) == 7
+    assert all(float(line.split("|")[2].split()[0]) > 0 for line in rows)
+    long_rows = [line for line in rows if "M characters" in line]
+    assert len(long_rows) == 2 and all(float(line.split("|")[3]) > 0 for line in long_rows)  # ratio to the corpus
     assert "appended to" in capsys.readouterr().out

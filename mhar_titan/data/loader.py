@@ -60,7 +60,7 @@ from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards
 from mhar_titan.data.stream import TokenStream
 
 logger = logging.getLogger(__name__)
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: stream pending tokens and shuffle buffer as per-document entries
 
 
 class DataStateError(ValueError):

@@ -8,11 +8,21 @@ exactly one ``eos_id`` and the token sequence is cut into non-overlapping
 windows of ``window_len = seq_len + 1`` tokens (inputs ``w[:-1]``, labels ``w[1:]``).
 
 The whole position is in ``state_dict()``: epoch, part, row, the shuffle buffer
-and its RNG state, the partial token buffer and counters, so a restored stream
+and its RNG state, the pending tokens and counters, so a restored stream
 continues with exactly the same windows. In infinite mode a new epoch (new
 shard order and buffer seed, logged) continues the same token buffer; otherwise
 the stream ends and the last partial window is dropped (at most ``window_len - 1``
 tokens).
+
+Cost per window and per state snapshot is independent of document length. The
+pending tokens are kept per document (one immutable int32 ``bytes`` block each,
+plus a read offset into the first), so cutting a window copies only
+``window_len`` tokens, whatever the document's size. The state keeps every
+pending document and every shuffle-buffer document as its own entry of a dict
+keyed by a sequence number: ``StatefulDataLoader`` workers send the state after
+every batch as a *delta* of its leaves (compared with ``==``, which is O(1) for
+the same ``bytes``/``str`` object), so each document crosses from a worker to the
+main process once, not once per batch while it is being packed.
 """
 import logging
 import random
@@ -99,7 +109,11 @@ class TokenStream:
         self.seed, self.shuffle, self.buffer_size, self.infinite = seed, shuffle, shuffle_buffer, infinite
         self.consumer = consumer
         self.label = "/".join(f"{i}of{n}" for n, i in consumer) or "global"
-        self.tokens: list[int] = []   # pending tokens not yet emitted in a window
+        self._pending: dict[int, bytes] = {}  # document sequence number -> its int32 tokens + EOS
+        self._views: dict[int, np.ndarray] = {}  # the same blocks as arrays (not in the state)
+        self._head = 0                # tokens of the first pending block already emitted
+        self._n_pending = 0           # pending tokens not yet emitted in a window
+        self._seq = 0                 # sequence numbers handed out (pending blocks and buffered docs)
         self.window = 0               # windows emitted so far (absolute)
         self.docs = 0                 # documents packed so far
         self.skipped: dict = {}       # "empty" / "invalid_utf8" -> count
@@ -109,7 +123,8 @@ class TokenStream:
     # -- epochs and parts ------------------------------------------------------
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.part, self.row = epoch, 0, 0
-        self.buffer: list = []
+        self._buffer: dict[int, object] = {}  # shuffle buffer: sequence number -> document
+        self._order: list[int] = []           # its slots, in the order the shuffle indexes them
         self.rng = random.Random(f"{self.seed}/buffer/{epoch}/{self.label}")
         self._epoch_docs = 0
         self._parts = self._parts_of(epoch)
@@ -141,21 +156,23 @@ class TokenStream:
     def _next_doc(self):
         if self.buffer_size <= 1 or not self.shuffle:
             return self._read_doc()
-        while len(self.buffer) < self.buffer_size:
+        while len(self._order) < self.buffer_size:
             doc = self._read_doc()
             if doc is None:
                 break
-            self.buffer.append(doc)
-        if not self.buffer:
+            self._seq += 1
+            self._buffer[self._seq] = doc
+            self._order.append(self._seq)
+        if not self._order:
             return None
-        i = self.rng.randrange(len(self.buffer))
-        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
-        return self.buffer.pop()
+        i = self.rng.randrange(len(self._order))  # swap the chosen slot to the end and pop it
+        self._order[i], self._order[-1] = self._order[-1], self._order[i]
+        return self._buffer.pop(self._order.pop())
 
     # -- windows ---------------------------------------------------------------
     def _fill(self, n_tokens: int) -> bool:
         """Pack documents until ``n_tokens`` are pending; False at the end of a finite stream."""
-        while len(self.tokens) < n_tokens:
+        while self._n_pending < n_tokens:
             doc = self._next_doc()
             if doc is None:
                 if self._epoch_docs == 0:
@@ -167,41 +184,87 @@ class TokenStream:
                     return False
                 self._start_epoch(self.epoch + 1)
                 continue
-            ids = self.encode(doc) if isinstance(doc, str) else doc.tolist()
-            self.tokens.extend(ids)
-            self.tokens.append(self.eos_id)
+            ids = np.asarray(self.encode(doc) if isinstance(doc, str) else doc, dtype=np.int32)
+            self._push(np.append(ids, np.int32(self.eos_id)).tobytes())
             self.docs += 1
             self._epoch_docs += 1
         return True
+
+    def _push(self, block: bytes) -> None:
+        self._seq += 1
+        self._pending[self._seq] = block
+        self._n_pending += len(block) // 4
+
+    def _view(self, key: int) -> np.ndarray:
+        if key not in self._views:
+            self._views[key] = np.frombuffer(self._pending[key], dtype=np.int32)
+        return self._views[key]
+
+    def _take(self, n: int, out: Optional[list]) -> None:
+        """Consume the first ``n`` pending tokens (``n <= self._n_pending``), appending them to ``out``
+        as arrays unless it is None. Cost O(n + blocks touched), not O(pending tokens)."""
+        self._n_pending -= n
+        while n > 0:
+            key = next(iter(self._pending))
+            block = self._view(key)
+            k = min(n, len(block) - self._head)
+            if out is not None:
+                out.append(block[self._head:self._head + k])
+            self._head += k
+            n -= k
+            if self._head == len(block):
+                del self._pending[key]
+                self._views.pop(key, None)
+                self._head = 0
 
     def next_window(self) -> Optional[list[int]]:
         """The next ``window_len`` tokens, or None when a finite stream has no full window left."""
         if self.exhausted or not self._fill(self.window_len):
             return None
-        w = self.tokens[:self.window_len]
-        del self.tokens[:self.window_len]
+        parts: list[np.ndarray] = []
+        self._take(self.window_len, parts)
         self.window += 1
-        return w
+        return np.concatenate(parts).tolist() if len(parts) > 1 else parts[0].tolist()
 
     def skip_windows(self, n: int) -> bool:
-        """Advance ``n`` windows without returning them; False if a finite stream ends first."""
+        """Advance ``n`` windows without returning them; False if a finite stream ends first.
+
+        Whole pending documents are skipped without reading their tokens one by one.
+        """
         for _ in range(n):
-            if self.next_window() is None:
+            if self.exhausted or not self._fill(self.window_len):
                 return False
+            self._take(self.window_len, None)
+            self.window += 1
         return True
 
     # -- state -----------------------------------------------------------------
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens packed from documents but not yet emitted in a window."""
+        return self._n_pending
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "part": self.part, "row": self.row, "buffer": list(self.buffer),
-                "rng": self.rng.getstate(), "tokens": list(self.tokens), "window": self.window,
-                "docs": self.docs, "epoch_docs": self._epoch_docs, "skipped": dict(self.skipped),
-                "exhausted": self.exhausted}
+        """The position (plain data). Documents are leaves keyed by sequence number (str keys):
+        ``pending`` = int32 token blocks (``head`` tokens of the first already emitted),
+        ``buffer`` = shuffle-buffer documents with ``buffer_order`` their slot order."""
+        return {"epoch": self.epoch, "part": self.part, "row": self.row, "seq": self._seq,
+                "buffer": {str(k): v for k, v in self._buffer.items()}, "buffer_order": list(self._order),
+                "rng": self.rng.getstate(), "pending": {str(k): v for k, v in self._pending.items()},
+                "head": self._head, "window": self.window, "docs": self.docs, "epoch_docs": self._epoch_docs,
+                "skipped": dict(self.skipped), "exhausted": self.exhausted}
 
     def load_state_dict(self, sd: dict) -> None:
         self._start_epoch(sd["epoch"])
-        self.part, self.row, self.buffer = sd["part"], sd["row"], list(sd["buffer"])
+        self.part, self.row, self._seq = sd["part"], sd["row"], sd["seq"]
+        self._buffer = {int(k): v for k, v in sd["buffer"].items()}
+        self._order = list(sd["buffer_order"])
         self.rng.setstate(_as_rng_state(sd["rng"]))
-        self.tokens, self.window, self.docs = list(sd["tokens"]), sd["window"], sd["docs"]
+        # key order is not kept by every carrier of the state (worker deltas): sort by sequence number
+        self._pending = {k: sd["pending"][str(k)] for k in sorted(int(k) for k in sd["pending"])}
+        self._views, self._head = {}, sd["head"]
+        self._n_pending = sum(len(b) for b in self._pending.values()) // 4 - self._head
+        self.window, self.docs = sd["window"], sd["docs"]
         self._epoch_docs, self.skipped, self.exhausted = sd["epoch_docs"], dict(sd["skipped"]), sd["exhausted"]
 
 
