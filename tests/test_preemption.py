@@ -2,7 +2,9 @@
 Agreement across ranks and SIGTERM to real training runs (single process and torchrun)
 are in test_checkpoint_e2e.py; SIGTERM through the two-node launcher in
 test_launch_two_node.py. Ctrl-C (SIGINT) runs in a child process here, since a
-second Ctrl-C must raise KeyboardInterrupt; one short ``train.py`` run gets Ctrl-C."""
+second Ctrl-C must raise KeyboardInterrupt; one short ``train.py`` run with two
+data-loader workers gets Ctrl-C as a terminal sends it, to its whole process group.
+Stop signals sent to a loader's process group leave its workers serving batches."""
 from __future__ import annotations
 
 import json
@@ -63,18 +65,20 @@ def test_second_ctrl_c_raises_keyboard_interrupt():
 
 
 def test_ctrl_c_to_train_py_saves_a_complete_checkpoint_and_exits_0(tmp_path):
+    # Two loader workers in the same process group: the terminal's Ctrl-C reaches them too.
     argv = debug_argv(tmp_path, "ctrl_c", "--training.steps=500", "--checkpoint.enable=true",
-                      "--checkpoint.interval=1000")
+                      "--checkpoint.interval=1000", "--data.num_workers=2")
     proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "ctrl_c" / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
+    assert "DataLoader worker" not in out
     assert "press Ctrl-C again to abort without saving" in out and "Traceback" not in out
     steps = step_folders(tmp_path / "ctrl_c" / "checkpoints")
     assert len(steps) == 1 and 2 <= min(steps) < 500
@@ -106,3 +110,38 @@ def test_only_the_chosen_signals_are_handled():
         assert handler.should_stop()
     finally:
         handler.restore()
+
+
+# A loader with two workers in its own process group; the "training step" needs 3 more batches
+# after the stop signal, as a step with gradient accumulation 3 would.
+LOADER_CHILD = textwrap.dedent("""
+    import sys
+    from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
+    from mhar_titan.preemption import PreemptionHandler
+    cfg = DataConfig(files=[sys.argv[1]], num_workers=2)
+    loader = build_train_loader(cfg, build_tokenizer(cfg), dp_rank=0, dp_world=1, local_batch_size=2,
+                                seq_len=16, seed=0)
+    handler = PreemptionHandler()
+    it = iter(loader)
+    next(it)
+    print("ready", flush=True)
+    while not handler.should_stop():
+        next(it)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    print("finished the step after", handler.received.name, "at batch", loader.batches_done, flush=True)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_stop_signal_to_the_process_group_leaves_loader_workers_serving(sig):
+    proc = subprocess.Popen([sys.executable, "-c", LOADER_CHILD, str(ROOT / "data/shakespeare/validation-00000-of-00001.parquet")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline() == "ready\n"
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.startswith(f"finished the step after {sig.name} at batch "), err[-3000:]
+    assert "DataLoader worker" not in err

@@ -46,7 +46,11 @@ With ``L = seq_len + 1`` tokens per window and ``B = local_batch_size``:
   the default ``infinite = true`` never stops and drops nothing (the token buffer
   carries across epochs).
 """
+import contextlib
 import logging
+import os
+import signal
+import threading
 from typing import Optional
 
 import torch
@@ -61,6 +65,44 @@ from mhar_titan.data.stream import TokenStream
 
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 2  # 2: stream pending tokens and shuffle buffer as per-document entries
+
+
+# Stop signals the training process handles (finish the step, save, exit 0: mhar_titan.preemption).
+# SLURM, scancel and torchrun deliver them to the whole process group and Ctrl-C to the terminal's
+# foreground group, so loader workers receive them too. Workers ignore them: they must keep serving
+# batches until the training process has finished its step, and it shuts them down itself. A SIGTERM
+# from the worker's parent (its shutdown, or multiprocessing's at interpreter exit) still ends it.
+WORKER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    """``worker_init_fn`` (the worker was forked with ``WORKER_IGNORED_SIGNALS`` blocked): ignore
+    SIGINT and SIGUSR1 (discarding any that arrived while it started) and unblock them; SIGTERM stays
+    blocked and a thread takes it with ``sigwaitinfo``, exiting only when the parent sent it."""
+    others = [sig for sig in WORKER_IGNORED_SIGNALS if sig != signal.SIGTERM]
+    for sig in others:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, others)
+    threading.Thread(target=_exit_on_sigterm_from, args=(os.getppid(),), name="loader-worker-sigterm",
+                     daemon=True).start()
+
+
+def _exit_on_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """Block ``WORKER_IGNORED_SIGNALS`` in this thread while loader workers are forked, so a signal
+    sent to the process group then cannot kill a worker before it ignores it; the training process
+    gets any held signal when the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class DataStateError(ValueError):
@@ -109,7 +151,8 @@ class TrainLoader:
             start_stream=start_stream, start_epoch=start_epoch)
         kwargs = {}
         if self.cfg.num_workers > 0:
-            kwargs = {"persistent_workers": False, "prefetch_factor": self.cfg.prefetch_factor}
+            kwargs = {"persistent_workers": False, "prefetch_factor": self.cfg.prefetch_factor,
+                      "worker_init_fn": _worker_ignores_stop_signals, "multiprocessing_context": "fork"}
         self._loader = StatefulDataLoader(self.dataset, batch_size=None, num_workers=self.cfg.num_workers,
                                           pin_memory=self.cfg.pin_memory and torch.cuda.is_available(), **kwargs)
 
@@ -134,7 +177,8 @@ class TrainLoader:
 
     def __iter__(self):
         limit, rank = self.steps_every_rank_reaches, self.layout["dp_rank"]
-        it = iter(self._loader)
+        with _stop_signals_held():  # workers are forked here (num_workers > 0)
+            it = iter(self._loader)
         while limit is None or self.batches_done < limit:
             try:
                 batch = next(it)
