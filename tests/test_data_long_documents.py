@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import pickle
 import random
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,9 +14,10 @@ from torchdata.stateful_dataloader.incremental_state import _IncrementalState
 
 from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
-from mhar_titan.data.stream import TokenStream
+from mhar_titan.data.stream import TokenStream, chunk_end
 from mhar_titan.data.tokenizer import default_cache_dir
 
+ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
 
 
@@ -91,10 +93,36 @@ def test_state_snapshot_does_not_grow_with_document_length(gpt2):
 
         stream = TokenStream([Shard()], gpt2.encode, gpt2.eos_id, 65, seed=0, shuffle=True, shuffle_buffer=8,
                              infinite=True, consumer=[])
-        stream.next_window()  # the long document is now read, tokenized and pending
-        assert stream.pending_tokens > n_words // 2
+        stream.next_window()  # the long document is now read: pending tokens, or text tokenized in chunks
+        state = stream.state_dict()
+        assert stream.pending_tokens + sum(len(t) for t in state["text"].values()) > n_words // 2
         sizes[n_words] = _delta_bytes(stream, 20)
     # while a document is being packed, a snapshot sends only the changed counters: a few hundred bytes,
     # the same for a document 100 times longer (the old state resent every pending token, ~1 MB here)
     assert max(sizes[200_000]) < 1_000
     assert max(sizes[200_000]) <= max(sizes[2_000]) + 64
+
+
+def test_chunked_tokenization_equals_whole_document(tmp_path):
+    """Long documents are tokenized in chunks cut where every encoding's pre-tokenizer splits anyway:
+    the tokens equal those of the whole text, for each encoding in the cache (gpt2 at least)."""
+    from mhar_titan.data.tokenizer import ENCODING_FILES
+    prepare_encoding("gpt2", default_cache_dir())
+    text = "\n".join(pq.read_table(ROOT / "data/shakespeare/validation-00000-of-00001.parquet").column("text")
+                     .to_pylist())[:300_000]
+    text += " tail:  two  spaces, 'quotes' don't 12 34 ünïcödé 日本語 end"
+    checked = []
+    for name in ENCODING_FILES:
+        try:
+            tok = build_tokenizer(DataConfig(tokenizer=name))
+        except Exception:  # not in the offline cache
+            continue
+        cuts, start = [], 0
+        while start < len(text):
+            end = chunk_end(text, start, size=997)
+            cuts.append(text[start:end])
+            start = end
+        assert len(cuts) > 200 and "".join(cuts) == text
+        assert [t for c in cuts for t in tok.encode(c)] == tok.encode(text), name
+        checked.append(name)
+    assert "gpt2" in checked

@@ -26,6 +26,7 @@ main process once, not once per batch while it is being packed.
 """
 import logging
 import random
+import re
 from typing import Callable, Optional
 
 import numpy as np
@@ -35,6 +36,21 @@ from mhar_titan.data.sources import DataError
 logger = logging.getLogger(__name__)
 
 Part = tuple[int, int, int]  # (shard index, stride, offset): the rows j with j % stride == offset
+
+TEXT_CHUNK_CHARS = 1 << 16
+"""Text documents longer than this are tokenized in chunks of about this many characters."""
+
+# A space between a non-space character and a letter: the gpt2, cl100k_base and o200k_base
+# pre-tokenizers all end a piece before such a space (it starts the next word's piece), and BPE
+# never merges across pieces, so encoding text cut there equals encoding it whole.
+_CHUNK_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+
+
+def chunk_end(text: str, start: int, size: int = TEXT_CHUNK_CHARS) -> int:
+    """End of the chunk of ``text`` that starts at ``start``: the first cut point at least ``size``
+    characters on, or ``len(text)`` when there is none."""
+    m = _CHUNK_CUT.search(text, start + size)
+    return m.start() if m else len(text)
 
 
 def split_parts(parts: list[Part], n: int, i: int) -> list[Part]:
@@ -114,6 +130,8 @@ class TokenStream:
         self._head = 0                # tokens of the first pending block already emitted
         self._n_pending = 0           # pending tokens not yet emitted in a window
         self._seq = 0                 # sequence numbers handed out (pending blocks and buffered docs)
+        self._text: dict[int, str] = {}  # a long text document being tokenized chunk by chunk (0 or 1)
+        self._text_pos = 0               # its characters already tokenized
         self.window = 0               # windows emitted so far (absolute)
         self.docs = 0                 # documents packed so far
         self.skipped: dict = {}       # "empty" / "invalid_utf8" -> count
@@ -173,6 +191,9 @@ class TokenStream:
     def _fill(self, n_tokens: int) -> bool:
         """Pack documents until ``n_tokens`` are pending; False at the end of a finite stream."""
         while self._n_pending < n_tokens:
+            if self._text:
+                self._tokenize_chunk()
+                continue
             doc = self._next_doc()
             if doc is None:
                 if self._epoch_docs == 0:
@@ -184,11 +205,27 @@ class TokenStream:
                     return False
                 self._start_epoch(self.epoch + 1)
                 continue
-            ids = np.asarray(self.encode(doc) if isinstance(doc, str) else doc, dtype=np.int32)
-            self._push(np.append(ids, np.int32(self.eos_id)).tobytes())
             self.docs += 1
             self._epoch_docs += 1
+            if isinstance(doc, str) and len(doc) > TEXT_CHUNK_CHARS:
+                self._seq += 1
+                self._text, self._text_pos = {self._seq: doc}, 0
+                continue
+            ids = np.asarray(self.encode(doc) if isinstance(doc, str) else doc, dtype=np.int32)
+            self._push(np.append(ids, np.int32(self.eos_id)).tobytes())
         return True
+
+    def _tokenize_chunk(self) -> None:
+        """Pack the next chunk of the long text document (its EOS after the last chunk)."""
+        (text,) = self._text.values()
+        end = chunk_end(text, self._text_pos)
+        ids = np.asarray(self.encode(text[self._text_pos:end]), dtype=np.int32)
+        if end == len(text):
+            ids = np.append(ids, np.int32(self.eos_id))
+            self._text, self._text_pos = {}, 0
+        else:
+            self._text_pos = end
+        self._push(ids.tobytes())
 
     def _push(self, block: bytes) -> None:
         self._seq += 1
@@ -246,12 +283,14 @@ class TokenStream:
 
     def state_dict(self) -> dict:
         """The position (plain data). Documents are leaves keyed by sequence number (str keys):
-        ``pending`` = int32 token blocks (``head`` tokens of the first already emitted),
-        ``buffer`` = shuffle-buffer documents with ``buffer_order`` their slot order."""
+        ``pending`` = int32 token blocks (``head`` tokens of the first already emitted), ``text`` = the
+        long document being tokenized in chunks (``text_pos`` characters done), ``buffer`` =
+        shuffle-buffer documents with ``buffer_order`` their slot order."""
         return {"epoch": self.epoch, "part": self.part, "row": self.row, "seq": self._seq,
                 "buffer": {str(k): v for k, v in self._buffer.items()}, "buffer_order": list(self._order),
                 "rng": self.rng.getstate(), "pending": {str(k): v for k, v in self._pending.items()},
-                "head": self._head, "window": self.window, "docs": self.docs, "epoch_docs": self._epoch_docs,
+                "head": self._head, "text": {str(k): v for k, v in self._text.items()}, "text_pos": self._text_pos,
+                "window": self.window, "docs": self.docs, "epoch_docs": self._epoch_docs,
                 "skipped": dict(self.skipped), "exhausted": self.exhausted}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -263,6 +302,7 @@ class TokenStream:
         # key order is not kept by every carrier of the state (worker deltas): sort by sequence number
         self._pending = {k: sd["pending"][str(k)] for k in sorted(int(k) for k in sd["pending"])}
         self._views, self._head = {}, sd["head"]
+        self._text, self._text_pos = {int(k): v for k, v in sd["text"].items()}, sd["text_pos"]
         self._n_pending = sum(len(b) for b in self._pending.values()) // 4 - self._head
         self.window, self.docs = sd["window"], sd["docs"]
         self._epoch_docs, self.skipped, self.exhausted = sd["epoch_docs"], dict(sd["skipped"]), sd["exhausted"]
