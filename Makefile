@@ -25,8 +25,12 @@ SAMPLE := data/shakespeare/validation-00000-of-00001.parquet
 
 .PHONY: train test setup clean-runs
 
+# After training, a short sample from the run's newest checkpoint (one thread: a tiny model
+# generates faster without thread hand-offs; a failed sample does not fail the target).
 train: setup
 	$(PY) train.py --config $(CONFIG) $(ARGS)
+	-OMP_NUM_THREADS=1 $(PY) -m mhar_titan.generate --config $(CONFIG) $(ARGS) \
+	  --prompt "ROMEO:" --tokens 40 --temperature 0.8 --top-k 40
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

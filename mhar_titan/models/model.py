@@ -314,8 +314,10 @@ class Transformer(nn.Module):
             return [sources, sources + [out[0]]]
         return [sources, (sources if layer.starts_block else sources[:-1]) + [out[0]]]
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        h = self.norm(self.hidden_states(tokens))
+    def forward(self, tokens: Tensor, trace: list | None = None) -> Tensor:
+        """Logits (B, T, vocab_size); `trace` as in `hidden_states` (through the module call, so
+        FSDP gathers the parameters as for any forward)."""
+        h = self.norm(self.hidden_states(tokens, trace=trace))
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)

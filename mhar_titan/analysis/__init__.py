@@ -1,0 +1,14 @@
+"""Look inside trained models and compare runs.
+
+==============  =============================================================
+``routing``     ``RoutingRecorder`` / ``routing_summary``: per-site mean routing weights, entropy,
+                effective number of sources; ``routing_entropy`` (the trainer's metric)
+``heatmap``     PNG heatmaps (one panel per routing head and the single-head view) + report
+``probe``       the query probe of MHAR_SPEC 3.3 (slice discrepancy vs random queries)
+``compare``     loss curves against tokens and a tail-mean validation-loss table
+``plots``       the headless matplotlib set-up
+==============  =============================================================
+
+Command line: ``python -m mhar_titan.analysis {heatmap,probe,compare} ...`` (``--help``).
+The figures need matplotlib (``pip install -e '.[analysis]'``); ``routing`` does not.
+"""

@@ -1,0 +1,122 @@
+"""``python -m mhar_titan.analysis {heatmap,probe,compare}``: figures and reports for runs.
+
+heatmap RUN   routing heatmaps (PNG), per-site entropy / effective sources (Markdown, JSON)
+              on validation batches of the run's newest (or --step) checkpoint
+probe RUN     the query probe of a single-head model (Markdown)
+compare RUN RUN ...  loss against tokens (PNG) and a tail-mean validation-loss table (Markdown)
+
+Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
+Bad input: a message on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from mhar_titan.eval.load import USER_ERRORS, LoadedModel, load_run
+
+
+def _validation_tokens(loaded: LoadedModel, batches: int, batch_size: int | None, seq_len: int | None) -> list:
+    """Input token batches (B, T) from the run's validation files."""
+    from mhar_titan.data import build_validation_loader
+
+    cfg = loaded.cfg
+    if not loaded.data_config.validation_files:
+        raise ValueError(f"{loaded.run_dir} names no validation files (data.validation_files)")
+    loader = build_validation_loader(
+        loaded.data_config, loaded.tokenizer, dp_rank=0, dp_world=1,
+        local_batch_size=batch_size or (cfg.training.local_batch_size if cfg else 8),
+        seq_len=seq_len or (cfg.training.seq_len if cfg else 512), steps=batches)
+    return [x for x, _ in loader]
+
+
+def _heatmap(args) -> list[pathlib.Path]:
+    from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
+    from mhar_titan.analysis.routing import routing_summary
+
+    loaded = load_run(args.run, args.step, args.device)
+    if loaded.model.routing is None:
+        raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
+    summary = routing_summary(loaded.model, _validation_tokens(loaded, args.batches, args.batch_size, args.seq_len))
+    out = pathlib.Path(args.out or loaded.run_dir / "analysis")
+    title = f"{loaded.run_dir.name}, step {loaded.step}: mean routing weight per site and source"
+    png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
+    md = out / f"routing_step{loaded.step}.md"
+    md.write_text(routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
+    js = out / f"routing_step{loaded.step}.json"
+    js.write_text(json.dumps(summary.to_dict(), indent=1))
+    print(md.read_text())
+    return [png, md, js]
+
+
+def _probe(args) -> list[pathlib.Path]:
+    from mhar_titan.analysis.probe import query_probe
+
+    loaded = load_run(args.run, args.step, args.device)
+    result = query_probe(loaded.model, _validation_tokens(loaded, args.batches, args.batch_size, args.seq_len),
+                         slices=args.slices, draws=args.draws, seed=args.seed)
+    out = pathlib.Path(args.out or loaded.run_dir / "analysis")
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / f"probe_step{loaded.step}.md"
+    md.write_text(result.report(f"Query probe of {loaded.run_dir.name} at step {loaded.step}"))
+    print(md.read_text())
+    return [md]
+
+
+def _compare(args) -> list[pathlib.Path]:
+    from mhar_titan.analysis.compare import comparison_table, plot_comparison, read_run, table_markdown
+
+    paths = [pathlib.Path(p) for p in args.runs]
+    names = [p.name for p in paths]
+    if len(set(names)) < len(names):  # same folder names in different parents: use the paths
+        names = [str(p) for p in paths]
+    runs = [read_run(p, n) for p, n in zip(paths, names)]
+    rows = comparison_table(runs, args.baseline, args.k)
+    out = pathlib.Path(args.out or paths[0].resolve().parent / "comparison")
+    png = out / "loss_vs_tokens.png"
+    plot_comparison(runs, rows, png, dpi=args.dpi)
+    md = out / "comparison.md"
+    md.write_text(f"# Run comparison\n\n![loss against tokens]({png.name})\n\n" + table_markdown(rows, args.k))
+    print(table_markdown(rows, args.k))
+    return [png, md]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhar_titan.analysis", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("heatmap", "probe"):
+        p = sub.add_parser(name)
+        p.add_argument("run", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
+        p.add_argument("--step", type=int, default=None)
+        p.add_argument("--batches", type=int, default=2, help="validation batches to read")
+        p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
+        p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
+    sub.choices["heatmap"].add_argument("--dpi", type=int, default=100)
+    p = sub.choices["probe"]
+    p.add_argument("--slices", type=int, default=4, help="contiguous query slices S")
+    p.add_argument("--draws", type=int, default=4, help="random-query draws in the reference")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random queries")
+    p = sub.add_parser("compare")
+    p.add_argument("runs", nargs="+", help="run folders")
+    p.add_argument("--baseline", default=None, help="name (folder name) of the baseline run; default: the first")
+    p.add_argument("-k", type=int, default=11, help="evaluations in the tail mean")
+    p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
+    p.add_argument("--dpi", type=int, default=100)
+    args = parser.parse_args(argv)
+    command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
+    try:
+        written = command(args)
+    except (*USER_ERRORS, ImportError) as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

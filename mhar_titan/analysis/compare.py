@@ -1,0 +1,173 @@
+"""Compare runs: loss curves against tokens and a tail-mean validation-loss table.
+
+Reads each run folder's metrics JSONL (``metrics.jsonl_file`` of its ``config.toml``): training
+rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of a validation row
+= its step x the run's tokens per step (``tokens_seen / step`` of its training rows).
+
+* tail mean (MHAR_SPEC 3.1 "tail-mean of the last 11 evals"): the mean of the last k finite
+  ``val_loss`` values (fewer when the run has fewer; the table says how many);
+* delta: tail mean minus the baseline run's tail mean (negative = better than the baseline);
+* paired: the run saw the same data in the same order as the baseline, i.e. the same ``[data]``
+  settings that decide the order (files, tokenizer, sharding, shuffling, effective seed: data.seed
+  or else debug.seed), the same sequence length and the same tokens per step. Paired deltas are
+  much less noisy than unpaired ones (same batches, same validation windows).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Optional, Sequence
+
+from mhar_titan.analysis.plots import new_figure
+
+# [data] keys that do not change which tokens a step sees (workers, caches, retries).
+_ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
+                            "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
+
+
+@dataclasses.dataclass
+class RunCurves:
+    """The loss curves of one run folder."""
+
+    name: str
+    path: pathlib.Path
+    train: list[tuple[int, float]]
+    """(step, loss) of the training rows with a finite loss."""
+    val: list[tuple[int, float]]
+    """(step, val_loss) of the validation rows with a finite value, in step order."""
+    tokens_per_step: float
+    data_order: Optional[dict]
+    """What decides the data order (see the module docstring); None without a config.toml."""
+
+    def tokens(self, step: int) -> float:
+        return step * self.tokens_per_step
+
+    def tail_mean(self, k: int) -> tuple[float, int]:
+        """(mean of the last k validation losses, how many were averaged); NaN, 0 without any."""
+        tail = [v for _, v in self.val[-k:]]
+        return (sum(tail) / len(tail), len(tail)) if tail else (float("nan"), 0)
+
+
+def _finite(value) -> Optional[float]:
+    """A JSON metric as a float, None when it is missing or non-finite (written as "nan"/"inf")."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
+    """Load one run folder's curves.
+
+    Raises:
+        FileNotFoundError: no metrics file in the folder.
+        ValueError: the metrics file has no training row with ``tokens_seen`` (tokens unknown).
+    """
+    from mhar_titan.eval.load import read_run_config
+
+    path = pathlib.Path(path)
+    cfg = read_run_config(path)
+    metrics = path / (cfg.metrics.jsonl_file if cfg is not None else "metrics.jsonl")
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} not found: is {path} a run folder (<dump_folder>/<job.name>)?")
+    by_step: dict[int, dict] = {}
+    for line in metrics.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
+    train, val, rates = [], [], []
+    for step in sorted(by_step):
+        row = by_step[step]
+        if _finite(row.get("loss")) is not None:
+            train.append((step, _finite(row["loss"])))
+        if _finite(row.get("val_loss")) is not None:
+            val.append((step, _finite(row["val_loss"])))
+        if "tokens_seen" in row and step > 0:
+            rates.append(row["tokens_seen"] / step)
+    if not rates:
+        raise ValueError(f"{metrics} has no training row with tokens_seen, so tokens per step are unknown")
+    order = None
+    if cfg is not None:
+        data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _ORDER_NEUTRAL_DATA_KEYS}
+        data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
+        order = {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": rates[-1]}
+    return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
+                     data_order=order)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRow:
+    name: str
+    tail_mean: float
+    evals: int
+    delta: float
+    """tail_mean - baseline's tail_mean (0 for the baseline itself)."""
+    paired: Optional[bool]
+    """Same data order as the baseline; None when either run has no config.toml."""
+    baseline: bool
+
+
+def comparison_table(runs: Sequence[RunCurves], baseline: Optional[str] = None, k: int = 11) -> list[TableRow]:
+    """One row per run: tail-mean validation loss over the last k evaluations, delta to the baseline.
+
+    Args:
+        runs: the runs, in table order.
+        baseline: name of the baseline run (default: the first).
+        k: evaluations in the tail mean (>= 1).
+
+    Raises:
+        ValueError: k < 1, or no run named ``baseline``.
+    """
+    if k < 1:
+        raise ValueError(f"k (evaluations in the tail mean) must be >= 1, got {k}")
+    names = [r.name for r in runs]
+    base_name = baseline if baseline is not None else names[0]
+    if base_name not in names:
+        raise ValueError(f"baseline {base_name!r} is none of the runs {names}")
+    base = runs[names.index(base_name)]
+    base_mean, _ = base.tail_mean(k)
+    rows = []
+    for run in runs:
+        mean, n = run.tail_mean(k)
+        paired = None
+        if run.data_order is not None and base.data_order is not None:
+            paired = run.data_order == base.data_order
+        rows.append(TableRow(run.name, mean, n, mean - base_mean, paired, run is base))
+    return rows
+
+
+def table_markdown(rows: Sequence[TableRow], k: int) -> str:
+    """The table as Markdown."""
+    lines = [f"| run | tail-mean val loss (last {k}) | evals | delta vs baseline | paired |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        delta = "baseline" if r.baseline else f"{r.delta:+.4f}"
+        paired = "-" if r.baseline else {True: "yes", False: "no", None: "unknown"}[r.paired]
+        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {r.evals} | {delta} | {paired} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,
+                    dpi: int = 100):
+    """Training and validation loss against tokens on shared axes, one colour per run; the
+    legend marks the baseline and the runs paired with it. Saves a PNG; returns the figure."""
+    fig, (train_ax, val_ax) = new_figure(1, 2, panel_size=(5.0, 3.6), dpi=dpi)
+    train_ax.sharex(val_ax)
+    train_ax.sharey(val_ax)
+    for run, row in zip(runs, rows):
+        label = run.name + (" (baseline)" if row.baseline else " (paired)" if row.paired else "")
+        line, = train_ax.plot([run.tokens(s) for s, _ in run.train], [v for _, v in run.train], lw=1, label=label)
+        val_ax.plot([run.tokens(s) for s, _ in run.val], [v for _, v in run.val], "o-", color=line.get_color(),
+                    lw=1, ms=3, label=label)
+    for ax, title in ((train_ax, "training loss"), (val_ax, "validation loss")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return fig

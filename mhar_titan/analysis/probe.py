@@ -1,0 +1,146 @@
+"""The query probe: do the slices of a single-head pseudo-query agree on where to read?
+
+MHAR_SPEC section 3.3 (the paper's mechanism probe; "subspace discrepancy grows with width").
+For one routing site of a single-head (H = 1) model with pseudo-query q (d,), key-norm
+weight g and sources s_1..s_N, on one token:
+
+* keys ``khat_n = RMSNorm_g(s_n)`` exactly as the routing computes them (RMS over the full d);
+* full logits ``z_n = <q, khat_n>`` and the site's distribution ``p = softmax_n(z)``;
+* split q (and every key) into S contiguous slices of d/S dims; slice j alone gives the
+  partial logits ``z_{j,n} = <q[j], khat_n[j]>``, with ``sum_j z_{j,n} = z_n``. These are the
+  logits an H = S multi-head router would compute with the same parameters
+  (``routing_logits(..., heads=S)``);
+* slice j's own distribution is ``p_j = softmax_n(S * z_{j,n})``; when all slices agree
+  (``z_{j,n} = z_n / S`` for every j) it equals p;
+* the discrepancy of slice j is ``KL(p || p_j) = sum_n p_n (log p_n - log p_{j,n})`` (nats).
+
+The probe reports the mean of KL(p || p_j) over sites, slices and tokens ("raw KL"), the same
+mean for random queries of equal norm (per site ``r = |q| x u / |u|`` with u ~ N(0, I_d) from
+a seeded generator, averaged over several draws: the "random reference"), and their
+difference, the learned-excess KL. Sites with a single source have no choice and are skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from mhar_titan.models.routing import routing_logits
+from mhar_titan.progress import progress
+
+
+def slice_kl(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, slices: int = 4,
+             eps: float = 1e-6) -> Tensor:
+    """KL(p || p_j) per token and slice (see the module docstring): (..., S) for sources (..., d).
+
+    Computed in the routing's compute dtype (float32, or float64 for float64 sources).
+
+    Raises:
+        ValueError: d is not divisible by ``slices``, or the routing arguments are invalid
+            (as ``routing_logits``).
+    """
+    d = query.shape[-1]
+    if slices < 1 or d % slices:
+        raise ValueError(f"the probe splits the query into {slices} contiguous slices, so d={d} must be a "
+                         f"multiple of slices; pick slices among the divisors of {d}")
+    full = routing_logits(sources, query, norm_weight, 1, eps)  # (N, ..., 1)
+    parts = routing_logits(sources, query, norm_weight, slices, eps)  # (N, ..., S)
+    log_p = torch.log_softmax(full, dim=0)
+    log_pj = torch.log_softmax(slices * parts, dim=0)
+    return (log_p.exp() * (log_p - log_pj)).sum(0)
+
+
+def random_query_like(query: Tensor, generator: torch.Generator) -> Tensor:
+    """A random direction with the norm of ``query`` (same dtype and device)."""
+    u = torch.randn(query.shape, generator=generator, dtype=torch.float64).to(query.device)
+    return (u / u.norm() * query.double().norm()).to(query.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """Means over sites (with >= 2 sources), slices and tokens, in nats."""
+
+    raw_kl: float
+    random_kl: float
+    """The same mean for random queries of equal norm, averaged over ``draws``."""
+    slices: int
+    draws: int
+    sites: int
+    tokens: int
+
+    @property
+    def excess_kl(self) -> float:
+        """raw - random: the learned-excess KL."""
+        return self.raw_kl - self.random_kl
+
+    def report(self, heading: str) -> str:
+        """A short Markdown report."""
+        return (f"# {heading}\n\nQuery probe (MHAR_SPEC 3.3), S = {self.slices} slices, {self.sites} sites, "
+                f"{self.tokens} tokens, random reference over {self.draws} draws.\n\n"
+                "| raw KL (nats) | random-query KL | learned-excess KL |\n|---:|---:|---:|\n"
+                f"| {self.raw_kl:.4f} | {self.random_kl:.4f} | {self.excess_kl:.4f} |\n")
+
+
+class ProbeTrace:
+    """A ``trace`` for ``Transformer.hidden_states``: probes each site as the forward reaches it."""
+
+    def __init__(self, model: torch.nn.Module, slices: int, draws: int, seed: int):
+        self.routing, self.eps, self.n_sites = model.routing, model.args.routing_eps, model.args.n_routing_sites
+        self.slices, self.draws = slices, draws
+        generator = torch.Generator().manual_seed(seed)
+        q = self.routing.query.detach()
+        # draws x sites random queries, fixed once (the same for every batch)
+        self.random = [[random_query_like(q[s], generator) for s in range(self.n_sites)] for _ in range(draws)]
+        self.sums = torch.zeros(2, dtype=torch.float64)  # learned, random (summed over draws)
+        self.count = 0
+        self.sites = 0
+        self._calls = 0
+
+    @torch.no_grad()
+    def append(self, sources: Sequence[Tensor]) -> None:
+        site = self._calls % self.n_sites
+        self._calls += 1
+        if len(sources) < 2:
+            return
+        q, g = self.routing.query[site].detach(), self.routing.key_norm[site].detach()
+        kl = slice_kl(sources, q, g, self.slices, self.eps)
+        self.sums[0] += kl.double().sum().item()
+        for draw in self.random:
+            self.sums[1] += slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item() / self.draws
+        self.count += kl.numel()
+        self.sites += 1
+
+    def extend(self, site_sources: Iterable[Sequence[Tensor]]) -> None:
+        for sources in site_sources:
+            self.append(sources)
+
+
+@torch.no_grad()
+def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int = 4, draws: int = 4,
+                seed: int = 0) -> ProbeResult:
+    """Run the probe of the module docstring over token batches (B, T) of a single-head model.
+
+    Raises:
+        ValueError: the model is not single-head AttnRes (H must be 1), d % slices != 0, or no
+            site has two sources.
+    """
+    args = model.args
+    if args.residual != "attn_res" or args.resolved_routing_heads != 1:
+        heads = args.resolved_routing_heads if args.residual == "attn_res" else 0
+        raise ValueError(f"the query probe is defined for single-head AttnRes models (routing_heads = 1); this "
+                         f"model has residual={args.residual!r}, H={heads}")
+    if args.dim % slices:
+        raise ValueError(f"d={args.dim} is not a multiple of slices={slices}")
+    trace = ProbeTrace(model, slices, draws, seed)
+    device = next(model.parameters()).device
+    total = len(batches) if hasattr(batches, "__len__") else None
+    tokens = 0
+    for x in progress(batches, total=total, desc="probe", unit="batch"):
+        model.hidden_states(x.to(device), trace=trace)
+        tokens += x.numel()
+    if trace.count == 0:
+        raise ValueError("no routing site with two or more sources was probed (no batches?)")
+    return ProbeResult(raw_kl=float(trace.sums[0]) / trace.count, random_kl=float(trace.sums[1]) / trace.count,
+                       slices=slices, draws=draws, sites=trace.sites // (trace._calls // trace.n_sites), tokens=tokens)

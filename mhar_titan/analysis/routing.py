@@ -1,0 +1,213 @@
+"""Depth-routing statistics read from a model's own forward (MHAR_SPEC sections 1.1 and 2).
+
+For routing site s with N_s sources and H routing heads, the depth-softmax weights
+a[n, b, t, h] (``route_reference(..., return_weights=True)``) are reduced over the tokens:
+
+* mean weight ``W_s[h, n] = mean_{b,t} a[n, b, t, h]``; the single-head view is the mean over
+  heads, ``mean_h W_s[h, n]``: the share of the routed output's dimensions that comes from
+  source n (each head mixes d/H of the d dimensions);
+* entropy ``E_s = mean_{b,t,h} -sum_n a[n,b,t,h] log a[n,b,t,h]`` in nats (log N_s when uniform);
+* effective number of sources ``exp(E_s)`` (N_s when uniform, 1 when one source takes all).
+
+``RoutingRecorder`` is the ``trace`` argument of ``Transformer.hidden_states`` /
+``Transformer.forward``: the model hands it each site's source list in order and the recorder
+reduces that site's weights at once, reading the site's pseudo-query and key-norm weight while
+the forward runs. Under FSDP that is where the root's parameters are unsharded anyway, so the
+training metric ``routing_entropy`` needs no explicit unshard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from mhar_titan.models.routing import route_reference
+from mhar_titan.progress import progress
+
+
+@dataclasses.dataclass
+class SiteStats:
+    """Running sums of one routing site over the tokens seen (float64)."""
+
+    weight_sum: Tensor
+    """(H, N): sum over tokens of the depth-softmax weights."""
+    entropy_sum: Tensor
+    """(H,): sum over tokens of the per-token entropy (nats)."""
+    tokens: int = 0
+
+    @property
+    def n_sources(self) -> int:
+        return self.weight_sum.shape[1]
+
+    @property
+    def mean_weights(self) -> Tensor:
+        """(H, N) mean routing weight of each head over each source."""
+        return self.weight_sum / self.tokens
+
+    @property
+    def entropy(self) -> float:
+        """Mean entropy over tokens and heads (nats)."""
+        return float(self.entropy_sum.sum()) / (self.tokens * self.entropy_sum.numel())
+
+    @property
+    def effective_sources(self) -> float:
+        """exp(entropy): N when routing is uniform, 1 when one source takes all the weight."""
+        return math.exp(self.entropy)
+
+
+def token_entropy(weights: Tensor) -> Tensor:
+    """Entropy (nats) over the depth axis of weights (N, ...) -> (...); 0 log 0 = 0."""
+    return -(weights * weights.clamp_min(torch.finfo(weights.dtype).tiny).log()).sum(0)
+
+
+class RoutingRecorder:
+    """A ``trace`` for the model's forward that reduces every site's routing weights as it goes.
+
+    Args:
+        model: a ``Transformer`` with ``residual = "attn_res"`` (plain or FSDP-wrapped).
+        keep_weights: also keep every site's per-token weights (N, B, T, H) of the LAST forward
+            in ``weights`` (for tests and small inputs).
+
+    One forward appends ``n_routing_sites`` source lists; further forwards (more batches)
+    accumulate into the same sums.
+
+    Raises:
+        ValueError: the model has no routing sites (the baseline).
+    """
+
+    def __init__(self, model: torch.nn.Module, keep_weights: bool = False):
+        if getattr(model, "routing", None) is None:
+            raise ValueError("the model has no depth routing (residual = 'standard'): nothing to record")
+        args = model.args
+        self.routing = model.routing
+        self.heads, self.eps, self.n_sites = args.resolved_routing_heads, args.routing_eps, args.n_routing_sites
+        self.sites: list[Optional[SiteStats]] = [None] * self.n_sites
+        self.keep_weights = keep_weights
+        self.weights: list[Optional[Tensor]] = [None] * self.n_sites
+        self._calls = 0
+
+    @torch.no_grad()
+    def append(self, sources: Sequence[Tensor]) -> None:
+        """Reduce the next site's weights over ``sources`` (its source list, in routing order)."""
+        index = self._calls % self.n_sites
+        self._calls += 1
+        _, weights = route_reference([s.detach() for s in sources], self.routing.query[index].detach(),
+                                     self.routing.key_norm[index].detach(), self.heads, self.eps,
+                                     return_weights=True)
+        token_dims = tuple(range(1, weights.dim() - 1))
+        w_sum = weights.double().sum(token_dims).T  # (H, N)
+        e_sum = token_entropy(weights).double().sum(tuple(d - 1 for d in token_dims))  # (H,)
+        n_tokens = weights[0, ..., 0].numel()
+        site = self.sites[index]
+        if site is None:
+            self.sites[index] = SiteStats(w_sum.cpu(), e_sum.cpu(), n_tokens)
+        else:
+            site.weight_sum += w_sum.cpu()
+            site.entropy_sum += e_sum.cpu()
+            site.tokens += n_tokens
+        if self.keep_weights:
+            self.weights[index] = weights
+
+    def extend(self, site_sources: Iterable[Sequence[Tensor]]) -> None:
+        for sources in site_sources:
+            self.append(sources)
+
+    def __len__(self) -> int:
+        return self._calls
+
+    def summary(self) -> "RoutingSummary":
+        """The reduced statistics.
+
+        Raises:
+            RuntimeError: no complete forward has been recorded.
+        """
+        if self._calls == 0 or self._calls % self.n_sites or any(s is None for s in self.sites):
+            raise RuntimeError(f"recorded {self._calls} routing sites, not a whole number of forwards of "
+                               f"{self.n_sites} sites: pass the recorder as trace= to the model's forward")
+        return RoutingSummary(sites=list(self.sites), heads=self.heads)
+
+
+@dataclasses.dataclass
+class RoutingSummary:
+    """Per-site routing statistics of one model over some tokens (see the module docstring)."""
+
+    sites: list[SiteStats]
+    heads: int
+
+    def mean_weights(self) -> Tensor:
+        """(H, S, N_max) float64: head h, site s, source n; NaN where site s has fewer sources."""
+        n_max = max(site.n_sources for site in self.sites)
+        out = torch.full((self.heads, len(self.sites), n_max), float("nan"), dtype=torch.float64)
+        for s, site in enumerate(self.sites):
+            out[:, s, :site.n_sources] = site.mean_weights
+        return out
+
+    def head_mean_weights(self) -> Tensor:
+        """(S, N_max): the single-head view, mean over heads (NaN padded)."""
+        return self.mean_weights().mean(0)
+
+    def entropy(self) -> list[float]:
+        """Per-site mean entropy (nats)."""
+        return [site.entropy for site in self.sites]
+
+    def effective_sources(self) -> list[float]:
+        """Per-site exp(entropy)."""
+        return [site.effective_sources for site in self.sites]
+
+    def mean_entropy(self) -> float:
+        """Mean over sites of the per-site entropy (the trainer's ``routing_entropy`` metric)."""
+        return sum(self.entropy()) / len(self.sites)
+
+    def to_dict(self) -> dict:
+        return {
+            "heads": self.heads,
+            "tokens": self.sites[0].tokens,
+            "mean_entropy": self.mean_entropy(),
+            "sites": [
+                {"site": s, "n_sources": site.n_sources, "entropy": site.entropy,
+                 "effective_sources": site.effective_sources, "mean_weights": site.mean_weights.tolist()}
+                for s, site in enumerate(self.sites)
+            ],
+        }
+
+
+def site_names(n_sites: int) -> list[str]:
+    """Names of the routing sites in order: layer i's attention and MLP sites, then the final one."""
+    return [f"L{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}" for i in range(n_sites - 1)] + ["final"]
+
+
+@torch.no_grad()
+def routing_summary(model: torch.nn.Module, batches: Iterable[Tensor], desc: str = "routing") -> RoutingSummary:
+    """Routing statistics of a plain (unsharded) model over token batches, each (B, T) int64.
+
+    Raises:
+        ValueError: the model has no routing; no batches.
+    """
+    recorder = RoutingRecorder(model)
+    device = next(model.parameters()).device
+    total = len(batches) if hasattr(batches, "__len__") else None
+    for tokens in progress(batches, total=total, desc=desc, unit="batch"):
+        model.hidden_states(tokens.to(device), trace=recorder)
+    if len(recorder) == 0:
+        raise ValueError("no batches to record routing over")
+    return recorder.summary()
+
+
+@torch.no_grad()
+def routing_entropy(model: torch.nn.Module, tokens: Tensor) -> Optional[float]:
+    """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for the baseline.
+
+    Runs the model's own forward (``model(tokens, trace=...)``), so an FSDP-sharded model
+    gathers its parameters as in any forward; the per-block compiled graphs are bypassed
+    (eager) so that this no-grad call does not compile a second set. Uniform routing over N
+    sources at every site gives mean_s log N_s.
+    """
+    if getattr(model, "routing", None) is None:
+        return None
+    recorder = RoutingRecorder(model)
+    with torch.compiler.set_stance("force_eager"):
+        model(tokens, trace=recorder)
+    return recorder.summary().mean_entropy()

@@ -1,0 +1,163 @@
+"""A trained model from a run folder or a ``step-N`` checkpoint folder, for evaluation and analysis.
+
+The model's shape comes from the checkpoint itself: the ``complete.json`` marker of every
+checkpoint records the weight-defining ``ModelArgs`` and the tokenizer (the fingerprint), so a
+checkpoint loads even after the run's ``config.toml`` changed. The run's ``config.toml`` (when
+present) supplies the data settings (validation files, tokenizer cache), ``max_seq_len`` and the
+metrics file name. Only the ``model.*`` items are read (no optimizer state); model-only exports
+load too. One process, no process group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from mhar_titan.checkpoint import CheckpointError, CheckpointMismatchError, is_complete, read_marker, step_folders
+from mhar_titan.config import ConfigError, JobConfig, load_config, resolve_model_args
+from mhar_titan.data import DataConfig, DataError, Tokenizer, TokenizerFileError, build_tokenizer
+from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.model import Transformer
+
+DEFAULT_MAX_SEQ_LEN = 4096
+"""RoPE table length for a checkpoint whose run folder has no config.toml (max_seq_len is not
+part of the fingerprint: it does not change the weights)."""
+
+USER_ERRORS = (FileNotFoundError, ValueError, CheckpointError, ConfigError, DataError, TokenizerFileError)
+"""Errors of the commands' inputs (paths, checkpoints, configs, data): reported in one line, exit status 2."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model in eval mode with what it was trained with."""
+
+    model: Transformer
+    args: ModelArgs
+    tokenizer: Tokenizer
+    run_dir: pathlib.Path
+    checkpoint: pathlib.Path
+    """The ``step-N`` folder the weights came from."""
+    step: int
+    cfg: Optional[JobConfig]
+    """The run's resolved ``config.toml``; None when the folder has none."""
+
+    @property
+    def data_config(self) -> DataConfig:
+        """The run's ``[data]`` section (a default one naming the tokenizer when there is no config)."""
+        return self.cfg.data if self.cfg is not None else DataConfig(tokenizer=self.tokenizer.name)
+
+
+def _is_checkpoint(path: pathlib.Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def read_run_config(run_dir: pathlib.Path) -> Optional[JobConfig]:
+    """The resolved ``config.toml`` of a run folder, or None when it has none."""
+    path = pathlib.Path(run_dir) / "config.toml"
+    return load_config(str(path)) if path.is_file() else None
+
+
+def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """(run folder, ``step-N`` folder) for a run folder (newest complete checkpoint, or ``step``)
+    or for a checkpoint folder itself.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or holds no complete checkpoint (or not ``step``);
+            the message lists the complete steps there.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass a run folder (e.g. outputs/debug_mhar) "
+                                "or one of its checkpoints/step-N folders")
+    if _is_checkpoint(path):
+        if step is not None:
+            raise ValueError(f"{path} is a checkpoint folder already; drop the step ({step}) or pass the run folder")
+        return path.parent.parent, path
+    cfg = read_run_config(path)
+    folder = path / (cfg.checkpoint.folder if cfg is not None else "checkpoints")
+    complete = {s: p for s, p in step_folders(folder).items() if is_complete(p)}
+    if not complete:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (looked in {folder}); train with "
+                                "checkpoint.enable = true, or pass a step-N folder")
+    if step is None:
+        step = max(complete)
+    if step not in complete:
+        raise FileNotFoundError(f"{folder} has no complete checkpoint step-{step}; complete steps: {sorted(complete)}")
+    return path, complete[step]
+
+
+def read_fingerprint(checkpoint: pathlib.Path) -> dict:
+    """The fingerprint in the checkpoint's marker: ``{"model_args": {...}, "tokenizer": name}``.
+
+    Raises:
+        CheckpointError: the folder has no marker with model arguments (not written by our trainer).
+    """
+    marker = read_marker(checkpoint) if (checkpoint / "complete.json").is_file() else {}
+    fingerprint = marker.get("fingerprint") or {}
+    if "model_args" not in fingerprint:
+        raise CheckpointError(f"{checkpoint} has no complete.json with the model arguments; only checkpoints "
+                              "written by mhar_titan's trainer can be loaded here")
+    return fingerprint
+
+
+def load_model_weights(model: torch.nn.Module, checkpoint: pathlib.Path) -> None:
+    """Fill a plain (unsharded) model with the ``model.*`` items of a DCP checkpoint folder.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint's model keys or shapes differ from the model's.
+    """
+    state = {"model": get_model_state_dict(model)}
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    wanted = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items()}
+    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
+    if wanted != have:
+        diff = sorted(set(wanted) ^ set(have)) or sorted(k for k in wanted if wanted[k] != have[k])
+        raise CheckpointMismatchError(f"checkpoint {checkpoint} does not match the model built from its marker: "
+                                      f"{len(diff)} key(s) differ, e.g. {diff[:5]}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    set_model_state_dict(model, state["model"])
+
+
+def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str | torch.device = "cpu",
+             routing_kernel: str = "eager") -> LoadedModel:
+    """Build the model of a run (or checkpoint) folder, load its weights, switch to eval mode.
+
+    Args:
+        path: a run folder (``<dump_folder>/<job.name>``) or a ``step-N`` checkpoint folder.
+        step: checkpoint step of a run folder; None = the newest complete one.
+        device: where the model goes.
+        routing_kernel: ``ModelArgs.routing_kernel`` for the loaded model ("eager" gives the
+            reference routing that analysis reads; "auto" uses the fused kernels on CUDA).
+
+    Raises:
+        FileNotFoundError / ValueError: see ``find_checkpoint``.
+        CheckpointError, CheckpointMismatchError: the checkpoint has no fingerprint or other keys.
+        TokenizerFileError: the run's tokenizer files are missing (the message names the fix).
+    """
+    run_dir, checkpoint = find_checkpoint(path, step)
+    cfg = read_run_config(run_dir)
+    fingerprint = read_fingerprint(checkpoint)
+    tokenizer_name = fingerprint.get("tokenizer", "gpt2")
+    data_cfg = cfg.data if cfg is not None else DataConfig(tokenizer=tokenizer_name)
+    if data_cfg.tokenizer != tokenizer_name:
+        raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
+                                      f"{run_dir / 'config.toml'} names {data_cfg.tokenizer!r}")
+    tokenizer = build_tokenizer(data_cfg)
+    max_seq_len = resolve_model_args(cfg, tokenizer.n_vocab).max_seq_len if cfg is not None else DEFAULT_MAX_SEQ_LEN
+    args = ModelArgs(**{**fingerprint["model_args"], "max_seq_len": max_seq_len, "routing_kernel": routing_kernel})
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    load_model_weights(model, checkpoint)
+    model.eval()
+    marker = read_marker(checkpoint)
+    return LoadedModel(model=model, args=args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,
+                       step=int(marker.get("step", 0)), cfg=cfg)

@@ -1,0 +1,61 @@
+"""``python -m mhar_titan.generate RUN [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]``.
+
+Prints a continuation of the prompt from a run folder's newest checkpoint (or ``--step``, or a
+``step-N`` folder). Instead of RUN, ``--config FILE [--section.key=value ...]`` (the training
+command line) names the run folder ``<job.dump_folder>/<job.name>`` that training wrote. Temperature 0 (the default) is greedy and deterministic; otherwise tokens are
+sampled (``--seed`` fixes the draw). Bad input: a message on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from mhar_titan.eval.generation import generate
+from mhar_titan.eval.load import USER_ERRORS, load_run
+
+DEFAULT_PROMPT = "ROMEO:"
+
+
+def run_folder(config: str, overrides: list[str]) -> str:
+    """``<job.dump_folder>/<job.name>`` of a training command line."""
+    from mhar_titan.config import load_config
+
+    cfg = load_config(config, overrides)
+    return str(pathlib.Path(cfg.job.dump_folder) / cfg.job.name)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhar_titan.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("run", nargs="?", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
+    parser.add_argument("--config", default=None, help="training config whose run folder to read (instead of RUN); "
+                        "further --section.key=value arguments override it as in training")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to continue (default {DEFAULT_PROMPT!r})")
+    parser.add_argument("--tokens", type=int, default=40, help="new tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="cpu")
+    args, overrides = parser.parse_known_args(argv)
+    if (args.run is None) == (args.config is None) or (overrides and args.config is None):
+        parser.error("pass a run folder, or --config FILE [--section.key=value ...], not both"
+                     + (f" (unknown arguments: {' '.join(overrides)})" if overrides else ""))
+    try:
+        run = args.run if args.config is None else run_folder(args.config, overrides)
+        loaded = load_run(run, args.step, args.device, routing_kernel="auto")
+        tok = loaded.tokenizer
+        prompt = tok.encode(args.prompt) or [tok.eos_id]
+        new = generate(loaded.model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                       n_vocab=tok.n_vocab, seed=args.seed)
+    except USER_ERRORS as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-k {args.top_k}"
+    print(f"--- sample from {loaded.checkpoint} (step {loaded.step}, {how}) ---")
+    print(args.prompt + tok.decode(new.tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

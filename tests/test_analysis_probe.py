@@ -1,0 +1,96 @@
+"""The query probe (MHAR_SPEC 3.3): zero when every slice agrees, positive when slices disagree,
+equal to the KL written out by hand, and the model-level probe with its random reference."""
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from analysis_common import tiny_model, tokens  # noqa: E402
+
+from mhar_titan.analysis.probe import query_probe, slice_kl  # noqa: E402
+
+S = 4
+
+
+def repeated(piece: torch.Tensor) -> torch.Tensor:
+    """S identical contiguous copies of ``piece`` along the last dim."""
+    return torch.cat([piece] * S, dim=-1)
+
+
+def test_identical_slices_give_zero_kl_in_float64():
+    g = torch.Generator().manual_seed(0)
+    sources = [repeated(torch.randn(2, 5, 8, generator=g, dtype=torch.float64)) for _ in range(6)]
+    query = repeated(3 * torch.randn(8, generator=g, dtype=torch.float64))
+    norm_weight = repeated(torch.rand(8, generator=g, dtype=torch.float64) + 0.5)
+    kl = slice_kl(sources, query, norm_weight, slices=S)
+    assert kl.shape == (2, 5, S) and kl.dtype == torch.float64
+    assert kl.abs().max().item() < 1e-9
+    # the distributions are far from uniform, so zero KL is agreement, not flatness
+    logits = torch.stack([(query * s / s.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm_weight).sum(-1)
+                          for s in sources])
+    assert torch.softmax(logits, 0).max().item() > 0.5
+
+
+def test_disagreeing_slices_give_the_hand_computed_positive_kl():
+    # two sources, d = 4, S = 2 slices: slice 0 of the query reads dim 0, slice 1 reads dim 2;
+    # source 0 is large on dim 0, source 1 on dim 2, so slice 0 prefers source 0, slice 1 source 1.
+    s0 = torch.tensor([[[2.0, 0.0, 0.1, 0.0]]], dtype=torch.float64)
+    s1 = torch.tensor([[[0.1, 0.0, 2.0, 0.0]]], dtype=torch.float64)
+    query = torch.tensor([3.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    g = torch.ones(4, dtype=torch.float64)
+    kl = slice_kl([s0, s1], query, g, slices=2)
+    # by hand: keys = s / rms(s), z = <q, k>, partial z_j over dims [0, 1] and [2, 3]
+    keys = [s[0, 0].numpy() / np.sqrt((s[0, 0].numpy() ** 2).mean() + 1e-6) for s in (s0, s1)]
+    q = query.numpy()
+    z = np.array([q @ k for k in keys])
+    parts = np.array([[q[:2] @ k[:2], q[2:] @ k[2:]] for k in keys])  # (N, S)
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    expected = []
+    for j in range(2):
+        zj = 2 * parts[:, j]
+        pj = np.exp(zj - zj.max()) / np.exp(zj - zj.max()).sum()
+        expected.append((p * (np.log(p) - np.log(pj))).sum())
+    assert kl[0, 0].numpy() == pytest.approx(expected, rel=1e-12)
+    assert kl.mean().item() > 0.5  # clearly positive
+    assert np.argmax(parts[:, 0]) == 0 and np.argmax(parts[:, 1]) == 1
+
+
+def test_slices_must_divide_d():
+    x = [torch.randn(1, 2, 6), torch.randn(1, 2, 6)]
+    with pytest.raises(ValueError, match="multiple of slices"):
+        slice_kl(x, torch.randn(6), torch.ones(6), slices=4)
+
+
+def test_model_probe_learned_vs_random_reference():
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=1)
+    batches = [tokens(model.args, seed=3)]
+    result = query_probe(model, batches, slices=S, draws=3, seed=7)
+    assert result.sites == 2 * model.args.n_layers  # every site but the first (one source)
+    assert result.tokens == batches[0].numel()
+    assert result.raw_kl > 0 and result.random_kl > 0
+    assert result.excess_kl == pytest.approx(result.raw_kl - result.random_kl)
+    again = query_probe(model, batches, slices=S, draws=3, seed=7)
+    assert (again.raw_kl, again.random_kl) == (result.raw_kl, result.random_kl)  # fixed seeds
+    assert query_probe(model, batches, slices=S, draws=3, seed=8).random_kl != result.random_kl
+    # the raw number is the mean of slice_kl over probed sites, slices and tokens
+    trace = []
+    with torch.no_grad():
+        model.hidden_states(batches[0], trace=trace)
+        kls = [slice_kl(src, model.routing.query[s], model.routing.key_norm[s], S) for s, src in enumerate(trace)
+               if len(src) > 1]
+    assert result.raw_kl == pytest.approx(torch.stack(kls).double().mean().item(), rel=1e-6)
+    # fresh zero queries: every slice gives the uniform distribution, and so does the random
+    # reference (queries of norm 0)
+    fresh = query_probe(tiny_model(residual="attn_res", routing_heads=1), batches)
+    assert fresh.raw_kl == 0 and fresh.random_kl == 0
+    assert "learned-excess KL" in result.report("probe")
+
+
+def test_probe_refuses_multi_head_and_baseline_models():
+    for kwargs in (dict(residual="attn_res", routing_heads=4), dict()):
+        model = tiny_model(**kwargs)
+        with pytest.raises(ValueError, match="single-head"):
+            query_probe(model, [tokens(model.args)])

@@ -1,0 +1,123 @@
+"""Routing statistics and heatmaps: the recorder against the model's own routing weights,
+uniform routing at init, and PNG pixels decoded back to the plotted mean weights."""
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from analysis_common import assert_not_blank, read_png, tiny_model, tokens  # noqa: E402
+
+from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report  # noqa: E402
+from mhar_titan.analysis.plots import pyplot  # noqa: E402
+from mhar_titan.analysis.routing import RoutingRecorder, routing_entropy, routing_summary  # noqa: E402
+from mhar_titan.models import route_reference  # noqa: E402
+
+FAMILIES = {
+    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
+    "mhar H=8": dict(residual="attn_res", routing_heads=8),
+    "block": dict(residual="attn_res", routing_heads=4, routing_granularity="block", routing_block_layers=1),
+    "delta+null": dict(residual="attn_res", routing_heads=2, routing_mode="delta", routing_null_source=True),
+}
+
+
+def model_weights(model, x):
+    """Per-site weights (N, B, T, H) returned by the model's reference routing for batch x."""
+    trace = []
+    with torch.no_grad():
+        model.hidden_states(x, trace=trace)
+        return [route_reference(sources, model.routing.query[s], model.routing.key_norm[s],
+                                model.args.resolved_routing_heads, model.args.routing_eps, return_weights=True)[1]
+                for s, sources in enumerate(trace)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, tmp_path):
+    model = tiny_model(**FAMILIES[family])
+    x = tokens(model.args)
+    recorder = RoutingRecorder(model, keep_weights=True)
+    with torch.no_grad():
+        model.hidden_states(x, trace=recorder)
+    summary = recorder.summary()
+    assert len(summary.sites) == model.args.n_routing_sites
+    for site, w in zip(summary.sites, recorder.weights):
+        n = w.shape[0]
+        assert torch.equal(w, torch.full_like(w, 1.0 / n))  # fl(1/N) for every token and head
+        assert site.n_sources == n and site.tokens == x.numel()
+        assert np.abs(site.mean_weights.numpy() - 1.0 / n).max() < 1e-6
+        assert site.entropy == pytest.approx(math.log(n), abs=1e-6)
+        assert site.effective_sources == pytest.approx(n, rel=1e-6)
+    heat = plot_routing_heatmaps(summary, tmp_path / "fresh.png")
+    n_of_site = np.array([site.n_sources for site in summary.sites], dtype=np.float64)[:, None]
+    for name, array in heat.panels.items():
+        filled = ~np.isnan(array)
+        assert (filled.sum(1) == n_of_site[:, 0]).all()
+        assert np.abs(np.where(filled, array - 1.0 / n_of_site, 0.0)).max() < 1e-6, name
+    assert len(heat.panels) == 1 + (model.args.resolved_routing_heads if model.args.resolved_routing_heads > 1 else 0)
+    pyplot().close(heat.figure)
+
+
+@pytest.mark.parametrize("family", ["attn_res H=1", "mhar H=8", "delta+null"])
+def test_recorder_means_and_entropy_equal_the_models_weights(family):
+    model = tiny_model(random_queries=True, **FAMILIES[family])
+    batches = [tokens(model.args, seed=1), tokens(model.args, seed=2)]
+    summary = routing_summary(model, batches)
+    weights = [torch.cat(ws, dim=1) for ws in zip(*(model_weights(model, x) for x in batches))]
+    for site, w in zip(summary.sites, weights):
+        assert torch.allclose(site.mean_weights, w.double().mean((1, 2)).T, rtol=0, atol=1e-12)
+        ent = -(w.double() * w.double().clamp_min(1e-300).log()).sum(0).mean().item()
+        assert site.entropy == pytest.approx(ent, abs=1e-6)
+    assert max(abs(site.mean_weights.sum(1) - 1).max().item() for site in summary.sites) < 1e-6  # float32 softmax
+    # random queries route far from uniform: entropy below log N on the last site
+    assert summary.sites[-1].entropy < math.log(summary.sites[-1].n_sources) - 0.05
+    report = routing_report(summary, "tiny")
+    assert report.count("\n| L") == 2 * model.args.n_layers and "| final |" in report
+
+
+def test_routing_entropy_metric_runs_through_the_forward():
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=4)
+    x = tokens(model.args, batch=1)
+    expected = routing_summary(model, [x]).mean_entropy()
+    assert routing_entropy(model, x) == pytest.approx(expected, rel=1e-12)
+    fresh = tiny_model(residual="attn_res", routing_heads=4)
+    n_sources = range(1, 2 * fresh.args.n_layers + 2)
+    assert routing_entropy(fresh, x) == pytest.approx(sum(map(math.log, n_sources)) / len(n_sources), rel=1e-6)
+    assert routing_entropy(tiny_model(), x) is None  # the baseline has no routing
+    with pytest.raises(ValueError, match="no depth routing"):
+        RoutingRecorder(tiny_model())
+
+
+def decode_cell(pixels, heat, name, row, col):
+    """The value whose colour is at the centre of heatmap cell (row, col) of panel ``name``."""
+    fig, ax = heat.figure, heat.axes[name]
+    x, y = ax.transData.transform((col, row))
+    height = pixels.shape[0]
+    rgb = pixels[int(round(height - y)), int(round(x))]
+    cmap = pyplot().get_cmap(heat.cmap)
+    table = cmap(np.linspace(0, 1, cmap.N))[:, :3]
+    index = np.argmin(((table - rgb) ** 2).sum(1))
+    return index / (cmap.N - 1) * heat.vmax
+
+
+def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=2)
+    x = tokens(model.args)
+    summary = routing_summary(model, [x])
+    heat = plot_routing_heatmaps(summary, tmp_path / "heat.png", title="tiny")
+    assert_not_blank(heat.path)
+    pixels = read_png(heat.path)
+    weights = model_weights(model, x)
+    step = heat.vmax / (pyplot().get_cmap(heat.cmap).N - 1)
+    for name in heat.panels:
+        for row, w in enumerate(weights):
+            per_head = w.double().mean((1, 2)).T.numpy()  # (H, N)
+            expected = per_head.mean(0) if name.startswith("mean") else per_head[int(name.split()[-1])]
+            assert np.allclose(heat.panels[name][row, :w.shape[0]], expected, rtol=0, atol=1e-12)
+            assert np.isnan(heat.panels[name][row, w.shape[0]:]).all()
+            for col, value in enumerate(expected):
+                got = decode_cell(pixels, heat, name, row, col)
+                assert abs(got - min(value, heat.vmax)) <= 3 * step, (name, row, col, got, value)  # 8-bit colours
+    pyplot().close(heat.figure)

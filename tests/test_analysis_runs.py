@@ -1,0 +1,114 @@
+"""Commands on real run folders: two tiny debug runs (baseline and MHAR, same seed and data
+order) trained here, then the comparison table and plot, the heatmap command on the MHAR
+checkpoint, perplexity and the sample printer."""
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from analysis_common import assert_not_blank  # noqa: E402
+from train_common import ROOT, SAMPLE, debug_argv  # noqa: E402
+
+from mhar_titan.analysis.__main__ import main as analysis_main  # noqa: E402
+from mhar_titan.analysis.compare import comparison_table, read_run  # noqa: E402
+from mhar_titan.data import build_validation_loader  # noqa: E402
+from mhar_titan.eval.__main__ import main as eval_main  # noqa: E402
+from mhar_titan.eval.load import load_run  # noqa: E402
+from mhar_titan.generate import main as generate_main  # noqa: E402
+from mhar_titan.models import route_reference  # noqa: E402
+from mhar_titan.train import main as train_main  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                                reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run folders of debug_baseline and debug_mhar: 6 steps of 2 x 32 tokens, validation every
+    2 steps, a checkpoint at the end."""
+    root = tmp_path_factory.mktemp("runs")
+    for name in ("debug_baseline", "debug_mhar"):
+        argv = debug_argv(root, name, f"--training.steps={STEPS}", "--training.local_batch_size=2",
+                          "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
+                          "--checkpoint.enable=true", f"--checkpoint.interval={STEPS}",
+                          config=ROOT / "train_configs" / f"{name}.toml")
+        assert train_main(argv) == 0
+    return root
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_compare_two_runs_tail_means_from_their_jsonl(runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert analysis_main(["compare", str(runs / "debug_baseline"), str(runs / "debug_mhar"), "-k", "2",
+                          "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    recomputed = {}
+    for name in ("debug_baseline", "debug_mhar"):
+        vals = [r["val_loss"] for r in jsonl(runs / name / "metrics.jsonl") if "val_loss" in r]
+        assert len(vals) == STEPS // 2
+        recomputed[name] = float(np.mean(vals[-2:]))
+    rows = {r.name: r for r in comparison_table([read_run(runs / n) for n in recomputed], "debug_baseline", k=2)}
+    for name, mean in recomputed.items():
+        assert rows[name].tail_mean == pytest.approx(mean, rel=1e-12) and rows[name].evals == 2
+    assert rows["debug_mhar"].delta == pytest.approx(recomputed["debug_mhar"] - recomputed["debug_baseline"])
+    assert rows["debug_mhar"].paired is True and rows["debug_baseline"].baseline
+    table = (out / "comparison.md").read_text()
+    assert f"| debug_mhar | {recomputed['debug_mhar']:.4f} | 2 | " in table and "| yes |" in table
+    assert f"| debug_baseline | {recomputed['debug_baseline']:.4f} | 2 | baseline |" in printed
+    assert_not_blank(out / "loss_vs_tokens.png")
+    # tokens axis: 2 x 32 tokens per step
+    assert read_run(runs / "debug_mhar").tokens_per_step == 64
+    # k larger than the number of evaluations: all of them, and the count says so
+    (row,) = [r for r in comparison_table([read_run(runs / "debug_mhar")], k=11)]
+    assert row.evals == STEPS // 2
+
+
+def test_heatmap_command_on_the_checkpoint_plots_the_models_mean_weights(runs, tmp_path):
+    run = runs / "debug_mhar"
+    out = tmp_path / "heat"
+    assert analysis_main(["heatmap", str(run), "--batches", "1", "--out", str(out)]) == 0
+    assert_not_blank(out / f"routing_step{STEPS}.png")
+    data = json.loads((out / f"routing_step{STEPS}.json").read_text())
+    loaded = load_run(run)
+    (x, _), = build_validation_loader(loaded.data_config, loaded.tokenizer, dp_rank=0, dp_world=1,
+                                      local_batch_size=2, seq_len=32, steps=1)
+    trace = []
+    with torch.no_grad():
+        loaded.model.hidden_states(x, trace=trace)
+    assert len(data["sites"]) == len(trace) == 9
+    for s, sources in enumerate(trace):
+        _, w = route_reference(sources, loaded.model.routing.query[s], loaded.model.routing.key_norm[s], 8,
+                               return_weights=True)
+        expected = w.double().mean((1, 2)).T.numpy()  # (H, N)
+        assert np.allclose(data["sites"][s]["mean_weights"], expected, rtol=0, atol=1e-12)
+    assert "| final | 9 |" in (out / f"routing_step{STEPS}.md").read_text()
+
+
+def test_perplexity_command_matches_the_trainers_last_validation(runs, capsys):
+    run = runs / "debug_mhar"
+    assert eval_main(["perplexity", str(run)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    last_val = [r["val_loss"] for r in jsonl(run / "metrics.jsonl") if "val_loss" in r][-1]
+    assert result["step"] == STEPS and result["tokens"] == 2 * 32
+    assert result["loss"] == pytest.approx(last_val, rel=1e-5)
+    assert eval_main(["perplexity", str(run / "missing")]) == 2
+
+
+def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys):
+    run = runs / "debug_mhar"
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5"]) == 0
+    first = capsys.readouterr().out
+    assert f"step-{STEPS}" in first and "\nROMEO:" in first
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out == first  # greedy: the same text again
+    assert generate_main([str(runs / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err

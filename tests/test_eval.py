@@ -1,0 +1,130 @@
+"""Evaluation: greedy generation equals the step-by-step argmax of the model's logits, seeded
+sampling, the lm-eval adapter's log-likelihoods as sums of token log-probabilities (lm-eval
+itself is not needed), and perplexity as the token-weighted cross-entropy."""
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from analysis_common import tiny_model  # noqa: E402
+
+from mhar_titan.data import DataConfig, build_tokenizer  # noqa: E402
+from mhar_titan.eval.generation import choose_token, generate  # noqa: E402
+from mhar_titan.eval.lm_eval_adapter import MharLM  # noqa: E402
+from mhar_titan.eval.perplexity import evaluate_perplexity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(DataConfig(tokenizer="gpt2"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, random_queries=True, residual="attn_res", routing_heads=4)
+
+
+def logprobs(model, ids):
+    """log p(ids[i] | ids[:i]) for i >= 1, from one forward."""
+    with torch.no_grad():
+        lp = F.log_softmax(model(torch.tensor([ids[:-1]])).float(), dim=-1)[0]
+    return lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_greedy_generation_is_the_stepwise_argmax(model, tok):
+    prompt = tok.encode("To be, or not")
+    new = generate(model, prompt, 12, n_vocab=tok.n_vocab)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([ids]))[0, -1]
+            ids.append(int(logits[:tok.n_vocab].argmax()))
+    assert new.tolist() == ids[len(prompt):]
+    assert generate(model, prompt, 12, n_vocab=tok.n_vocab).tolist() == new.tolist()  # deterministic
+    batch = generate(model, torch.tensor([prompt, prompt]), 5, n_vocab=tok.n_vocab)
+    assert batch.shape == (2, 5) and batch[0].tolist() == batch[1].tolist() == new[:5].tolist()
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(model, tok):
+    prompt = tok.encode("Friends")
+    a = generate(model, prompt, 10, temperature=1.0, seed=5, n_vocab=tok.n_vocab)
+    assert a.tolist() == generate(model, prompt, 10, temperature=1.0, seed=5, n_vocab=tok.n_vocab).tolist()
+    assert a.tolist() != generate(model, prompt, 10, temperature=1.0, seed=6, n_vocab=tok.n_vocab).tolist()
+    assert (generate(model, prompt, 10, temperature=0.7, top_k=1, seed=1, n_vocab=tok.n_vocab).tolist()
+            == generate(model, prompt, 10, n_vocab=tok.n_vocab).tolist())
+    assert int(a.max()) < tok.n_vocab  # padded embedding rows are never produced
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
+    draws = {int(choose_token(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s))) for s in range(40)}
+    assert draws == {1, 2}
+    with pytest.raises(ValueError, match="temperature"):
+        choose_token(logits, -1.0)
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, [], 3)
+
+
+def test_adapter_loglikelihood_is_the_sum_of_token_logprobs(model, tok):
+    lm = MharLM(model, tok, batch_size=2)
+    requests = [("To be, or not to", " be"), ("The quality of mercy", " is not strained"),
+                ("", "Hello world"), ("Once more unto the breach, ", "dear friends")]
+    got = lm.loglikelihood(requests)
+    for (context, continuation), (ll, greedy) in zip(requests, got):
+        context_ids = tok.encode(context.rstrip(" ")) or [tok.eos_id]
+        cont_ids = tok.encode(continuation if not context.endswith(" ") else " " + continuation)
+        lp = logprobs(model, context_ids + cont_ids)[-len(cont_ids):]
+        assert ll == pytest.approx(lp.sum().item(), rel=1e-5, abs=1e-5), (context, continuation)
+        with torch.no_grad():
+            ids = context_ids + cont_ids
+            argmax = model(torch.tensor([ids[:-1]]))[0, -len(cont_ids):].argmax(-1)
+        assert greedy is (argmax.tolist() == cont_ids)
+    # the model's own greedy continuation (token by token) is greedy
+    context_ids = tok.encode("Now is the winter")
+    greedy_ids = generate(model, context_ids, 3).tolist()
+    lm.encode_pair = lambda context, continuation: (context_ids, greedy_ids)
+    assert lm.loglikelihood([("Now is the winter", "(tokens given above)")])[0][1] is True
+
+
+def test_adapter_rolling_loglikelihood_windows(model, tok):
+    text = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
+    ids = [tok.eos_id] + tok.encode(text)
+    full = MharLM(model, tok).loglikelihood_rolling([(text,)])[0]
+    assert full == pytest.approx(logprobs(model, ids).sum().item(), rel=1e-5)
+    # windows of 8 tokens: each target sees at most the 8 tokens before its window's end
+    windowed = MharLM(model, tok, max_length=8).loglikelihood_rolling([(text,)])[0]
+    expected = 0.0
+    for begin in range(0, len(ids) - 1, 8):
+        end = min(begin + 8, len(ids) - 1)
+        first = max(0, end - 8)
+        expected += logprobs(model, ids[first:end + 1])[-(end - begin):].sum().item()
+    assert windowed == pytest.approx(expected, rel=1e-5)
+    assert windowed != pytest.approx(full, rel=1e-4)  # truncated context really changes the number
+
+
+def test_adapter_generate_until_stops_before_the_stop_string(model, tok):
+    lm = MharLM(model, tok)
+    context = "ROMEO:"
+    text = tok.decode(generate(model, tok.encode(context), 8, n_vocab=tok.n_vocab).tolist())
+    out = lm.generate_until([(context, {"until": [], "max_gen_toks": 8})])[0]
+    assert out == text
+    stop = text[3:5]
+    cut = lm.generate_until([(context, {"until": [stop], "max_gen_toks": 8})])[0]
+    assert cut == text[:text.index(stop)]
+
+
+def test_perplexity_is_the_token_weighted_cross_entropy(model):
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randint(0, 50_000, (2, 10), generator=g), torch.randint(0, 50_000, (1, 6), generator=g)
+    y1, y2 = torch.roll(x1, -1, 1), torch.roll(x2, -1, 1)
+    y1[0, :4] = -100  # ignored labels do not count
+    result = evaluate_perplexity(model, [(x1, y1), (x2, y2)])
+    with torch.no_grad():
+        total = sum(F.cross_entropy(model(x)[y != -100], y[y != -100], reduction="sum").item()
+                    for x, y in ((x1, y1), (x2, y2)))
+    assert result.tokens == 16 + 6
+    assert result.loss == pytest.approx(total / 22, rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(total / 22), rel=1e-6)
+    with pytest.raises(ValueError, match="no target tokens"):
+        evaluate_perplexity(model, [(x2, torch.full_like(y2, -100))])
