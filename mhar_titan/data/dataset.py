@@ -21,7 +21,17 @@ from typing import Optional
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mhar_titan.data.sources import DataError
 from mhar_titan.data.stream import TokenStream
+
+
+class DataFault:
+    """Yielded instead of a batch when the stream raises ``DataError`` (in a loader worker, whose
+    exceptions reach the training process wrapped in a traceback): the train loader raises
+    ``DataError(message)`` with the original one-line message naming the file and row."""
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 class PackedBatches(IterableDataset):
@@ -63,10 +73,13 @@ class PackedBatches(IterableDataset):
             self._next_step = self._loaded["next_step"]
             self.start_window = self._loaded["start_window"]
             self._loaded = None
-        if self.sharding == "window":
-            yield from self._iter_window(workers)
-        else:
-            yield from self._iter_document(workers)
+        try:
+            if self.sharding == "window":
+                yield from self._iter_window(workers)
+            else:
+                yield from self._iter_document(workers)
+        except DataError as e:
+            yield DataFault(str(e))
 
     def _iter_window(self, workers: int):
         s, rounds = self._stream, self.dp_world * self.batch

@@ -58,7 +58,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mhar_titan.data.balance import epoch_batches_per_rank
 from mhar_titan.data.config import DataConfig
-from mhar_titan.data.dataset import PackedBatches
+from mhar_titan.data.dataset import DataFault, PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
 from mhar_titan.data.stream import TokenStream
@@ -189,6 +189,8 @@ class TrainLoader:
                 logger.info("data: rank %d's finite data ran out after %d batches; set data.infinite = true to "
                             "train longer", rank, self.batches_done)
                 return
+            if isinstance(batch, DataFault):
+                raise DataError(batch.message)
             self._steps += 1
             yield batch
         logger.warning(

@@ -197,9 +197,11 @@ class TokenStream:
             doc = self._next_doc()
             if doc is None:
                 if self._epoch_docs == 0:
-                    raise DataError(f"data stream {self.label} got no documents in epoch {self.epoch}: "
-                                    f"{len(self.shards)} shard(s) give this rank/worker nothing (too few shards or "
-                                    f"rows for the number of ranks x workers, or all documents empty)")
+                    names = ", ".join(self.shards[s].name for s, _, _ in self._parts[:3]) or "none"
+                    raise DataError(f"data stream {self.label} got no documents in epoch {self.epoch} from its "
+                                    f"{len(self._parts)} part(s) of {len(self.shards)} shard(s) (files: {names}): "
+                                    f"too few shards or rows for the number of ranks x workers, or every "
+                                    f"document empty or null ({self.skipped or 'none'} skipped)")
                 if not self.infinite:
                     self.exhausted = True
                     return False

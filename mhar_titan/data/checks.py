@@ -1,0 +1,117 @@
+"""Checks of the data that need only the config and the files, run before a model is built.
+
+``check_data_files(cfg, dp_world=..., num_workers=...)`` opens every local training and
+validation file (parquet footers, the first record of a jsonl file, pretokenized manifests)
+and raises ``DataError`` in one line naming the file for:
+
+- a path or glob that matches nothing, an unsupported file type, an unreadable file;
+- a missing text column (``data.text_field``) or one that does not hold text (an int or list
+  column: parquet types other than string/binary; a jsonl value that is not a string);
+- an empty shard (no rows) and a parquet text column whose every value is null (from the
+  row-group statistics, when the file has them);
+- too few documents for the readers: in ``document`` sharding every (rank, worker) pair
+  reads its own rows (``stream.epoch_parts``) and one with no row would fail in the middle of
+  training, so rows are counted per reader for the first epochs' shard orders.
+
+Hub sources are not opened here (that needs the network); their errors come when the loader
+starts, naming the shard and row. Problems that only reading every row can find (an invalid
+row in the middle of a file) are reported when met, by the stream, with the file and row.
+"""
+
+import numpy as np
+
+from mhar_titan.data.config import DataConfig
+from mhar_titan.data.sources import DataError, JsonlShard, ParquetShard, train_shards, validation_shards
+from mhar_titan.data.stream import epoch_parts
+
+EPOCHS_CHECKED = 4
+"""Shard orders (epochs 0..3) for which the rows of every document-sharding reader are counted."""
+
+
+def _parquet_rows(shard: ParquetShard) -> int:
+    import pyarrow as pa
+
+    pf = shard._open()  # unreadable file / missing column: DataError naming the file
+    kind = pf.schema_arrow.field(shard.field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"parquet file {shard.path}: column {shard.field!r} has type {kind}, not text (string); "
+                        f"set data.text_field to the column holding the documents")
+    rows = pf.metadata.num_rows
+    if rows == 0:
+        raise DataError(f"parquet file {shard.path} has no rows (an empty shard): remove it from the data files")
+    column = pf.schema_arrow.get_field_index(shard.field)
+    nulls = []
+    for rg in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(rg).column(column).statistics
+        nulls.append(stats.null_count if stats is not None and stats.has_null_count else None)
+    if None not in nulls and sum(nulls) == rows:
+        raise DataError(f"parquet file {shard.path}: all {rows} values of column {shard.field!r} are null (no "
+                        f"document): remove the file from the data files or set data.text_field")
+    return rows
+
+
+def _jsonl_rows(shard: JsonlShard) -> int:
+    shard.check()
+    with open(shard.path, "rb") as f:
+        rows = sum(1 for _ in f)
+    if rows == 0:
+        raise DataError(f"jsonl file {shard.path} is empty (an empty shard): remove it from the data files")
+    first = next(shard.rows(0))  # DataError naming the line for bad JSON or a missing key
+    if first is not None and not isinstance(first, (str, bytes)):
+        raise DataError(f"{shard.path}:1: key {shard.field!r} holds a {type(first).__name__}, not text; set "
+                        f"data.text_field to the key holding the documents")
+    return rows
+
+
+def shard_rows(shard) -> int:
+    """Rows of one local shard after checking its readability, text column and emptiness (DataError)."""
+    if isinstance(shard, ParquetShard):
+        return _parquet_rows(shard)
+    if isinstance(shard, JsonlShard):
+        return _jsonl_rows(shard)
+    rows = shard.n_docs  # pretokenized: files checked against the manifest when loaded
+    if rows == 0:
+        raise DataError(f"pretokenized shard {shard.name} has no rows (an empty shard): remove it")
+    return rows
+
+
+def check_readers(shards: list, rows: list[int], cfg: DataConfig, *, dp_world: int, num_workers: int,
+                  seed: int) -> None:
+    """In document sharding, every (rank, worker) reader must own at least one row in each checked epoch."""
+    if cfg.sharding != "document":
+        return
+    workers = max(1, num_workers)
+    counts = np.asarray(rows)
+    for epoch in range(EPOCHS_CHECKED if cfg.shuffle else 1):
+        for rank in range(dp_world):
+            for worker in range(workers):
+                parts = epoch_parts(len(shards), seed, epoch, cfg.shuffle, [(dp_world, rank), (workers, worker)])
+                owned = sum(max(0, -(-(int(counts[s]) - offset) // stride)) for s, stride, offset in parts)
+                if owned == 0:
+                    raise DataError(
+                        f"data.files give {int(counts.sum())} documents in {len(shards)} shard(s), too few for "
+                        f"data.sharding = 'document' with {dp_world} rank(s) x {workers} loader worker(s): rank "
+                        f"{rank} worker {worker} would read nothing (epoch {epoch}). Use data.sharding = 'window', "
+                        f"fewer data.num_workers, or more files")
+
+
+def check_data_files(cfg: DataConfig, *, dp_world: int, seed: int, validation: bool) -> None:
+    """Run every data check that needs only ``cfg`` and the files (module docstring); DataError if one fails.
+
+    ``seed`` is the training seed (used when ``cfg.seed`` is None); ``validation``: check
+    ``cfg.validation_files`` too. Costs one footer read per parquet file and one pass over the
+    lines of each jsonl file; no tokenization.
+    """
+    if cfg.source == "hub":
+        return
+    shards = train_shards(cfg)
+    rows = [shard_rows(s) for s in shards]
+    check_readers(shards, rows, cfg, dp_world=dp_world, num_workers=cfg.num_workers,
+                  seed=cfg.seed if cfg.seed is not None else seed)
+    if validation:
+        for shard in validation_shards(cfg):
+            shard_rows(shard)
+
+
+
