@@ -17,9 +17,10 @@ one text and split after the context's own tokens, so the continuation tokens ar
 model would read after the context.
 
 lm-eval is optional: without it ``MharLM`` is a plain class with the same methods (the tests
-use it that way); with it, ``MharLM`` subclasses ``LM`` and is registered as ``mhar_titan``, so
-``lm_eval --model mhar_titan --model_args run=outputs/debug_mhar,device=cuda --tasks ...``
-works once this module is imported (``python -m mhar_titan.eval lm-eval`` does that).
+use it that way); with it, ``MharLM`` subclasses ``LM`` and importing this module registers it
+under the name ``mhar_titan``, so ``lm_eval.simple_evaluate(model="mhar_titan",
+model_args="run=outputs/debug_mhar,device=cuda", tasks=[...])`` works after the import
+(``python -m mhar_titan.eval lm-eval`` passes an ``MharLM`` instance directly).
 """
 from __future__ import annotations
 
