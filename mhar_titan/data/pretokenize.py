@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from mhar_titan.data.manifest import FORMAT, MANIFEST, ManifestError
+from mhar_titan.progress import progress
 
 
 def write_pretokenized(out: Path, shards: Iterable[tuple[str, str, Iterable[np.ndarray]]], tokenizer) -> dict:
@@ -120,8 +121,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
 
     def each():
-        for i, shard in enumerate(shards):
-            print(f"[{i + 1}/{len(shards)}] {shard.name}", flush=True)
+        for i, shard in enumerate(bar := progress(shards, desc="pretokenize", unit="file")):
+            bar.write(f"[{i + 1}/{len(shards)}] {shard.name}")
             yield shard.name, _file_sha256(shard.path), tokenize_rows(shard, tok)
 
     try:
