@@ -112,3 +112,29 @@ def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys
     assert capsys.readouterr().out == first  # greedy: the same text again
     assert generate_main([str(runs / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_runs_with_another_seed_are_not_paired(runs, tmp_path):
+    other = tmp_path / "debug_mhar_seed7"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text((runs / "debug_mhar" / "metrics.jsonl").read_text())
+    config = (runs / "debug_mhar" / "config.toml").read_text()
+    assert "seed = 42" in config
+    (other / "config.toml").write_text(config.replace("seed = 42", "seed = 7"))
+    rows = comparison_table([read_run(runs / "debug_baseline"), read_run(runs / "debug_mhar"), read_run(other)], k=2)
+    assert [r.paired for r in rows] == [True, True, False]
+    assert rows[2].tail_mean == rows[1].tail_mean  # same metrics file, only the data order differs
+
+
+def test_commands_refuse_what_they_cannot_do(runs, capsys):
+    assert analysis_main(["probe", str(runs / "debug_mhar")]) == 2  # H = 8: the probe needs H = 1
+    assert "single-head" in capsys.readouterr().err
+    assert analysis_main(["heatmap", str(runs / "debug_baseline")]) == 2
+    assert "no routing" in capsys.readouterr().err
+    assert analysis_main(["compare", str(runs / "debug_mhar"), "--baseline", "nope"]) == 2
+    assert "baseline 'nope'" in capsys.readouterr().err
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai"]) == 2
+        assert "pip install lm-eval" in capsys.readouterr().err

@@ -18,18 +18,9 @@ import sys
 from mhar_titan.eval.load import USER_ERRORS, LoadedModel, load_run
 
 
-def _validation_tokens(loaded: LoadedModel, batches: int, batch_size: int | None, seq_len: int | None) -> list:
+def _validation_tokens(loaded: LoadedModel, args) -> list:
     """Input token batches (B, T) from the run's validation files."""
-    from mhar_titan.data import build_validation_loader
-
-    cfg = loaded.cfg
-    if not loaded.data_config.validation_files:
-        raise ValueError(f"{loaded.run_dir} names no validation files (data.validation_files)")
-    loader = build_validation_loader(
-        loaded.data_config, loaded.tokenizer, dp_rank=0, dp_world=1,
-        local_batch_size=batch_size or (cfg.training.local_batch_size if cfg else 8),
-        seq_len=seq_len or (cfg.training.seq_len if cfg else 512), steps=batches)
-    return [x for x, _ in loader]
+    return [x for x, _ in loaded.validation_batches(None, args.batch_size, args.seq_len, args.batches)]
 
 
 def _heatmap(args) -> list[pathlib.Path]:
@@ -39,7 +30,7 @@ def _heatmap(args) -> list[pathlib.Path]:
     loaded = load_run(args.run, args.step, args.device)
     if loaded.model.routing is None:
         raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
-    summary = routing_summary(loaded.model, _validation_tokens(loaded, args.batches, args.batch_size, args.seq_len))
+    summary = routing_summary(loaded.model, _validation_tokens(loaded, args))
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     title = f"{loaded.run_dir.name}, step {loaded.step}: mean routing weight per site and source"
     png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
@@ -55,7 +46,7 @@ def _probe(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.probe import query_probe
 
     loaded = load_run(args.run, args.step, args.device)
-    result = query_probe(loaded.model, _validation_tokens(loaded, args.batches, args.batch_size, args.seq_len),
+    result = query_probe(loaded.model, _validation_tokens(loaded, args),
                          slices=args.slices, draws=args.draws, seed=args.seed)
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     out.mkdir(parents=True, exist_ok=True)

@@ -8,31 +8,20 @@ Bad input: a message on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
-from mhar_titan.data import build_validation_loader
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
 
 
 def _perplexity(args) -> dict:
     loaded = load_run(args.run, args.step, args.device)
-    cfg = loaded.cfg
-    files = args.files or loaded.data_config.validation_files
-    if not files:
-        raise ValueError(f"{loaded.run_dir} names no validation files; pass --files")
-    seq_len = args.seq_len or (cfg.training.seq_len if cfg is not None else 512)
-    batch = args.batch_size or (cfg.training.local_batch_size if cfg is not None else 8)
-    steps = args.batches or (cfg.validation.steps if cfg is not None else 8)
-    data_cfg = dataclasses.replace(loaded.data_config, validation_files=list(files))
-    batches = build_validation_loader(data_cfg, loaded.tokenizer, dp_rank=0, dp_world=1, local_batch_size=batch,
-                                      seq_len=seq_len, steps=steps)
+    batches = loaded.validation_batches(args.files, args.batch_size, args.seq_len, args.batches)
     result = evaluate_perplexity(loaded.model, batches)
     return {"run": str(loaded.run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
-            "files": list(files), "seq_len": seq_len, "tokens": result.tokens, "loss": result.loss,
-            "perplexity": result.perplexity}
+            "files": args.files or loaded.data_config.validation_files, "seq_len": batches.seq_len,
+            "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}
 
 
 def _lm_eval(args) -> dict:

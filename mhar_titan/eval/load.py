@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from mhar_titan.checkpoint import CheckpointError, CheckpointMismatchError, is_complete, read_marker, step_folders
 from mhar_titan.config import ConfigError, JobConfig, load_config, resolve_model_args
-from mhar_titan.data import DataConfig, DataError, Tokenizer, TokenizerFileError, build_tokenizer
+from mhar_titan.data import (DataConfig, DataError, Tokenizer, TokenizerFileError, ValidationLoader, build_tokenizer,
+                             build_validation_loader)
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 
@@ -50,6 +51,26 @@ class LoadedModel:
     def data_config(self) -> DataConfig:
         """The run's ``[data]`` section (a default one naming the tokenizer when there is no config)."""
         return self.cfg.data if self.cfg is not None else DataConfig(tokenizer=self.tokenizer.name)
+
+    def validation_batches(self, files: Optional[list[str]] = None, batch_size: Optional[int] = None,
+                           seq_len: Optional[int] = None, steps: Optional[int] = None) -> ValidationLoader:
+        """Held-out ``(inputs, labels)`` batches as the trainer's validation builds them.
+
+        Defaults come from the run's config: ``data.validation_files``, ``training.local_batch_size``,
+        ``training.seq_len`` and ``validation.steps`` (8, 512 and 8 without a config).
+
+        Raises:
+            ValueError: no validation files named anywhere. DataError: the files are too short.
+        """
+        cfg = self.cfg
+        files = list(files or self.data_config.validation_files)
+        if not files:
+            raise ValueError(f"{self.run_dir} names no validation files (data.validation_files); pass some files")
+        return build_validation_loader(
+            dataclasses.replace(self.data_config, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,
+            local_batch_size=batch_size or (cfg.training.local_batch_size if cfg is not None else 8),
+            seq_len=seq_len or (cfg.training.seq_len if cfg is not None else 512),
+            steps=steps or (cfg.validation.steps if cfg is not None else 8))
 
 
 def _is_checkpoint(path: pathlib.Path) -> bool:
