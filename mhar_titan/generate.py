@@ -26,8 +26,11 @@ def run_folder(config: str, overrides: list[str]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    by_config = any(a == "--config" or a.startswith("--config=") for a in argv)
     parser = argparse.ArgumentParser(prog="python -m mhar_titan.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("run", nargs="?", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
+    if not by_config:  # with --config, the rest are training overrides (--optimizer.lr 1e-3 included)
+        parser.add_argument("run", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
     parser.add_argument("--config", default=None, help="training config whose run folder to read (instead of RUN); "
                         "further --section.key=value arguments override it as in training")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
@@ -37,12 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu")
-    args, overrides = parser.parse_known_args(argv)
-    if (args.run is None) == (args.config is None) or (overrides and args.config is None):
-        parser.error("pass a run folder, or --config FILE [--section.key=value ...], not both"
-                     + (f" (unknown arguments: {' '.join(overrides)})" if overrides else ""))
+    args, overrides = parser.parse_known_args(argv) if by_config else (parser.parse_args(argv), [])
     try:
-        run = args.run if args.config is None else run_folder(args.config, overrides)
+        run = run_folder(args.config, overrides) if by_config else args.run
         loaded = load_run(run, args.step, args.device, routing_kernel="auto")
         tok = loaded.tokenizer
         prompt = tok.encode(args.prompt) or [tok.eos_id]

@@ -110,6 +110,10 @@ def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys
     assert f"step-{STEPS}" in first and "\nROMEO:" in first
     assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5"]) == 0
     assert capsys.readouterr().out == first  # greedy: the same text again
+    # the training command line names the same run folder (as `make train` calls it)
+    assert generate_main(["--config", str(ROOT / "train_configs" / "debug_mhar.toml"), f"--job.dump_folder={runs}",
+                          "--optimizer.lr", "1e-3", "--prompt", "ROMEO:", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out == first
     assert generate_main([str(runs / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
