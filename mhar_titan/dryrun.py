@@ -49,6 +49,7 @@ from mhar_titan.config import (ConfigError, JobConfig, batch_geometry, load_conf
                                tokenizer_n_vocab)
 from mhar_titan.models.args import ModelArgs, count_parameters
 from mhar_titan.models.model import Transformer
+from mhar_titan.models.plan import RoutingPlan
 
 GIB = 2**30
 
@@ -141,30 +142,34 @@ def build_meta_model(args: ModelArgs) -> Transformer:
 
 
 def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str) -> float:
-    """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac."""
-    d, f, L = args.dim, args.ffn_dim, args.n_layers
+    """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac.
+
+    The routing sites and the layer each belongs to come from the routing plan; every site s
+    (1-based) is charged s key rows, the sources it reads at sublayer granularity."""
+    d, f = args.dim, args.ffn_dim
     d_kv = args.n_kv_heads * args.head_dim
-    routed = args.residual == "attn_res"
+    plan = RoutingPlan.from_args(args)
+    routed = plan.final is not None
     layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f) + (2 * d if routed else 0)
     # "auto" picks the Triton kernel on CUDA and the eager reference on CPU
     saves_keys = routed and (args.routing_kernel in ("eager", "compile")
                              or (args.routing_kernel == "auto" and device == "cpu"))
 
-    def keys(sources: int) -> int:  # normalised keys saved by one routing site
-        return sources * d if saves_keys else 0
+    def keys(sites) -> int:  # normalised keys saved by these routing sites
+        return sum((site.index + 1) * d for site in sites) if saves_keys else 0
 
     ac = cfg.activation_checkpoint
     every = {"none": 0, "full": 1}.get(ac.mode) or int(ac.selective_ac_option)
     kept = 2 * d if routed else d  # what a checkpointed block leaves behind: its outputs
     total, recompute = 0, 0
-    for i in range(L):
-        inside = layer + keys(2 * i + 1) + keys(2 * i + 2)  # attention site, then MLP site of layer i
+    for i in range(args.n_layers):
+        inside = layer + keys(plan.sites[2 * i: 2 * i + 2])  # attention site, then MLP site of layer i
         if ac.mode != "none" and (i + 1) % every == 0:
             total += kept
             recompute = max(recompute, inside)  # one block is recomputed at a time
         else:
             total += inside
-    return total + recompute + keys(args.n_routing_sites)  # + the final routing site
+    return total + recompute + keys(plan.sites[2 * args.n_layers:])  # + the final routing site
 
 
 def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> MemoryEstimate:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,35 @@ def test_model_routes_over_the_plans_sources(family, granularity, mode, null, mo
                 assert tensor is terms[0], (where, source)
             else:
                 torch.testing.assert_close(tensor, sum(terms[1:], terms[0]), msg=f"{where}, {source}")
+
+
+def test_forward_frees_entries_no_later_site_uses(monkeypatch):
+    """Block-delta partial sums that no site routes over are not kept to the end of the forward:
+    at the final routing only the completed blocks (and the last layer's entries) are alive."""
+    args = ModelArgs(**SHAPE, n_layers=4, residual="attn_res", routing_mode="delta", routing_granularity="block",
+                     routing_block_layers=2)
+    plan, model = RoutingPlan.from_args(args), Transformer(args)
+    model.init_weights()
+    created, alive_at_final = [], []
+    real_new_sources, real_route = model_module.new_sources, model_module.route
+
+    def recording_new_sources(*args):
+        out = real_new_sources(*args)
+        created.extend(weakref.ref(t) for t in out)
+        return out
+
+    def spy(sources, *args, **kwargs):
+        if len(created) == len(plan.sources) - len(plan.initial):  # the final routing
+            alive_at_final.extend(ref() is not None for ref in created)
+        return real_route(sources, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "new_sources", recording_new_sources)
+    monkeypatch.setattr(model_module, "route", spy)
+    with torch.no_grad():
+        model.hidden_states(torch.zeros(1, 4, dtype=torch.long))
+    # entries 1..4: block 1's partial sums (4 = D1), 5..8: block 2's (8 = D2); layer 3 made 7, 8
+    assert plan.last_use == (8, 1, 2, 3, 8, 5, 6, 7, 8)
+    assert alive_at_final == [False, False, False, True, False, False, True, True]
 
 
 def test_baseline_plan_is_empty_and_keeps_the_stream():

@@ -2,30 +2,27 @@
 
 Residual paths (MHAR_SPEC sections 1, 2; names in args.py):
 - standard: h = h + f(norm(h)) for every sublayer f (attention, then MLP).
-- attn_res, replace, sublayer granularity (AttnRes H=1 / MHAR H>1): every sublayer input is
-  route(sources) over [embedding, a_0, m_0, ..., earlier outputs]; the final routing over all
-  2L+1 sources feeds the final norm and the LM head.
-- attn_res, replace, block granularity (Kimi Block AttnRes, MHAR_SPEC 1.2): sources are the
-  completed block sums plus the running partial sum. The embedding is block b_0; layer i
-  (0-indexed) starts a new block when i % routing_block_layers == 0, so layer 0 starts block
-  b_1, whose attention site routes over [b_0] alone.
+- attn_res, replace (AttnRes H=1 / MHAR H>1, sublayer or block granularity): every sublayer
+  input is route(sources); the final routing feeds the final norm and the LM head.
 - attn_res, delta (MHAR_SPEC 1.4): the standard residual stream h is kept and every sublayer
-  input is h + alpha * route(sources). Sources: [null?, embedding, a_0, m_0, ...] at sublayer
-  granularity; [null?, embedding, D_1, ..., D_k] at block granularity, D_j the sum of the
-  sublayer outputs of completed block j (the final routing also sees the last block).
+  input is h + alpha * route(sources).
 
-Blocks hold no routing parameters: `Transformer.routing` holds all of them and the model
-passes each block its two sites' slices as tensor arguments.
+Which sources each routing site reads, and which entries each sublayer adds to the one growing
+source list (sublayer outputs, block partial sums), is the routing plan (plan.py): the forward
+below follows it and re-derives nothing. Blocks hold no routing parameters: `Transformer.routing`
+holds all of them and the model passes each block its two sites' slices as tensor arguments.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
+from .plan import OUTPUT, STREAM, RoutingPlan, Site
 from .routing import route
 
 
@@ -117,53 +114,77 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class BlockOutput(NamedTuple):
+    """What a block returns in every mode.
+
+    h: the residual stream after the block (B, T, d); None in replace mode, where routing
+    replaces it. sources: the entries its two sublayers added to the source list, in plan order
+    (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
+    """
+
+    h: Tensor | None
+    sources: list[Tensor]
+
+
+def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
+               alpha: Tensor | None, args: ModelArgs) -> Tensor:
+    """Input of a routed sublayer: route over the entries `site.reads` of `sources`; a delta-gated
+    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows."""
+    return route(
+        [sources[j] for j in site.reads], query, key_norm, args.resolved_routing_heads, args.routing_eps,
+        args.routing_kernel, partial=h if site.gated else None, alpha=alpha if site.gated else None,
+    )
+
+
+def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Tensor | None) -> list[Tensor]:
+    """The entries `site`'s sublayer creates: each recipe of the plan summed left to right over
+    the sublayer `output`, the stream `h` after it and earlier entries of `sources`."""
+    created: list[Tensor] = []
+    for entry in site.creates if site is not None else ():
+        value = None
+        for coefficient, operand in entry.recipe:
+            x = output if operand == OUTPUT else h if operand == STREAM else (sources + created)[operand]
+            value = x if value is None else (value + x if coefficient > 0 else value - x)
+        created.append(value)
+    return created
+
+
 class TransformerBlock(nn.Module):
     """One decoder layer (attention sublayer, then MLP sublayer); self-contained for AC/compile/FSDP.
 
-    forward(h, cos, sin, sources=None, query=None, key_norm=None, alpha=None) -> list of tensors:
-      standard:               h (B, T, d)                              -> [h_out]
-      replace, sublayer:      sources (list, attention site)           -> [a, m]
-      replace, block:         sources = blocks + [partial]             -> [partial + a, partial + a + m]
-                              (at a block start, partial is closed: -> [a, a + m])
-      delta:                  h and sources                            -> [h_out, a, m]
-    query, key_norm: (2, d) rows of this layer's two sites (attention, MLP); alpha: (2, 1), delta only.
+    forward(h, cos, sin, sources=(), query=None, key_norm=None, alpha=None) -> BlockOutput
+      h: residual stream (B, T, d), None in replace mode. sources: the source list so far.
+      query, key_norm: (2, d) rows of this layer's two sites (attention, MLP); alpha: (2, 1), delta only.
+    `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, plan: RoutingPlan | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.residual, self.mode, self.granularity = args.residual, args.routing_mode, args.routing_granularity
-        self.starts_block = layer_id % args.routing_block_layers == 0
-        self.heads, self.eps, self.kernel = args.resolved_routing_heads, args.routing_eps, args.routing_kernel
+        self.args = args
+        self.sites = (plan or RoutingPlan.from_args(args)).layer_sites(layer_id)
 
-    def _route(self, sources, query, key_norm, site: int, partial=None, alpha=None) -> Tensor:
-        return route(
-            sources, query[site], key_norm[site], self.heads, self.eps, self.kernel,
-            partial=partial, alpha=None if alpha is None else alpha[site],
-        )
+    def forward(self, h, cos, sin, sources=(), query=None, key_norm=None, alpha=None) -> BlockOutput:
+        sources, start = list(sources), len(sources)
+        attention_site, mlp_site = self.sites
+        a = self.attention(self.attention_norm(self._input(0, h, sources, query, key_norm, alpha)), cos, sin)
+        h = None if h is None else h + a
+        sources += new_sources(attention_site, sources, a, h)
+        m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, query, key_norm, alpha)))
+        h = None if h is None else h + m
+        sources += new_sources(mlp_site, sources, m, h)
+        return BlockOutput(h, sources[start:])
 
-    def forward(self, h, cos, sin, sources=None, query=None, key_norm=None, alpha=None) -> list[Tensor]:
-        if self.residual == "standard":
-            h = h + self.attention(self.attention_norm(h), cos, sin)
-            return [h + self.feed_forward(self.ffn_norm(h))]
-        if self.mode == "delta":
-            a = self.attention(self.attention_norm(self._route(sources, query, key_norm, 0, h, alpha)), cos, sin)
-            h = h + a
-            mlp_sources = sources + [a] if self.granularity == "sublayer" else sources
-            m = self.feed_forward(self.ffn_norm(self._route(mlp_sources, query, key_norm, 1, h, alpha)))
-            return [h + m, a, m]
-        a = self.attention(self.attention_norm(self._route(sources, query, key_norm, 0)), cos, sin)
-        if self.granularity == "sublayer":
-            m = self.feed_forward(self.ffn_norm(self._route(sources + [a], query, key_norm, 1)))
-            return [a, m]
-        partial = a if self.starts_block else sources[-1] + a
-        blocks = sources if self.starts_block else sources[:-1]
-        m = self.feed_forward(self.ffn_norm(self._route(blocks + [partial], query, key_norm, 1)))
-        return [partial, partial + m]
+    def _input(self, row: int, h, sources, query, key_norm, alpha) -> Tensor:
+        """Input of sublayer `row` (0 attention, 1 MLP): h for the standard residual, else its site's routing."""
+        site = self.sites[row]
+        if site is None:
+            return h
+        return site_input(site, sources, h, query[row], key_norm[row], None if alpha is None else alpha[row], self.args)
 
 
 class DepthRouting(nn.Module):
@@ -208,8 +229,9 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.plan = RoutingPlan.from_args(args)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan) for i in range(args.n_layers))
         self.routing = DepthRouting(args) if args.residual == "attn_res" else None
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -233,13 +255,6 @@ class Transformer(nn.Module):
             elif isinstance(module, (RMSNorm, DepthRouting)):
                 module.reset_parameters()
 
-    def _route_final(self, sources: list[Tensor], h: Tensor | None) -> Tensor:
-        site = self.routing.site(self.args.n_routing_sites - 1)
-        return route(
-            sources, site["query"], site["norm_weight"], self.args.resolved_routing_heads, self.args.routing_eps,
-            self.args.routing_kernel, partial=h, alpha=site["alpha"],
-        )
-
     def hidden_states(self, tokens: Tensor, trace: list | None = None) -> Tensor:
         """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d).
 
@@ -250,41 +265,30 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
-        if self.routing is None:
-            for layer in self.layers:
-                (h,) = layer(h, cos, sin)
-            return h
-
-        args, r = self.args, self.routing
-        null = [r.null_source] if r.null_source is not None else []
-        delta, by_block = args.routing_mode == "delta", args.routing_granularity == "block"
-        sources = null + [h]  # replace+block: blocks + [partial]; otherwise all current sources
-        block_delta = None  # delta+block: running sum of the current block's sublayer outputs
+        sources = [self.routing.null_source if entry.kind == "null" else h for entry in self.plan.initial]
+        h = h if self.plan.stream else None
         for i, layer in enumerate(self.layers):
-            if delta and by_block and layer.starts_block and block_delta is not None:
-                sources, block_delta = sources + [block_delta], None
-            params = dict(query=r.query[2 * i: 2 * i + 2], key_norm=r.key_norm[2 * i: 2 * i + 2])
-            if delta:
-                params["alpha"] = r.alpha[2 * i: 2 * i + 2]
-            out = layer(h if delta else None, cos, sin, sources, **params)
+            h, new = layer(h, cos, sin, sources, *self._layer_routing(i))
+            sources = sources + new
             if trace is not None:
-                trace.extend(self._site_sources(layer, sources, out))
-            if not delta:
-                if by_block:
-                    sources = (sources if layer.starts_block else sources[:-1]) + [out[1]]
-                else:
-                    sources = sources + out
-            else:
-                h, a, m = out
-                if by_block:
-                    block_delta = a + m if block_delta is None else block_delta + a + m
-                else:
-                    sources = sources + [a, m]
-        if delta and by_block and block_delta is not None:
-            sources = sources + [block_delta]
+                trace.extend([sources[j] for j in site.reads] for site in self.plan.sites[2 * i: 2 * i + 2])
+            # Drop the entries no later site uses (block-delta partial sums are never routed over),
+            # so that they are freed once autograd is done with them.
+            sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
+        final = self.plan.final
+        if final is None:
+            return h
         if trace is not None:
-            trace.append(sources)
-        return self._route_final(sources, h if delta else None)
+            trace.append([sources[j] for j in final.reads])
+        p = self.routing.site(final.index)
+        return site_input(final, sources, h, p["query"], p["norm_weight"], p["alpha"], self.args)
+
+    def _layer_routing(self, i: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """query, key_norm (2, d) and alpha (2, 1) rows of layer i's two sites (None where absent)."""
+        r, rows = self.routing, slice(2 * i, 2 * i + 2)
+        if r is None:
+            return None, None, None
+        return r.query[rows], r.key_norm[rows], None if r.alpha is None else r.alpha[rows]
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
@@ -305,14 +309,6 @@ class Transformer(nn.Module):
                 f"token ids span [{low}, {high}] but vocab_size={self.args.vocab_size}: the tokenizer does not match "
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
-
-    def _site_sources(self, layer: TransformerBlock, sources: list[Tensor], out: list[Tensor]) -> list[list[Tensor]]:
-        """The source lists `layer` routed over at its attention and MLP sites (for tracing)."""
-        if self.args.routing_mode == "delta":
-            return [sources, sources + [out[1]] if self.args.routing_granularity == "sublayer" else sources]
-        if self.args.routing_granularity == "sublayer":
-            return [sources, sources + [out[0]]]
-        return [sources, (sources if layer.starts_block else sources[:-1]) + [out[0]]]
 
     def forward(self, tokens: Tensor, trace: list | None = None) -> Tensor:
         """Logits (B, T, vocab_size); `trace` as in `hidden_states` (through the module call, so

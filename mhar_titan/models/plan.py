@@ -123,12 +123,21 @@ class RoutingPlan:
     source_rows: int = field(init=False)
     """(B, T, d) sources read per token by one forward over all sites, the (d,) null source not
     counted: the bytes model's rows per token (docs/DESIGN.md)."""
+    last_use: tuple[int, ...] = field(init=False)
+    """Per entry, the last site that reads it or builds a new entry from it (-1: none); after
+    that site the forward drops its reference (block-delta partial sums are never routed over)."""
 
     def __post_init__(self) -> None:
         _check(self)
         object.__setattr__(self, "source_counts", tuple(site.n_sources for site in self.sites))
         object.__setattr__(self, "source_rows", sum(
             sum(self.sources[j].kind != "null" for j in site.reads) for site in self.sites))
+        last = [-1] * len(self.sources)
+        for site in self.sites:
+            used = list(site.reads) + [op for new in site.creates for _, op in new.recipe if isinstance(op, int)]
+            for j in used:
+                last[j] = site.index
+        object.__setattr__(self, "last_use", tuple(last))
 
     @classmethod
     def from_args(cls, args, layout: str = "canonical") -> "RoutingPlan":
