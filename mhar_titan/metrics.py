@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import resource
 import sys
@@ -160,14 +161,26 @@ class ConsoleSink:
             head = f"\033[36m{head}\033[0m"
         print(f"{head}  " + "  ".join(parts), flush=True)
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 class JSONLSink:
-    """One JSON object per log call, appended (a resumed run continues the same file)."""
+    """One JSON object per log call, appended (a resumed run continues the same file).
 
-    def __init__(self, path: pathlib.Path):
+    ``resume_step``: a run resumed from the checkpoint of that step first drops the rows the
+    interrupted run wrote after it, so every step appears once, with the resumed run's values.
+    """
+
+    def __init__(self, path: pathlib.Path, resume_step: Optional[int] = None):
+        if resume_step is not None and path.exists():
+            rows = [line for line in path.read_text().splitlines() if line.strip()]
+            kept = [line for line in rows if json.loads(line).get("step", 0) <= resume_step]
+            if len(kept) != len(rows):
+                path.write_text("".join(line + "\n" for line in kept))
         self.f = open(path, "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -179,15 +192,27 @@ class JSONLSink:
             row[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
         self.f.write(json.dumps(row) + "\n")
 
+    def flush(self) -> None:
+        """Rows written so far reach the disk (fsync): they survive a crash of the machine too."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
     def close(self) -> None:
         self.f.close()
 
 
 class TensorBoardSink:
-    def __init__(self, folder: pathlib.Path):
+    """Scalars in a TensorBoard event file under ``folder``, flushed after every log call.
+
+    ``resume_step``: the writer is opened with ``purge_step = resume_step + 1``, so TensorBoard
+    discards the events an interrupted run wrote after the checkpoint it resumed from.
+    """
+
+    def __init__(self, folder: pathlib.Path, resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(folder))
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
@@ -195,25 +220,51 @@ class TensorBoardSink:
                 self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
+    def flush(self) -> None:
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
+
+
+WANDB_FLUSH_INTERVAL_S = 1.0
+"""wandb writes run data to its ``.wandb`` file at this interval (its setting
+``x_transaction_log_flush_interval``; wandb's default is 15 s)."""
 
 
 class WandbSink:
     """wandb run in ``run_dir``; ``WANDB_MODE=offline`` writes locally without network.
 
-    The run id is kept by the trainer so that a resumed job continues the same run.
+    The run id is kept by the trainer (train state) so that a resumed job continues the same
+    run. Resuming from the checkpoint of step k uses ``resume_from="<id>?_step=<k>"``: wandb
+    rewinds the run's history to step k (its rows after k, written by the interrupted run, are
+    replaced by the resumed run's), so every step appears once. In an offline record the
+    resumed part is a new ``offline-run-*`` folder whose run config holds
+    ``_wandb.branch_point = {run_id, step: k}``; ``wandb sync`` applies the rewind.
+
+    ``flush()`` (called at every checkpoint) commits the current step's row; wandb writes it to
+    its file within ``WANDB_FLUSH_INTERVAL_S``. A kill within that time may lose the last rows
+    from the wandb record only (the JSONL file, fsynced at each checkpoint, keeps them).
     """
 
-    def __init__(self, project: str, name: str, run_dir: pathlib.Path, config: dict, run_id: Optional[str]):
+    def __init__(self, project: str, name: str, run_dir: pathlib.Path, config: dict, run_id: Optional[str],
+                 resume_step: Optional[int] = None):
         import wandb
 
-        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config,
-                              id=run_id, resume="allow")
+        settings = wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_INTERVAL_S)
+        if run_id is not None and resume_step is not None:
+            self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, settings=settings,
+                                  resume_from=f"{run_id}?_step={resume_step}")
+        else:
+            self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config, settings=settings,
+                                  id=run_id, resume="allow")
         self.id = self.run.id
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def flush(self) -> None:
+        self.run.log({}, commit=True)
 
     def close(self) -> None:
         self.run.finish()
@@ -229,27 +280,39 @@ class MetricsLogger:
         rank: global rank; ranks other than 0 log nothing.
         run_name, config: wandb run name and config dict.
         wandb_id: id of a previous wandb run to continue (from the train state).
+        resume_step: the step of the checkpoint this run resumed from (None for a fresh
+            start): every sink drops what an interrupted run logged after it (JSONL rows
+            removed, TensorBoard ``purge_step``, wandb ``resume_from``), so each step appears
+            once, with the resumed run's values.
+
+    ``flush()`` at every checkpoint makes everything logged so far survive a crash.
     """
 
     def __init__(self, cfg, run_dir: pathlib.Path, rank: int, run_name: str = "run",
-                 config: Optional[dict] = None, wandb_id: Optional[str] = None):
+                 config: Optional[dict] = None, wandb_id: Optional[str] = None,
+                 resume_step: Optional[int] = None):
         self.sinks = []
         self.wandb_id = None
         if rank != 0:
             return
         run_dir = pathlib.Path(run_dir)
         self.sinks.append(ConsoleSink(color=not cfg.disable_color_printing))
-        self.sinks.append(JSONLSink(run_dir / cfg.jsonl_file))
+        self.sinks.append(JSONLSink(run_dir / cfg.jsonl_file, resume_step))
         if cfg.enable_tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir / cfg.save_tb_folder))
+            self.sinks.append(TensorBoardSink(run_dir / cfg.save_tb_folder, resume_step))
         if cfg.enable_wandb:
-            sink = WandbSink(cfg.wandb_project, run_name, run_dir, config or {}, wandb_id)
+            sink = WandbSink(cfg.wandb_project, run_name, run_dir, config or {}, wandb_id, resume_step)
             self.wandb_id = sink.id
             self.sinks.append(sink)
 
     def log(self, step: int, metrics: dict) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def flush(self) -> None:
+        """Every sink hands what it holds to its file (see each sink); call it when a checkpoint is saved."""
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
         for sink in self.sinks:

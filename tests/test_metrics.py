@@ -2,7 +2,12 @@
 import glob
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -75,13 +80,18 @@ def test_mfu_hand_computed():
 
 
 def read_wandb_history(run_dir):
-    """History rows from a wandb offline ``.wandb`` file (LevelDB-style log of protobuf Records)."""
+    """History rows from the one wandb offline ``.wandb`` file under ``run_dir``."""
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    return read_wandb_file(path)[0]
+
+
+def read_wandb_file(path):
+    """(history rows, run config) of a wandb offline ``.wandb`` file (LevelDB-style log of protobuf Records)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
-    pos, block, rows, chunks = 7, 32768, [], b""
+    pos, block, rows, chunks, config = 7, 32768, [], b"", {}
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer too small for a header: padding
             pos += block - pos % block
@@ -97,7 +107,14 @@ def read_wandb_history(run_dir):
             chunks = b""
             if rec.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-    return rows
+            elif rec.WhichOneof("record_type") in ("run", "config"):
+                update = rec.run.config.update if rec.WhichOneof("record_type") == "run" else rec.config.update
+                for c in update:
+                    value = json.loads(c.value_json)
+                    if isinstance(value, dict) and isinstance(config.get(c.key), dict):
+                        value = {**config[c.key], **value}  # wandb updates its internal "_wandb" key in parts
+                    config[c.key] = value
+    return rows, config
 
 
 def test_sinks_write_what_was_logged(tmp_path):
@@ -134,3 +151,61 @@ def test_non_zero_rank_has_no_sinks(tmp_path):
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# A run that logs steps 1-13, saves checkpoints at steps 5 and 10 (sinks flushed), and is killed
+# (SIGKILL) after logging step 13, as in a crash.
+CRASHED_RUN = textwrap.dedent("""
+    import os, signal, sys, time
+    from mhar_titan.config import Metrics
+    from mhar_titan.metrics import WANDB_FLUSH_INTERVAL_S, MetricsLogger
+    cfg = Metrics(enable_tensorboard=True, enable_wandb=True, wandb_project="test")
+    logger = MetricsLogger(cfg, sys.argv[1], rank=0, run_name="crash")
+    print(logger.wandb_id, flush=True)
+    for step in range(1, 14):
+        logger.log(step, {"loss": float(step)})
+        if step % 5 == 0:
+            logger.flush()  # the trainer flushes every sink when it saves a checkpoint
+            if step == 10:
+                time.sleep(WANDB_FLUSH_INTERVAL_S + 1.0)  # the checkpoint save takes a moment
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_after_a_crash_and_resume_every_sink_shows_each_step_once(tmp_path):
+    # its own wandb service, as a separate training process has (not this process's, if one runs)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    crashed = subprocess.run([sys.executable, "-c", CRASHED_RUN, str(tmp_path)], capture_output=True, text=True,
+                             timeout=300, env={**env, "WANDB_MODE": "offline"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    wandb_id = crashed.stdout.split()[0]
+    # the resumed run restores the step-10 checkpoint and logs steps 11-15 with its own values
+    cfg = Metrics(enable_tensorboard=True, enable_wandb=True, wandb_project="test")
+    logger = MetricsLogger(cfg, tmp_path, rank=0, run_name="crash", wandb_id=wandb_id, resume_step=10)
+    assert logger.wandb_id == wandb_id
+    for step in range(11, 16):
+        logger.log(step, {"loss": step + 0.5})
+    logger.close()
+    expected = [(s, float(s)) for s in range(1, 11)] + [(s, s + 0.5) for s in range(11, 16)]
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == expected
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == expected
+
+    # wandb: the crashed run's record holds at least every step up to the checkpoint; the resumed
+    # run's record rewinds to step 10 (branch_point) and holds 11-15. wandb sync applies the rewind.
+    first, second = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")))
+    before, _ = read_wandb_file(first)
+    deadline = time.monotonic() + 60
+    while len(read_wandb_file(second)[0]) < 5 and time.monotonic() < deadline:
+        time.sleep(0.5)  # finish() can return before wandb's service has written the file
+    after, config = read_wandb_file(second)
+    assert config["_wandb"]["branch_point"] == {"run_id": wandb_id, "step": 10}
+    assert [(r["_step"], r["loss"]) for r in before][:10] == expected[:10]
+    rewound = [(r["_step"], r["loss"]) for r in before if r["_step"] <= 10] + [(r["_step"], r["loss"]) for r in after]
+    assert rewound == expected
