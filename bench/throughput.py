@@ -36,18 +36,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
-from mhar_titan.models.args import ModelArgs  # noqa: E402
+from mhar_titan.models.args import FAMILIES as MODEL_FAMILIES, ModelArgs  # noqa: E402
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.parallel import apply_ac  # noqa: E402
 
 from routing import append_section, write_table  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
-FAMILIES = {
-    "baseline": dict(residual="standard"),
-    "attnres": dict(residual="attn_res", routing_heads=1),
-    "mhar": dict(residual="attn_res", routing_heads=8),
-}
+# The paper's three families (models/args.py FAMILIES) under the short names of the tables.
+FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
+            (("baseline", "baseline"), ("attnres", "attn_res H=1"), ("mhar", "mhar H=8"))}
 
 
 def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | None, device, compile_blocks: bool):

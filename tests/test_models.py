@@ -6,15 +6,13 @@ import math
 import pytest
 import torch
 
-from mhar_titan.models import FLAVORS, ModelArgs, Transformer, count_parameters, pad_vocab, routing_entropy
+from mhar_titan.models import FAMILIES, FLAVORS, ModelArgs, Transformer, count_parameters, pad_vocab, routing_entropy
 from mhar_titan.models.__main__ import main as list_flavors
 from mhar_titan.models.model import apply_rope, rope_frequencies
 from mhar_titan.models.routing import route_reference
 
 ROUTED = {
-    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
-    "mhar H=kv": dict(residual="attn_res", routing_heads="kv"),
-    "mhar H=8": dict(residual="attn_res", routing_heads=8),
+    **{name: FAMILIES[name] for name in ("attn_res H=1", "mhar H=kv", "mhar H=8")},
     "block": dict(residual="attn_res", routing_granularity="block", routing_block_layers=3),
     "delta": dict(residual="attn_res", routing_mode="delta", routing_null_source=True),
     "delta block": dict(residual="attn_res", routing_mode="delta", routing_granularity="block",
@@ -112,7 +110,7 @@ def test_large_flavors_build_on_meta_and_match_the_listing():
         list_flavors()
     listing = out.getvalue()
     for flavor, family, overrides in [
-        ("1b", "mhar H=8", dict(residual="attn_res", routing_heads=8)),
+        ("1b", "mhar H=8", FAMILIES["mhar H=8"]),
         ("llama3_8b", "baseline", {}),
     ]:
         args = ModelArgs.from_flavor(flavor, **overrides)

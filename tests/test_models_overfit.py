@@ -3,16 +3,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhar_titan.models import ModelArgs, Transformer
+from mhar_titan.models import FAMILIES, ModelArgs, Transformer
 
-FAMILIES = {
-    "standard": dict(),
-    "attn_res H=1": dict(residual="attn_res", routing_heads=1),
-    "attn_res H=kv": dict(residual="attn_res", routing_heads="kv"),
-    "block": dict(residual="attn_res", routing_heads="kv", routing_granularity="block", routing_block_layers=2),
-    "delta": dict(residual="attn_res", routing_heads="kv", routing_mode="delta", routing_granularity="block",
-                  routing_block_layers=2, routing_null_source=True),
-    "delta sublayer": dict(residual="attn_res", routing_heads="kv", routing_mode="delta"),
+KV = FAMILIES["mhar H=kv"]
+CASES = {
+    "standard": FAMILIES["baseline"],
+    "attn_res H=1": FAMILIES["attn_res H=1"],
+    "attn_res H=kv": KV,
+    "block": dict(KV, routing_granularity="block", routing_block_layers=2),
+    "delta": dict(KV, routing_mode="delta", routing_granularity="block", routing_block_layers=2,
+                  routing_null_source=True),
+    "delta sublayer": dict(KV, routing_mode="delta"),
 }
 
 
@@ -26,12 +27,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_debug_flavor_overfits_one_batch(family):
     torch.manual_seed(0)
     # The debug layer stack at a 1,024-token vocabulary: the 50,304-row LM head would make
     # this test 5x slower on 2 cores without exercising anything the residual path does.
-    args = ModelArgs.from_flavor("debug", vocab_size=1024, **FAMILIES[family])
+    args = ModelArgs.from_flavor("debug", vocab_size=1024, **CASES[family])
     model = Transformer(args)
     model.init_weights()
     batch = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))

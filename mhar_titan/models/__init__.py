@@ -1,10 +1,11 @@
 """Model zoo: baseline, single-head AttnRes and MHAR decoders (see args.py for the families)."""
-from .args import FLAVORS, ModelArgs, ParamCounts, count_parameters, pad_vocab
-from .model import DepthRouting, Transformer, TransformerBlock, routing_entropy
+from .args import FAMILIES, FLAVORS, ModelArgs, ParamCounts, count_parameters, pad_vocab
+from .model import BlockOutput, DepthRouting, Transformer, TransformerBlock, routing_entropy
+from .plan import RoutingPlan
 from .routing import route, route_reference, routing_logits
 
 __all__ = [
-    "FLAVORS", "ModelArgs", "ParamCounts", "count_parameters", "pad_vocab",
-    "DepthRouting", "Transformer", "TransformerBlock", "routing_entropy",
+    "FAMILIES", "FLAVORS", "ModelArgs", "ParamCounts", "count_parameters", "pad_vocab",
+    "BlockOutput", "DepthRouting", "Transformer", "TransformerBlock", "routing_entropy", "RoutingPlan",
     "route", "route_reference", "routing_logits",
 ]
