@@ -15,6 +15,13 @@
 #
 # Overrides after the script name are passed to train.py unchanged. For several nodes use
 # slurm/train.sbatch (or slurm/torchrun_node.sh on each node).
+#
+# Exit code: the trainer's own (0 after training or a clean preemption save, 2 for bad input,
+# 1 for a health stop), read from the exit status it writes (mhar_titan/exit_status.py),
+# since torchrun exits 1 after a SIGTERM even when every worker saved and exited 0; torchrun's
+# exit code when the trainer wrote no status (a crash). SIGTERM or SIGUSR1 sent to this script
+# is passed to torchrun as SIGTERM (workers finish the step, save and exit); Ctrl-C reaches the
+# workers directly.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,8 +47,31 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
-exec "$python" -m torch.distributed.run \
+MHAR_EXIT_STATUS_FILE="$(mktemp "${TMPDIR:-/tmp}/mhar-exit-status.XXXXXX")"
+export MHAR_EXIT_STATUS_FILE
+rm -f "$MHAR_EXIT_STATUS_FILE"
+trap 'rm -f "$MHAR_EXIT_STATUS_FILE"' EXIT
+"$python" -m torch.distributed.run \
   --nnodes=1 --nproc_per_node="$NGPU" \
   --rdzv_backend=c10d --rdzv_endpoint=localhost:0 \
   --local-ranks-filter="${LOG_RANK:-0}" --role=rank --tee=3 \
-  train.py --config "$config" "$@"
+  train.py --config "$config" "$@" &
+child=$!
+# shellcheck disable=SC2317  # called by the traps
+forward_term() { kill -TERM "$child" 2>/dev/null || true; }
+# shellcheck disable=SC2317
+ctrl_c() { :; }  # the terminal sent Ctrl-C to torchrun and the workers too
+trap forward_term TERM USR1
+trap ctrl_c INT
+rc=0
+while kill -0 "$child" 2>/dev/null; do
+  wait "$child" || true  # returns early when a trapped signal arrives
+done
+wait "$child" || rc=$?
+status="$(exit_status_field "$MHAR_EXIT_STATUS_FILE" status)"
+case "$status" in
+  completed | preempted) exit 0 ;;
+  bad_input) exit 2 ;;
+  health) exit 1 ;;
+  *) exit "$rc" ;;
+esac

@@ -17,7 +17,7 @@ import pytest
 from slurm_cluster import LocalSlurmCluster, missing_requirements
 from slurm_tools import ROOT, launch_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 STEPS = 8
 
@@ -53,6 +53,8 @@ def logged_steps(run_dir) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
     from mhar_titan.checkpoint import is_complete
 
@@ -111,3 +113,70 @@ def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert f"loaded checkpoint {run_dir / 'checkpoints' / f'step-{stop_step}'}" in node_log
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     assert is_complete(run_dir / "checkpoints" / f"step-{STEPS}")
+
+
+# --- clean preemption or crash: the decision after an attempt (no cluster needed) -------------------
+
+def next_action(status="", rc=0, sig="", restarts=0, crashes=0, max_requeues=50, max_retries=1) -> list[str]:
+    script = f'source "{ROOT}/slurm/lib.sh"; next_action "$@"'
+    r = subprocess.run(["bash", "-c", script, "next_action", status, str(rc), sig, str(restarts), str(crashes),
+                        str(max_requeues), str(max_retries)], capture_output=True, text=True, check=True)
+    action, code, reason = r.stdout.strip().split(" ", 2)
+    return [action, code]
+
+
+@pytest.mark.parametrize("args, expected", [
+    # torchrun exits 1 after forwarding the SIGTERM, the trainer saved: requeue
+    (dict(status="preempted", rc=1, sig="USR1"), ["requeue", "0"]),
+    (dict(status="preempted", rc=1, sig="USR1", restarts=50), ["stop", "1"]),  # MAX_REQUEUES reached
+    (dict(status="", rc=0, sig="USR1"), ["requeue", "0"]),  # the warning came before training started
+    (dict(status="completed", rc=0), ["stop", "0"]),
+    (dict(status="completed", rc=1, sig="USR1"), ["stop", "0"]),  # finished anyway
+    (dict(status="bad_input", rc=2), ["stop", "2"]),  # never retried
+    (dict(status="bad_input", rc=1, sig="USR1"), ["stop", "2"]),
+    (dict(status="health", rc=1), ["stop", "1"]),
+    (dict(status="", rc=1), ["requeue", "1"]),  # a crash: retried once by default
+    (dict(status="", rc=-9 % 256), ["requeue", "247"]),
+    (dict(status="", rc=1, crashes=1), ["stop", "1"]),  # ... and then the job stops
+    (dict(status="", rc=0, crashes=3, max_retries=3), ["stop", "1"]),
+    (dict(status="", rc=137, sig="USR1"), ["requeue", "137"]),  # killed while stopping: a crash
+    (dict(status="preempted", rc=0, sig="TERM"), ["stop", "0"]),  # SLURM requeues what it preempts
+    (dict(status="preempted", rc=1, sig=""), ["stop", "0"]),  # a stop signal from outside this job
+])
+def test_next_action_tells_a_clean_preemption_from_a_crash(args, expected):
+    assert next_action(**args) == expected
+
+
+def test_trainer_exit_status_file_is_read_by_the_launcher(tmp_path, monkeypatch):
+    from mhar_titan.exit_status import FILE_NAME, read_exit_status, write_exit_status
+
+    launcher_file = tmp_path / "launcher_status"
+    monkeypatch.setenv("MHAR_EXIT_STATUS_FILE", str(launcher_file))
+    write_exit_status(tmp_path, "preempted", 0, step=12)
+    assert read_exit_status(tmp_path / FILE_NAME) == {"status": "preempted", "exit_code": "0", "step": "12"}
+    field = subprocess.run(["bash", "-c", f'source "{ROOT}/slurm/lib.sh"; exit_status_field "$1" status', "x",
+                            str(launcher_file)], capture_output=True, text=True, check=True).stdout
+    assert field == "preempted\n"
+    with pytest.raises(ValueError, match="unknown exit status"):
+        write_exit_status(tmp_path, "fine", 0)
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+# stands in for "python -m torch.distributed.run ... train.py": the trainer's status, then torchrun's code
+if [[ -n "$FAKE_STATUS" ]]; then printf 'status=%s\\nexit_code=0\\n' "$FAKE_STATUS" >"$MHAR_EXIT_STATUS_FILE"; fi
+exit "$FAKE_RC"
+"""
+
+
+@pytest.mark.parametrize("status, torchrun_rc, expected", [
+    ("preempted", 1, 0), ("completed", 0, 0), ("bad_input", 1, 2), ("health", 1, 1), ("", 1, 1), ("", 134, 134),
+])
+def test_run_train_sh_exits_with_the_trainers_code_not_torchruns(tmp_path, status, torchrun_rc, expected):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "run_train.sh")], capture_output=True, text=True,
+                       env=launch_env(PYTHON=str(fake), NGPU="1", FAKE_STATUS=status, FAKE_RC=str(torchrun_rc),
+                                      TMPDIR=str(tmp_path)), timeout=60)
+    assert r.returncode == expected, r.stderr
+    assert not list(tmp_path.glob("mhar-exit-status.*"))  # the temporary status file is removed
