@@ -456,3 +456,19 @@ def test_pretokenized_equals_on_the_fly_and_refuses_other_tokenizer(gpt2, text_f
     with pytest.raises(ManifestError) as err:
         _loader(_cfg([str(out)], source="pretokenized"), cl100k)
     assert "'gpt2'" in str(err.value) and "'cl100k_base'" in str(err.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_leaves_the_global_torch_rng_untouched(gpt2, text_files, workers):
+    """A resumed run restores the torch RNG before the loader starts: the loader must not draw from it."""
+    cfg = _cfg(text_files[0], num_workers=workers)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    loader = _loader(cfg, gpt2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    resumed = _loader(cfg, gpt2)
+    resumed.load_state_dict(state)
+    next(iter(resumed))
+    assert torch.equal(torch.get_rng_state(), before)

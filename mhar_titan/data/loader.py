@@ -153,8 +153,11 @@ class TrainLoader:
         if self.cfg.num_workers > 0:
             kwargs = {"persistent_workers": False, "prefetch_factor": self.cfg.prefetch_factor,
                       "worker_init_fn": _worker_ignores_stop_signals, "multiprocessing_context": "fork"}
+        # Its own generator: each iterator draws a base seed from it, which would otherwise be a draw
+        # from torch's global RNG and shift the training's random stream at every (re)start.
         self._loader = StatefulDataLoader(self.dataset, batch_size=None, num_workers=self.cfg.num_workers,
-                                          pin_memory=self.cfg.pin_memory and torch.cuda.is_available(), **kwargs)
+                                          pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),
+                                          generator=torch.Generator().manual_seed(lay["seed"]), **kwargs)
 
     @property
     def round_size(self) -> int:
