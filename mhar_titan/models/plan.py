@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 OUTPUT = "output"  # recipe operand: the output of the sublayer that creates the entry
 STREAM = "stream"  # recipe operand: the residual stream h after that sublayer (kept in delta mode)
-SOURCE_KINDS = ("null", "embedding", "output", "partial")
+# "block": an entry made once per completed block, for layouts that keep no partial sums
+SOURCE_KINDS = ("null", "embedding", "output", "partial", "block")
 LAYOUTS = ("canonical",)
 
 
