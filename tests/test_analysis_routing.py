@@ -121,3 +121,20 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
                 got = decode_cell(pixels, heat, name, row, col)
                 assert abs(got - min(value, heat.vmax)) <= 3 * step, (name, row, col, got, value)  # 8-bit colours
     pyplot().close(heat.figure)
+
+
+def test_heatmap_columns_are_the_models_sources():
+    labels = {family: routing_summary(m, [tokens(m.args)]).column_labels()
+              for family, m in ((f, tiny_model(random_queries=True, **FAMILIES[f])) for f in FAMILIES)}
+    assert labels["mhar H=8"] == ["emb", "a0", "m0", "a1", "m1"]
+    assert labels["delta+null"] == ["null", "emb", "a0", "m0", "a1", "m1"]
+    # one-layer blocks: the completed block n is the partial sum after layer n-1's MLP, read by the
+    # next layer; the MLP site of layer i reads the open block's partial after a_i
+    assert labels["block"] == ["emb", "b1~a0", "b1~m0", "b2~a1", "b2~m1"]
+    model = tiny_model(random_queries=True, **FAMILIES["block"])
+    summary = routing_summary(model, [tokens(model.args)])
+    weights = summary.mean_weights()
+    for s, site in enumerate(model.plan.sites):
+        read = ~torch.isnan(weights[0, s])
+        assert [summary.columns()[c] for c in read.nonzero()[:, 0].tolist()] == list(site.reads)
+        assert torch.allclose(weights[:, s, read], summary.sites[s].mean_weights)

@@ -3,8 +3,9 @@
 Panels, left to right: the single-head view (mean over heads), then one panel per routing
 head (H > 1 only), then per-site entropy as the effective number of sources next to the
 number of sources N_s. Rows are routing sites (layer i's attention and MLP sites, then the
-final routing), columns are source indices in the site's routing order (for sublayer
-granularity: 0 = embedding, then a_0, m_0, a_1, ...). Empty cells: the site has fewer sources.
+final routing), columns are the sources of the model's source list (``RoutingSummary.columns``:
+emb, a0, m0, a1, ... at sublayer granularity; block sums at block granularity). Empty cells:
+the site does not read that source.
 All heatmap panels share one colour scale from 0 to the largest mean weight of a site with
 two or more sources (``color_scale_max``).
 """
@@ -26,7 +27,7 @@ class Heatmaps:
 
     path: pathlib.Path
     panels: dict[str, np.ndarray]
-    """Panel title -> the (S, N_max) array given to imshow (NaN = no such source)."""
+    """Panel title -> the (S, C) array given to imshow (``RoutingSummary.columns``; NaN = not read)."""
     vmax: float
     """Upper end of the shared colour scale (the lower end is 0)."""
     cmap: str
@@ -51,11 +52,11 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
     if summary.heads > 1:
         panels.update({f"head {h}": weights[h] for h in range(summary.heads)})
     vmax = color_scale_max(summary)
-    n_sites, n_max = weights.shape[1:]
+    n_sites, n_cols = weights.shape[1:]
     names = site_names(n_sites)
     cols = min(len(panels) + 1, 5)
     rows = -(-(len(panels) + 1) // cols)
-    fig, grid = new_figure(rows, cols, panel_size=(0.28 * n_max + 1.6, 0.28 * n_sites + 1.2), dpi=dpi)
+    fig, grid = new_figure(rows, cols, panel_size=(0.28 * n_cols + 1.6, 0.28 * n_sites + 1.2), dpi=dpi)
     axes = {}
     image = None
     for ax, (name, array) in zip(grid, panels.items()):
@@ -64,7 +65,7 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("source")
         ax.set_yticks(range(n_sites), names, fontsize=6)
-        ax.set_xticks(range(n_max), [str(n) for n in range(n_max)], fontsize=6)
+        ax.set_xticks(range(n_cols), summary.column_labels(), fontsize=6, rotation=90)
         axes[name] = ax
     ax = grid[len(panels)]
     y = np.arange(n_sites)
@@ -94,9 +95,9 @@ def routing_report(summary: RoutingSummary, heading: str) -> str:
              f"mean entropy over sites {summary.mean_entropy():.4f} nats.", "",
              "| site | sources N | entropy (nats) | log N | effective sources | heaviest source (weight) |",
              "|---|---:|---:|---:|---:|---|"]
-    for name, site in zip(names, summary.sites):
+    for s, (name, site) in enumerate(zip(names, summary.sites)):
         mean = site.mean_weights.mean(0)
         top = int(mean.argmax())
         lines.append(f"| {name} | {site.n_sources} | {site.entropy:.4f} | {np.log(site.n_sources):.4f} | "
-                     f"{site.effective_sources:.3f} | {top} ({float(mean[top]):.3f}) |")
+                     f"{site.effective_sources:.3f} | {summary.site_source_labels(s)[top]} ({float(mean[top]):.3f}) |")
     return "\n".join(lines) + "\n"

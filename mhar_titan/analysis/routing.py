@@ -83,6 +83,7 @@ class RoutingRecorder:
             raise ValueError("the model has no depth routing (residual = 'standard'): nothing to record")
         args = model.args
         self.routing = model.routing
+        self.plan = getattr(model, "plan", None)
         self.heads, self.eps, self.n_sites = args.resolved_routing_heads, args.routing_eps, args.n_routing_sites
         self.sites: list[Optional[SiteStats]] = [None] * self.n_sites
         self.keep_weights = keep_weights
@@ -127,26 +128,62 @@ class RoutingRecorder:
         if self._calls == 0 or self._calls % self.n_sites or any(s is None for s in self.sites):
             raise RuntimeError(f"recorded {self._calls} routing sites, not a whole number of forwards of "
                                f"{self.n_sites} sites: pass the recorder as trace= to the model's forward")
-        return RoutingSummary(sites=list(self.sites), heads=self.heads)
+        return RoutingSummary(sites=list(self.sites), heads=self.heads, plan=self.plan)
 
 
 @dataclasses.dataclass
 class RoutingSummary:
-    """Per-site routing statistics of one model over some tokens (see the module docstring)."""
+    """Per-site routing statistics of one model over some tokens (see the module docstring).
+
+    With the model's routing ``plan`` (``mhar_titan.models.plan.RoutingPlan``), columns are the
+    entries of the model's source list (embedding, a_0, m_0, ... or block sums), so one column is
+    one source across sites; without it, column n is each site's n-th source.
+    """
 
     sites: list[SiteStats]
     heads: int
+    plan: object = None
+
+    def columns(self) -> list[int]:
+        """Source-list entries read by at least one site (with a plan), else 0 .. N_max - 1."""
+        if self.plan is None:
+            return list(range(max(site.n_sources for site in self.sites)))
+        return sorted({j for site in self.plan.sites for j in site.reads})
+
+    def column_labels(self) -> list[str]:
+        """Short names of the columns: null, emb, a0 / m0 (sublayer outputs), b1~m0 (the partial
+        sum of block 1 after m0); without a plan, the source position."""
+        if self.plan is None:
+            return [str(n) for n in self.columns()]
+        labels = []
+        for j in self.columns():
+            entry = self.plan.sources[j]
+            if entry.kind in ("null", "embedding"):
+                labels.append("null" if entry.kind == "null" else "emb")
+                continue
+            site = self.plan.sites[entry.site]
+            name = f"{'a' if site.sublayer == 'attention' else 'm'}{site.layer}"
+            labels.append(name if entry.kind == "output" else f"b{site.block}~{name}")
+        return labels
+
+    def site_source_labels(self, site: int) -> list[str]:
+        """Labels (as ``column_labels``) of the sources one site reads, in its routing order."""
+        by_column = dict(zip(self.columns(), self.column_labels()))
+        reads = self.plan.sites[site].reads if self.plan is not None else range(self.sites[site].n_sources)
+        return [by_column[j] for j in reads]
 
     def mean_weights(self) -> Tensor:
-        """(H, S, N_max) float64: head h, site s, source n; NaN where site s has fewer sources."""
-        n_max = max(site.n_sources for site in self.sites)
-        out = torch.full((self.heads, len(self.sites), n_max), float("nan"), dtype=torch.float64)
+        """(H, S, C) float64: head h, site s, column c (``columns``); NaN where site s does not
+        read that column's source."""
+        columns = self.columns()
+        out = torch.full((self.heads, len(self.sites), len(columns)), float("nan"), dtype=torch.float64)
         for s, site in enumerate(self.sites):
-            out[:, s, :site.n_sources] = site.mean_weights
+            reads = self.plan.sites[s].reads if self.plan is not None else range(site.n_sources)
+            out[:, s, [columns.index(j) for j in reads]] = site.mean_weights
         return out
 
     def head_mean_weights(self) -> Tensor:
-        """(S, N_max): the single-head view, mean over heads (NaN padded)."""
+        """(S, C): the single-head view, mean over heads (NaN where not read)."""
         return self.mean_weights().mean(0)
 
     def entropy(self) -> list[float]:
