@@ -166,7 +166,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.args = args
-        self.sites = (plan or RoutingPlan.from_args(args)).layer_sites(layer_id)
+        self.sites = (plan if plan is not None else RoutingPlan.from_args(args)).layer_sites(layer_id)
 
     def forward(self, h, cos, sin, sources=(), query=None, key_norm=None, alpha=None) -> BlockOutput:
         sources, start = list(sources), len(sources)
