@@ -22,11 +22,13 @@ PY=${PYTHON:-python}
 RUN=("$PY" bench/plain_python.py)
 
 if (( TINY )); then
+  COMPILE=(--shapes 512x8 --variants aligned)
   TESTS=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
   ROUTING=(--shapes toy --impls triton,eager --warmup 1 --iters 1 --no-step)
   THROUGHPUT=(--scales debug --batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0 --ac none --families mhar
               --kernel triton)
 else
+  COMPILE=()  # every paper shape, both variants
   # The kernel tests on CUDA tensors (the FSDP test is CPU/gloo and needs torchrun: left to CI).
   TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py
          tests/test_kernels_model.py -m "not distributed")
@@ -35,14 +37,17 @@ else
 fi
 
 # Sections in order, each with its budget in seconds (the sum stays under 240).
-SECTIONS=(env tests routing throughput)
-declare -A BUDGET=([env]=15 [tests]=80 [routing]=50 [throughput]=85)
+SECTIONS=(env bytes compile tests routing throughput)
+declare -A BUDGET=([env]=20 [bytes]=15 [compile]=25 [tests]=70 [routing]=45 [throughput]=60)
 
 # section_cmd NAME: sets CMD to the section's command; it writes OUT/NAME.md.
 section_cmd() {
   local stop_s=$(( BUDGET[$1] - 10 ))  # the benchmarks start no new work 10 s before the kill
   case $1 in
     env) CMD=("${RUN[@]}" bench/suite_report.py env "$OUT/env.md") ;;
+    bytes) CMD=("${RUN[@]}" bench/routing.py --bytes --out "$OUT/bytes.md") ;;
+    compile) CMD=(env -u TRITON_INTERPRET "${RUN[@]}" -m mhar_kernels.compile_report "${COMPILE[@]}"
+                  --out "$OUT/compile.md") ;;
     tests) CMD=(env MHAR_SUITE_TESTS_TABLE="$OUT/tests.md" "${RUN[@]}" -m pytest -v -p no:cacheprovider
                 -p bench.suite_report --continue-on-collection-errors "${TESTS[@]}") ;;
     routing) CMD=("${RUN[@]}" bench/routing.py "${ROUTING[@]}" --out "$OUT/routing.md" --budget-s "$stop_s") ;;
@@ -56,6 +61,7 @@ for name in "${SECTIONS[@]}"; do total=$(( total + BUDGET[$name] )); done
 {
   echo "GPU suite plan ($(date -u +%FT%TZ), tiny=$TINY): ${#SECTIONS[@]} sections, at most ${total} s in all"
   for name in "${SECTIONS[@]}"; do printf '  %-11s budget %3d s\n' "$name" "${BUDGET[$name]}"; done
+  echo "  compile: sm_90 registers/spills/vector width ${COMPILE[*]}"
   echo "  tests: ${TESTS[*]}"
   echo "  routing: ${ROUTING[*]}"
   echo "  throughput: ${THROUGHPUT[*]}"

@@ -14,6 +14,12 @@ compile (they move more), so the GB/s column compares implementations at equal w
     python bench/routing.py                       # CUDA: paper shapes, eager/compile/triton
     python bench/routing.py --append BENCHMARKS.md
     python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
+    python bench/routing.py --bytes                # counted bytes per step vs the floor, no timing
+
+`--bytes` prints, for 100m / 350m / 1b (MHAR, H = 8, sublayer, replace, bf16, the paper's
+micro-batches), the bytes the kernels move per training step as counted by
+`mhar_kernels.traffic` from the model's routing plan, beside the floor (N + 1 rows forward and
+2N + 1 backward per site), with activation checkpointing off and on.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mhar_kernels.traffic import H200_PROGRAMS, Traffic, routing_traffic  # noqa: E402
+from mhar_titan.models.args import ModelArgs  # noqa: E402
+from mhar_titan.models.plan import RoutingPlan  # noqa: E402
 from mhar_titan.models.routing import route as model_route  # noqa: E402
 
 # name: (B, T, d, N); N = 2L + 1 sources at the final routing of an L-layer model.
@@ -42,6 +51,8 @@ SHAPES = {
     "toy": {"toy": (1, 8, 64, 5)},
 }
 IMPLS = ("eager", "compile", "triton")
+# The paper's micro-batches (batch, sequence length) per scale; bench/throughput.py uses them too.
+MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
 SECTION = "## Kernels: depth routing"
 
 
@@ -52,6 +63,75 @@ def call_rows(n: int) -> int:
 
 def step_rows(n_max: int) -> int:
     return sum(call_rows(s) for s in range(1, n_max + 1))
+
+
+def plan_counts(args: ModelArgs) -> tuple[list[int], int]:
+    """(the (B, T, d) sources each routing site reads, how many different ones) from the
+    model's routing plan; the null source is not a row and is not counted."""
+    plan = RoutingPlan.from_args(args)
+    rows = [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
+    return [len(r) for r in rows], len({j for r in rows for j in r})
+
+
+def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
+                 programs: int = H200_PROGRAMS) -> Traffic:
+    """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch."""
+    counts, distinct = plan_counts(args)
+    return routing_traffic(counts, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
+                           distinct_sources=distinct, delta=args.routing_mode == "delta",
+                           null_source=args.routing_null_source, programs=programs,
+                           recomputed_sites=len(counts) - 1 if ac == "full" else 0)
+
+
+def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
+    lines = [
+        f"Counted routing traffic per training step (`mhar_kernels.traffic`, MHAR H = 8, sublayer, replace, "
+        f"{dtype}, backward partial sums from {H200_PROGRAMS} programs), GB; floor = N + 1 rows forward and "
+        "2N + 1 backward per site.",
+        "",
+        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | accumulate | counted | floor | "
+        "counted / floor |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for scale in scales:
+        args = ModelArgs.from_flavor(scale, residual="attn_res", routing_heads=8)
+        b, t = MICRO_BATCH[scale]
+        for ac in ("none", "full"):
+            traffic = step_traffic(args, b * t, dtype, ac)
+            kinds = {k: v / 1e9 for k, v in traffic.by_kind().items()}
+            lines.append(
+                f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
+                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | {kinds['accumulate']:.2f} | "
+                f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+class _NoLaunch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> float:
+    """Host time (ms, median) of one forward+backward routing call through the models' route
+    (kernel="triton") over n sources, with the two kernel launches stubbed out: argument check,
+    custom-op dispatch, pointer table, allocations and autograd, no device work. CUDA tensors
+    where there is a GPU; CPU tensors otherwise (needs TRITON_INTERPRET=1 so that the op
+    accepts them)."""
+    from mhar_kernels import triton_routing
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    saved = triton_routing._route_fwd_kernel, triton_routing._route_bwd_kernel
+    triton_routing._route_fwd_kernel = triton_routing._route_bwd_kernel = _NoLaunch()
+    try:
+        def call():
+            out = model_route(sources, query, norm_weight, heads, kernel="triton")
+            out.backward(torch.ones_like(out))
+        return median_ms(call, torch.device("cpu"), warmup=10, iters=iters)  # host clock: no device work
+    finally:
+        triton_routing._route_fwd_kernel, triton_routing._route_bwd_kernel = saved
 
 
 def timer(device: torch.device):
@@ -208,7 +288,20 @@ def main(argv=None) -> None:
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
+    p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor and the "
+                   "host time of one call with launches stubbed, then stop")
     a = p.parse_args(argv)
+    if a.bytes:
+        where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+        text = bytes_table() + (
+            f"\n\nHost time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
+            f"stubbed, median of 200): {host_ms():.3f} ms on {where}.")
+        print(text)
+        if a.out:
+            write_table(a.out, text)
+        if a.append:
+            append_section(a.append, text, "Routing bytes per step (counted, no GPU needed)")
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     impls = [i for i in a.impls.split(",") if i]

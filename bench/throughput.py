@@ -40,9 +40,8 @@ from mhar_titan.models.args import FAMILIES as MODEL_FAMILIES, ModelArgs  # noqa
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.parallel import apply_ac  # noqa: E402
 
-from routing import append_section, write_table  # noqa: E402  (bench/ is on sys.path when run as a script)
+from routing import MICRO_BATCH, append_section, write_table  # noqa: E402  (bench/ is on sys.path as a script)
 
-MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
 # The paper's three families (models/args.py FAMILIES) under the short names of the tables.
 FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
             (("baseline", "baseline"), ("attnres", "attn_res H=1"), ("mhar", "mhar H=8"))}

@@ -48,7 +48,7 @@ def route_with_state(
     from .triton_routing import route_forward
 
     with torch.no_grad():
-        out, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
+        out, _, _, lse = route_forward(srcs, query, norm_weight, heads, eps, state=state, out_dtype=torch.float32)
     return out, lse
 
 

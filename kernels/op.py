@@ -4,9 +4,9 @@ Two ops, so that `torch.compile` (per block, fullgraph) traces them as opaque no
 never touches a data pointer (`triton_op` + `wrap_triton` fails under compile with the
 interpreter: fake tensors have no data pointer):
 
-    mhar::route_fwd(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
-        -> (out (B, T, d), logits (N, B*T, H), lse (B*T, H))
-    mhar::route_bwd(grad_out, sources, query, norm_weight, heads, eps, logits, lse, alpha, null_source)
+    mhar::route_mix(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
+        -> (out (B, T, d), mix (B, T, d) in delta mode else (0,), logits (N, B*T, H), lse (B*T, H))
+    mhar::route_mix_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source)
         -> (grads of the N sources, dq, dg, dalpha, dnull)
 
 Both run the Triton kernels: on CUDA, and on CPU when TRITON_INTERPRET=1 was set before the
@@ -14,7 +14,9 @@ kernels were imported (`can_run`). Elsewhere they raise; the caller (the models'
 module) runs its eager reference instead.
 
 Saved for backward: references to the source tensors (no copies), query, norm weight,
-alpha, null source and the fp32 logits and lse (N*B*T*H + B*T*H elements). Nothing is
+alpha, null source, the fp32 logits and lse (N*B*T*H + B*T*H elements) and the normalised mix
+(the output itself in replacement mode; one extra (B, T, d) tensor in delta mode), from which
+the backward gets <dmix, mix> without a second read of the sources. Nothing is
 shared between calls, so a block recomputed by activation checkpointing, or a backward in
 any order (FSDP2 prefetching, pipeline schedules), sees the same state as the first run.
 """
@@ -59,7 +61,7 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
 
 
 # ---------------------------------------------------------------------------- forward op
-@torch.library.custom_op("mhar::route_fwd", mutates_args=())
+@torch.library.custom_op("mhar::route_mix", mutates_args=())
 def route_fwd(
     sources: list[Tensor],
     query: Tensor,
@@ -69,10 +71,12 @@ def route_fwd(
     partial: Optional[Tensor],
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _require(sources[0].device, sources[0].shape[-1], heads)
     srcs = contract.with_null_source(null_source, list(sources))
-    return triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha)
+    out, mix, logits, lse = triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial,
+                                                         alpha=alpha)
+    return out, mix if mix is not None else out.new_empty((0,)), logits, lse
 
 
 @route_fwd.register_fake
@@ -81,14 +85,17 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
     n = len(sources) + int(null_source is not None)
     bt = full.numel() // full.shape[-1]
     cdt = contract.compute_dtype(full.dtype)
-    return full.new_empty(full.shape), full.new_empty((n, bt, heads), dtype=cdt), full.new_empty((bt, heads), dtype=cdt)
+    mix = full.new_empty(full.shape) if partial is not None else full.new_empty((0,))
+    return (full.new_empty(full.shape), mix, full.new_empty((n, bt, heads), dtype=cdt),
+            full.new_empty((bt, heads), dtype=cdt))
 
 
 # ---------------------------------------------------------------------------- backward op
-@torch.library.custom_op("mhar::route_bwd", mutates_args=())
+@torch.library.custom_op("mhar::route_mix_backward", mutates_args=())
 def route_bwd(
     grad_out: Tensor,
     sources: list[Tensor],
+    mix: Tensor,
     query: Tensor,
     norm_weight: Tensor,
     heads: int,
@@ -102,7 +109,7 @@ def route_bwd(
     _require(grad_out.device, grad_out.shape[-1], heads)
     srcs = contract.with_null_source(null_source, list(sources))
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, query, norm_weight, heads, eps, logits, lse, alpha
+        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha
     )
     return (
         grads,
@@ -114,7 +121,7 @@ def route_bwd(
 
 
 @route_bwd.register_fake
-def _route_bwd_fake(grad_out, sources, query, norm_weight, heads, eps, logits, lse, alpha, null_source):
+def _route_bwd_fake(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source):
     return (
         [s.new_empty(s.shape) for s in sources],  # contiguous, like the kernel's
         torch.empty_like(query),
@@ -127,20 +134,20 @@ def _route_bwd_fake(grad_out, sources, query, norm_weight, heads, eps, logits, l
 # ---------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     sources, query, norm_weight, heads, eps, partial, alpha, null_source = inputs
-    _, logits, lse = output
+    out, mix, logits, lse = output
     ctx.heads, ctx.eps, ctx.n_sources = heads, eps, len(sources)
     ctx.has_alpha, ctx.has_null = alpha is not None, null_source is not None
     ctx.partial_dtype = partial.dtype if partial is not None else None
     optional = [t for t in (alpha, null_source) if t is not None]
-    ctx.save_for_backward(query, norm_weight, logits, lse, *optional, *sources)
+    ctx.save_for_backward(out if partial is None else mix, query, norm_weight, logits, lse, *optional, *sources)
 
 
-def _backward(ctx, grad_out, _grad_logits, _grad_lse):
-    query, norm_weight, logits, lse, *rest = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_mix, _grad_logits, _grad_lse):
+    mix, query, norm_weight, logits, lse, *rest = ctx.saved_tensors
     alpha = rest.pop(0) if ctx.has_alpha else None
     null_source = rest.pop(0) if ctx.has_null else None
     grads, dq, dg, dalpha, dnull = route_bwd(
-        grad_out, rest, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
+        grad_out, rest, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
     )
     dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
     return (
@@ -206,7 +213,7 @@ def route_unchecked(
     null_source: Optional[Tensor] = None,
 ) -> Tensor:
     """`route` for arguments that `contract.check_route_args` already accepted (heads an int):
-    the models' routing checks each call once and then calls this."""
-    _require(sources[0].device, sources[0].shape[-1], heads)
-    out, _, _ = route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)
+    the models' routing checks each call once and then calls this. Raises RuntimeError where the
+    kernels cannot run (`can_run`)."""
+    out, _, _, _ = route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)
     return out

@@ -16,17 +16,27 @@ sources' element type. This is valid Triton on CUDA (int-to-pointer cast) and wo
 TRITON_INTERPRET=1, where a data pointer is a host address. A (d,) null source is source 0
 with row stride 0 (broadcast over tokens, no expanded copy).
 
-Saved for backward by the caller: logits (N, B*T, H) and lse (B*T, H) in fp32, nothing of
-size d. The backward kernel re-reads the sources twice (pass 1 rebuilds the mix to get
-S_h = <dmix_h, mix_h>, pass 2 writes each source's gradient) and writes per-program partial
-sums of dq, dg, dalpha and dnull that the host reduces with one fixed-order sum: no atomics,
-so results are bitwise repeatable.
+Saved for backward by the caller: logits (N, B*T, H) and lse (B*T, H) in fp32 and the
+normalised mix (B, T, d): the output itself in replacement mode, an extra output of the forward
+in delta mode (one row written). The backward kernel reads each source ONCE: S_h = <dmix_h, mix_h>
+comes from the saved mix (rounded to the storage dtype: in bf16 the measured gradient errors equal
+the eager path's), so every source's gradient is written in the same pass that reads it.
+dq, dg, dalpha and dnull are accumulated over the token tiles of a fixed number of programs
+(`reduce_programs`) and written as (programs, d) partial sums that the host reduces in a fixed
+order: no atomics, so results are bitwise repeatable, and no per-site (B*T, d) partial buffers.
+
+Aligned variant (ALIGNED=True, chosen on the host by `aligned`): every source and gradient
+starts on a 16-byte boundary and its row stride and head width are multiples of 8 elements, so
+the kernels tell the compiler so (`tl.multiple_of`) and get 128-bit loads and stores; otherwise
+the general variant makes no such promise (a wrong hint would fault). The loop over sources is
+software-pipelined (`tl.range(..., num_stages=NUM_STAGES)`).
 
 All loads are cast to fp32 right away and outputs are cast at the store (the interpreter
 cannot do arithmetic on bf16). float64 sources run the same kernels in float64 (gradcheck).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence
 
@@ -55,10 +65,23 @@ def _to_storage(x, TY: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT: tl.constexpr):
-    """Tile [BLOCK_T, HB, KB] of source n, cast to the compute dtype."""
+def _source_base(PTRS, n, SRC_TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to row 0 of source n (or of its gradient) from the device table; in the aligned
+    variant it is known to be 16-byte aligned."""
     base = tl.load(PTRS + n).to(tl.pointer_type(SRC_TY))
+    if ALIGNED:  # the int-to-pointer cast loses the alignment: restate it (bytes)
+        base = tl.multiple_of(base, 16)
+    return base
+
+
+@triton.jit
+def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT: tl.constexpr,
+                 ALIGNED: tl.constexpr):
+    """Tile [BLOCK_T, HB, KB] of source n, cast to the compute dtype."""
+    base = _source_base(PTRS, n, SRC_TY, ALIGNED)
     row_stride = tl.load(RSTRIDES + n)
+    if ALIGNED:
+        row_stride = tl.multiple_of(row_stride, 8)
     return tl.load(base + rows * row_stride + cols, mask=mask, other=0.0).to(CDT)
 
 
@@ -79,12 +102,15 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 @triton.jit
 def _route_fwd_kernel(
     PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
-    OUT, LOGITS, LSE,
+    OUT, MIX, LOGITS, LSE,
     N, BT, D, H, K, eps,
-    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    if ALIGNED:
+        D = tl.multiple_of(D, 8)
+        K = tl.multiple_of(K, 8)
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
@@ -109,8 +135,8 @@ def _route_fwd_kernel(
         m = tl.full([BLOCK_T, HB], float("-inf"), CDT)
         l = tl.zeros([BLOCK_T, HB], CDT)
 
-    for n in range(N):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
+    for n in tl.range(0, N, num_stages=NUM_STAGES):
+        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
         r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
         logit = tl.sum(khat * g * qg, axis=2)  # [BLOCK_T, HB]
         tl.store(LOGITS + n * BT * H + th, logit, mask=thmask)
@@ -124,7 +150,8 @@ def _route_fwd_kernel(
 
     tl.store(LSE + th, m + tl.log(l), mask=thmask)
     out = acc
-    if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store
+    if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store; the mix is kept
+        tl.store(MIX + rows * D + cols, _to_storage(acc, MIX.dtype.element_ty, RNE_BF16), mask=mask)
         alpha = tl.load(ALPHA).to(CDT)
         out = tl.load(PARTIAL + rows * D + cols, mask=mask, other=0.0).to(CDT) + alpha * out
     tl.store(OUT + rows * D + cols, _to_storage(out, OUT.dtype.element_ty, RNE_BF16), mask=mask)
@@ -150,78 +177,85 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, SRC0, Q, G, ALPHA, DOUT, LOGITS, LSE,
+    PTRS, RSTRIDES, DPTRS, SRC0, Q, G, ALPHA, DOUT, MIX, LOGITS, LSE,
     DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
     N, BT, D, H, K, eps,
-    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    if ALIGNED:
+        D = tl.multiple_of(D, 8)
+        K = tl.multiple_of(K, 8)
     pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
     k = tl.arange(0, KB)
-    rows = t[:, None, None].to(tl.int64)
     hk = h[:, None] * K + k[None, :]  # [HB, KB]
     cols = hk[None, :, :]
     cmask2 = (h[:, None] < H) & (k[None, :] < K)
     cmask = cmask2[None, :, :]
-    mask = (t[:, None, None] < BT) & cmask
-    th = t[:, None] * H + h[None, :]
-    thmask = (t[:, None] < BT) & (h[None, :] < H)
-
     qg = tl.load(Q + cols, mask=cmask, other=0.0).to(CDT)
     g = tl.load(G + cols, mask=cmask, other=0.0).to(CDT)
-    lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
-    dout = tl.load(DOUT + rows * D + cols, mask=mask, other=0.0).to(CDT)
 
-    # Pass 1: rebuild the mix (fp32) for S_h = <dmix_h, mix_h> and dalpha = <dout, mix>.
-    mix = tl.zeros([BLOCK_T, HB, KB], CDT)
-    for n in range(N):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
-        logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
-        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
-        mix += w[:, :, None] * v
-    if HAS_ALPHA:
-        alpha = tl.load(ALPHA).to(CDT)
-        tl.store(DALPHA_PART + pid, tl.sum(tl.sum(tl.sum(dout * mix, axis=2), axis=1), axis=0))
-        dmix = alpha * dout
-    else:
-        dmix = dout
-    S = tl.sum(dmix * mix, axis=2)
-
-    # Pass 2: per-source gradients; dq, dg (and dnull) summed over this program's tokens.
     dq = tl.zeros([HB, KB], CDT)
     dg = tl.zeros([HB, KB], CDT)
-    if HAS_NULL:  # source 0 is the (d,) null source: reduce its gradient over the tokens
-        v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT)
-        logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
-        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-        dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
-        dq += dq_n
-        dg += dg_n
-        dv = tl.where(mask, dv, 0.0)
-        tl.store(DNULL_PART + pid * D + hk, tl.sum(dv, axis=0), mask=cmask2)
-    for n in range(1 if HAS_NULL else 0, N):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT)
-        logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
-        w = tl.where(thmask, tl.exp(logit - lse), 0.0)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-        dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
-        dq += dq_n
-        dg += dg_n
-        dbase = tl.load(DPTRS + n).to(tl.pointer_type(SRC_TY))
-        tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
+    dnull = tl.zeros([HB, KB], CDT)
+    dalpha = tl.zeros([BLOCK_T, HB], CDT)
+    # Persistent programs: token tiles pid, pid + P, ...; dq, dg (dalpha, dnull) summed over them.
+    for tile in range(pid, tl.cdiv(BT, BLOCK_T), tl.num_programs(0)):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = t[:, None, None].to(tl.int64)
+        mask = (t[:, None, None] < BT) & cmask
+        th = t[:, None] * H + h[None, :]
+        thmask = (t[:, None] < BT) & (h[None, :] < H)
+        lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
+        dout = tl.load(DOUT + rows * D + cols, mask=mask, other=0.0).to(CDT)
+        mix = tl.load(MIX + rows * D + cols, mask=mask, other=0.0).to(CDT)  # saved by the forward
+        if HAS_ALPHA:
+            dalpha += tl.sum(dout * mix, axis=2)
+            dmix = tl.load(ALPHA).to(CDT) * dout
+        else:
+            dmix = dout
+        S = tl.sum(dmix * mix, axis=2)  # <dmix_h, mix_h>, [BLOCK_T, HB]
+        if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
+            v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
+            logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
+            w = tl.where(thmask, tl.exp(logit - lse), 0.0)
+            r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+            dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
+            dq += dq_n
+            dg += dg_n
+            dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
+        # One read of each source, one write of its gradient.
+        for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
+            v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
+            logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
+            w = tl.where(thmask, tl.exp(logit - lse), 0.0)
+            r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+            dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
+            dq += dq_n
+            dg += dg_n
+            dbase = _source_base(DPTRS, n, SRC_TY, ALIGNED)
+            tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
     tl.store(DQ_PART + pid * D + hk, dq, mask=cmask2)
     tl.store(DG_PART + pid * D + hk, dg, mask=cmask2)
+    if HAS_ALPHA:
+        tl.store(DALPHA_PART + pid, tl.sum(tl.sum(dalpha, axis=1), axis=0))
+    if HAS_NULL:
+        tl.store(DNULL_PART + pid * D + hk, dnull, mask=cmask2)
 
 
 # ---------------------------------------------------------------------------- host code
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
-# Register budget on a GPU: elements of one [BLOCK_T, HB, KB] tile per program.
+# Register budget on a GPU: elements of one [BLOCK_T, HB, KB] tile per program; 8 warps keep
+# the backward at <= 168 registers per thread (no spills) at the paper's shapes.
 _FWD_TILE = 4096
 _BWD_TILE = 2048
+# Stages of the software pipeline over the sources (cp.async prefetch of the next sources).
+NUM_STAGES = 3
+# Persistent backward programs per streaming multiprocessor: dq / dg partials are
+# (programs, d) fp32, a fraction of one (B*T, d) row set.
+PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one after another in Python: few, large programs.
 _INTERPRET_BLOCK_T = 128
 # Largest [HB, KB] tile of one token (elements); larger ones run the eager reference
@@ -241,13 +275,35 @@ def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
     on a GPU BLOCK_T fills a fixed register budget (the paper uses one token per program)."""
     hb, kb = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     if INTERPRET:
-        block_t = min(triton.next_power_of_2(bt), _INTERPRET_BLOCK_T)
+        block_t = min(triton.next_power_of_2(max(bt, 1)), _INTERPRET_BLOCK_T)
     else:
         budget = _BWD_TILE if backward else _FWD_TILE
-        block_t = max(1, min(triton.next_power_of_2(bt), budget // (hb * kb)))
+        block_t = max(1, min(triton.next_power_of_2(max(bt, 1)), budget // (hb * kb)))
     tile = block_t * hb * kb
-    num_warps = 8 if tile >= 4096 else 4 if tile >= 1024 else 2
+    num_warps = 8 if tile >= 2048 else 4 if tile >= 1024 else 2
     return dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps)
+
+
+def reduce_programs(tiles: int, device: torch.device) -> int:
+    """Programs of the backward launch: PROGRAMS_PER_SM per streaming multiprocessor on CUDA
+    (one under the interpreter), never more than there are token tiles."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(tiles, PROGRAMS_PER_SM * _multiprocessors(device.index)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: Optional[int]) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
+
+
+def aligned(tensors: Sequence[Optional[Tensor]], row_strides: Sequence[int], head_dim: int) -> bool:
+    """True when the aligned (128-bit access) variant is safe: every tensor the kernel addresses
+    starts on a 16-byte boundary, every source row stride and the head width K (so also d) are
+    multiples of 8 elements. None entries (absent optional tensors) are skipped."""
+    return (head_dim % 8 == 0 and all(st % 8 == 0 for st in row_strides)
+            and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
 
 
 def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
@@ -258,26 +314,30 @@ def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
     is made for this launch only (never saved)."""
     if source.dim() == 1:
         return source.contiguous(), 0
+    if source.is_contiguous():  # the common case, one check
+        return source, d
     flat = source.reshape(-1, d) if source.stride(-1) == 1 else None
     if flat is None or flat.data_ptr() != source.data_ptr() or flat.stride(1) != 1:
         flat = source.contiguous().view(-1, d)
     return flat, flat.stride(0)
 
 
-def _device_table(values: Sequence[int], device: torch.device) -> Tensor:
-    table = torch.tensor(list(values), dtype=torch.int64)
+def _device_table(values: list[int], device: torch.device) -> Tensor:
+    """One int64 table on `device` (one host-to-device copy per launch)."""
+    table = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":  # pinned + async: no host synchronisation per call
         return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)
 
 
-def _source_table(sources: Sequence[Tensor], d: int) -> tuple[list[Tensor], Tensor, Tensor]:
+def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
+    """(source views, their row strides, device table [pointers (N,), row strides (N,), extra]):
+    one host-to-device copy carries every per-source value of a launch."""
     views = [_rows(s, d) for s in sources]
     tensors = [v for v, _ in views]
-    device = tensors[0].device
-    ptrs = _device_table([v.data_ptr() for v in tensors], device)
-    strides = _device_table([st for _, st in views], device)
-    return tensors, ptrs, strides
+    strides = [st for _, st in views]
+    table = _device_table([v.data_ptr() for v in tensors] + strides + list(extra), tensors[0].device)
+    return tensors, strides, table
 
 
 def route_forward(
@@ -291,43 +351,49 @@ def route_forward(
     alpha: Optional[Tensor] = None,
     state: Optional[tuple[Tensor, Tensor]] = None,
     out_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
 
     state: optional incoming online-softmax state (mix (B, T, d) normalised, lse (B*T, H) fp32)
     of sources routed earlier with the same query/norm; the result then covers both sets.
-    Returns (out (B, T, d) in out_dtype or the sources' dtype, logits (N, B*T, H), lse (B*T, H)),
+    Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the sources'
+    dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse (B*T, H)),
     statistics in fp32 (fp64 for fp64 sources)."""
     full = next(s for s in sources if s.dim() != 1)
     shape, d = full.shape, full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
     cdt = compute_dtype(full.dtype)
-    tensors, ptrs, strides = _source_table(sources, d)
     out = torch.empty(shape, dtype=out_dtype or full.dtype, device=full.device)
+    mix = torch.empty(shape, dtype=full.dtype, device=full.device) if partial is not None else None
     logits = torch.empty((len(sources), bt, heads), dtype=cdt, device=full.device)
     lse = torch.empty((bt, heads), dtype=cdt, device=full.device)
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
-        return out, logits, lse
+        return out, mix, logits, lse
+    n = len(sources)
+    tensors, strides, table = _source_table(sources, d)
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
         state = (state[0].contiguous(), state[1].contiguous())
+    is_aligned = aligned([*tensors, partial, out, mix, state[0] if state else None], strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=False)
     grid = (triton.cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
-        ptrs, strides, tensors[0], query.contiguous(), norm_weight.contiguous(),
+        table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
         state[0] if state is not None else out, state[1] if state is not None else lse,
-        out, logits, lse,
+        out, mix if mix is not None else out, logits, lse,
         len(sources), bt, d, heads, head_dim, eps,
-        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
+        CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
-    return out, logits, lse
+    return out, mix, logits, lse
 
 
 def route_backward(
     grad_out: Tensor,
     sources: Sequence[Tensor],
+    mix: Tensor,
     query: Tensor,
     norm_weight: Tensor,
     heads: int,
@@ -336,7 +402,8 @@ def route_backward(
     lse: Tensor,
     alpha: Optional[Tensor] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """Launch the backward kernel for `route_forward`'s call with the same sources.
+    """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
+    normalised mix that call produced (its output in replacement mode, its mix in delta mode).
 
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dq, dg, dalpha, dnull are in the compute dtype, reduced over the
@@ -352,20 +419,24 @@ def route_backward(
         dq, dg = (torch.zeros(d, dtype=cdt, device=device) for _ in range(2))
         dalpha = dq.new_zeros(1) if alpha is not None else None
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
-    tensors, ptrs, strides = _source_table(sources, d)
-    dptrs = _device_table([0] * int(has_null) + [gr.data_ptr() for gr in grads], device)
+    n = len(sources)
+    dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
+    tensors, strides, table = _source_table(sources, d, extra=dptrs)
+    grad_out, mix = grad_out.contiguous(), mix.contiguous()
+    is_aligned = aligned([*tensors, *grads, grad_out, mix], strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=True)
-    programs = triton.cdiv(bt, cfg["BLOCK_T"])
+    programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
     dq_part = torch.empty((programs, d), dtype=cdt, device=device)
     dg_part = torch.empty((programs, d), dtype=cdt, device=device)
     dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else dq_part
     dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else dq_part
     _route_bwd_kernel[(programs,)](
-        ptrs, strides, dptrs, tensors[0], query.contiguous(), norm_weight.contiguous(),
-        alpha if alpha is not None else lse, grad_out.contiguous(), logits, lse,
+        table[:n], table[n:2 * n], table[2 * n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
+        alpha if alpha is not None else lse, grad_out, mix, logits, lse,
         dq_part, dg_part, dalpha_part, dnull_part,
-        len(sources), bt, d, heads, head_dim, eps,
-        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+        n, bt, d, heads, head_dim, eps,
+        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
+        CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None
     dnull = dnull_part.sum(0) if has_null else None

@@ -26,7 +26,7 @@ def test_gpu_suite_tiny_writes_every_table(tmp_path):
 
     summary = json.loads((out / "summary.json").read_text())
     names = [s["name"] for s in summary["sections"]]
-    assert names == ["env", "tests", "routing", "throughput"], names
+    assert names == ["env", "bytes", "compile", "tests", "routing", "throughput"], names
     assert sum(s["budget_s"] for s in summary["sections"]) == budget
     for section in summary["sections"]:
         log = (out / section["log"]).read_text()

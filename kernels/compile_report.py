@@ -1,0 +1,153 @@
+"""Compile the routing kernels for sm_90 without a GPU and report what ptxas made of them.
+
+    python -m mhar_kernels.compile_report            # paper shapes, N = 73, bf16: one line each
+    python -m mhar_kernels.compile_report --json     # the same as JSON
+
+Uses Triton's ahead-of-time path (`triton.compile` with `GPUTarget("cuda", 90, 64)`) and the
+ptxas that ships with Triton, so it runs on a CPU-only machine; run it with another Triton
+(for example 3.6 in a second environment) to compare versions. For each kernel and variant it
+reports registers per thread, spill bytes, the widest global/async source access in the PTX
+and whether the loop over sources is software-pipelined (cp.async groups).
+
+Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+# The paper's shapes (d, H) and the deepest site of the 1b flavor.
+SHAPES = [(512, 1), (512, 8), (1024, 1), (1024, 8), (1280, 1), (1280, 8)]
+N_SOURCES = 73
+TOKENS = 2048
+
+_POINTER_ARGS = {
+    "forward": dict(PTRS="*i64", RSTRIDES="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
+                    STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32"),
+    "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
+                     DOUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
+                     DALPHA_PART="*fp32", DNULL_PART="*fp32"),
+}
+_SCALAR_ARGS = dict(N="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
+
+
+def _ptxas():
+    from triton.backends.nvidia import compiler
+
+    try:
+        return compiler.get_ptxas(90).path
+    except TypeError:  # older Triton: no arch argument
+        return compiler.get_ptxas().path
+
+
+def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
+                   tokens: int = TOKENS, dtype: str = "bf16") -> dict:
+    """Compile the forward or backward kernel for sm_90 as a launch with these arguments would.
+
+    Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
+    specialisation, as at run time. Returns {'registers', 'spill_bytes', 'num_warps',
+    'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched by 16-byte cp.async
+    in a multi-stage loop), 'ptxas' (its -v report)}.
+    Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_routing as tr
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        raise RuntimeError("this Triton build has no CUDA backend")
+    fn = tr._route_fwd_kernel if kind == "forward" else tr._route_bwd_kernel
+    cfg = tr.launch_config(tokens, heads, d // heads, backward=kind == "backward")
+    num_warps = cfg.pop("num_warps")
+    types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()} | _SCALAR_ARGS
+    flags = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False)
+    constexprs = dict(flags, ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
+    names = fn.arg_names
+    values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)
+    divisible = [k for k in types if k.isupper() and types[k].startswith("*")]
+    divisible += [k for k, v in values.items() if v % 16 == 0]
+    src = ASTSource(fn, {k: types.get(k, "constexpr") for k in names},
+                    {(names.index(k),): v for k, v in constexprs.items()},
+                    {(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps))
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        proc = subprocess.run([_ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", str(path.with_suffix(".cubin"))],
+                              capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
+    report = proc.stdout + proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    counts = access_counts(ptx)
+    return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, scalar_16bit_loads=counts["scalar_16bit"],
+                accesses_128bit=counts["128bit"], pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx,
+                ptxas=report.strip())
+
+
+def access_counts(ptx: str) -> dict:
+    """Global accesses in the PTX: 'scalar_16bit' loads (ld.global.b16: one bf16 per thread),
+    '128bit' accesses (ld/st.global .v4.b32 and 16-byte cp.async) and 'async_128bit' copies alone."""
+    copies = [int(b, 0) for b in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
+                                            r"(0x[0-9a-f]+|\d+)", ptx)]
+    vectors = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.b32", ptx))
+    return dict(scalar_16bit=len(re.findall(r"ld\.global(?:\.\w+)*\.b16\b", ptx)),
+                async_128bit=copies.count(16), **{"128bit": vectors + copies.count(16)})
+
+
+def report(shapes=SHAPES, variants=("aligned", "general")) -> list[dict]:
+    """compile_kernel for both kernels at every (d, H) of `shapes` and every variant, as rows."""
+    rows = []
+    for d, heads in shapes:
+        for kind in ("forward", "backward"):
+            for aligned in (v == "aligned" for v in variants):
+                r = compile_kernel(kind, d, heads, aligned=aligned)
+                rows.append(dict(kernel=kind, d=d, H=heads, N=N_SOURCES, variant="aligned" if aligned else "general",
+                                 **{k: v for k, v in r.items() if k != "ptxas"}))
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--shapes", default=",".join(f"{d}x{h}" for d, h in SHAPES), help="comma list of dxH")
+    p.add_argument("--variants", default="aligned,general")
+    p.add_argument("--out", type=Path, help="also write the table (or JSON) to this file")
+    a = p.parse_args(argv)
+    import triton
+
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in a.shapes.split(",")]
+    try:
+        rows = report(shapes, a.variants.split(","))
+    except RuntimeError as exc:
+        raise SystemExit(f"compile_report: {exc}")
+    if a.json:
+        text = json.dumps(dict(triton=triton.__version__, rows=rows), indent=2)
+    else:
+        lines = [f"triton {triton.__version__}, compiled for sm_90 (no GPU), bf16, N = {N_SOURCES}, {TOKENS} tokens",
+                 "",
+                 "| kernel | d | H | variant | warps | registers | spill bytes | 16-bit loads | 128-bit accesses "
+                 "| pipelined |",
+                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['num_warps']} | {r['registers']} | "
+                  f"{r['spill_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
+                  f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
+        text = "\n".join(lines)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
