@@ -298,12 +298,16 @@ def _multiprocessors(index: Optional[int]) -> int:
                                             ).multi_processor_count
 
 
-def aligned(tensors: Sequence[Optional[Tensor]], row_strides: Sequence[int], head_dim: int) -> bool:
-    """True when the aligned (128-bit access) variant is safe: every tensor the kernel addresses
-    starts on a 16-byte boundary, every source row stride and the head width K (so also d) are
-    multiples of 8 elements. None entries (absent optional tensors) are skipped."""
+def aligned(pointers: Sequence[int], row_strides: Sequence[int], head_dim: int) -> bool:
+    """True when the aligned (128-bit access) variant is safe: every data pointer the kernel
+    addresses is on a 16-byte boundary, every source row stride and the head width K (so also d)
+    are multiples of 8 elements."""
     return (head_dim % 8 == 0 and all(st % 8 == 0 for st in row_strides)
-            and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None))
+            and all(ptr % 16 == 0 for ptr in pointers))
+
+
+def _pointers(*tensors: Optional[Tensor]) -> list[int]:
+    return [t.data_ptr() for t in tensors if t is not None]
 
 
 def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
@@ -331,13 +335,14 @@ def _device_table(values: list[int], device: torch.device) -> Tensor:
 
 
 def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
-    """(source views, their row strides, device table [pointers (N,), row strides (N,), extra]):
-    one host-to-device copy carries every per-source value of a launch."""
+    """(source views, their data pointers, their row strides, device table [pointers (N,), row
+    strides (N,), extra]): one host-to-device copy carries every per-source value of a launch."""
     views = [_rows(s, d) for s in sources]
     tensors = [v for v, _ in views]
     strides = [st for _, st in views]
-    table = _device_table([v.data_ptr() for v in tensors] + strides + list(extra), tensors[0].device)
-    return tensors, strides, table
+    ptrs = [v.data_ptr() for v in tensors]
+    table = _device_table(ptrs + strides + list(extra), tensors[0].device)
+    return tensors, ptrs, strides, table
 
 
 def route_forward(
@@ -370,12 +375,12 @@ def route_forward(
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
         return out, mix, logits, lse
     n = len(sources)
-    tensors, strides, table = _source_table(sources, d)
+    tensors, ptrs, strides, table = _source_table(sources, d)
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
         state = (state[0].contiguous(), state[1].contiguous())
-    is_aligned = aligned([*tensors, partial, out, mix, state[0] if state else None], strides, head_dim)
+    is_aligned = aligned(ptrs + _pointers(partial, out, mix, state[0] if state else None), strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=False)
     grid = (triton.cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
@@ -421,9 +426,9 @@ def route_backward(
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
     n = len(sources)
     dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
-    tensors, strides, table = _source_table(sources, d, extra=dptrs)
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs)
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
-    is_aligned = aligned([*tensors, *grads, grad_out, mix], strides, head_dim)
+    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix), strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=True)
     programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
     dq_part = torch.empty((programs, d), dtype=cdt, device=device)
