@@ -82,7 +82,7 @@ class TrainState:
 
 
 # Fields of ModelArgs that do not change the weights: a checkpoint resumes across them.
-RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len")
+RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 
 
 def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:

@@ -31,7 +31,7 @@ from .safetensors_io import ShardedWriter
 
 MODEL_TYPE = "mhar_titan"
 FORMAT_VERSION = 1
-WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len")
+WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 """ModelArgs fields that do not change the weights: a folder loads into a model that differs in them."""
 
 

@@ -11,6 +11,10 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | Block AttnRes | "attn_res"   | any           | "block"             | "replace"    |
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
+`routing_group_size` (g, or "auto") cuts the routing sites into groups of g consecutive sites
+routed in two phases (plan.py "Groups", grouped.py); it changes how routing is computed, not
+the function or the weights.
+
 Flavors and families are data: `FLAVORS[name]` holds the shape fields that differ from the
 defaults, `FAMILIES[name]` the residual-path fields, and
 `ModelArgs.from_flavor(name, **FAMILIES[family], **overrides)` builds one.
@@ -74,6 +78,7 @@ class ModelArgs:
     routing_null_source: bool = False  # learnable (d,) source 0, init 0
     routing_kernel: Literal["eager", "compile", "triton", "auto"] = "eager"
     routing_eps: float = 1e-6
+    routing_group_size: int | str = 1  # g consecutive sites per routing group (plan.py "Groups"); 1 = per call; "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,12 +117,27 @@ class ModelArgs:
                 f"dim d={self.dim} is not divisible by routing heads H={self.resolved_routing_heads}: "
                 "MHAR splits the pseudo-query into H contiguous slices of d/H"
             )
+        self._check_group_size()
         if self.residual == "standard" and (self.routing_mode == "delta" or self.routing_null_source):
             raise ValueError(
                 f"routing_mode={self.routing_mode!r} and routing_null_source={self.routing_null_source} need "
                 "residual='attn_res' (the standard residual has no routing sites); set residual='attn_res', "
                 "or routing_mode='replace' and routing_null_source=False"
             )
+
+    def _check_group_size(self) -> None:
+        """routing_group_size: a positive int or "auto"; g != 1 needs the eager kernel (ValueError)."""
+        g = self.routing_group_size
+        if g != "auto" and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
+            raise ValueError(f"routing_group_size must be a positive integer (1 = per-call routing) or 'auto', "
+                             f"got {g!r}")
+        if g not in (1, "auto") and self.residual == "standard":
+            raise ValueError(f"routing_group_size={g!r} needs residual='attn_res' (the standard residual has no "
+                             "routing sites); set routing_group_size=1")
+        if g != 1 and self.routing_kernel != "eager":
+            raise ValueError(f"routing_group_size={g!r} runs only with routing_kernel='eager' (grouped routing has "
+                             f"no fused or compiled kernel yet), got routing_kernel={self.routing_kernel!r}; set "
+                             "routing_kernel='eager' or routing_group_size=1")
 
     def _check_types(self) -> None:
         """Numeric and boolean fields: positive ints, finite positive reals, bools (ValueError)."""

@@ -28,17 +28,30 @@ reads null, embedding and every completed block (the last one included).
 Each created entry carries a recipe (a signed sum of this sublayer's output, the residual
 stream after it and earlier entries), so another layout (for example the paper's block-delta
 sources, MHAR_SPEC 1.4 "code quirk") is new data built here, not new branches in the model.
+
+Groups (grouped two-phase routing, docs/DESIGN.md "Grouped routing"): with
+`routing_group_size` g, the sites are cut into groups of g consecutive sites (site 0 starts the
+first group; the last group may be shorter). For each group, `Group.reads` are the entries that
+exist when the group starts and that some site of the group reads: phase 1 reads each of them
+once for all the group's sites; `Group.early[i]` / `Group.late[i]` split site i's reads into
+those (merged from phase 1's state) and the in-group entries it reads itself (phase 2).
+g = 1 is per-call routing: every group is one site whose reads are all early.
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+log = logging.getLogger(__name__)
 
 OUTPUT = "output"  # recipe operand: the output of the sublayer that creates the entry
 STREAM = "stream"  # recipe operand: the residual stream h after that sublayer (kept in delta mode)
 # "block": an entry made once per completed block, for layouts that keep no partial sums
 SOURCE_KINDS = ("null", "embedding", "output", "partial", "block")
 LAYOUTS = ("canonical",)
+# Rows of the storage dtype one (B, T, d) phase-1 state or its gradient costs (fp32 against bf16 sources).
+STATE_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -99,16 +112,38 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Group:
+    """One group of consecutive routing sites (module docstring, "Groups").
+
+    sites: the site indices, consecutive. reads: the entries that exist when the group starts
+    and that some site of the group reads (phase 1 reads each once), in list order. early[i],
+    late[i]: site sites[i]'s reads split into those in `reads` (phase 1) and those created
+    inside the group (phase 2), each in the site's routing order.
+    """
+
+    index: int
+    sites: tuple[int, ...]
+    reads: tuple[int, ...]
+    early: tuple[tuple[int, ...], ...]
+    late: tuple[tuple[int, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.sites)
+
+
+@dataclass(frozen=True)
 class RoutingPlan:
     """Immutable routing plan of one `ModelArgs` (module docstring). Build with `from_args`.
 
     Fields: layout, granularity, mode, null_source, stream (the residual stream h is kept:
     standard residual and delta mode), sources (every entry, in list order), sites (in
-    order; empty for the standard residual), blocks (block granularity only).
+    order; empty for the standard residual), blocks (block granularity only), group_size
+    (g >= 1 consecutive sites per routing group; 1 = per-call routing).
 
     Raises (on construction):
         ValueError: a site or recipe names an entry that does not exist yet, a recipe uses
-            the stream where none is kept, or an entry's value is not a plain sum.
+            the stream where none is kept, an entry's value is not a plain sum, or group_size < 1.
     """
 
     layout: str
@@ -119,6 +154,7 @@ class RoutingPlan:
     sources: tuple[Source, ...]
     sites: tuple[Site, ...]
     blocks: tuple[Block, ...] = ()
+    group_size: int = 1
     source_counts: tuple[int, ...] = field(init=False)
     """Sources read per site, the null source included (what `metrics` counts)."""
     source_rows: int = field(init=False)
@@ -127,6 +163,11 @@ class RoutingPlan:
     last_use: tuple[int, ...] = field(init=False)
     """Per entry, the last site that reads it or builds a new entry from it (-1: none); after
     that site the forward drops its reference (block-delta partial sums are never routed over)."""
+    groups: tuple[Group, ...] = field(init=False)
+    """The routing groups of `group_size` consecutive sites (module docstring, "Groups")."""
+    grouped_rows: int = field(init=False)
+    """(B, T, d) sources read per token by one grouped forward, the null source not counted:
+    each group's phase-1 reads once plus every site's in-group reads (= source_rows at g = 1)."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -139,6 +180,9 @@ class RoutingPlan:
             for j in used:
                 last[j] = site.index
         object.__setattr__(self, "last_use", tuple(last))
+        object.__setattr__(self, "groups", _groups(self))
+        object.__setattr__(self, "grouped_rows", sum(
+            self._rows(group.reads) + sum(self._rows(late) for late in group.late) for group in self.groups))
 
     @classmethod
     def from_args(cls, args, layout: str = "canonical") -> "RoutingPlan":
@@ -152,7 +196,9 @@ class RoutingPlan:
             raise ValueError(f"unknown routing layout {layout!r}; choose one of {LAYOUTS}")
         if args.residual == "standard":
             return cls(layout, "sublayer", "replace", False, stream=True, sources=(), sites=())
-        return _canonical(args)
+        plan = _canonical(args)
+        g = getattr(args, "routing_group_size", 1)
+        return replace(plan, group_size=best_group_size(plan) if g == "auto" else g)
 
     # -- what the model and the accountants read ------------------------------------------------
     @property
@@ -169,11 +215,76 @@ class RoutingPlan:
         """The final routing site (None for the standard residual)."""
         return self.sites[-1] if self.sites else None
 
+    def group_of(self, site: int) -> tuple[Group, int]:
+        """(the group holding site `site`, the site's position in it)."""
+        group = self.groups[site // self.group_size]
+        return group, site - group.sites[0]
+
+    def routing_rows(self, state_rows: int = STATE_ROWS) -> tuple[int, int]:
+        """Rows of the storage dtype read per token by the routing of one step, (forward, backward),
+        the null source not counted; the cost `routing_group_size="auto"` minimises.
+
+        Per-call site over N sources: forward reads N; backward reads N, the upstream gradient
+        and the saved output (N + 2). Grouped (a group of more than one site): phase 1 reads its
+        `reads` once forward and once backward, plus each site's state gradient backward
+        (`state_rows` each: fp32 against bf16 sources); each site's merge reads its state
+        forward, its in-group sources, and backward also the upstream gradient and saved output.
+        """
+        forward = backward = 0
+        for group in self.groups:
+            if group.size == 1:
+                n = self._rows(group.reads)
+                forward, backward = forward + n, backward + n + 2
+                continue
+            n0 = self._rows(group.reads)
+            forward += n0 + group.size * state_rows + sum(self._rows(late) for late in group.late)
+            backward += n0 + group.size * state_rows + sum(self._rows(late) + 2 for late in group.late)
+        return forward, backward
+
+    def _rows(self, entries: tuple[int, ...]) -> int:
+        """(B, T, d) rows among `entries` (the (d,) null source is not a row)."""
+        return sum(self.sources[j].kind != "null" for j in entries)
+
     def layer_sites(self, layer: int) -> tuple[Site | None, Site | None]:
         """(attention site, MLP site) of `layer`; (None, None) for the standard residual."""
         if not self.sites:
             return None, None
         return self.sites[2 * layer], self.sites[2 * layer + 1]
+
+
+def best_group_size(plan: RoutingPlan, state_rows: int = STATE_ROWS) -> int:
+    """The group size g in 1..n_sites with the fewest routing rows read per step (forward +
+    backward, `RoutingPlan.routing_rows`); the smallest such g on ties. Logs the choice once per
+    plan shape (`routing_group_size="auto"`)."""
+    if not plan.sites:
+        return 1
+    costs = {g: sum(replace(plan, group_size=g).routing_rows(state_rows)) for g in range(1, plan.n_sites + 1)}
+    best = min(costs, key=lambda g: (costs[g], g))
+    key = (plan.layout, plan.granularity, plan.mode, plan.null_source, plan.n_sites, len(plan.sources))
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("routing_group_size='auto': g=%d for %d sites (%s, %s): %d routing rows read per token and step, "
+                 "%d per call", best, plan.n_sites, plan.granularity, plan.mode, costs[best], costs[1])
+    return best
+
+
+_LOGGED: set = set()
+
+
+def _groups(plan: RoutingPlan) -> tuple[Group, ...]:
+    """Cut the sites into groups of `plan.group_size` (module docstring, "Groups")."""
+    g = plan.group_size
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"group_size must be a positive integer, got {g!r}")
+    groups, exists = [], len(plan.initial)
+    for start in range(0, len(plan.sites), g):
+        sites = plan.sites[start:start + g]
+        early = tuple(tuple(j for j in site.reads if j < exists) for site in sites)
+        late = tuple(tuple(j for j in site.reads if j >= exists) for site in sites)
+        groups.append(Group(len(groups), tuple(s.index for s in sites), tuple(sorted(set().union(*early))),
+                            early, late))
+        exists += sum(len(site.creates) for site in sites)
+    return tuple(groups)
 
 
 def _canonical(args) -> RoutingPlan:
