@@ -46,11 +46,12 @@ def _ptxas():
 
 
 def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
-                   tokens: int = TOKENS, dtype: str = "bf16") -> dict:
+                   tokens: int = TOKENS, dtype: str = "bf16", flags: dict | None = None) -> dict:
     """Compile the forward or backward kernel for sm_90 as a launch with these arguments would.
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
-    specialisation, as at run time. Returns {'registers', 'spill_bytes', 'num_warps',
+    specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
+    HAS_* constexprs (default all False: replacement routing without a null source). Returns {'registers', 'spill_bytes', 'num_warps',
     'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched by 16-byte cp.async
     in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
@@ -69,8 +70,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     cfg = tr.launch_config(tokens, heads, d // heads, backward=kind == "backward")
     num_warps = cfg.pop("num_warps")
     types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()} | _SCALAR_ARGS
-    flags = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False)
-    constexprs = dict(flags, ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
+    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False)
+    constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
     names = fn.arg_names
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)
     divisible = [k for k in types if k.isupper() and types[k].startswith("*")]

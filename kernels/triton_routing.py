@@ -419,7 +419,7 @@ def route_backward(
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
     device = full.device
-    grads = [torch.empty(full.shape, dtype=full.dtype, device=device) for _ in sources[int(has_null):]]
+    grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
     if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
         dq, dg = (torch.zeros(d, dtype=cdt, device=device) for _ in range(2))
         dalpha = dq.new_zeros(1) if alpha is not None else None

@@ -15,13 +15,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = "512x1,512x8,1024x1,1024x8,1280x1,1280x8"
 
 
-def _report(shapes: str, variants: str) -> list[dict]:
+def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    proc = subprocess.run([sys.executable, "-m", "mhar_kernels.compile_report", "--json", "--shapes", shapes,
-                           "--variants", variants], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if "no CUDA backend" in proc.stderr:
         pytest.skip("this Triton build has no CUDA backend: the sm_90 compile cannot run")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _report(shapes: str, variants: str) -> list[dict]:
+    proc = _run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", shapes, "--variants", variants])
     return json.loads(proc.stdout)["rows"]
 
 
@@ -44,3 +48,23 @@ def test_general_variant_makes_no_alignment_promise():
     assert {r["kernel"] for r in rows} == {"forward", "backward"}
     assert all(r["scalar_16bit_loads"] > 0 and not r["pipelined"] for r in rows)
     assert all(r["registers"] <= 168 for r in rows)
+
+
+# Every constexpr combination the launchers use, as bf16 aligned and fp32 general, at a small
+# shape with a non-power-of-two head width: what the GPU will compile, caught without one.
+_EVERY_VARIANT = """
+import itertools
+from mhar_kernels.compile_report import compile_kernel
+count = 0
+for (dtype, aligned), a, b in itertools.product((("bf16", True), ("fp32", False)), (False, True), (False, True)):
+    compile_kernel("forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
+                   flags=dict(HAS_PARTIAL=a, HAS_STATE=b))
+    compile_kernel("backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
+                   flags=dict(HAS_ALPHA=a, HAS_NULL=b))
+    count += 2
+print("compiled", count)
+"""
+
+
+def test_every_kernel_variant_compiles_for_sm90():
+    assert "compiled 16" in _run(["-c", _EVERY_VARIANT]).stdout

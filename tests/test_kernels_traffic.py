@@ -99,8 +99,12 @@ def test_traffic_floor_and_rows_by_hand():
         traffic.routing_traffic([1, 2], dim=8, tokens=4, dtype=torch.bfloat16, heads=2, distinct_sources=1)
 
 
-def test_bytes_table_reports_every_scale():
-    text = routing_bench.bytes_table()
+def test_bytes_table_reports_every_scale(tmp_path):
+    """`bench/routing.py --bytes`: the table for 100m / 350m / 1b (AC off and on) and the host-time
+    row (launches stubbed; a benchmark row, its value is not asserted)."""
+    routing_bench.main(["--bytes", "--out", str(tmp_path / "bytes.md")])
+    text = (tmp_path / "bytes.md").read_text()
+    assert "Host time of one forward+backward routing call (N = 73" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 3")]
     assert [r.split("|")[1].strip() for r in rows] == ["100m", "100m", "350m", "350m", "1b", "1b"]
     assert all(float(r.split("|")[-2].strip().rstrip("x")) > 1 for r in rows)
