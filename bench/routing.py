@@ -2,14 +2,12 @@
 
 For each shape (the paper's: bf16, H = 8) it times one routing call over N sources and the
 full set of calls of one training step (site s = 1..2L+1 reads s sources), and reports
-milliseconds (median after warm-up; CUDA events on a GPU), bytes moved under the bytes model
-below, achieved GB/s and its fraction of the measured device copy bandwidth.
-
-Bytes model (DESIGN.md "Kernels"; a row is d values of the storage dtype, per token):
-forward reads N rows and writes 1; backward reads every source twice (pass 1 rebuilds the
-mix, pass 2 computes the gradients), reads the upstream gradient and writes N gradient rows.
-So one call moves (N + 1) + (3N + 1) = 4N + 2 rows; the same floor is charged to eager and
-compile (they move more), so the GB/s column compares implementations at equal work.
+milliseconds (median after warm-up; CUDA events on a GPU), the bytes the fused kernels move
+as counted by `mhar_kernels.traffic` (forward, backward and reduce launches; for the step
+also autograd's additions of each source's gradients), the achieved GB/s and its fraction
+of the measured device copy bandwidth. The same bytes are charged to eager and compile (they
+move more), so the GB/s column compares implementations at equal work. Gradients are taken
+with torch.autograd.grad (nothing accumulates into the leaves' .grad between calls).
 
     python bench/routing.py                       # CUDA: paper shapes, eager/compile/triton
     python bench/routing.py --append BENCHMARKS.md
@@ -56,13 +54,14 @@ MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (
 SECTION = "## Kernels: depth routing"
 
 
-def call_rows(n: int) -> int:
-    """Rows (d values per token) one fused call moves, forward + backward (module doc)."""
-    return 4 * n + 2
+def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, device) -> int:
+    """Counted bytes of one fused call over n sources ("call") or of the n sites of a step,
+    site s reading the first s sources ("step"), forward + backward."""
+    from mhar_kernels.triton_routing import reduce_programs
 
-
-def step_rows(n_max: int) -> int:
-    return sum(call_rows(s) for s in range(1, n_max + 1))
+    counts = [n] if scope == "call" else list(range(1, n + 1))
+    return routing_traffic(counts, dim=d, tokens=b * t, dtype=dtype, heads=heads, distinct_sources=n,
+                           programs=reduce_programs(b * t, device)).total
 
 
 def plan_counts(args: ModelArgs) -> tuple[list[int], int]:
@@ -185,7 +184,7 @@ def make_inputs(b, t, d, n, dtype, device, seed=0):
 def one_call(impl, sources, query, norm_weight, heads):
     def run():
         out = model_route(sources, query, norm_weight, heads, kernel=impl)
-        out.backward(torch.ones_like(out))
+        torch.autograd.grad(out, [*sources, query, norm_weight], torch.ones_like(out))
     return run
 
 
@@ -196,7 +195,7 @@ def one_step(impl, sources, query, norm_weight, heads):
         for s in range(1, len(sources) + 1):
             out = model_route(sources[:s], query, norm_weight, heads, kernel=impl)
             total = out.float().sum() if total is None else total + out.float().sum()
-        total.backward()
+        torch.autograd.grad(total, [*sources, query, norm_weight])
     return run
 
 
@@ -210,11 +209,12 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
     start = time.perf_counter()
     bandwidth = copy_bandwidth(device, dtype)
     rows, missing = [], []
+    if progress is not None:
+        progress(rows, bandwidth)  # the table exists (header only) before the first measurement
     for name, (b, t, d, n) in shapes.items():
         sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
-        row_bytes = b * t * d * torch.finfo(dtype).bits // 8
         for scope in ("call", "step") if step else ("call",):
-            moved = (call_rows(n) if scope == "call" else step_rows(n)) * row_bytes
+            moved = moved_bytes(scope, b, t, d, n, heads, dtype, device)
             for impl in impls:
                 label = f"{name}/{scope}/{impl}"
                 if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -247,7 +247,7 @@ def table(rows: list[dict], bandwidth: float, heads: int, dtype, device, missing
         f"{datetime.date.today().isoformat()}; {dtype}, H = {heads}; measured copy bandwidth "
         f"{bandwidth:.0f} GB/s.",
         "",
-        "| shape | scope | B | T | d | N | impl | ms | GB moved (model) | GB/s | of copy BW | vs compile |",
+        "| shape | scope | B | T | d | N | impl | ms | GB moved (counted) | GB/s | of copy BW | vs compile |",
         "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

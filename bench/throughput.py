@@ -160,6 +160,8 @@ def main(argv=None) -> None:
         families = ["baseline", *families]
     plan = [(ac, scale, family) for ac in a.ac.split(",") for scale in scales for family in families]
     start, rows, skipped, failed = time.perf_counter(), [], [], []
+    if a.out:
+        write_table(a.out, table(rows, device, a.kernel, a.compile))  # header only, before the first run
     for ac, scale, family in plan:
         name = f"{scale}/{ac}/{family}"
         if a.budget_s is not None and time.perf_counter() - start > a.budget_s:

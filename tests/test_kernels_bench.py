@@ -29,10 +29,22 @@ def test_routing_bench_toy_all_impls(tmp_path, capsys):
     assert all(float(r.split("|")[8]) > 0 for r in rows)  # milliseconds
 
 
-def test_bytes_model():
-    """4N + 2 rows per call; a step of an L-layer model sums the 2L + 1 sites."""
-    assert routing_bench.call_rows(1) == 6
-    assert routing_bench.step_rows(3) == 6 + 10 + 14
+def test_bytes_charged_to_a_call_and_a_step():
+    """A call over N sources is the accountant's one site (no gradient additions); a step of
+    sites over 1..N sources adds the autograd additions of the shared sources."""
+    import torch
+    from mhar_kernels import traffic
+
+    b, t, d, n, heads = 1, 8, 64, 5, 4
+    row = b * t * d * 2  # bf16
+    call = routing_bench.moved_bytes("call", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
+    launches = traffic.site_launches(0, n, dim=d, tokens=b * t, dtype=torch.bfloat16, heads=heads, programs=1)
+    assert call == sum(launch.bytes for launch in launches)
+    assert call >= (3 * n + 2) * row  # at least the floor
+    step = routing_bench.moved_bytes("step", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
+    sites = sum(routing_bench.moved_bytes("call", b, t, d, s, heads, torch.bfloat16, torch.device("cpu"))
+                for s in range(1, n + 1))
+    assert step == sites + 3 * (1 + 2 + 3 + 4) * row  # source k is read by n - k + 1 sites
 
 
 def test_throughput_bench_debug_flavor(tmp_path):
