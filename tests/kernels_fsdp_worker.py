@@ -21,8 +21,7 @@ def main(out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from test_kernels_model import VARIANTS, build_pair, loss_and_grads, _strip
-    from mhar_titan.config import ActivationCheckpoint
+    from test_kernels_model import VARIANTS, activation_checkpoint, build_pair, loss_and_grads, _strip
     from mhar_titan.parallel import apply_ac, apply_fsdp
 
     torch.set_num_threads(1)
@@ -33,7 +32,7 @@ def main(out_dir: str) -> None:
     for variant in VARIANTS:
         eager, fused = build_pair(variant)
         loss_e, grads_e = loss_and_grads(eager, tokens)
-        apply_ac(fused, ActivationCheckpoint(mode="full"))
+        apply_ac(fused, activation_checkpoint("full"))
         apply_fsdp(fused, mesh, torch.float32, torch.float32, "default")
         local = tokens[2 * rank : 2 * rank + 2]  # equal shards: the mean of local means is the global mean
         logits = fused(local[:, :-1])
