@@ -85,10 +85,17 @@ class TrainState:
 RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 
 
+# Fields of ModelArgs added after checkpoints existed, with the value that gives the older models:
+# left out of the fingerprint at that value, so those checkpoints still resume.
+LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean"}
+
+
 def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:
     """What must match between a checkpoint and the run resuming it: the model arguments that
-    shape or define the weights (not ``RESUMABLE_MODEL_FIELDS``) and the tokenizer."""
-    args = {k: v for k, v in dataclasses.asdict(model_args).items() if k not in RESUMABLE_MODEL_FIELDS}
+    shape or define the weights (not ``RESUMABLE_MODEL_FIELDS``, nor ``LEGACY_MODEL_DEFAULTS``
+    fields at their legacy value) and the tokenizer."""
+    args = {k: v for k, v in dataclasses.asdict(model_args).items()
+            if k not in RESUMABLE_MODEL_FIELDS and not (k in LEGACY_MODEL_DEFAULTS and v == LEGACY_MODEL_DEFAULTS[k])}
     return {"model_args": args, "tokenizer": tokenizer_name}
 
 

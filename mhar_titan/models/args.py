@@ -27,11 +27,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal
 
+from .plan import RoutingPlan
 from .routing import ROUTING_KERNELS
 
 RESIDUALS = ("standard", "attn_res")
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
+ROUTING_LAYOUTS = ("clean", "paper")
 ROPE_SCALINGS = (None, "llama3")
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
               "rope_original_max_seq_len", "routing_block_layers")
@@ -79,6 +81,7 @@ class ModelArgs:
     routing_kernel: Literal["eager", "compile", "triton", "auto"] = "eager"
     routing_eps: float = 1e-6
     routing_group_size: int | str = 1  # g consecutive sites per routing group (plan.py "Groups"); 1 = per call; "auto"
+    routing_layout: Literal["clean", "paper"] = "clean"  # delta bookkeeping: ours or the authors' (plan.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +121,16 @@ class ModelArgs:
                 "MHAR splits the pseudo-query into H contiguous slices of d/H"
             )
         self._check_group_size()
+        _check_choice("routing_layout", self.routing_layout, ROUTING_LAYOUTS)
+        if self.routing_layout == "paper" and self.residual == "attn_res" and not (
+            self.routing_mode == "delta" and self.routing_null_source and self.routing_eps == self.norm_eps
+        ):
+            raise ValueError(
+                "routing_layout='paper' reproduces the authors' delta bookkeeping (MHAR_SPEC 1.4): it needs "
+                f"routing_mode='delta', routing_null_source=true and routing_eps = norm_eps = {self.norm_eps} "
+                f"(got routing_mode={self.routing_mode!r}, routing_null_source={self.routing_null_source}, "
+                f"routing_eps={self.routing_eps})"
+            )
         if self.residual == "standard" and (self.routing_mode == "delta" or self.routing_null_source):
             raise ValueError(
                 f"routing_mode={self.routing_mode!r} and routing_null_source={self.routing_null_source} need "
@@ -165,8 +178,9 @@ class ModelArgs:
 
     @property
     def n_routing_sites(self) -> int:
-        """Routing sites S: one per sublayer plus the final routing (2L+1); 0 for the baseline."""
-        return 2 * self.n_layers + 1 if self.residual == "attn_res" else 0
+        """Routing sites S: one per sublayer plus the final routing (2L+1; 2L in the paper layout,
+        which has no final routing); 0 for the baseline."""
+        return RoutingPlan.from_args(self).n_sites
 
     @classmethod
     def from_flavor(cls, name: str, **overrides) -> "ModelArgs":
@@ -230,7 +244,8 @@ def count_parameters(args: ModelArgs) -> ParamCounts:
     """Count parameters from the arguments alone (no allocation); equals `Transformer(args)`'s count.
 
     Routing extra (MHAR_SPEC section 2): S = 2L+1 sites x (pseudo-query d + key-norm weight d),
-    plus one (1,) gate per site in delta mode and a (d,) null source when enabled.
+    plus one (1,) gate per site in delta mode and a (d,) null source when enabled (one per
+    sublayer site, and no final site, in the paper layout).
     """
     d, hd = args.dim, args.head_dim
     attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
@@ -238,7 +253,6 @@ def count_parameters(args: ModelArgs) -> ParamCounts:
     per_layer = attention + mlp + 2 * d  # + attention_norm and ffn_norm weights
     embedding = args.vocab_size * d * (1 if args.tie_embeddings else 2)
     routing = args.n_routing_sites * (2 * d + (1 if args.routing_mode == "delta" else 0))
-    if args.residual == "attn_res" and args.routing_null_source:
-        routing += d
+    routing += RoutingPlan.from_args(args).n_nulls * d
     non_embedding = args.n_layers * per_layer + d + routing  # + final norm
     return ParamCounts(total=non_embedding + embedding, non_embedding=non_embedding, routing=routing)

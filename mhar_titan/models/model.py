@@ -129,9 +129,14 @@ class BlockOutput(NamedTuple):
 def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
                alpha: Tensor | None, args: ModelArgs) -> Tensor:
     """Input of a routed sublayer: route over the entries `site.reads` of `sources`; a delta-gated
-    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows."""
+    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows.
+    A site that reads only its (d,) null source (paper layout, layer 0's attention) routes over it
+    broadcast to h's shape (mix = null)."""
+    picked = [sources[j] for j in site.reads]
+    if all(s.dim() == 1 for s in picked):
+        picked = [s.to(h.dtype).expand_as(h).contiguous() for s in picked]
     return route(
-        [sources[j] for j in site.reads], query, key_norm, args.resolved_routing_heads, args.routing_eps,
+        picked, query, key_norm, args.resolved_routing_heads, args.routing_eps,
         args.routing_kernel, partial=h if site.gated else None, alpha=alpha if site.gated else None,
     )
 
@@ -192,16 +197,18 @@ class DepthRouting(nn.Module):
 
     query (S, d): pseudo-queries, row 2i / 2i+1 = layer i's attention / MLP site, row 2L = final.
     key_norm (S, d): key RMSNorm weights. alpha (S, 1): delta gates (delta mode only; shape (1,)
-    per site because FSDP rejects 0-dim parameters). null_source (d,): when enabled.
+    per site because FSDP rejects 0-dim parameters). null_source: when enabled, (d,), or (2L, d)
+    in the paper layout (row k = the null of site k; plan.py).
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
         super().__init__()
-        S, d = args.n_routing_sites, args.dim
+        plan = plan or RoutingPlan.from_args(args)
+        S, d, nulls = plan.n_sites, args.dim, plan.n_nulls
         self.query = nn.Parameter(torch.empty(S, d))
         self.key_norm = nn.Parameter(torch.empty(S, d))
         self.alpha = nn.Parameter(torch.empty(S, 1)) if args.routing_mode == "delta" else None
-        self.null_source = nn.Parameter(torch.empty(d)) if args.routing_null_source else None
+        self.null_source = nn.Parameter(torch.empty((nulls, d) if nulls > 1 else (d,))) if nulls else None
 
     def reset_parameters(self) -> None:
         """Pseudo-queries exactly 0 (uniform depth softmax, MHAR_SPEC pitfall 2), key norms 1, gates 0, null 0."""
@@ -211,6 +218,12 @@ class DepthRouting(nn.Module):
             nn.init.zeros_(self.alpha)
         if self.null_source is not None:
             nn.init.zeros_(self.null_source)
+
+    def null_sources(self) -> list[Tensor]:
+        """The (d,) null sources in the order of the plan's null entries (empty when disabled)."""
+        if self.null_source is None:
+            return []
+        return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
 
     def site(self, index: int) -> dict:
         """Parameters of one site (for the final routing and analysis)."""
@@ -232,7 +245,7 @@ class Transformer(nn.Module):
         self.plan = RoutingPlan.from_args(args)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan) for i in range(args.n_layers))
-        self.routing = DepthRouting(args) if args.residual == "attn_res" else None
+        self.routing = DepthRouting(args, self.plan) if args.residual == "attn_res" else None
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_cos_sin(args, device=self.tok_embeddings.weight.device)
@@ -265,7 +278,8 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
-        sources = [self.routing.null_source if entry.kind == "null" else h for entry in self.plan.initial]
+        nulls = iter(self.routing.null_sources() if self.routing is not None else ())
+        sources = [next(nulls) if entry.kind == "null" else h for entry in self.plan.initial]
         h = h if self.plan.stream else None
         for i, layer in enumerate(self.layers):
             h, new = layer(h, cos, sin, sources, *self._layer_routing(i))

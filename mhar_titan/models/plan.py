@@ -10,7 +10,7 @@ and the kernels' bytes accounting read it; nobody else re-derives it.
 Sites are numbered like the rows of `DepthRouting.query`: site 2i is layer i's attention,
 2i + 1 its MLP, 2L the final routing. Sublayer j is the output of site j (j < 2L).
 
-Layout "canonical" (this repository's convention; entry values in brackets):
+Layout "clean" (this repository's convention; entry values in brackets):
 
 | granularity, mode   | entries created after each sublayer  | a site reads                                  |
 |---------------------|--------------------------------------|-----------------------------------------------|
@@ -26,8 +26,26 @@ and completes after the MLP of its last layer; its last partial sum is the compl
 reads null, embedding and every completed block (the last one included).
 
 Each created entry carries a recipe (a signed sum of this sublayer's output, the residual
-stream after it and earlier entries), so another layout (for example the paper's block-delta
-sources, MHAR_SPEC 1.4 "code quirk") is new data built here, not new branches in the model.
+stream after it and earlier entries), so another layout is new data built here, not new
+branches in the model.
+
+Layout "paper" (delta mode only; the authors' `delta` / `delta_mh` bookkeeping, MHAR_SPEC 1.4,
+which the 8B conversion used). It differs from "clean" in five points, all identities while
+the gates are 0:
+
+1. null sources: one per sublayer site (entries 0..2L-1, entry k read by site k only, row k of
+   the (2L, d) null parameter) instead of one shared (d,) null;
+2. no final routing: the LM head reads norm(h) (no site 2L);
+3. timing: layer 0's attention site reads its null alone (the embedding joins after it); at
+   block granularity an entry made at a block boundary is read from that layer's MLP site on,
+   not by its attention site;
+4. block sources: at the first layer b of every block (b % k == 0), the entry appended is the
+   stream before that layer's attention minus the previously appended entry (the embedding at
+   b = 0), which gives emb, D_1, emb + D_2, D_1 + D_3, ... instead of true block deltas; it is
+   made by the MLP site of layer b - 1 (recipe stream - entry) and read from layer b's MLP on;
+5. routing eps: the model's norm eps (ModelArgs requires routing_eps == norm_eps for it).
+
+Site order and parameter rows are the same as "clean" for the 2L sublayer sites.
 
 Groups (grouped two-phase routing, docs/DESIGN.md "Grouped routing"): with
 `routing_group_size` g, the sites are cut into groups of g consecutive sites (site 0 starts the
@@ -49,7 +67,7 @@ OUTPUT = "output"  # recipe operand: the output of the sublayer that creates the
 STREAM = "stream"  # recipe operand: the residual stream h after that sublayer (kept in delta mode)
 # "block": an entry made once per completed block, for layouts that keep no partial sums
 SOURCE_KINDS = ("null", "embedding", "output", "partial", "block")
-LAYOUTS = ("canonical",)
+LAYOUTS = ("clean", "paper")
 # Rows of the storage dtype one (B, T, d) phase-1 state or its gradient costs (fp32 against bf16 sources).
 STATE_ROWS = 2
 
@@ -58,7 +76,8 @@ STATE_ROWS = 2
 class Source:
     """One entry of the growing source list.
 
-    index: position in the list. kind: one of `SOURCE_KINDS`. site: index of the site whose
+    index: position in the list. kind: one of `SOURCE_KINDS` ("block": a paper-layout block
+    source, point 4 of the module docstring). site: index of the site whose
     sublayer creates it (None: exists before the first site). recipe: how the model computes
     it, ((coefficient +1 or -1, operand), ...) summed left to right, operand = `OUTPUT`,
     `STREAM` or the index of an earlier entry (empty for the null source and the embedding).
@@ -185,18 +204,20 @@ class RoutingPlan:
             self._rows(group.reads) + sum(self._rows(late) for late in group.late) for group in self.groups))
 
     @classmethod
-    def from_args(cls, args, layout: str = "canonical") -> "RoutingPlan":
+    def from_args(cls, args, layout: str | None = None) -> "RoutingPlan":
         """The plan of `ModelArgs` `args` (residual, n_layers, routing_granularity,
-        routing_block_layers, routing_mode, routing_null_source are read).
+        routing_block_layers, routing_mode, routing_null_source and routing_layout are read);
+        `layout` overrides args.routing_layout.
 
         Raises:
-            ValueError: unknown layout.
+            ValueError: unknown layout; the paper layout without delta mode and null sources.
         """
+        layout = layout or getattr(args, "routing_layout", "clean")
         if layout not in LAYOUTS:
             raise ValueError(f"unknown routing layout {layout!r}; choose one of {LAYOUTS}")
         if args.residual == "standard":
             return cls(layout, "sublayer", "replace", False, stream=True, sources=(), sites=())
-        plan = _canonical(args)
+        plan = _paper(args) if layout == "paper" else _clean(args)
         g = getattr(args, "routing_group_size", 1)
         return replace(plan, group_size=best_group_size(plan) if g == "auto" else g)
 
@@ -212,8 +233,13 @@ class RoutingPlan:
 
     @property
     def final(self) -> Site | None:
-        """The final routing site (None for the standard residual)."""
-        return self.sites[-1] if self.sites else None
+        """The final routing site (None for the standard residual and the paper layout)."""
+        return self.sites[-1] if self.sites and self.sites[-1].sublayer == "final" else None
+
+    @property
+    def n_nulls(self) -> int:
+        """Number of null sources (0, 1, or 2L in the paper layout): rows of the null parameter."""
+        return sum(s.kind == "null" for s in self.sources)
 
     def group_of(self, site: int) -> tuple[Group, int]:
         """(the group holding site `site`, the site's position in it)."""
@@ -287,8 +313,8 @@ def _groups(plan: RoutingPlan) -> tuple[Group, ...]:
     return tuple(groups)
 
 
-def _canonical(args) -> RoutingPlan:
-    """The canonical layout (module docstring table)."""
+def _clean(args) -> RoutingPlan:
+    """The clean layout (module docstring table)."""
     L, by_block, delta = args.n_layers, args.routing_granularity == "block", args.routing_mode == "delta"
     sources: list[Source] = []
     if args.routing_null_source:
@@ -324,8 +350,43 @@ def _canonical(args) -> RoutingPlan:
                           n_block if by_block else None))
     close_block(L)
     sites.append(Site(2 * L, None, "final", tuple(completed), (), delta))
-    return RoutingPlan("canonical", args.routing_granularity, args.routing_mode, args.routing_null_source,
+    return RoutingPlan("clean", args.routing_granularity, args.routing_mode, args.routing_null_source,
                        stream=delta, sources=tuple(sources), sites=tuple(sites), blocks=tuple(blocks))
+
+
+def _paper(args) -> RoutingPlan:
+    """The paper layout (module docstring, points 1-4; point 5 is ModelArgs' check)."""
+    if args.routing_mode != "delta" or not args.routing_null_source:
+        raise ValueError(
+            "routing_layout='paper' is the authors' delta bookkeeping: it needs routing_mode='delta' and "
+            f"routing_null_source=true (got routing_mode={args.routing_mode!r}, "
+            f"routing_null_source={args.routing_null_source})"
+        )
+    L, by_block, k = args.n_layers, args.routing_granularity == "block", args.routing_block_layers
+    sources: list[Source] = [Source(i, "null") for i in range(2 * L)]
+    embedding = len(sources)
+    sources.append(Source(embedding, "embedding", embedding=True))
+    visible: list[int] = []  # entries every later site reads after its own null
+    pending = embedding  # the entry the next block boundary makes visible
+    sites = []
+    for index in range(2 * L):
+        layer, sublayer = divmod(index, 2)
+        opens = by_block and sublayer == 0 and layer % k == 0
+        reads = (index, *visible)
+        created: tuple[Source, ...] = ()
+        if not by_block:
+            created = (_source(len(sources), "output", index, ((1, OUTPUT),), sources),)
+            visible += ([embedding] if index == 0 else []) + [created[0].index]
+        elif opens:  # the entry for this boundary joins after this attention routing
+            visible.append(pending)
+        elif sublayer == 1 and (layer + 1) % k == 0 and layer + 1 < L:  # made before the next boundary
+            created = (_source(len(sources), "block", index, ((1, STREAM), (-1, visible[-1])), sources),)
+            pending = created[0].index
+        sources.extend(created)
+        sites.append(Site(index, layer, ("attention", "mlp")[sublayer], reads, created, True, opens,
+                          layer // k + 1 if by_block else None))
+    return RoutingPlan("paper", args.routing_granularity, "delta", True, stream=True, sources=tuple(sources),
+                       sites=tuple(sites))
 
 
 def _source(index: int, kind: str, site: int, recipe: tuple, earlier: list[Source]) -> Source:
