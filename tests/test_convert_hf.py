@@ -139,3 +139,17 @@ def test_bad_folders_are_refused_before_loading(tmp_path):
     (folder / "model.safetensors.index.json").unlink()
     with pytest.raises(ConversionError, match="neither model.safetensors nor"):
         import_hf(folder)
+
+
+@pytest.mark.parametrize("layout", ["paper", "clean"])
+def test_import_command_converts_to_delta_mhar(tmp_path, layout):
+    folder = tmp_path / "hf"
+    tiny_llama(folder, tied=True)
+    assert convert_main(["import", str(folder), str(tmp_path / "delta"), "--to-delta", layout, "--max-seq-len", "64"]) == 0
+    converted = load_model_dcp(tmp_path / "delta")
+    args = converted.args
+    assert (args.routing_layout, args.routing_mode, args.resolved_routing_heads, args.routing_block_layers) == (
+        layout, "delta", 8, 4)
+    assert args.routing_null_source and (args.routing_eps == 1e-5 if layout == "paper" else True)
+    with torch.no_grad():
+        assert torch.equal(converted(TOKENS), import_hf(folder, max_seq_len=64)(TOKENS))

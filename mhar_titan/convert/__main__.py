@@ -1,14 +1,17 @@
 """Conversion commands.
 
-    python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--dtype bfloat16] [--max-seq-len 8192]
-    python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--format auto|hf|mhar] [--dtype bfloat16]
+    python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--to-delta paper|clean] [--dtype bfloat16]
+                                      [--max-seq-len 8192]
+    python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--format auto|hf|mhar|authors] [--dtype bfloat16]
 
-``import`` reads a pretrained folder (a Hugging Face Llama folder or one of our ``mhar_titan``
-folders, streamed shard by shard) and writes a model-only DCP checkpoint for
-``checkpoint.initial_load_path``. ``export`` rebuilds the model of a DCP checkpoint (converted
-or trained; arguments from its ``complete.json``) and writes a Hugging Face Llama folder
-(standard models) or a ``mhar_titan`` folder (routing models). Errors exit with status 2 and
-one message.
+``import`` reads a pretrained folder (a Hugging Face Llama folder, one of our ``mhar_titan``
+folders or the authors' ``llama_attnres`` ones; streamed shard by shard) and writes a model-only
+DCP checkpoint for ``checkpoint.initial_load_path``; ``--to-delta`` converts a Llama model to
+delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the same logits).
+``export`` rebuilds the model of a DCP checkpoint (converted or trained; arguments from its
+``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and writes a Hugging
+Face Llama folder (standard models), a ``mhar_titan`` folder (routing models) or the authors'
+format. Errors exit with status 2 and one message.
 """
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ import sys
 import torch
 
 from .dcp_io import load_model_dcp, save_model_dcp
-from .folders import FORMATS, export_pretrained, load_pretrained
+from .delta import delta_fields
+from .folders import FORMATS, export_pretrained, folder_model_type, load_pretrained
 from .hf_config import ConversionError
+from .hf_llama import hf_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,15 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("folder")
     imp.add_argument("out")
     imp.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    imp.add_argument("--to-delta", choices=("paper", "clean"), default=None,
+                     help="convert a Llama model to delta-MHAR in this routing layout")
     imp.add_argument("--max-seq-len", type=int, default=None,
                      help="RoPE table length (default: config.json max_position_embeddings)")
     exp = sub.add_parser("export", help="DCP checkpoint -> pretrained folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out")
     exp.add_argument("--format", choices=FORMATS, default="auto",
-                     help="hf: Llama folder (standard models); mhar: our model type; auto: hf when possible")
+                     help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
+                          "names (routing models); auto: hf when possible, else mhar")
     exp.add_argument("--dtype", choices=DTYPES, default=None, help="dtype of the exported weights (default: float32)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--no-ema", action="store_true",
+                     help="export the trained weights even when the checkpoint holds a weight EMA (the default exports the EMA)")
     return parser
 
 
@@ -48,11 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.command == "import":
             overrides = {} if opts.max_seq_len is None else {"max_seq_len": opts.max_seq_len}
+            if opts.to_delta:
+                if folder_model_type(opts.folder) != "llama":
+                    raise ConversionError("--to-delta converts a Hugging Face Llama folder (model_type llama)")
+                overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta))
             model = load_pretrained(opts.folder, DTYPES[opts.dtype], **overrides)
             path = save_model_dcp(model, opts.out, source=str(opts.folder))
             print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
-            model = load_model_dcp(opts.checkpoint)
+            model = load_model_dcp(opts.checkpoint, ema=not opts.no_ema)
             paths = export_pretrained(model, opts.out, opts.format, DTYPES[opts.dtype] if opts.dtype else None,
                                       int(opts.max_shard_gb * 2**30))
             print(f"wrote {opts.out} ({len(paths)} shard(s))")

@@ -66,10 +66,14 @@ def dcp_model_args(path: str | os.PathLike, **overrides) -> ModelArgs:
     return ModelArgs(**{**{k: v for k, v in fields.items() if k in known}, **overrides})
 
 
-def load_model_dcp(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **overrides):
-    """Rebuild the model of a DCP checkpoint (args from its marker) and load its weights."""
+def load_model_dcp(path: str | os.PathLike, dtype: torch.dtype = torch.float32, ema: bool = True, **overrides):
+    """Rebuild the model of a DCP checkpoint (args from its marker) and load its weights: the
+    weight EMA (``ema.*`` keys, written when training.ema_decay > 0) when the checkpoint has one
+    and ``ema`` is True, the trained weights otherwise."""
     model = empty_model(dcp_model_args(path, **overrides), dtype)
-    state = {"model": get_model_state_dict(model)}
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    part = "ema" if ema and any(key.startswith("ema.") for key in saved) else "model"
+    state = {part: get_model_state_dict(model)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
