@@ -8,6 +8,8 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   `can_run(device, dim, heads)` says where it runs (CUDA; CPU under TRITON_INTERPRET=1).
 - `route_with_state` / `merge_states`: the online-softmax state for grouped routing.
 - `traffic`: bytes each routing launch reads and writes, against the floor.
+- `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
+  mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
 
 `route`, `can_run`, `route_with_state` and `merge_states` import Triton on first use, so
 importing the package (or `mhar_kernels.contract`) does not run any @triton.jit decorator:
