@@ -40,6 +40,10 @@ class RunCurves:
     tokens_per_step: float
     data_order: Optional[dict]
     """What decides the data order (see the module docstring); None without a config.toml."""
+    tokens_seen: int = 0
+    """``tokens_seen`` of the last training row."""
+    tokens_per_s: tuple[float, ...] = ()
+    """``tokens_per_s`` of the logged training rows after step 1 (step 1 includes start-up), in step order."""
 
     def tokens(self, step: int) -> float:
         return step * self.tokens_per_step
@@ -77,7 +81,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         if line.strip():
             row = json.loads(line)
             by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
-    train, val, rates = [], [], []
+    train, val, rates, speeds, seen = [], [], [], [], 0
     for step in sorted(by_step):
         row = by_step[step]
         if _finite(row.get("loss")) is not None:
@@ -86,6 +90,9 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
             val.append((step, _finite(row["val_loss"])))
         if "tokens_seen" in row and step > 0:
             rates.append(row["tokens_seen"] / step)
+            seen = int(row["tokens_seen"])
+        if _finite(row.get("tokens_per_s")) is not None and step > 1:
+            speeds.append(_finite(row["tokens_per_s"]))
     if not rates:
         raise ValueError(f"{metrics} has no training row with tokens_seen, so tokens per step are unknown")
     order = None
@@ -94,7 +101,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
         order = {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": rates[-1]}
     return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
-                     data_order=order)
+                     data_order=order, tokens_seen=seen, tokens_per_s=tuple(speeds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +159,8 @@ def table_markdown(rows: Sequence[TableRow], k: int) -> str:
 def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,
                     dpi: int = 100):
     """Training and validation loss against tokens on shared axes, one colour per run; the
-    legend marks the baseline and the runs paired with it. Saves a PNG; returns the figure."""
+    legend marks the baseline and the runs paired with it. Saves a PNG without version metadata
+    (the same runs give the same bytes); returns the figure."""
     fig, (train_ax, val_ax) = new_figure(1, 2, panel_size=(5.0, 3.6), dpi=dpi)
     train_ax.sharex(val_ax)
     train_ax.sharey(val_ax)
@@ -169,5 +177,5 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
         ax.legend(fontsize=7)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})
     return fig

@@ -1,0 +1,129 @@
+"""``python -m mhar_titan.experiments {list,run,slurm,results} SWEEP.toml``: paired experiments.
+
+list SWEEP      the runs the sweep expands to, with their state and training command; with
+                --gpu-hours, each run's estimated GPU-hours at --mfu and --peak-tflops instead
+run SWEEP       train them one after another here (done runs skipped, stopped ones resumed);
+                --dry-run prints what would run; --only NAME... restricts to some runs
+slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per run (--out FILE,
+                default stdout); --check runs the trainer's dry run of every run at the job's
+                world size first; extra sbatch options after `--`
+results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
+                default <dump_folder>/results)
+
+Every command takes --set section.key=value (repeatable; added to the sweep's [sweep.set]) and
+--dump-folder DIR (instead of the sweep's), e.g. for a 2-step smoke run of a sweep's commands.
+Commands run from the repository root (the sweep's paths are relative to it). Bad input: a
+message on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from mhar_titan.config import ConfigError
+from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
+                                          world_size_of)
+from mhar_titan.experiments.sweep import load_sweep
+
+
+def _select(sweep, only):
+    if not only:
+        return sweep.runs
+    unknown = sorted(set(only) - {r.name for r in sweep.runs})
+    if unknown:
+        raise ConfigError(f"--only names runs the sweep does not have: {unknown}")
+    return tuple(r for r in sweep.runs if r.name in only)
+
+
+def _settings(pairs) -> dict:
+    """--set section.key=value pairs; values parse as TOML literals, else stay strings."""
+    out = {}
+    for pair in pairs or ():
+        key, eq, raw = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {pair!r}: expected section.key=value")
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhar_titan.experiments", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "run", "slurm", "results"):
+        p = sub.add_parser(name)
+        p.add_argument("sweep", help="sweep TOML file (train_configs/sweeps/*.toml)")
+        p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                       help="extra override of every run (repeatable)")
+        p.add_argument("--dump-folder", default=None, help="parent folder of the run folders instead of the sweep's")
+    p = sub.choices["list"]
+    p.add_argument("--gpu-hours", action="store_true", help="estimated GPU-hours per run and in all")
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989, H100)")
+    sub.choices["run"].add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    for name in ("run", "slurm"):
+        sub.choices[name].add_argument("--only", nargs="+", default=None, help="run names to restrict to")
+    p = sub.choices["slurm"]
+    p.add_argument("--out", default=None, help="script file (default: stdout)")
+    p.add_argument("--check", action="store_true", help="dry-run every run's config at the job's world size first")
+    p.add_argument("sbatch_args", nargs="*", help="extra sbatch options, after --")
+    p = sub.choices["results"]
+    p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
+    p.add_argument("--dpi", type=int, default=100)
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(args.sweep, _settings(args.set), args.dump_folder)
+        if args.command == "list" and args.gpu_hours:
+            world = world_size_of(sweep.slurm_args)
+            hours = [gpu_hours(run, world, args.mfu, args.peak_tflops * 1e12) for run in sweep.runs]
+            for run, h in zip(sweep.runs, hours):
+                print(f"{run.name}\t{h:.1f}")
+            print(f"estimate: {sum(hours):.0f} GPU-hours for {len(hours)} runs at MFU {args.mfu} of "
+                  f"{args.peak_tflops:g} TFLOP/s ({world} GPUs per run: {sum(hours) / world:.0f} h of wall time "
+                  "one run after another)")
+            return 0
+        if args.command == "list":
+            for run in sweep.runs:
+                print(f"{run.name}\t{run_state(run)}\t{' '.join(train_command(run, 'python'))}")
+            print(f"{len(sweep.runs)} runs: {len(sweep.families)} families x {len(sweep.runs) // len(sweep.families)}"
+                  f" (grid points x seeds {list(sweep.seeds)})")
+            return 0
+        if args.command == "run":
+            report = run_local(sweep, _select(sweep, args.only), dry_run=args.dry_run)
+            print(f"sweep {sweep.name}: {len(report.completed)} completed, {len(report.skipped)} already done, "
+                  f"{len(report.failed)} failed {report.failed}, {len(report.unsaved)} unsaved {report.unsaved}"
+                  + (f", stopped at {report.stopped}" if report.stopped else ""))
+            return 0 if report.ok else 1
+        if args.command == "slurm":
+            runs = _select(sweep, args.only)
+            if args.check:
+                world = world_size_of([*sweep.slurm_args, *args.sbatch_args])
+                for line in check_runs(runs, world):
+                    print(line, file=sys.stderr)
+            text = slurm_script(sweep, runs, args.sbatch_args)
+            if args.out:
+                pathlib.Path(args.out).write_text(text)
+                print(f"wrote {args.out}", file=sys.stderr)
+            else:
+                print(text, end="")
+            return 0
+        from mhar_titan.experiments.results import write_results
+
+        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi):
+            print(f"wrote {path}")
+        return 0
+    except (ConfigError, FileNotFoundError, ImportError) as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

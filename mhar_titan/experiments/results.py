@@ -1,0 +1,184 @@
+"""Results of a sweep: a Markdown table of paired differences and the comparison plot.
+
+Reads the run folders of a sweep (``mhar_titan.analysis.compare.read_run``) and computes, with
+k = ``sweep.tail_evals``:
+
+* tail mean of a run: the mean of its last k finite validation losses (MHAR_SPEC 3.1,
+  "tail-mean of the last 11 evals");
+* paired difference of a run: its tail mean minus the tail mean of the baseline-family run of the
+  same seed and grid point (negative = lower loss than the baseline). Both runs read the same
+  tokens in the same order (the ``paired`` column checks it from their resolved configs);
+* per family and grid point, over the n seeds that have both runs: the mean paired difference
+  and its standard error  SE = sd / sqrt(n),  sd = sqrt(sum (x_i - mean)^2 / (n - 1))
+  (undefined for n = 1, written "n/a");
+* tokens seen (the last training row) and the measured throughput: the median ``tokens_per_s``
+  of the logged training rows after step 1.
+
+The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged),
+through ``mhar_titan.analysis.compare.plot_comparison``. Nothing in either file depends on the
+time or the software version: rerunning on the same run folders rewrites the same bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+from typing import Optional, Sequence
+
+from mhar_titan.analysis.compare import RunCurves, comparison_table, plot_comparison, read_run
+from mhar_titan.analysis.plots import pyplot
+from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of ``values``; SE is NaN for fewer than 2 values.
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("mean_and_se needs at least one value")
+    mean = math.fsum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, statistics.stdev(values) / math.sqrt(len(values))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    run: Run
+    curves: Optional[RunCurves]
+    """None when the run folder has no metrics yet."""
+    tail_mean: float
+    evals: int
+    paired_delta: Optional[float]
+    """Tail mean minus the paired baseline run's (None for baseline runs or a missing baseline)."""
+    paired: Optional[bool]
+    """Same data order as the paired baseline run (None when unknown)."""
+    throughput: Optional[float]
+    """Median tokens/s of the logged training rows after step 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """One family at one grid point, over its seeds."""
+
+    family: str
+    point_tag: str
+    seeds: int
+    tail_mean: float
+    delta_mean: Optional[float]
+    delta_se: Optional[float]
+    paired_seeds: int
+
+
+def collect(sweep: Sweep) -> tuple[list[RunResult], list[GroupResult]]:
+    """Per-run and per-group results of the sweep's run folders (missing runs count as not run)."""
+    k = sweep.tail_evals
+    curves = {}
+    for run in sweep.runs:
+        metrics = run.run_dir / run.config.metrics.jsonl_file
+        curves[run.name] = read_run(run.run_dir, run.name) if metrics.is_file() else None
+    results = []
+    for run in sweep.runs:
+        c = curves[run.name]
+        tail, n = c.tail_mean(k) if c is not None else (float("nan"), 0)
+        base = paired_baseline(sweep, run)
+        base_c = curves[base.name] if base is not None else None
+        delta, paired = None, None
+        if c is not None and base_c is not None and n and base_c.tail_mean(k)[1]:
+            delta = tail - base_c.tail_mean(k)[0]
+            if c.data_order is not None and base_c.data_order is not None:
+                paired = c.data_order == base_c.data_order
+        speed = statistics.median(c.tokens_per_s) if c is not None and c.tokens_per_s else None
+        results.append(RunResult(run, c, tail, n, delta, paired, speed))
+    groups = []
+    for group in dict.fromkeys(r.run.group for r in results):
+        members = [r for r in results if r.run.group == group and r.evals]
+        if not members:
+            continue
+        deltas = [r.paired_delta for r in members if r.paired_delta is not None]
+        d_mean, d_se = mean_and_se(deltas) if deltas else (None, None)
+        groups.append(GroupResult(members[0].run.family, members[0].run.point_tag.lstrip("_"), len(members),
+                                  mean_and_se([r.tail_mean for r in members])[0], d_mean, d_se, len(deltas)))
+    return results, groups
+
+
+def _num(value: Optional[float], fmt: str) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
+
+
+def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[GroupResult],
+                     plot_name: Optional[str] = None) -> str:
+    """The results file: how it was made, the per-family table of paired differences, the per-run table."""
+    k = sweep.tail_evals
+    lines = [f"# Sweep {sweep.name}", "",
+             f"Made by `python -m mhar_titan.experiments results {sweep.path}` from the run folders under "
+             f"`{sweep.dump_folder}`. Tail mean: the mean of the last {k} validation losses (nats/token). "
+             f"Paired difference: a run's tail mean minus that of the `{sweep.baseline}` run with the same seed "
+             "(same tokens in the same order); mean and standard error over seeds (negative = lower loss).", ""]
+    if plot_name:
+        lines += [f"![loss against tokens, mean over seeds]({plot_name})", ""]
+    lines += [f"| family | grid | seeds | tail-mean val loss (mean) | paired diff vs {sweep.baseline} | SE | "
+              "paired seeds |", "|---|---|---:|---:|---:|---:|---:|"]
+    for g in groups:
+        base = g.family == sweep.baseline
+        lines.append(f"| {g.family} | {g.point_tag or '-'} | {g.seeds} | {g.tail_mean:.4f} | "
+                     f"{'baseline' if base else _num(g.delta_mean, '+.4f')} | "
+                     f"{'-' if base else _num(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
+    lines += ["", f"| run | seed | tail-mean val loss (last {k}) | evals | paired diff | paired | tokens seen | "
+              "tokens/s (median) |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in results:
+        if r.curves is None:
+            lines.append(f"| {r.run.name} | {r.run.seed} | not run | 0 | - | - | - | - |")
+            continue
+        base = r.run.family == sweep.baseline
+        paired = "-" if base else {True: "yes", False: "NO", None: "unknown"}[r.paired]
+        lines.append(f"| {r.run.name} | {r.run.seed} | {_num(r.tail_mean, '.4f')} | {r.evals} | "
+                     f"{'baseline' if base else _num(r.paired_delta, '+.4f')} | {paired} | "
+                     f"{r.curves.tokens_seen:,} | {_num(r.throughput, ',.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_curve(points: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """(step, mean value) at the steps every curve has."""
+    common = set.intersection(*(set(s for s, _ in p) for p in points))
+    values = [dict(p) for p in points]
+    return [(s, math.fsum(v[s] for v in values) / len(values)) for s in sorted(common)]
+
+
+def group_curves(results: Sequence[RunResult]) -> list[RunCurves]:
+    """One curve per family and grid point: training and validation loss averaged over its seeds."""
+    out = []
+    for group in dict.fromkeys(r.run.group for r in results):
+        members = [r.curves for r in results if r.run.group == group and r.curves is not None]
+        if members:
+            out.append(RunCurves(name=group, path=members[0].path, train=_mean_curve([m.train for m in members]),
+                                 val=_mean_curve([m.val for m in members]),
+                                 tokens_per_step=members[0].tokens_per_step, data_order=None))
+    return out
+
+
+def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 100) -> list[pathlib.Path]:
+    """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png``; returns the paths written.
+
+    Raises:
+        FileNotFoundError: no run of the sweep has a metrics file yet.
+    """
+    results, groups = collect(sweep)
+    if not groups:
+        raise FileNotFoundError(f"no run of sweep {sweep.name} has metrics under {sweep.dump_folder}; "
+                                f"run it first: python -m mhar_titan.experiments run {sweep.path}")
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = group_curves(results)
+    names = [c.name for c in curves]
+    baseline = next((r.run.group for r in results if r.run.family == sweep.baseline and r.run.group in names),
+                    names[0])
+    png = out / "loss_vs_tokens.png"
+    fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi)
+    pyplot().close(fig)
+    md = out / "RESULTS.md"
+    md.write_text(results_markdown(sweep, results, groups, png.name))
+    return [md, png]

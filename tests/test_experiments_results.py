@@ -1,0 +1,96 @@
+"""Sweep results on constructed run folders with known values: tail means, paired differences,
+their mean and standard error over seeds, tokens, throughput; byte-for-byte reruns."""
+import json
+import math
+
+import pytest
+
+from mhar_titan.config import to_toml
+from mhar_titan.experiments.__main__ import main as experiments_main
+from mhar_titan.experiments.results import collect, mean_and_se, write_results
+from mhar_titan.experiments.sweep import load_sweep
+from train_common import DEBUG_MHAR
+
+TOKENS_PER_STEP = 8 * 64
+# validation losses per run (steps 1..6); the last 3 are the tail (tail_evals = 3)
+VAL = {
+    "baseline_s1": [5.0, 4.0, 3.0, 2.0, 2.2, 2.4],  # tail mean 2.2
+    "baseline_s2": [5.0, 4.0, 3.0, 2.5, 2.5, 2.5],  # 2.5
+    "baseline_s3": [5.0, 4.0, 9.0, 1.0, 2.0, 3.0],  # 2.0
+    "mhar_h4_s1": [5.0, 4.0, 3.0, 2.0, 2.1, 2.2],   # 2.1 -> paired diff -0.1
+    "mhar_h4_s2": [5.0, 4.0, 3.0, 2.2, 2.3, 2.4],   # 2.3 -> -0.2
+    "mhar_h4_s3": [5.0, 4.0, 3.0, 1.5, 2.0, 2.5],   # 2.0 -> 0.0
+}
+SPEEDS = [999.0, 100.0, 300.0, 200.0, 400.0, 500.0]  # tokens/s of steps 1..6: median after step 1 = 300
+
+
+def constructed_sweep(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(f"""
+[sweep]
+name = "known"
+base = "{DEBUG_MHAR}"
+dump_folder = "{tmp_path / 'runs'}"
+seeds = [1, 2, 3]
+tail_evals = 3
+[families]
+baseline = "baseline"
+attnres = "attn_res H=1"
+mhar = {{ residual = "attn_res", routing_heads = [4] }}
+""")
+    sweep = load_sweep(path)
+    for run in sweep.runs:
+        if run.name not in VAL:
+            continue  # attnres: not run
+        run.run_dir.mkdir(parents=True)
+        (run.run_dir / "config.toml").write_text(to_toml(run.config))
+        rows = []
+        for step, (val, speed) in enumerate(zip(VAL[run.name], SPEEDS), 1):
+            rows.append({"step": step, "loss": val + 0.1, "tokens_seen": step * TOKENS_PER_STEP, "tokens_per_s": speed})
+            rows.append({"step": step, "val_loss": val})
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return sweep
+
+
+def test_mean_and_standard_error():
+    mean, se = mean_and_se([-0.1, -0.2, 0.0])
+    assert mean == pytest.approx(-0.1) and se == pytest.approx(0.1 / math.sqrt(3))
+    assert mean_and_se([2.0])[0] == 2.0 and math.isnan(mean_and_se([2.0])[1])
+    with pytest.raises(ValueError):
+        mean_and_se([])
+
+
+def test_paired_differences_on_known_run_folders(tmp_path):
+    sweep = constructed_sweep(tmp_path)
+    results, groups = collect(sweep)
+    by_name = {r.run.name: r for r in results}
+    assert by_name["baseline_s1"].tail_mean == pytest.approx(2.2) and by_name["baseline_s1"].evals == 3
+    assert by_name["mhar_h4_s2"].paired_delta == pytest.approx(-0.2) and by_name["mhar_h4_s2"].paired is True
+    assert by_name["mhar_h4_s3"].paired_delta == pytest.approx(0.0)
+    assert by_name["mhar_h4_s1"].throughput == 300.0
+    assert by_name["mhar_h4_s1"].curves.tokens_seen == 6 * TOKENS_PER_STEP
+    assert by_name["attnres_s1"].curves is None
+    mhar = next(g for g in groups if g.family == "mhar_h4")
+    assert (mhar.seeds, mhar.paired_seeds) == (3, 3)
+    assert mhar.tail_mean == pytest.approx((2.1 + 2.3 + 2.0) / 3)
+    assert mhar.delta_mean == pytest.approx(-0.1) and mhar.delta_se == pytest.approx(0.1 / math.sqrt(3))
+    assert [g.family for g in groups] == ["baseline", "mhar_h4"]
+
+
+def test_results_command_writes_the_same_bytes_twice(tmp_path):
+    sweep = constructed_sweep(tmp_path)
+    out = tmp_path / "results"
+    assert experiments_main(["results", str(sweep.path), "--out", str(out)]) == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(first) == {"RESULTS.md", "loss_vs_tokens.png"}
+    text = first["RESULTS.md"].decode()
+    assert "| mhar_h4 | - | 3 | 2.1333 | -0.1000 | 0.0577 | 3 |" in text
+    assert "| mhar_h4_s2 | 2 | 2.3000 | 3 | -0.2000 | yes | 3,072 | 300 |" in text
+    assert "| attnres_s1 | 1 | not run |" in text
+    assert b"matplotlib" not in first["loss_vs_tokens.png"]  # no version metadata
+    for p in out.iterdir():
+        p.unlink()
+    assert experiments_main(["results", str(sweep.path), "--out", str(out)]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    write_results(sweep, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
