@@ -87,7 +87,7 @@ RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 
 # Fields of ModelArgs added after checkpoints existed, with the value that gives the older models:
 # left out of the fingerprint at that value, so those checkpoints still resume.
-LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean"}
+LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean", "routing_head_layout": "contiguous", "routing_head_layout_seed": 0}
 
 
 def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:

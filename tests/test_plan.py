@@ -246,8 +246,10 @@ def test_state_dict_keys_and_shapes_are_unchanged(family):
 
 def pre_plan_fields(args) -> dict:
     """ModelArgs as the pre-plan code had them (routing_group_size came later and is resumable;
-    routing_layout came later and the trainer's fingerprint leaves it out at "clean")."""
-    return {k: v for k, v in dataclasses.asdict(args).items() if k not in ("routing_group_size", "routing_layout")}
+    routing_layout and the head layout fields came later and the trainer's fingerprint leaves them
+    out at their defaults)."""
+    later = ("routing_group_size", "routing_layout", "routing_head_layout", "routing_head_layout_seed")
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in later}
 
 
 def test_checkpoint_written_before_the_plan_resumes(tmp_path):

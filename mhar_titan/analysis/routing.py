@@ -85,6 +85,7 @@ class RoutingRecorder:
         self.routing = model.routing
         self.plan = getattr(model, "plan", None)
         self.heads, self.eps, self.n_sites = args.resolved_routing_heads, args.routing_eps, args.n_routing_sites
+        self.permutation = args.routing_permutation
         self.sites: list[Optional[SiteStats]] = [None] * self.n_sites
         self.keep_weights = keep_weights
         self.weights: list[Optional[Tensor]] = [None] * self.n_sites
@@ -97,7 +98,7 @@ class RoutingRecorder:
         self._calls += 1
         _, weights = route_reference([s.detach() for s in sources], self.routing.query[index].detach(),
                                      self.routing.key_norm[index].detach(), self.heads, self.eps,
-                                     return_weights=True)
+                                     return_weights=True, permutation=self.permutation)
         token_dims = tuple(range(1, weights.dim() - 1))
         w_sum = weights.double().sum(token_dims).T  # (H, N)
         e_sum = token_entropy(weights).double().sum(tuple(d - 1 for d in token_dims))  # (H,)

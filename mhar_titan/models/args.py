@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .plan import RoutingPlan
-from .routing import ROUTING_KERNELS
+from .routing import ROUTING_KERNELS, head_permutation
 
 RESIDUALS = ("standard", "attn_res")
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
 ROUTING_LAYOUTS = ("clean", "paper")
+HEAD_LAYOUTS = ("contiguous", "permuted")
 ROPE_SCALINGS = (None, "llama3")
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
               "rope_original_max_seq_len", "routing_block_layers")
@@ -82,6 +83,8 @@ class ModelArgs:
     routing_eps: float = 1e-6
     routing_group_size: int | str = 1  # g consecutive sites per routing group (plan.py "Groups"); 1 = per call; "auto"
     routing_layout: Literal["clean", "paper"] = "clean"  # delta bookkeeping: ours or the authors' (plan.py)
+    routing_head_layout: Literal["contiguous", "permuted"] = "contiguous"  # permuted: eager kernel only
+    routing_head_layout_seed: int = 0  # seed of the permuted layout's fixed permutation of the d coordinates
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +115,15 @@ class ModelArgs:
         _check_choice("routing_granularity", self.routing_granularity, GRANULARITIES)
         _check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
         _check_choice("routing_kernel", self.routing_kernel, ROUTING_KERNELS)
+        _check_choice("routing_head_layout", self.routing_head_layout, HEAD_LAYOUTS)
+        seed = self.routing_head_layout_seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"routing_head_layout_seed must be an integer >= 0, got {seed!r}")
+        if self.routing_head_layout == "permuted" and self.routing_kernel != "eager":
+            raise ValueError(
+                f"routing_head_layout='permuted' runs on the eager path only, not routing_kernel="
+                f"{self.routing_kernel!r}: set routing_kernel='eager' (or use the contiguous layout)"
+            )
         heads = self.routing_heads
         if heads != "kv" and (not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0):
             raise ValueError(f"routing_heads must be a positive integer or 'kv', got {heads!r}")
@@ -175,6 +187,14 @@ class ModelArgs:
     def resolved_routing_heads(self) -> int:
         """Routing heads H as an integer ("kv" resolves to n_kv_heads)."""
         return self.n_kv_heads if self.routing_heads == "kv" else int(self.routing_heads)
+
+    @property
+    def routing_permutation(self):
+        """The permuted head layout's int64 (d,) permutation (`routing.head_permutation` of
+        routing_head_layout_seed); None for the contiguous layout."""
+        if self.routing_head_layout != "permuted":
+            return None
+        return head_permutation(self.dim, self.routing_head_layout_seed)
 
     @property
     def n_routing_sites(self) -> int:

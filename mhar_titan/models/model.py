@@ -138,6 +138,7 @@ def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: T
     return route(
         picked, query, key_norm, args.resolved_routing_heads, args.routing_eps,
         args.routing_kernel, partial=h if site.gated else None, alpha=alpha if site.gated else None,
+        permutation=args.routing_permutation,
     )
 
 
@@ -350,7 +351,7 @@ def routing_entropy(model: Transformer, tokens: Tensor) -> float:
     for index, sources in enumerate(trace):
         _, weights = route_reference(
             sources, model.routing.query[index], model.routing.key_norm[index],
-            args.resolved_routing_heads, args.routing_eps, return_weights=True,
+            args.resolved_routing_heads, args.routing_eps, return_weights=True, permutation=args.routing_permutation,
         )
         total += -(weights * weights.clamp_min(torch.finfo(weights.dtype).tiny).log()).sum(0).mean().item()
     return total / len(trace)

@@ -18,6 +18,7 @@ arguments there once.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -27,6 +28,22 @@ from torch.autograd.function import once_differentiable
 from mhar_kernels import contract
 
 ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # values of ModelArgs.routing_kernel
+
+
+@functools.lru_cache(maxsize=8)
+def head_permutation(dim: int, seed: int) -> Tensor:
+    """The permuted head layout's fixed permutation of the d feature coordinates, int64 (d,):
+    head h reads coordinates perm[h K : (h + 1) K] instead of the contiguous slice (the paper's
+    random-subspace ablation). Drawn from a private CPU generator seeded with `seed`, so it is
+    the same on every rank and after a resume, whatever the global RNG did. Not trained."""
+    return torch.randperm(dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _permute_features(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, permutation: Tensor):
+    """Sources, query and key-norm weight with their last (feature) dim reordered by `permutation`,
+    so that the contiguous heads of the result are the permuted layout's heads."""
+    perm = permutation.to(query.device)
+    return [s.index_select(-1, perm) for s in sources], query[perm], norm_weight[perm]
 
 
 def _inv_rms(source: Tensor, eps: float, cdt: torch.dtype) -> Tensor:
@@ -160,6 +177,7 @@ def route_reference(
     heads: int,
     eps: float = 1e-6,
     return_weights: bool = False,
+    permutation: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Multi-head depth routing, eager reference (MHAR_SPEC section 2; H = 1 is AttnRes, section 1.1).
 
@@ -172,6 +190,8 @@ def route_reference(
         heads: routing heads H, a positive int (numpy integers accepted); d % H must be 0.
         eps: RMSNorm epsilon.
         return_weights: also return the depth-softmax weights.
+        permutation: int64 (d,) from `head_permutation` for the permuted head layout (head h reads
+            coordinates permutation[h K : (h + 1) K]); None = contiguous heads.
 
     Returns:
         The mix (B, T, d) in the sources' dtype; with return_weights, also the weights
@@ -188,7 +208,11 @@ def route_reference(
     null_source, full = contract.split_null_source(sources)
     heads = contract.check_route_args(full, query, norm_weight, heads, null_source=null_source)
     sources = contract.with_null_source(null_source, full)
+    if permutation is not None:
+        sources, query, norm_weight = _permute_features(sources, query, norm_weight, permutation)
     out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
+    if permutation is not None:
+        out = out.index_select(-1, torch.argsort(permutation.to(out.device)))
     return (out, weights) if return_weights else out
 
 
@@ -236,6 +260,7 @@ def route(
     *,
     partial: Tensor | None = None,
     alpha: Tensor | None = None,
+    permutation: Tensor | None = None,
 ) -> Tensor:
     """Depth routing with the implementation chosen by `kernel` (the `routing_kernel` field).
 
@@ -248,9 +273,10 @@ def route(
     Replacement mode returns the mix (B, T, d). Delta mode (MHAR_SPEC section 1.4) passes the
     residual `partial` (B, T, d, the sources' dtype) and the gate `alpha` (1,) and returns
     partial + alpha * mix; with alpha = 0 the result equals `partial` bit for bit.
+    `permutation` (the permuted head layout, see `route_reference`) runs on the eager path only.
 
     Raises:
-        ValueError: unknown kernel, or bad arguments as `mhar_kernels.contract.check_route_args` (including only one
+        ValueError: unknown kernel, a permutation with a kernel other than "eager", or bad arguments as `mhar_kernels.contract.check_route_args` (including only one
             of partial/alpha, or their shapes).
         RuntimeError: kernel="triton" when the kernel package cannot be imported.
     """
@@ -258,6 +284,13 @@ def route(
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {ROUTING_KERNELS}")
     null_source, full = contract.split_null_source(sources)
     heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
+    if permutation is not None:
+        if kernel != "eager":
+            raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
+                             "set routing_kernel='eager'")
+        mix = route_reference(contract.with_null_source(null_source, full), query, norm_weight, heads, eps,
+                              permutation=permutation)
+        return mix if partial is None else partial + alpha.to(mix.dtype) * mix
     if kernel == "auto":
         kernel = "triton" if full[0].is_cuda else "eager"
     if kernel == "triton":
