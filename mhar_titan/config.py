@@ -502,9 +502,9 @@ def validate(cfg: JobConfig) -> None:
 # --------------------------------------------------------------------------- derived job values
 # One place for what the trainer and the dry run both derive from a config.
 
-TOKENIZER_N_VOCAB = {"gpt2": 50_257, "cl100k_base": 100_277, "o200k_base": 200_019}
-"""Vocabulary size (``n_vocab``, special tokens included) of each tiktoken encoding
-``data.tokenizer`` accepts, so the model can be sized without loading the encoding files."""
+TOKENIZER_N_VOCAB = {"gpt2": 50_257, "cl100k_base": 100_277, "o200k_base": 200_019, "bytes": 257}
+"""Vocabulary size (``n_vocab``, special tokens included) of each encoding
+``data.tokenizer`` accepts (tiktoken's, and the byte-level 256 bytes + EOS), so the model can be sized without loading the encoding files."""
 
 
 def tokenizer_n_vocab(name: str) -> int:

@@ -144,6 +144,7 @@ def test_dry_run_sizes_the_model_like_the_trainer(overrides, vocab, max_seq_len,
 def test_known_vocab_sizes_match_tiktoken():
     """config.TOKENIZER_N_VOCAB against the encodings themselves, where the offline cache has them."""
     from mhar_titan.config import TOKENIZER_N_VOCAB
+    from mhar_titan.data import DataConfig, build_tokenizer
     from mhar_titan.data.tokenizer import check_cache, default_cache_dir
 
     checked = 0
@@ -152,8 +153,7 @@ def test_known_vocab_sizes_match_tiktoken():
             check_cache(name, default_cache_dir())
         except Exception:
             continue
-        import tiktoken
-        assert tiktoken.get_encoding(name).n_vocab == n_vocab, name
+        assert build_tokenizer(DataConfig(tokenizer=name)).n_vocab == n_vocab, name
         checked += 1
     if not checked:
         pytest.skip("no tiktoken encoding cached: run python -m mhar_titan.data.prepare_tokenizer")

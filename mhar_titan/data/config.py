@@ -58,7 +58,8 @@ class DataConfig:
     Empty = no validation."""
 
     tokenizer: str = "gpt2"
-    """tiktoken encoding name: "gpt2" (small runs), "cl100k_base" (paper flavors), "o200k_base"."""
+    """tiktoken encoding name: "gpt2" (small runs), "cl100k_base" (paper flavors), "o200k_base"; or
+    "bytes" (UTF-8 bytes as ids 0-255, EOS 256: a 257-id vocabulary for small CPU studies)."""
 
     tokenizer_file: Optional[str] = None
     """Local encoding file(s) to use instead of the cache: a ``.tiktoken`` (or ``.tiktoken.gz``)

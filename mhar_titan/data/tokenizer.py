@@ -54,7 +54,11 @@ ENCODING_FILES: dict[str, tuple[EncodingFile, ...]] = {
         EncodingFile("o200k_base.tiktoken", _BASE + "encodings/o200k_base.tiktoken",
                      "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
     ),
+    # Byte level: the UTF-8 bytes as ids 0-255 and EOS = 256 (257 ids, no file), for small models
+    # whose embedding would otherwise dominate (CPU studies).
+    "bytes": (),
 }
+BYTE_EOS = 256
 
 
 class TokenizerFileError(RuntimeError):
@@ -164,6 +168,10 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     name = cfg.tokenizer
     if name not in ENCODING_FILES:
         raise ValueError(f"data.tokenizer {name!r} is not supported offline; choose one of {sorted(ENCODING_FILES)}")
+    if name == "bytes":
+        if cfg.tokenizer_file:
+            raise ValueError("data.tokenizer = 'bytes' reads no file: remove data.tokenizer_file")
+        return Tokenizer(name=name, n_vocab=BYTE_EOS + 1, eos_id=BYTE_EOS, encode=_utf8_bytes, decode=_from_bytes)
     cache_dir = resolve_cache_dir(cfg)
     if cfg.tokenizer_file:
         _seed_from_local_file(name, ENCODING_FILES[name], Path(cfg.tokenizer_file), cache_dir)
@@ -171,6 +179,15 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     enc = _load_encoding(name, cache_dir)
     return Tokenizer(name=name, n_vocab=enc.n_vocab, eos_id=enc.eot_token,
                      encode=enc.encode_ordinary, decode=enc.decode)
+
+
+def _utf8_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _from_bytes(ids: list[int]) -> str:
+    """Ids back to text; EOS (and any id above 255) is dropped, broken UTF-8 becomes U+FFFD."""
+    return bytes(i for i in ids if 0 <= i < BYTE_EOS).decode("utf-8", errors="replace")
 
 
 def _load_encoding(name: str, cache_dir: Path) -> tiktoken.Encoding:

@@ -276,8 +276,8 @@ def route(
     `permutation` (the permuted head layout, see `route_reference`) runs on the eager path only.
 
     Raises:
-        ValueError: unknown kernel, a permutation with a kernel other than "eager", or bad arguments as `mhar_kernels.contract.check_route_args` (including only one
-            of partial/alpha, or their shapes).
+        ValueError: unknown kernel, a permutation with a kernel other than "eager", or bad arguments as
+            `mhar_kernels.contract.check_route_args` (including only one of partial/alpha, or their shapes).
         RuntimeError: kernel="triton" when the kernel package cannot be imported.
     """
     if kernel not in ROUTING_KERNELS:
