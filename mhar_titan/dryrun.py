@@ -45,9 +45,11 @@ from typing import Optional
 
 import torch
 
-from mhar_titan.config import (ConfigError, JobConfig, batch_geometry, load_config, resolve_model_args, to_toml,
-                               tokenizer_n_vocab)
+from mhar_titan.components.batches import batch_geometry
+from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
+from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters
+from mhar_titan.models.build import resolve_model_args
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
 
@@ -71,13 +73,14 @@ class MemoryEstimate:
 
 
 def build_model_args(cfg: JobConfig) -> ModelArgs:
-    """The ``ModelArgs`` the trainer would build (``config.resolve_model_args``), with the
-    tokenizer's vocabulary size from ``config.TOKENIZER_N_VOCAB`` (no file is read).
+    """The ``ModelArgs`` the trainer would build (``models.build.resolve_model_args``), with the
+    tokenizer's vocabulary size from ``data.tokenizer.N_VOCAB`` (no file is read).
 
     Raises:
         ConfigError: unknown tokenizer or flavor, or arguments the trainer would reject.
     """
-    return resolve_model_args(cfg, tokenizer_n_vocab(cfg.data.tokenizer))
+    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+                              cfg.data.tokenizer)
 
 
 def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
@@ -104,7 +107,7 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
             f"'parallelism.data_parallel_shard_degree' = {degree} but the job has {world_size} ranks; "
             "use -1 (all ranks) or the world size"
         )
-    batch_geometry(cfg, world_size)
+    batch_geometry(cfg.training, world_size)
     warnings = []
     if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
@@ -213,7 +216,7 @@ def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]
             "mhar_titan.models is inconsistent"
         )
     mem = estimate_memory(model, cfg, world_size, device)
-    _, accum = batch_geometry(cfg, world_size)
+    _, accum = batch_geometry(cfg.training, world_size)
     t = cfg.training
     family = "baseline" if args.residual == "standard" else (
         "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})")
@@ -254,7 +257,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(known.config, overrides)
         text, warnings = report(cfg, known.world_size, known.device)
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
         print(f"dry run: invalid job: {e}", file=sys.stderr)
         return 1
     print(text)

@@ -19,8 +19,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from mhar_titan.errors import UserError
 
-class LaunchEnvError(RuntimeError):
+
+class LaunchEnvError(UserError, RuntimeError):
     """The launcher's environment variables are missing, malformed or contradictory."""
 
 

@@ -19,9 +19,10 @@ import types
 import torch
 from torch import nn
 
+from mhar_titan.config import PARAM_GROUPS
+
 # Wrappers that insert a path component into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
 
 logger = logging.getLogger(__name__)
 

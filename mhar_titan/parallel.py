@@ -1,6 +1,6 @@
 """Process group, device mesh, and the model build: meta -> AC -> compile -> FSDP2 -> init.
 
-The order follows TorchTitan v0.2.2's ``parallelize_llama`` (TORCHTITAN_NOTES 5):
+The order follows TorchTitan v0.2.2's ``parallelize_llama`` (``torchtitan/models/llama3/infra/parallelize.py``):
 
 1. ``Transformer(args)`` on the meta device (no memory);
 2. activation checkpointing: ``checkpoint_wrapper`` around every block (``full``)
@@ -34,9 +34,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from mhar_titan.config import ConfigError
 from mhar_titan.launch_env import LaunchEnvError, resolve_device, resolve_launch_env
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclasses.dataclass
@@ -59,7 +58,7 @@ def init_distributed(cfg) -> ParallelEnv:
     Raises:
         LaunchEnvError: SLURM started several tasks without torchrun (each would train
             alone as rank 0 of 1 into the same run folder).
-        ValueError: ``parallelism.data_parallel_shard_degree`` is neither -1 nor the world size.
+        ConfigError: ``parallelism.data_parallel_shard_degree`` is neither -1 nor the world size.
     """
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -84,7 +83,7 @@ def init_distributed(cfg) -> ParallelEnv:
     world = dist.get_world_size()
     degree = cfg.parallelism.data_parallel_shard_degree
     if degree not in (-1, world):
-        raise ValueError(
+        raise ConfigError(
             f"parallelism.data_parallel_shard_degree={degree} but the job has {world} ranks; "
             "use -1 (all ranks) or the world size (FSDP is the only parallelism)"
         )
@@ -154,8 +153,8 @@ def build_model(model_cls, args, cfg, env: ParallelEnv) -> nn.Module:
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model, cfg.compile)
     if env.device.type == "cuda":
-        param_dtype = _DTYPES[cfg.training.mixed_precision_param]
-        reduce_dtype = _DTYPES[cfg.training.mixed_precision_reduce]
+        param_dtype = getattr(torch, cfg.training.mixed_precision_param)
+        reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
     else:
         param_dtype = reduce_dtype = torch.float32
     apply_fsdp(model, env.mesh, param_dtype, reduce_dtype, cfg.parallelism.fsdp_reshard_after_forward)

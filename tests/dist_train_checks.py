@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from helpers import metric_losses  # noqa: E402
 from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E402
 
 from mhar_titan.train import Trainer  # noqa: E402
@@ -28,8 +29,8 @@ def main(out):
                         "--training.global_batch_size=8", f"--activation_checkpoint.mode={ac}")
         trainer = Trainer(cfg)
         trainer.train()
-        result[f"losses_{ac}"] = trainer.losses
         trainer.close(destroy_process_group=False)
+        result[f"losses_{ac}"] = metric_losses(trainer.run_dir)  # written by rank 0, read there
 
     cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
                     "--training.global_batch_size=8", "--training.max_norm=0", "--metrics.enable_wandb=true")

@@ -142,9 +142,9 @@ def test_dry_run_sizes_the_model_like_the_trainer(overrides, vocab, max_seq_len,
 
 
 def test_known_vocab_sizes_match_tiktoken():
-    """config.TOKENIZER_N_VOCAB against the encodings themselves, where the offline cache has them."""
-    from mhar_titan.config import TOKENIZER_N_VOCAB
+    """data.tokenizer.N_VOCAB against the encodings themselves, where the offline cache has them."""
     from mhar_titan.data import DataConfig, build_tokenizer
+    from mhar_titan.data.tokenizer import N_VOCAB as TOKENIZER_N_VOCAB
     from mhar_titan.data.tokenizer import check_cache, default_cache_dir
 
     checked = 0

@@ -8,6 +8,7 @@ gives the same masked-batch gradients. The launch exiting 0 shows the clean gloo
 """
 import gc
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from train_common import DEBUG_MHAR, ROOT, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
+from helpers import ROOT, metric_losses, read_metrics  # noqa: E402
+from train_common import DEBUG_MHAR, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
 from mhar_titan.optim import WarmupStableDecay  # noqa: E402
@@ -29,12 +31,14 @@ pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet
 
 
 def run(cfg):
+    """Train ``cfg``; returns (the losses its metrics.jsonl holds, the final weights)."""
     trainer = Trainer(cfg)
     try:
         trainer.train()
-        return trainer.losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     finally:
         trainer.close()
+    return metric_losses(trainer.run_dir), weights
 
 
 def masked_step_grads(cfg, world_size=None):
@@ -80,9 +84,9 @@ def test_reference_run_learns_and_writes_run_folder(reference_run):
     root, losses = reference_run
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.5
     run_dir = root / "ref"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["loss"] for r in rows] == pytest.approx(losses)
+    assert all(math.isfinite(r["loss"]) for r in rows)
     for key in ("grad_norm", "grad_norm/routing_query", "grad_norm/rest", "lr", "tokens_per_s",
                 "tokens_per_s_per_device", "peak_mem_gib", "routing_entropy", "routing_flops_share"):
         assert key in rows[0], key
@@ -126,10 +130,10 @@ def test_forced_nan_step_is_skipped_and_counted(tmp_path):
     cfg = debug_cfg(tmp_path, "nan", "--training.steps=2", "--debug.force_nonfinite_loss_steps=[2]",
                     "--training.max_consecutive_nonfinite=2")
     losses, after_skip = run(cfg)
-    assert losses[1] != losses[1]  # NaN
+    assert math.isnan(losses[1])
     for k in after_one:  # the skipped step did not touch the weights
         torch.testing.assert_close(after_skip[k], after_one[k], rtol=0, atol=0)
-    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "nan")
     assert rows[1]["step"] == 2 and rows[1]["loss"] == "nan" and rows[1]["nonfinite_skipped"] == 1
 
 
@@ -141,7 +145,7 @@ def test_consecutive_nan_steps_stop_the_run(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert "stopping at step 4" in err and "steps 2-4" in err
-    rows = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "stop")
     assert rows[-1]["step"] == 4 and rows[-1]["nonfinite_skipped"] == 3
     assert not dist.is_initialized()
     assert gc.isenabled()  # the loop disables automatic collection; an exception must not leave it off
@@ -330,9 +334,9 @@ def test_resume_keeps_changed_config_as_prev_and_truncates_metrics(tmp_path):
     run_dir = tmp_path / "p"
     with open(run_dir / "metrics.jsonl", "a") as f:  # the interrupted run logged step 2, saved no checkpoint
         f.write(json.dumps({"step": 2, "loss": 99.0}) + "\n")
-    losses, _ = run(debug_cfg(tmp_path, "p", "--training.steps=2", "--checkpoint.enable=true"))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] == pytest.approx(losses[0])
+    run(debug_cfg(tmp_path, "p", "--training.steps=2", "--checkpoint.enable=true"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] != 99.0 and math.isfinite(rows[1]["loss"])
     assert load_config(str(run_dir / "config.prev.toml")).training.steps == 1
     assert load_config(str(run_dir / "config.toml")).training.steps == 2
 

@@ -1,11 +1,10 @@
 """Shared by test_train*.py and dist_train_checks.py: small trainer configs and gradient probes."""
-import pathlib
-
 import torch
+from helpers import ROOT
 
+from mhar_titan.components.batches import next_micro_batches
 from mhar_titan.config import load_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEBUG_MHAR = ROOT / "train_configs" / "debug_mhar.toml"
 SAMPLE = ROOT / "data" / "shakespeare"
 
@@ -33,7 +32,7 @@ def masked_micro_batches(trainer, rank, world):
     Row r of the global batch (window order, independent of the world size) ignores its
     first ``(3 * r) % 11`` labels, so micro-batches hold different numbers of targets.
     """
-    micro = trainer._next_micro_batches(iter_of(trainer))
+    micro = next_micro_batches(iter_of(trainer), trainer.grad_accum, trainer.device, trainer.state.step + 1)
     B = micro[0][0].shape[0]
     out = []
     for k, (x, y) in enumerate(micro):

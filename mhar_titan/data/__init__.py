@@ -12,13 +12,25 @@ Commands:
   CC-BY 2.5) as FineWeb-Edu-like parquet shards with a validation shard;
 - ``python -m mhar_titan.data.pretokenize``: tokenize a source once into
   memory-mapped token shards with a manifest (read back by ``manifest.py``).
-"""
-from mhar_titan.data.config import DataConfig
-from mhar_titan.data.loader import (DataStateError, TrainLoader, ValidationLoader, build_train_loader,
-                                    build_validation_loader)
-from mhar_titan.data.manifest import ManifestError
-from mhar_titan.data.sources import DataError
-from mhar_titan.data.tokenizer import Tokenizer, TokenizerFileError, build_tokenizer
 
-__all__ = ["DataConfig", "DataError", "DataStateError", "ManifestError", "Tokenizer", "TokenizerFileError",
-           "TrainLoader", "ValidationLoader", "build_tokenizer", "build_train_loader", "build_validation_loader"]
+The names below are exported lazily, so importing ``mhar_titan.data.config`` (the job
+config parser does) imports neither torchdata nor tiktoken.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "DataConfig": "config", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
+    "Tokenizer": "tokenizer", "TokenizerFileError": "tokenizer", "TrainLoader": "loader",
+    "ValidationLoader": "loader", "build_tokenizer": "tokenizer", "build_train_loader": "loader",
+    "build_validation_loader": "loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -62,6 +62,7 @@ from mhar_titan.data.dataset import DataFault, PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
 from mhar_titan.data.stream import TokenStream
+from mhar_titan.errors import UserError
 
 logger = logging.getLogger(__name__)
 STATE_FORMAT = 2  # 2: stream pending tokens and shuffle buffer as per-document entries
@@ -105,7 +106,7 @@ def _stop_signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-class DataStateError(ValueError):
+class DataStateError(UserError, ValueError):
     """A saved loader state that cannot continue in this run (the message says why and what to do)."""
 
 

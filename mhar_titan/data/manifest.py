@@ -14,12 +14,14 @@ from typing import Iterator
 
 import numpy as np
 
+from mhar_titan.errors import UserError
+
 FORMAT = "mhar-titan-tokens/1"
 MANIFEST = "manifest.json"
 RERUN = "re-run python -m mhar_titan.data.pretokenize --files ... --out <a new folder>"
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A pretokenized directory that is missing, incomplete, corrupt or made with another tokenizer."""
 
 

@@ -20,12 +20,13 @@ from typing import Callable, Iterator, Optional, TypeVar
 
 from mhar_titan.data.config import DataConfig
 from mhar_titan.data.manifest import load_pretokenized
+from mhar_titan.errors import UserError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """Bad input data or a data source that cannot be read; the message names the file or source."""
 
 

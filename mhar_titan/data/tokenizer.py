@@ -18,7 +18,9 @@ from typing import Callable, Optional
 
 import tiktoken
 
+from mhar_titan.config import ConfigError
 from mhar_titan.data.config import DataConfig
+from mhar_titan.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_COMMAND = "python -m mhar_titan.data.prepare_tokenizer"
@@ -61,7 +63,24 @@ ENCODING_FILES: dict[str, tuple[EncodingFile, ...]] = {
 BYTE_EOS = 256
 
 
-class TokenizerFileError(RuntimeError):
+N_VOCAB = {"gpt2": 50_257, "cl100k_base": 100_277, "o200k_base": 200_019, "bytes": BYTE_EOS + 1}
+"""Vocabulary size (``n_vocab``, special tokens included) of each encoding in ``ENCODING_FILES``
+(tiktoken's, and the byte level: 256 bytes + EOS), so a model can be sized without loading the
+encoding files (checked against the built tokenizers by the tests)."""
+
+
+def tokenizer_n_vocab(name: str) -> int:
+    """``n_vocab`` of the tiktoken encoding ``name`` (no file or network access).
+
+    Raises:
+        ConfigError: ``name`` is not a supported encoding.
+    """
+    if name not in N_VOCAB:
+        raise ConfigError(f"'data.tokenizer' = {name!r} is unknown; valid: {', '.join(N_VOCAB)}")
+    return N_VOCAB[name]
+
+
+class TokenizerFileError(UserError, RuntimeError):
     """An encoding file is missing or does not match tiktoken's published SHA-256."""
 
 

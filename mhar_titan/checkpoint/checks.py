@@ -1,80 +1,23 @@
-"""What ``CheckpointManager.load`` checks before it changes anything, and safe decoding.
+"""What ``CheckpointManager.load`` checks before it changes anything (besides the fingerprint,
+``mhar_titan.checkpoint.fingerprint``).
 
-* ``check_fingerprint``: the run's fingerprint (model arguments, tokenizer...) recorded
-  in ``complete.json`` must equal this run's.
 * ``check_keys``: every key this run asks for exists in the DCP metadata with the same
   shape, and every saved model key is used.
 * ``check_no_newer``: ``checkpoint.load_step`` may not go back behind newer complete
   checkpoints of the same folder (they would be deleted by retention later, or win
   again over the new saves on the next ``load_step = -1``).
-* ``decode``: the non-tensor items (LR scheduler, train state, data position, RNG) are
-  ``torch.save`` bytes; they are read with ``weights_only=True``, so a checkpoint from an
-  untrusted ``initial_load_path`` cannot run code through pickle.
 
 Every check raises before any tensor is read, so nothing in memory or on disk changes.
 """
 from __future__ import annotations
 
-import io
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (missing, incomplete, wrong kind, bad config, unsafe content)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was made for a different model, tokenizer or optimizer setup."""
-
-
-def encode(obj: Any) -> bytes:
-    """``torch.save`` bytes of plain data (dicts, lists, tuples, numbers, strings, tensors)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def decode(blob: bytes, key: str, path: Path) -> Any:
-    """Inverse of ``encode`` with ``weights_only=True``: no arbitrary classes or callables.
-
-    Raises:
-        CheckpointError: ``blob`` (item ``key`` of checkpoint ``path``) holds anything else,
-            e.g. a pickle that would import and call a function.
-    """
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"checkpoint {path}: item {key!r} is not plain data and was refused (loading it could run "
-            f"arbitrary code): {first}. Only load checkpoints written by this trainer from a source you trust."
-        ) from None
-
-
-def flatten_plain(tree: Any, prefix: str = "") -> dict:
-    """Nested dict -> ``{"a.b": leaf}`` (used for fingerprints)."""
-    if isinstance(tree, dict):
-        out = {}
-        for key in sorted(tree, key=str):
-            out.update(flatten_plain(tree[key], f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def json_safe(tree: Any) -> Any:
-    """Fingerprints go into JSON: tuples become lists, unknown objects their ``repr``."""
-    if isinstance(tree, dict):
-        return {str(k): json_safe(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [json_safe(v) for v in tree]
-    if tree is None or isinstance(tree, (bool, int, float, str)):
-        return tree
-    return repr(tree)
+from mhar_titan.checkpoint.config import CheckpointError, CheckpointMismatchError
 
 
 def check_no_newer(folder: Path, wanted: int, complete: list[int]) -> None:
@@ -93,23 +36,6 @@ def check_no_newer(folder: Path, wanted: int, complete: list[int]) -> None:
             "deleted. To go back, move those folders out of the checkpoint folder (or delete them), or "
             f"start a new run (job.name) with checkpoint.initial_load_path={folder / f'step-{wanted}'} "
             "and checkpoint.initial_load_model_only=false."
-        )
-
-
-def check_fingerprint(path: Path, saved: dict, current: dict) -> None:
-    """Raise ``CheckpointMismatchError`` listing the settings that differ (up to 8)."""
-    saved, current = flatten_plain(saved), flatten_plain(current)
-    diffs = [
-        f"{key}: checkpoint {saved.get(key, '<unset>')!r}, this run {current.get(key, '<unset>')!r}"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key, "<unset>") != current.get(key, "<unset>")
-    ]
-    if diffs:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} was made with different settings ({len(diffs)} differ), e.g.\n  "
-            + "\n  ".join(diffs[:8])
-            + "\nNothing was loaded. Use the original settings, a new run folder (job.name), or "
-            "checkpoint.initial_load_path with a matching model."
         )
 
 

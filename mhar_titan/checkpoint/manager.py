@@ -32,16 +32,15 @@ matched by rank, see ``CheckpointManager.load``.
 fingerprint and every requested key and shape against the checkpoint *before*
 reading any tensor, and raises ``CheckpointMismatchError`` naming the first
 differences; nothing in memory or on disk is changed in that case. Those checks
-live in ``mhar_titan.checkpoint_checks``, the ``[checkpoint]`` settings in
-``mhar_titan.checkpoint_config`` (both re-exported here).
+live in ``checks`` and ``fingerprint``, the folder layout in ``layout``, the encoding of
+non-tensor items in ``items`` and the ``[checkpoint]`` settings in ``config``
+(modules of this package).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import random
-import re
 import shutil
 import time
 import warnings
@@ -49,7 +48,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -62,32 +60,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mhar_titan.checkpoint_checks import (
-    CheckpointError,
-    CheckpointMismatchError,
-    check_fingerprint,
-    check_keys,
-    check_no_newer,
-    decode,
-    encode,
-    json_safe,
-)
-from mhar_titan.checkpoint_config import ASYNC_MODES, COMPONENTS, EXPORT_DTYPES, CheckpointConfig
-
-__all__ = [
-    "ASYNC_MODES", "COMPONENTS", "EXPORT_DTYPES", "MARKER", "CheckpointConfig", "CheckpointError",
-    "CheckpointManager", "CheckpointMismatchError", "is_complete", "read_marker", "step_folders",
-]
+from mhar_titan.checkpoint.checks import check_keys, check_no_newer
+from mhar_titan.checkpoint.config import COMPONENTS, CheckpointConfig, CheckpointError
+from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
+from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
+from mhar_titan.checkpoint.layout import MARKER, is_complete, read_marker, step_folders, step_of
 
 logger = logging.getLogger(__name__)
-
-MARKER = "complete.json"
-"""Name of the completion marker inside a ``step-N`` folder, written last."""
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 @contextmanager
@@ -104,33 +83,11 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _rng_state() -> dict:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss))  # plain data, no ndarray
-    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _flatten(tree: dict) -> dict:
     """DCP's own flattening, so keys compare equal to the checkpoint's metadata keys."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     return flatten_state_dict(tree)[0]
-
-
-def _cast_floats(state: dict, dtype: torch.dtype) -> dict:
-    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()}
 
 
 def _first_line(error: BaseException) -> str:
@@ -142,29 +99,6 @@ def _first_line(error: BaseException) -> str:
         return f"rank {rank}: {_first_line(inner)}"
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
-def step_folders(root: Path) -> dict[int, Path]:
-    """``{step: path}`` of every ``step-N`` folder under ``root`` (complete or not)."""
-    if not root.is_dir():
-        return {}
-    found = {}
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found[int(match.group(1))] = child
-    return found
-
-
-def is_complete(path: Path) -> bool:
-    """A checkpoint folder is complete when both DCP's metadata and our marker exist."""
-    return (path / MARKER).is_file() and (path / ".metadata").is_file()
-
-
-def read_marker(path: Path) -> dict:
-    """The ``complete.json`` of a checkpoint folder (step, world size, fingerprint, model_only)."""
-    with open(path / MARKER) as f:
-        return json.load(f)
 
 
 # --------------------------------------------------------------------------- manager
@@ -268,7 +202,7 @@ class CheckpointManager:
 
     def _state_for_save(self, model_only: bool) -> dict:
         if model_only:
-            model_sd = _cast_floats(get_model_state_dict(self.model), EXPORT_DTYPES[self.cfg.export_dtype])
+            model_sd = cast_floats(get_model_state_dict(self.model), self.cfg.export_dtype)
             return {"model": model_sd}
         if self.optimizer is not None:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -281,7 +215,7 @@ class CheckpointManager:
                 state[name] = encode(obj.state_dict())
         if self.dataloader is not None:
             state["dataloader"] = {f"rank_{self.rank}": encode(self.dataloader.state_dict())}
-        state["rng"] = {f"rank_{self.rank}": encode(_rng_state())}
+        state["rng"] = {f"rank_{self.rank}": encode(rng_state())}
         return state
 
     def _clear_folder(self, path: Path) -> None:
@@ -467,15 +401,15 @@ class CheckpointManager:
         if "dataloader" in objects:
             self.dataloader.load_state_dict(objects["dataloader"])
         if "rng" in objects:
-            _set_rng_state(objects["rng"])
+            set_rng_state(objects["rng"])
         if self.rank == 0:
             logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
                         time.perf_counter() - started)
 
     def _unreadable(self, path: Path, error: BaseException) -> CheckpointError:
         """The error for a checkpoint whose files cannot be read (truncated, corrupted, unreadable)."""
-        if path.parent == self.folder and _STEP_DIR.match(path.name):
-            step = int(_STEP_DIR.match(path.name).group(1))
+        step = step_of(path)
+        if path.parent == self.folder and step is not None:
             older = sorted(s for s, p in step_folders(self.folder).items() if s < step and is_complete(p))
             way_out = (
                 f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "

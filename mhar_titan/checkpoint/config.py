@@ -1,19 +1,29 @@
-"""``[checkpoint]`` settings (TorchTitan v0.2.2 names) and their validation."""
+"""``[checkpoint]`` settings (TorchTitan v0.2.2 names), their validation and the checkpoint errors.
+
+Imports nothing heavy (no torch): the job config parser imports this module.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
+from mhar_titan.errors import UserError
 
-from mhar_titan.checkpoint_checks import CheckpointError
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be used (missing, incomplete, wrong kind, bad config, unsafe content)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was made for a different model, tokenizer or optimizer setup."""
+
 
 COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 """Parts of the train state; any of them can be named in ``exclude_from_loading``."""
 
 ASYNC_MODES = ("disabled", "async")
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""``checkpoint.export_dtype`` names and their dtypes."""
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""``checkpoint.export_dtype`` choices: names of torch dtypes (``getattr(torch, name)``)."""
 
 
 @dataclass
@@ -57,7 +67,7 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint.async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
         if self.export_dtype not in EXPORT_DTYPES:
             raise CheckpointError(
-                f"checkpoint.export_dtype must be one of {tuple(EXPORT_DTYPES)}, got {self.export_dtype!r}"
+                f"checkpoint.export_dtype must be one of {EXPORT_DTYPES}, got {self.export_dtype!r}"
             )
         bad = [name for name in self.exclude_from_loading if name not in COMPONENTS]
         if bad:

@@ -1,0 +1,64 @@
+"""The trainer's own counters (saved in every checkpoint) and the training-health guard."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+class TrainingHealthError(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops (exit code 1)."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Step and token counters, non-finite step counts and the W&B run id; a Stateful
+    object (``state_dict`` / ``load_state_dict``) saved as the checkpoint's ``train_state``."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    nonfinite_skipped: int = 0
+    consecutive_nonfinite: int = 0
+    wandb_id: Optional[str] = None
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if hasattr(self, key):
+                setattr(self, key, value)
+
+    def sync_from_rank0(self, world_size: int) -> None:
+        """Give every rank rank 0's ``wandb_id`` (set only where the W&B run lives); a collective
+        when ``world_size > 1``.
+
+        Every rank saves ``train_state`` under one checkpoint key and DCP keeps one
+        copy, not necessarily rank 0's, so the train state must be equal on all ranks.
+        """
+        if world_size > 1:
+            import torch.distributed as dist
+
+            box = [self.wandb_id]
+            dist.broadcast_object_list(box, src=0)
+            self.wandb_id = box[0]
+
+    def count_step(self, finite: bool, tokens: int) -> None:
+        """Advance by one optimizer step of ``tokens`` tokens; a non-finite one is counted as skipped."""
+        self.step += 1
+        self.tokens_seen += tokens
+        if finite:
+            self.consecutive_nonfinite = 0
+        else:
+            self.nonfinite_skipped += 1
+            self.consecutive_nonfinite += 1
+
+    def check_health(self, max_consecutive_nonfinite: int) -> None:
+        """Raise ``TrainingHealthError`` after ``max_consecutive_nonfinite`` non-finite steps in a row."""
+        if self.consecutive_nonfinite >= max_consecutive_nonfinite:
+            first = self.step - self.consecutive_nonfinite + 1
+            raise TrainingHealthError(
+                f"stopping at step {self.step}: {self.consecutive_nonfinite} consecutive steps "
+                f"(steps {first}-{self.step}) had a non-finite loss or gradient norm "
+                f"(training.max_consecutive_nonfinite = {max_consecutive_nonfinite}); "
+                f"lower optimizer.lr or check the data"
+            )

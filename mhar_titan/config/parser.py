@@ -1,0 +1,324 @@
+"""Job configuration: TOML file + ``--section.key=value`` overrides -> a validated ``JobConfig``.
+
+Precedence: command line > TOML > dataclass defaults (``mhar_titan.config.sections``).
+Everything is validated before anything is built: an unknown section or key, or a
+value of the wrong type, raises ``ConfigError`` naming the key and listing the valid
+ones. ``to_toml`` writes a resolved config back (read again by ``load_config``).
+
+``[model]`` holds ``flavor`` plus any field of ``mhar_titan.models.ModelArgs`` as an
+override of the flavor (for example ``routing_heads = 8``); those keys are checked
+against ``ModelArgs`` itself, and the resulting arguments by
+``mhar_titan.models.build.resolve_model_args``; both are imported when a config is
+loaded, not when this module is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+import types
+import typing
+from typing import Any, Literal, Optional, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from mhar_titan.config.sections import NO_DECAY_GROUPS, SECTIONS, JobConfig
+from mhar_titan.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration file or command-line override is invalid."""
+
+
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """The TOML job file does not exist."""
+
+
+# Allowed values of string keys (checked in ``validate``).
+_CHOICES = {
+    ("optimizer", "name"): ("AdamW",),
+    ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
+    ("lr_scheduler", "decay_type"): ("linear", "sqrt", "cosine"),
+    ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
+    ("activation_checkpoint", "mode"): ("none", "full", "selective"),
+    ("training", "mixed_precision_param"): ("bfloat16", "float32"),
+    ("training", "mixed_precision_reduce"): ("bfloat16", "float32"),
+    ("compile", "backend"): ("inductor", "aot_eager", "eager"),
+}
+
+
+# --------------------------------------------------------------------------- type checks
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "unset"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a TOML value fits a dataclass field annotation (int is accepted for float)."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return isinstance(value, (list, tuple)) and (not args or all(_matches(v, args[0]) for v in value))
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is list:
+        return isinstance(value, (list, tuple))
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True  # an annotation we cannot check (forward reference etc.)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """int -> float where a float is expected; tuples -> lists."""
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _field_types(cls) -> dict:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # unresolved forward references: fall back to raw annotations
+        return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _model_arg_types() -> dict:
+    """Field name -> annotation of ``ModelArgs``."""
+    from mhar_titan.models.args import ModelArgs
+
+    return _field_types(ModelArgs)
+
+
+def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> Any:
+    if key not in types_:
+        valid = ", ".join(sorted(types_))
+        raise ConfigError(f"{where}: unknown key '{section}.{key}'. Valid keys of [{section}]: {valid}")
+    tp = types_[key]
+    if not _matches(value, tp):
+        raise ConfigError(
+            f"{where}: '{section}.{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        )
+    return _coerce(value, tp)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _apply_section(cfg: JobConfig, section: str, values: dict, where: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{where}: unknown section [{section}]. Valid sections: {', '.join(SECTIONS)}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: [{section}] must be a table of keys, got {values!r}")
+    obj = getattr(cfg, section)
+    types_ = {k: v for k, v in _field_types(type(obj)).items()}
+    if section == "model":
+        types_.pop("overrides")
+        arg_types = _model_arg_types()
+    for key, value in values.items():
+        if section == "model" and key not in types_:
+            obj.overrides[key] = _check_key("model", key, value, arg_types, where)
+            continue
+        setattr(obj, key, _check_key(section, key, value, types_, where))
+
+
+def _parse_cli_value(raw: str, tp: Any) -> Any:
+    """A command-line string as the field's type: strings stay raw, the rest parse as TOML values."""
+    if tp is str or tp == Optional[str]:
+        return raw
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # the type check then reports it with the key's name
+
+
+def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """``--config F`` / ``--job.config_file F`` and ``--section.key[=| ]value`` pairs."""
+    config_file, pairs, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{name} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name in ("config", "job.config_file"):
+            config_file = value
+        elif "." not in name:
+            raise ConfigError(f"--{name}: expected --section.key (sections: {', '.join(SECTIONS)})")
+        else:
+            pairs.append((name, value))
+    return config_file, pairs
+
+
+def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """Build and validate a ``JobConfig`` from an optional TOML file and CLI overrides.
+
+    Args:
+        config_file: path of a TOML job file, or None for defaults only.
+        overrides: command-line tokens such as ``["--training.steps=5", "--optimizer.lr", "1e-3"]``;
+            may also carry ``--config FILE`` (or TorchTitan's ``--job.config_file FILE``).
+
+    Raises:
+        ConfigError: unknown section or key, a value of the wrong type or outside its
+            allowed values, or an inconsistent combination (see ``validate``).
+        ConfigFileNotFoundError: the TOML file does not exist (also a ``FileNotFoundError``).
+    """
+    cli_file, pairs = _split_cli(list(overrides or []))
+    config_file = cli_file or config_file
+    cfg = JobConfig()
+    if config_file is not None:
+        path = pathlib.Path(config_file)
+        if not path.is_file():
+            raise ConfigFileNotFoundError(f"config file not found: {config_file}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_file}: not valid TOML: {e}") from e
+        for section, values in data.items():
+            _apply_section(cfg, section, values, str(config_file))
+        if not cfg.job.name:
+            cfg.job.name = path.stem
+    for name, raw in pairs:
+        section, _, key = name.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"--{name}: unknown section [{section}]. Valid sections: {', '.join(SECTIONS)}")
+        types_ = _field_types(type(getattr(cfg, section)))
+        if section == "model" and key not in types_:
+            types_ = _model_arg_types() or {}
+        tp = types_.get(key, str)
+        _apply_section(cfg, section, {key: _parse_cli_value(raw, tp)}, f"--{name}")
+    if not cfg.job.name:
+        cfg.job.name = "run"
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field and value checks that need no model, data or process group.
+
+    Raises:
+        ConfigError: naming the offending key and its allowed values.
+    """
+    # Sections owned by other modules carry their own value checks.
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for check in ("__post_init__", "validate"):
+            if hasattr(obj, check):
+                try:
+                    getattr(obj, check)()
+                except (ValueError, RuntimeError) as e:
+                    raise ConfigError(f"[{section}]: {e}") from e
+    for (section, key), allowed in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"'{section}.{key}' = {value!r} is not one of {', '.join(map(repr, allowed))}")
+    bad = [g for g in cfg.optimizer.no_decay if g not in NO_DECAY_GROUPS]
+    if bad:
+        raise ConfigError(f"'optimizer.no_decay' has unknown groups {bad}; valid: {', '.join(NO_DECAY_GROUPS)}")
+    o = cfg.optimizer
+    if not o.lr > 0:
+        raise ConfigError(f"'optimizer.lr' must be > 0, got {o.lr}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"'optimizer.{key}' must be in [0, 1), got {getattr(o, key)}")
+    if not o.eps > 0:
+        raise ConfigError(f"'optimizer.eps' must be > 0, got {o.eps}")
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
+    from mhar_titan.models.build import resolve_model_args  # the tokenizer's vocabulary is checked at build
+
+    resolve_model_args(cfg.model, cfg.training.seq_len)
+    t = cfg.training
+    for key in ("local_batch_size", "seq_len", "steps"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"'training.{key}' must be >= 1, got {getattr(t, key)}")
+    if t.global_batch_size != -1 and t.global_batch_size < t.local_batch_size:
+        raise ConfigError(
+            f"'training.global_batch_size' ({t.global_batch_size}) must be -1 or >= "
+            f"'training.local_batch_size' ({t.local_batch_size})"
+        )
+    if t.max_consecutive_nonfinite < 1:
+        raise ConfigError("'training.max_consecutive_nonfinite' must be >= 1")
+    s = cfg.lr_scheduler
+    if s.warmup_steps < 0:
+        raise ConfigError(f"'lr_scheduler.warmup_steps' must be >= 0, got {s.warmup_steps}")
+    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
+        raise ConfigError(f"'lr_scheduler.decay_ratio' must be in [0, 1], got {s.decay_ratio}")
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"'lr_scheduler.min_lr_factor' must be in [0, 1], got {s.min_lr_factor}")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and not (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) >= 1):
+        raise ConfigError(
+            f"'activation_checkpoint.selective_ac_option' must be a positive integer string such as \"2\" "
+            f"(checkpoint every k-th block), got {ac.selective_ac_option!r}"
+        )
+    if cfg.parallelism.data_parallel_replicate_degree != 1:
+        raise ConfigError("'parallelism.data_parallel_replicate_degree' must be 1 (HSDP is not implemented)")
+    bad = [c for c in cfg.compile.components if c not in ("model", "loss")]
+    if bad:
+        raise ConfigError(f"'compile.components' has unknown entries {bad}; valid: 'model', 'loss'")
+    if cfg.metrics.log_freq < 1:
+        raise ConfigError("'metrics.log_freq' must be >= 1")
+    if cfg.validation.enable and (cfg.validation.freq < 1 or cfg.validation.steps < 1):
+        raise ConfigError("'validation.freq' and 'validation.steps' must be >= 1 when validation is enabled")
+    if cfg.profiling.profile_freq < 1:
+        raise ConfigError("'profiling.profile_freq' must be >= 1")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML text; keys that are unset (None) are written as comments."""
+    lines = ["# Resolved configuration (defaults < TOML < command line), written by mhar_titan"]
+    for section, values in cfg.to_dict().items():
+        lines.append(f"\n[{section}]")
+        for key, value in values.items():
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,220 @@
+"""The job config schema: one dataclass per TOML section, plain types and defaults only.
+
+Section and key names follow TorchTitan v0.2.2 where they overlap. ``[data]`` is owned
+by ``mhar_titan.data.config`` (``DataConfig``) and ``[checkpoint]`` by
+``mhar_titan.checkpoint.config`` (``CheckpointConfig``); they are imported, not
+redefined. Nothing here imports torch, the data stack or the model: the parser
+(``mhar_titan.config.parser``) type-checks TOML values against these annotations.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mhar_titan.checkpoint.config import CheckpointConfig
+from mhar_titan.data.config import DataConfig
+
+PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
+"""Parameter groups of the optimizer (``mhar_titan.optim.param_groups`` assigns them)."""
+NO_DECAY_GROUPS = PARAM_GROUPS[:-1]
+"""Groups ``optimizer.no_decay`` may name (every group but "other")."""
+
+
+@dataclass
+class Job:
+    """``[job]``: where the run folder goes and what it is called."""
+
+    dump_folder: str = "./outputs"
+    """Parent folder of run folders."""
+    name: str = ""
+    """Run folder name under ``dump_folder``; empty means the config file's stem."""
+    description: str = ""
+    print_config: bool = False
+    """Print the resolved config at start (rank 0)."""
+    save_config_file: str = "config.toml"
+    """Name of the resolved config written into the run folder."""
+
+
+@dataclass
+class Model:
+    """``[model]``: the flavor plus per-field ``ModelArgs`` overrides.
+
+    There is one decoder; its ``residual`` field picks the family (baseline, AttnRes,
+    MHAR). Any extra key must be a ``ModelArgs`` field; it replaces that field of the
+    flavor (``mhar_titan.models.build.resolve_model_args``).
+    """
+
+    flavor: str = "debug"
+    """Row of ``mhar_titan.models.FLAVORS``."""
+    overrides: dict = field(default_factory=dict)
+    """``ModelArgs`` fields set in the TOML/CLI (collected from the other keys of ``[model]``)."""
+
+
+@dataclass
+class Optimizer:
+    """``[optimizer]``: AdamW (the only optimizer)."""
+
+    name: str = "AdamW"
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: list = field(default_factory=list)
+    """Parameter groups excluded from weight decay: any of ``NO_DECAY_GROUPS``."""
+    implementation: str = "foreach"
+    """"foreach", "fused" or "for-loop"."""
+
+
+@dataclass
+class LRScheduler:
+    """``[lr_scheduler]``: linear warmup, optional stable phase, decay to a floor.
+
+    ``decay_ratio`` unset: decay starts right after warmup (warmup + cosine, the
+    paper's schedule with ``decay_type="cosine"``). ``decay_ratio = r``: the last
+    ``r * steps`` steps decay and the ones before are stable (WSD).
+    """
+
+    warmup_steps: int = 200
+    decay_ratio: Optional[float] = None
+    decay_type: str = "cosine"
+    """"linear", "sqrt" or "cosine"."""
+    min_lr_factor: float = 0.0
+    """Floor as a fraction of the peak LR."""
+
+
+@dataclass
+class Training:
+    """``[training]``: batch geometry, steps, clipping, precision, health guards."""
+
+    local_batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size * dp world.
+    Gradient accumulation = global / (local * dp world), which must be an integer."""
+    seq_len: int = 2048
+    steps: int = 10000
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; <= 0 disables clipping."""
+    mixed_precision_param: str = "bfloat16"
+    """Parameter/compute dtype under FSDP on GPU; CPU always runs fp32."""
+    mixed_precision_reduce: str = "float32"
+    gc_freq: int = 50
+    """Run ``gc.collect()`` every this many steps (automatic GC is disabled in the loop)."""
+    max_consecutive_nonfinite: int = 3
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+
+
+@dataclass
+class Parallelism:
+    """``[parallelism]``: data parallelism with FSDP2 (the only parallelism)."""
+
+    data_parallel_shard_degree: int = -1
+    """-1 means all ranks."""
+    data_parallel_replicate_degree: int = 1
+    fsdp_reshard_after_forward: str = "default"
+    """"default", "always" or "never"."""
+    init_full_on_rank0: bool = True
+    """Initialise the full model on rank 0's CPU and broadcast the shards, so any world size
+    starts from the same weights (costs rank 0 host memory for the fp32 model). False: each
+    rank initialises its own shards on the device (values then depend on the world size)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    """``[activation_checkpoint]``: which blocks recompute their activations in backward."""
+
+    mode: str = "none"
+    """"none", "full" (every block) or "selective" (every k-th block)."""
+    selective_ac_option: str = "2"
+    """For "selective": k as a string (TorchTitan's per-op "op" is not supported)."""
+    preserve_rng_state: bool = False
+
+
+@dataclass
+class Compile:
+    """``[compile]``: per-block ``torch.compile``."""
+
+    enable: bool = False
+    components: list = field(default_factory=lambda: ["model"])
+    backend: str = "inductor"
+
+
+@dataclass
+class Metrics:
+    """``[metrics]``: logging sinks and frequency. Console and JSONL are always on."""
+
+    log_freq: int = 10
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+    enable_wandb: bool = False
+    wandb_project: str = "mhar-titan"
+    disable_color_printing: bool = False
+    jsonl_file: str = "metrics.jsonl"
+
+
+@dataclass
+class Validation:
+    """``[validation]``: periodic loss on the held-out set."""
+
+    enable: bool = False
+    freq: int = 500
+    steps: int = 20
+    """Micro-batches per evaluation (the same batches every time)."""
+    local_batch_size: int = -1
+    """-1 means training.local_batch_size."""
+
+
+@dataclass
+class Profiling:
+    """``[profiling]``: torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    profile_freq: int = 10
+    """A trace of one step is written every this many steps."""
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
+
+
+@dataclass
+class Debug:
+    """``[debug]``: seeds, determinism and fault injection for tests."""
+
+    seed: int = 42
+    deterministic: bool = False
+    force_nonfinite_loss_steps: list = field(default_factory=list)
+    """Steps (1-based) whose loss is replaced by NaN, to exercise the non-finite guard."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one attribute per TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict:
+        """Nested plain dict; ``[model]`` overrides are flattened back into the section."""
+        out = dataclasses.asdict(self)
+        overrides = out["model"].pop("overrides")
+        out["model"].update(overrides)
+        return out
+
+
+SECTIONS = [f.name for f in dataclasses.fields(JobConfig)]
+"""TOML section names, in ``JobConfig`` order."""
