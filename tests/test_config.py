@@ -107,3 +107,15 @@ def test_shipped_train_configs_validate():
     files = sorted((ROOT / "train_configs").glob("*.toml"))
     for f in files:
         load_config(str(f))
+
+
+def test_importing_config_loads_no_heavy_module():
+    """The schema and parser import no checkpoint, data or model code (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    heavy = ["torch.distributed.checkpoint", "torchdata", "tiktoken", "datasets", "mhar_titan.data.loader",
+             "mhar_titan.models.model", "mhar_titan.checkpoint.manager"]
+    code = f"import sys, mhar_titan.config; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
