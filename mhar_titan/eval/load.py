@@ -19,17 +19,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from mhar_titan.checkpoint import CheckpointError, CheckpointMismatchError, is_complete, read_marker, step_folders
-from mhar_titan.config import ConfigError, JobConfig, load_config, resolve_model_args
-from mhar_titan.data import (DataConfig, DataError, Tokenizer, TokenizerFileError, ValidationLoader, build_tokenizer,
-                             build_validation_loader)
+from mhar_titan.config import JobConfig, load_config
+from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
+from mhar_titan.errors import UserError
 from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.build import resolve_model_args
 from mhar_titan.models.model import Transformer
 
 DEFAULT_MAX_SEQ_LEN = 4096
 """RoPE table length for a checkpoint whose run folder has no config.toml (max_seq_len is not
 part of the fingerprint: it does not change the weights)."""
 
-USER_ERRORS = (FileNotFoundError, ValueError, CheckpointError, ConfigError, DataError, TokenizerFileError)
+USER_ERRORS = (UserError, FileNotFoundError, ValueError)
 """Errors of the commands' inputs (paths, checkpoints, configs, data): reported in one line, exit status 2."""
 
 
@@ -171,7 +172,8 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
         raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
                                       f"{run_dir / 'config.toml'} names {data_cfg.tokenizer!r}")
     tokenizer = build_tokenizer(data_cfg)
-    max_seq_len = resolve_model_args(cfg, tokenizer.n_vocab).max_seq_len if cfg is not None else DEFAULT_MAX_SEQ_LEN
+    max_seq_len = (resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer.n_vocab, tokenizer.name).max_seq_len
+                   if cfg is not None else DEFAULT_MAX_SEQ_LEN)
     args = ModelArgs(**{**fingerprint["model_args"], "max_seq_len": max_seq_len, "routing_kernel": routing_kernel})
     with torch.device("meta"):
         model = Transformer(args)
