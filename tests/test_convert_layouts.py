@@ -91,7 +91,7 @@ def test_paper_layout_needs_delta_nulls_and_the_norm_eps():
 def test_fingerprint_of_a_clean_model_is_the_one_before_layouts_existed():
     """Checkpoints written before routing_layout existed still resume (their fingerprints lack it);
     a paper-layout model's fingerprint names its layout."""
-    from mhar_titan.train import checkpoint_fingerprint
+    from mhar_titan.checkpoint import checkpoint_fingerprint
 
     clean = ModelArgs(**{**SHAPE, "routing_layout": "clean"}, n_layers=2)
     assert "routing_layout" not in checkpoint_fingerprint(clean, "gpt2")["model_args"]
