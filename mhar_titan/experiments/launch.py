@@ -202,13 +202,13 @@ def gpu_hours(run: Run, world_size: int, mfu: float, peak_flops: float) -> float
     Raises:
         ValueError: mfu not in (0, 1] or peak_flops <= 0.
     """
-    from mhar_titan.config import batch_geometry
+    from mhar_titan.components.batches import batch_geometry
     from mhar_titan.dryrun import build_model_args
     from mhar_titan.metrics import flops_per_token
 
     if not 0 < mfu <= 1 or peak_flops <= 0:
         raise ValueError(f"need 0 < mfu <= 1 and peak_flops > 0, got mfu={mfu}, peak_flops={peak_flops}")
     cfg = run.config
-    global_batch, _ = batch_geometry(cfg, world_size)
+    global_batch, _ = batch_geometry(cfg.training, world_size)
     tokens = cfg.training.steps * global_batch * cfg.training.seq_len
     return flops_per_token(build_model_args(cfg), cfg.training.seq_len).total * tokens / (mfu * peak_flops) / 3600
