@@ -1,7 +1,10 @@
 """Sweeps: expansion, paired data order, the resumable local launcher, SLURM emission."""
 import hashlib
+import os
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -120,15 +123,29 @@ def test_local_launcher_skips_finished_runs_and_resumes_an_interrupted_one(tmp_p
 
 
 def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
+    """Every emitted line is `sbatch ... slurm/train.sbatch CONFIG overrides`; the arguments after
+    train.sbatch pass the job's own preflight (DRY_RUN=1 slurm/torchrun_node.sh, as train.sbatch
+    runs it) at 1 node x 8 GPUs."""
     sweep = load_sweep(SWEEPS / "paper_fineweb_100m.toml")
     assert len(sweep.runs) == 3 * 2 * 3
     script = tmp_path / "submit.sh"
-    script.write_text(slurm_script(sweep, sbatch_args=["--nodes=1"]))
+    script.write_text(slurm_script(sweep, sbatch_args=["--time=12:00:00"]))
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    lines = [line for line in script.read_text().splitlines() if line.startswith("sbatch ")]
+    lines = [shlex.split(line) for line in script.read_text().splitlines() if line.startswith("sbatch ")]
     assert len(lines) == len(sweep.runs)
-    assert all(" slurm/train.sbatch " in line and "--nodes=1" in line for line in lines)
-    checked = check_runs(sweep.runs[:3], world_size_of(["--nodes=1"]))
+    for words, run in zip(lines, sweep.runs):
+        job_args = words[words.index("slurm/train.sbatch") + 1:]
+        assert job_args == [run.base, *run.overrides] and (ROOT / job_args[0]).is_file()
+        assert {"--nodes=1", "--gpus-per-node=8", "--time=12:00:00", f"--job-name=paper_fineweb_100m-{run.name}"} \
+            <= set(words)
+    env = {**os.environ, "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": "8", "PYTHON": sys.executable}
+    for words in (lines[0], lines[2]):  # baseline and MHAR
+        job_args = words[words.index("slurm/train.sbatch") + 1:]
+        done = subprocess.run([str(ROOT / "slurm" / "torchrun_node.sh"), *job_args], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "dry run: OK" in done.stdout and "8 ranks x local 4 x grad accumulation 2" in done.stdout
+    checked = check_runs(sweep.runs[:3], world_size_of(list(sweep.slurm_args)))
     assert len(checked) == 3 and all("dry run OK at 8 ranks" in line for line in checked)
 
 

@@ -156,7 +156,8 @@ def slurm_script(sweep: Sweep, runs: Optional[Sequence[Run]] = None, sbatch_args
         if run_state(run) == "done":
             lines.append(f"# {run.name}: done, not submitted")
             continue
-        command = ["sbatch", f"--job-name={sweep.name}-{run.name}", *options, SBATCH_SCRIPT, *run.train_args()]
+        # train.sbatch takes CONFIG.toml first, then the overrides (no --config).
+        command = ["sbatch", f"--job-name={sweep.name}-{run.name}", *options, SBATCH_SCRIPT, run.base, *run.overrides]
         lines.append(shlex.join(command))
     return "\n".join(lines) + "\n"
 
