@@ -180,3 +180,18 @@ def test_paper_sweeps_expand_and_state_their_estimated_gpu_hours(size):
                                   * tokens)
     hours = sum(gpu_hours(r, 8, 0.35, 989e12) for r in sweep.runs)
     assert f"about {hours:.0f} GPU-hours for the 18 runs" in path.read_text()
+
+
+def test_launcher_reports_failures_and_unsaved_runs_and_goes_on(tmp_path):
+    """A run that exits 2 (bad input) is reported and the next one still starts; a folder with
+    metrics but no checkpoint (stopped before its first save) is reported, not started."""
+    sweep = load_sweep(small_sweep(tmp_path, seeds="[1]"))
+    unsaved = sweep.runs[1]
+    unsaved.run_dir.mkdir(parents=True)
+    (unsaved.run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert run_state(unsaved) == "unsaved"
+    started, lines = [], []
+    report = run_local(sweep, runner=lambda c: started.append(c) or 2, echo=lines.append)
+    assert report.failed == [sweep.runs[0].name, *[r.name for r in sweep.runs[2:]]]
+    assert report.unsaved == [unsaved.name] and not report.ok
+    assert len(started) == len(sweep.runs) - 1 and any("move or delete the folder" in line for line in lines)
