@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.loss import build_loss_fn, target_count
@@ -50,7 +51,7 @@ from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.build import resolve_model_args
-from mhar_titan.models.model import Transformer, routing_entropy
+from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
 from mhar_titan.parallel import build_model, init_distributed
 from mhar_titan.preemption import PreemptionHandler
@@ -182,23 +183,6 @@ class Trainer:
         total = self._all_reduce_sum(total)
         return (total[0] / total[1].clamp_min(1)).item()
 
-    @torch.no_grad()
-    def _routing_entropy(self, tokens: torch.Tensor) -> Optional[float]:
-        """Mean depth-softmax entropy on one sequence; None for the baseline.
-
-        Runs outside the root's forward, so the root FSDP unit (routing parameters,
-        embedding) is unsharded explicitly around the call. Compiled blocks run
-        eagerly here: a no-grad call would otherwise compile a second set of graphs.
-        """
-        if self.model_args.residual != "attn_res":
-            return None
-        self.model.unshard()
-        try:
-            with torch.compiler.set_stance("force_eager"):
-                return routing_entropy(self.model, tokens[:1])
-        finally:
-            self.model.reshard()
-
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainState:
@@ -274,7 +258,7 @@ class Trainer:
             **{f"grad_norm/{k}": v.item() for k, v in group_norms.items()},
             "lr": lr,
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
-            "routing_entropy": self._routing_entropy(tokens),
+            "routing_entropy": routing_entropy(self.model, tokens[:1]),
             "tokens_seen": self.state.tokens_seen,
             "nonfinite_skipped": self.state.nonfinite_skipped,
         }

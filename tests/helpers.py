@@ -1,4 +1,5 @@
-"""Helpers shared by the tests and their worker scripts: the repository root and run-folder readers.
+"""Helpers shared by the tests and their worker scripts: the repository root, run-folder readers,
+tiny models for the analysis and evaluation tests, PNG checks.
 
 Import with ``from helpers import ...`` (pytest puts tests/ on ``sys.path``; worker
 scripts run from tests/ have it as their script folder).
@@ -23,3 +24,55 @@ def metric_losses(run_dir) -> list[float]:
     """The training loss of every logged step, in step order (the sinks write a NaN as "nan")."""
     rows = sorted((r for r in read_metrics(run_dir) if "loss" in r), key=lambda r: r["step"])
     return [math.nan if r["loss"] == "nan" else float(r["loss"]) for r in rows]
+
+
+# -- tiny models and figures (analysis, evaluation, generation tests) ------------------------
+
+def tiny_args(**overrides):
+    """``ModelArgs`` of a 2-layer d=32 decoder at the gpt2 vocabulary (the real tokenizer fits)."""
+    from mhar_titan.models import ModelArgs
+
+    base = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=50_304, max_seq_len=64)
+    return ModelArgs(**{**base, **overrides})
+
+
+def tiny_model(seed: int = 0, random_queries: bool = False, **overrides):
+    """An initialised ``Transformer(tiny_args(**overrides))`` in eval mode; ``random_queries`` draws
+    N(0, 1) pseudo-queries and key norms in [0.5, 1.5] so that routing is far from uniform."""
+    import torch
+
+    from mhar_titan.models import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(tiny_args(**overrides))
+    model.init_weights()
+    if random_queries:
+        with torch.no_grad():
+            model.routing.query.normal_()
+            model.routing.key_norm.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def random_tokens(batch: int = 2, length: int = 12, seed: int = 1):
+    """(batch, length) int64 ids below the gpt2 vocabulary size, from a seeded generator."""
+    import torch
+
+    return torch.randint(0, 50_257, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def read_png(path):
+    """The PNG's pixels as a (height, width, 3) float array in [0, 1]."""
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.float64) / 255.0
+
+
+def assert_not_blank(path) -> None:
+    """The image is sizeable, has many distinct colours and is not one flat colour."""
+    import numpy as np
+
+    pixels = read_png(path)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert pixels.std() > 0.05
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20

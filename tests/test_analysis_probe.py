@@ -1,16 +1,13 @@
 """The query probe (MHAR_SPEC 3.3): zero when every slice agrees, positive when slices disagree,
 equal to the KL written out by hand, and the model-level probe with its random reference."""
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from analysis_common import tiny_model, tokens  # noqa: E402
+from helpers import random_tokens, tiny_model
 
-from mhar_titan.analysis.probe import query_probe, slice_kl  # noqa: E402
+from mhar_titan.analysis.probe import query_probe, slice_kl
 
 S = 4
 
@@ -66,7 +63,7 @@ def test_slices_must_divide_d():
 
 def test_model_probe_learned_vs_random_reference():
     model = tiny_model(random_queries=True, residual="attn_res", routing_heads=1)
-    batches = [tokens(model.args, seed=3)]
+    batches = [random_tokens(seed=3)]
     result = query_probe(model, batches, slices=S, draws=3, seed=7)
     assert result.sites == 2 * model.args.n_layers  # every site but the first (one source)
     assert result.tokens == batches[0].numel()
@@ -93,4 +90,4 @@ def test_probe_refuses_multi_head_and_baseline_models():
     for kwargs in (dict(residual="attn_res", routing_heads=4), dict()):
         model = tiny_model(**kwargs)
         with pytest.raises(ValueError, match="single-head"):
-            query_probe(model, [tokens(model.args)])
+            query_probe(model, [random_tokens()])

@@ -1,20 +1,17 @@
 """Routing statistics and heatmaps: the recorder against the model's own routing weights,
 uniform routing at init, and PNG pixels decoded back to the plotted mean weights."""
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from analysis_common import assert_not_blank, read_png, tiny_model, tokens  # noqa: E402
+from helpers import assert_not_blank, random_tokens, read_png, tiny_model
 
-from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report  # noqa: E402
-from mhar_titan.analysis.plots import pyplot  # noqa: E402
-from mhar_titan.analysis.routing import RoutingRecorder, routing_entropy, routing_summary  # noqa: E402
-from mhar_titan.models import route_reference  # noqa: E402
+from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
+from mhar_titan.analysis.plots import pyplot
+from mhar_titan.analysis.routing import RoutingRecorder, routing_entropy, routing_summary
+from mhar_titan.models import route_reference
 
 FAMILIES = {
     "attn_res H=1": dict(residual="attn_res", routing_heads=1),
@@ -37,7 +34,7 @@ def model_weights(model, x):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, tmp_path):
     model = tiny_model(**FAMILIES[family])
-    x = tokens(model.args)
+    x = random_tokens()
     recorder = RoutingRecorder(model, keep_weights=True)
     with torch.no_grad():
         model.hidden_states(x, trace=recorder)
@@ -63,7 +60,7 @@ def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, t
 @pytest.mark.parametrize("family", ["attn_res H=1", "mhar H=8", "delta+null"])
 def test_recorder_means_and_entropy_equal_the_models_weights(family):
     model = tiny_model(random_queries=True, **FAMILIES[family])
-    batches = [tokens(model.args, seed=1), tokens(model.args, seed=2)]
+    batches = [random_tokens(seed=1), random_tokens(seed=2)]
     summary = routing_summary(model, batches)
     weights = [torch.cat(ws, dim=1) for ws in zip(*(model_weights(model, x) for x in batches))]
     for site, w in zip(summary.sites, weights):
@@ -79,7 +76,7 @@ def test_recorder_means_and_entropy_equal_the_models_weights(family):
 
 def test_routing_entropy_metric_runs_through_the_forward():
     model = tiny_model(random_queries=True, residual="attn_res", routing_heads=4)
-    x = tokens(model.args, batch=1)
+    x = random_tokens(batch=1)
     expected = routing_summary(model, [x]).mean_entropy()
     assert routing_entropy(model, x) == pytest.approx(expected, rel=1e-12)
     fresh = tiny_model(residual="attn_res", routing_heads=4)
@@ -104,7 +101,7 @@ def decode_cell(pixels, heat, name, row, col):
 
 def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
     model = tiny_model(random_queries=True, residual="attn_res", routing_heads=2)
-    x = tokens(model.args)
+    x = random_tokens()
     summary = routing_summary(model, [x])
     heat = plot_routing_heatmaps(summary, tmp_path / "heat.png", title="tiny")
     assert_not_blank(heat.path)
@@ -124,7 +121,7 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
 
 
 def test_heatmap_columns_are_the_models_sources():
-    labels = {family: routing_summary(m, [tokens(m.args)]).column_labels()
+    labels = {family: routing_summary(m, [random_tokens()]).column_labels()
               for family, m in ((f, tiny_model(random_queries=True, **FAMILIES[f])) for f in FAMILIES)}
     assert labels["mhar H=8"] == ["emb", "a0", "m0", "a1", "m1"]
     assert labels["delta+null"] == ["null", "emb", "a0", "m0", "a1", "m1"]
@@ -132,7 +129,7 @@ def test_heatmap_columns_are_the_models_sources():
     # next layer; the MLP site of layer i reads the open block's partial after a_i
     assert labels["block"] == ["emb", "b1~a0", "b1~m0", "b2~a1", "b2~m1"]
     model = tiny_model(random_queries=True, **FAMILIES["block"])
-    summary = routing_summary(model, [tokens(model.args)])
+    summary = routing_summary(model, [random_tokens()])
     weights = summary.mean_weights()
     for s, site in enumerate(model.plan.sites):
         read = ~torch.isnan(weights[0, s])

@@ -2,25 +2,22 @@
 order) trained here, then the comparison table and plot, the heatmap command on the MHAR
 checkpoint, perplexity and the sample printer."""
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from analysis_common import assert_not_blank  # noqa: E402
-from train_common import ROOT, SAMPLE, debug_argv  # noqa: E402
+from helpers import assert_not_blank, read_metrics
+from train_common import ROOT, SAMPLE, debug_argv
 
-from mhar_titan.analysis.__main__ import main as analysis_main  # noqa: E402
-from mhar_titan.analysis.compare import comparison_table, read_run  # noqa: E402
-from mhar_titan.data import build_validation_loader  # noqa: E402
-from mhar_titan.eval.__main__ import main as eval_main  # noqa: E402
-from mhar_titan.eval.load import load_run  # noqa: E402
-from mhar_titan.generate import main as generate_main  # noqa: E402
-from mhar_titan.models import route_reference  # noqa: E402
-from mhar_titan.train import main as train_main  # noqa: E402
+from mhar_titan.analysis.__main__ import main as analysis_main
+from mhar_titan.analysis.compare import comparison_table, read_run
+from mhar_titan.data import build_validation_loader
+from mhar_titan.eval.__main__ import main as eval_main
+from mhar_titan.eval.load import load_run
+from mhar_titan.generate import main as generate_main
+from mhar_titan.models import route_reference
+from mhar_titan.train import main as train_main
 
 pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
                                 reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
@@ -42,10 +39,6 @@ def runs(tmp_path_factory):
     return root
 
 
-def jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_compare_two_runs_tail_means_from_their_jsonl(runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert analysis_main(["compare", str(runs / "debug_baseline"), str(runs / "debug_mhar"), "-k", "2",
@@ -53,7 +46,7 @@ def test_compare_two_runs_tail_means_from_their_jsonl(runs, tmp_path, capsys):
     printed = capsys.readouterr().out
     recomputed = {}
     for name in ("debug_baseline", "debug_mhar"):
-        vals = [r["val_loss"] for r in jsonl(runs / name / "metrics.jsonl") if "val_loss" in r]
+        vals = [r["val_loss"] for r in read_metrics(runs / name) if "val_loss" in r]
         assert len(vals) == STEPS // 2
         recomputed[name] = float(np.mean(vals[-2:]))
     rows = {r.name: r for r in comparison_table([read_run(runs / n) for n in recomputed], "debug_baseline", k=2)}
@@ -97,7 +90,7 @@ def test_perplexity_command_matches_the_trainers_last_validation(runs, capsys):
     run = runs / "debug_mhar"
     assert eval_main(["perplexity", str(run)]) == 0
     result = json.loads(capsys.readouterr().out)
-    last_val = [r["val_loss"] for r in jsonl(run / "metrics.jsonl") if "val_loss" in r][-1]
+    last_val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r][-1]
     assert result["step"] == STEPS and result["tokens"] == 2 * 32
     assert result["loss"] == pytest.approx(last_val, rel=1e-5)
     assert eval_main(["perplexity", str(run / "missing")]) == 2

@@ -3,20 +3,18 @@ sampling, the lm-eval adapter's log-likelihoods as sums of token log-probabiliti
 itself is not needed), and perplexity as the token-weighted cross-entropy."""
 import io
 import math
-import pathlib
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from analysis_common import tiny_model  # noqa: E402
+from helpers import tiny_model
 
-from mhar_titan.data import DataConfig, build_tokenizer  # noqa: E402
-from mhar_titan.eval.generation import choose_token, generate  # noqa: E402
-from mhar_titan.eval.lm_eval_adapter import MharLM  # noqa: E402
-from mhar_titan.eval.perplexity import evaluate_perplexity  # noqa: E402
+from mhar_titan.data import DataConfig, build_tokenizer
+from mhar_titan.eval.generation import choose_token, generate
+from mhar_titan.eval.lm_eval_adapter import MharLM
+from mhar_titan.eval.perplexity import evaluate_perplexity
 
 
 @pytest.fixture(scope="module")

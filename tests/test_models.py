@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from mhar_titan.models import FAMILIES, FLAVORS, ModelArgs, Transformer, count_parameters, pad_vocab, routing_entropy
+from mhar_titan.analysis.routing import routing_entropy
+from mhar_titan.models import FAMILIES, FLAVORS, ModelArgs, Transformer, count_parameters, pad_vocab
 from mhar_titan.models.__main__ import main as list_flavors
 from mhar_titan.models.model import apply_rope, rope_frequencies
 from mhar_titan.models.routing import route_reference

@@ -332,26 +332,3 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
-
-
-@torch.no_grad()
-def routing_entropy(model: Transformer, tokens: Tensor) -> float:
-    """Mean depth-softmax entropy (nats) over all routing sites, heads and tokens.
-
-    Uses the eager reference weights on the model's own sources; 0.0 for the baseline.
-    Single-source sites (entropy 0) are included. Uniform routing over N sources gives log N.
-    """
-    if model.routing is None:
-        return 0.0
-    from .routing import route_reference
-
-    trace: list[list[Tensor]] = []
-    model.hidden_states(tokens, trace=trace)
-    args, total = model.args, 0.0
-    for index, sources in enumerate(trace):
-        _, weights = route_reference(
-            sources, model.routing.query[index], model.routing.key_norm[index],
-            args.resolved_routing_heads, args.routing_eps, return_weights=True, permutation=args.routing_permutation,
-        )
-        total += -(weights * weights.clamp_min(torch.finfo(weights.dtype).tiny).log()).sum(0).mean().item()
-    return total / len(trace)
