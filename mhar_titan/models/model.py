@@ -11,6 +11,11 @@ Which sources each routing site reads, and which entries each sublayer adds to t
 source list (sublayer outputs, block partial sums), is the routing plan (plan.py): the forward
 below follows it and re-derives nothing. Blocks hold no routing parameters: `Transformer.routing`
 holds all of them and the model passes each block its two sites' slices as tensor arguments.
+
+Grouped routing (`routing_group_size` g > 1, grouped.py): the block holding a group's first site
+runs its phase 1 (it gets the group's (g, d) query and key-norm rows) and merges the phase-1
+states of its own sites; the states of sites in later blocks leave it in `BlockOutput.states`
+and enter those blocks as inputs (under activation checkpointing, inputs the checkpoint keeps).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
+from . import grouped
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
 from .routing import route
 
@@ -120,10 +126,12 @@ class BlockOutput(NamedTuple):
     h: the residual stream after the block (B, T, d); None in replace mode, where routing
     replaces it. sources: the entries its two sublayers added to the source list, in plan order
     (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
+    states: grouped routing only, {site index: phase-1 `grouped.State`} of later blocks' sites.
     """
 
     h: Tensor | None
     sources: list[Tensor]
+    states: dict | None = None
 
 
 def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
@@ -158,9 +166,12 @@ def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Ten
 class TransformerBlock(nn.Module):
     """One decoder layer (attention sublayer, then MLP sublayer); self-contained for AC/compile/FSDP.
 
-    forward(h, cos, sin, sources=(), query=None, key_norm=None, alpha=None) -> BlockOutput
+    forward(h, cos, sin, sources=(), query=None, key_norm=None, alpha=None, states=None,
+            group_query=None, group_key_norm=None) -> BlockOutput
       h: residual stream (B, T, d), None in replace mode. sources: the source list so far.
       query, key_norm: (2, d) rows of this layer's two sites (attention, MLP); alpha: (2, 1), delta only.
+      Grouped routing: states, the phase-1 states of this layer's sites computed in earlier blocks;
+      group_query, group_key_norm: (g, d) rows of the group whose first site is in this layer.
     `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual.
     """
 
@@ -172,25 +183,38 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.args = args
-        self.sites = (plan if plan is not None else RoutingPlan.from_args(args)).layer_sites(layer_id)
+        self.plan = plan if plan is not None else RoutingPlan.from_args(args)
+        self.sites = self.plan.layer_sites(layer_id)
 
-    def forward(self, h, cos, sin, sources=(), query=None, key_norm=None, alpha=None) -> BlockOutput:
+    def forward(self, h, cos, sin, sources=(), query=None, key_norm=None, alpha=None, states=None,
+                group_query=None, group_key_norm=None) -> BlockOutput:
         sources, start = list(sources), len(sources)
+        states = dict(states or {})  # never mutate the input: checkpointing re-runs the block with it
+        routing = (query, key_norm, alpha, states, group_query, group_key_norm)
         attention_site, mlp_site = self.sites
-        a = self.attention(self.attention_norm(self._input(0, h, sources, query, key_norm, alpha)), cos, sin)
+        a = self.attention(self.attention_norm(self._input(0, h, sources, *routing)), cos, sin)
         h = None if h is None else h + a
         sources += new_sources(attention_site, sources, a, h)
-        m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, query, key_norm, alpha)))
+        m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, *routing)))
         h = None if h is None else h + m
         sources += new_sources(mlp_site, sources, m, h)
-        return BlockOutput(h, sources[start:])
+        return BlockOutput(h, sources[start:], states or None)
 
-    def _input(self, row: int, h, sources, query, key_norm, alpha) -> Tensor:
-        """Input of sublayer `row` (0 attention, 1 MLP): h for the standard residual, else its site's routing."""
+    def _input(self, row: int, h, sources, query, key_norm, alpha, states, group_query, group_key_norm) -> Tensor:
+        """Input of sublayer `row` (0 attention, 1 MLP): h for the standard residual, else its site's
+        routing: per call, or (grouped) phase 1 when its group starts here, then its merge."""
         site = self.sites[row]
         if site is None:
             return h
-        return site_input(site, sources, h, query[row], key_norm[row], None if alpha is None else alpha[row], self.args)
+        alpha = None if alpha is None else alpha[row]
+        group, position = self.plan.group_of(site.index)
+        if group.size == 1:
+            return site_input(site, sources, h, query[row], key_norm[row], alpha, self.args)
+        heads, eps = self.args.resolved_routing_heads, self.args.routing_eps
+        if position == 0:
+            states.update(grouped.phase1(group, sources, group_query, group_key_norm, heads, eps))
+        late = [sources[j] for j in group.late[position]]
+        return grouped.merge(site, late, states.pop(site.index), h, query[row], key_norm[row], alpha, heads, eps)
 
 
 class DepthRouting(nn.Module):
@@ -282,8 +306,10 @@ class Transformer(nn.Module):
         nulls = iter(self.routing.null_sources() if self.routing is not None else ())
         sources = [next(nulls) if entry.kind == "null" else h for entry in self.plan.initial]
         h = h if self.plan.stream else None
+        states: dict = {}  # grouped routing: phase-1 states of sites in later blocks
         for i, layer in enumerate(self.layers):
-            h, new = layer(h, cos, sin, sources, *self._layer_routing(i))
+            h, new, created = layer(h, cos, sin, sources, *self._layer_routing(i), **self._group_inputs(i, states))
+            states.update(created or {})
             sources = sources + new
             if trace is not None:
                 trace.extend([sources[j] for j in site.reads] for site in self.plan.sites[2 * i: 2 * i + 2])
@@ -296,6 +322,10 @@ class Transformer(nn.Module):
         if trace is not None:
             trace.append([sources[j] for j in final.reads])
         p = self.routing.site(final.index)
+        if final.index in states:
+            late = [sources[j] for j in self.plan.group_of(final.index)[0].late[-1]]
+            return grouped.merge(final, late, states.pop(final.index), h, p["query"], p["norm_weight"], p["alpha"],
+                                 self.args.resolved_routing_heads, self.args.routing_eps)
         return site_input(final, sources, h, p["query"], p["norm_weight"], p["alpha"], self.args)
 
     def _layer_routing(self, i: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -304,6 +334,19 @@ class Transformer(nn.Module):
         if r is None:
             return None, None, None
         return r.query[rows], r.key_norm[rows], None if r.alpha is None else r.alpha[rows]
+
+    def _group_inputs(self, i: int, states: dict) -> dict:
+        """Grouped routing's keyword arguments of layer i (none at g = 1): the phase-1 states of its
+        sites (taken out of `states`) and the (g, d) rows of a group of more than one site starting in it."""
+        if self.plan.group_size == 1:
+            return {}
+        inputs = {"states": {s: states.pop(s) for s in (2 * i, 2 * i + 1) if s in states}}
+        for site in (2 * i, 2 * i + 1):
+            group, position = self.plan.group_of(site)
+            if position == 0 and group.size > 1:
+                rows = slice(site, site + group.size)
+                inputs.update(group_query=self.routing.query[rows], group_key_norm=self.routing.key_norm[rows])
+        return inputs
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
