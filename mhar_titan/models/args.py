@@ -159,6 +159,9 @@ class ModelArgs:
         if g not in (1, "auto") and self.residual == "standard":
             raise ValueError(f"routing_group_size={g!r} needs residual='attn_res' (the standard residual has no "
                              "routing sites); set routing_group_size=1")
+        if g != 1 and self.routing_layout != "clean":
+            raise ValueError(f"routing_group_size={g!r} supports routing_layout='clean' only (the paper layout's "
+                             "per-site null sources are not grouped); set routing_group_size=1")
         if g != 1 and self.routing_kernel != "eager":
             raise ValueError(f"routing_group_size={g!r} runs only with routing_kernel='eager' (grouped routing has "
                              f"no fused or compiled kernel yet), got routing_kernel={self.routing_kernel!r}; set "
