@@ -111,4 +111,6 @@ def test_group_size_needs_routing_and_the_eager_kernel():
     with pytest.raises(ValueError, match="routing_layout='clean' only"):
         ModelArgs(**SHAPE, residual="attn_res", routing_group_size=3, routing_layout="paper", routing_mode="delta",
                   routing_null_source=True, routing_eps=1e-6)
+    with pytest.raises(ValueError, match="routing_head_layout='contiguous' only"):
+        ModelArgs(**SHAPE, residual="attn_res", routing_group_size=2, routing_head_layout="permuted")
     assert RoutingPlan.from_args(ModelArgs(**SHAPE, routing_group_size="auto")).group_size == 1

@@ -162,6 +162,9 @@ class ModelArgs:
         if g != 1 and self.routing_layout != "clean":
             raise ValueError(f"routing_group_size={g!r} supports routing_layout='clean' only (the paper layout's "
                              "per-site null sources are not grouped); set routing_group_size=1")
+        if g != 1 and self.routing_head_layout != "contiguous":
+            raise ValueError(f"routing_group_size={g!r} supports routing_head_layout='contiguous' only; set "
+                             "routing_group_size=1 for the permuted head layout")
         if g != 1 and self.routing_kernel != "eager":
             raise ValueError(f"routing_group_size={g!r} runs only with routing_kernel='eager' (grouped routing has "
                              f"no fused or compiled kernel yet), got routing_kernel={self.routing_kernel!r}; set "
