@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ckpt_writers import slow_writer
+from helpers import read_metrics
 from mhar_titan.checkpoint import CheckpointConfig, CheckpointManager
 from mhar_titan.config import load_config
 from mhar_titan.preemption import PreemptionHandler
@@ -54,8 +55,7 @@ def base_args(out: Path, corpus: Path, name: str) -> list[str]:
 
 
 def rows(out: Path, name: str) -> list[dict]:
-    path = out / name / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(out / name)
 
 
 def full_state(model, optimizer) -> dict:

@@ -1,12 +1,12 @@
-"""Shared test setup: offline, CPU-only, Triton through its interpreter.
+"""Shared test setup: offline, CPU-only, Triton through its interpreter; ``gpu`` tests need CUDA.
 
 Environment variables must be set before torch/triton/datasets are imported,
 so they live at the top of this file (pytest imports conftest first).
 """
 import os
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import pytest
+from helpers import ROOT  # standard library only: nothing is imported before the variables are set
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,3 +21,19 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped where none is visible (CI runs CPU-only)."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -24,8 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_train_worker import FAMILIES, STEPS, base_args  # noqa: E402
+from helpers import ROOT, read_metrics  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
@@ -45,11 +45,6 @@ def write_corpus(root: Path) -> None:
         pq.write_table(pa.table({"text": docs, "id": list(range(60))}), root / f"train-{shard}.parquet")
 
 
-def jsonl(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def sigterm_while_training(cmd: list[str], run: Path, env: dict) -> tuple[int, str]:
     """Start ``cmd``; send SIGTERM once it has logged 3 steps, return (exit status, output)."""
     log = run.parent / f"{run.name}.log"
@@ -57,7 +52,7 @@ def sigterm_while_training(cmd: list[str], run: Path, env: dict) -> tuple[int, s
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 240
-            while len(jsonl(run)) < 3:
+            while len(read_metrics(run)) < 3:
                 assert proc.poll() is None, log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "training never reached step 3"
                 time.sleep(0.2)
@@ -91,11 +86,11 @@ def e2e(tmp_path_factory):
     res = {}
     res["sig1"] = sigterm_while_training(
         [PY, "train.py", *base_args(out, corpus, "sig1"), "--training.steps", "40"], out / "sig1", env)
-    res["sig1_rows_before"] = jsonl(out / "sig1")
+    res["sig1_rows_before"] = read_metrics(out / "sig1")
     res["sig2"] = sigterm_while_training(
         [TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/ckpt_train_entry.py",
          *base_args(out, corpus, "sig2"), "--training.steps", "40"], out / "sig2", env)
-    res["sig2_rows_before"] = jsonl(out / "sig2")
+    res["sig2_rows_before"] = read_metrics(out / "sig2")
     res["sig2_exit"] = {p.name: p.read_text() for p in (out / "exit").iterdir()}
     res["out"] = out
     for phase, nproc in (("one", 1), ("two", 2), ("three", 1)):

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 WORKER = ROOT / "tests" / "ckpt_kill_worker.py"
 
 

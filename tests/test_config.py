@@ -1,11 +1,8 @@
 """Job config: TOML + CLI precedence, strict validation, resolved-config round trip."""
-import pathlib
-
 import pytest
+from helpers import ROOT
 
 from mhar_titan.config import SECTIONS, ConfigError, JobConfig, load_config, to_toml
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def write(tmp_path, text, name="job.toml"):

@@ -1,7 +1,6 @@
 """bench/data.py at toy size: it runs end to end and --append writes its table into the data-loader section."""
 import importlib.util
 import random
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,13 +8,12 @@ import pytest
 
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
 from mhar_titan.data.tokenizer import default_cache_dir
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 @pytest.fixture(scope="module")
 def bench_data():
-    spec = importlib.util.spec_from_file_location("bench_data", REPO / "bench" / "data.py")
+    spec = importlib.util.spec_from_file_location("bench_data", ROOT / "bench" / "data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

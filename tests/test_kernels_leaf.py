@@ -15,8 +15,7 @@ import mhar_kernels
 from mhar_kernels import contract, triton_routing
 from mhar_titan.models import routing
 from kernels_oracle import leaves, make_inputs
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:

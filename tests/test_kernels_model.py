@@ -3,7 +3,6 @@ activation checkpointing none/full in one process, and a 2-rank FSDP2 run (one t
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -16,8 +15,8 @@ from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.parallel import apply_ac
 from kernels_oracle import DEVICE
+from helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {
     "mhar": dict(),
     "delta_null": dict(routing_mode="delta", routing_null_source=True),

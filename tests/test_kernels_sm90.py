@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = "512x1,512x8,1024x1,1024x8,1280x1,1280x8"
 
 

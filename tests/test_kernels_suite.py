@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def test_gpu_suite_tiny_writes_every_table(tmp_path):

@@ -14,7 +14,6 @@ variables SLURM sets inside an `srun` task; gloo; `debug_mhar` with window shard
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,8 @@ import time
 
 import pytest
 
-from slurm_tools import ROOT, launch_env, free_port
+from helpers import ROOT, read_metrics
+from slurm_tools import free_port, launch_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -94,8 +94,7 @@ def read_text(path) -> str:
 
 
 def losses(run_dir) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def worker_logs(tmp, tag: str) -> list[str]:

@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import read_metrics
 from mhar_titan.config import Metrics
 from mhar_titan.metrics import MetricsLogger, flops_per_token, mfu, routing_source_counts
 from mhar_titan.models.args import ModelArgs
@@ -126,7 +127,7 @@ def test_sinks_write_what_was_logged(tmp_path):
         logger.log(step, {"loss": loss, "lr": 1e-3 * step, "mfu": None})
     logger.close()
 
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert rows == [
         {"step": 1, "loss": 5.5, "lr": 1e-3},
         {"step": 2, "loss": 4.25, "lr": 2e-3},
@@ -188,7 +189,7 @@ def test_after_a_crash_and_resume_every_sink_shows_each_step_once(tmp_path):
     logger.close()
     expected = [(s, float(s)) for s in range(1, 11)] + [(s, s + 0.5) for s in range(11, 16)]
 
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [(r["step"], r["loss"]) for r in rows] == expected
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

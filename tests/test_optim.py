@@ -3,10 +3,9 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from mhar_titan.config import LRScheduler, Optimizer
-from mhar_titan.models.args import ModelArgs
-from mhar_titan.models.model import Transformer
 from mhar_titan.optim import (
     WarmupStableDecay,
     build_lr_scheduler,
@@ -14,15 +13,6 @@ from mhar_titan.optim import (
     clip_grad_norm_by_group,
     param_group_of,
 )
-
-
-def tiny_model(**overrides):
-    torch.manual_seed(0)
-    args = ModelArgs.from_flavor("debug", dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64,
-                                 vocab_size=64, max_seq_len=16, **overrides)
-    model = Transformer(args)
-    model.init_weights()
-    return model
 
 
 def lrs(cfg, steps, run=None):
@@ -93,7 +83,7 @@ def test_resume_with_more_steps_follows_the_new_schedule_and_warns(caplog):
     assert caplog.text == ""
 
 def test_param_groups_and_no_decay():
-    model = tiny_model(residual="attn_res", routing_heads=2)
+    model = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2)
     groups = param_group_of(model)
     assert groups["routing.query"] == groups["routing.key_norm"] == "routing"
     assert groups["tok_embeddings.weight"] == "embeddings"
@@ -115,8 +105,8 @@ def test_param_groups_and_no_decay():
 
 
 def test_group_grad_norms_and_clipping_match_torch():
-    model = tiny_model(residual="attn_res", routing_heads=2, routing_mode="delta")
-    ref = tiny_model(residual="attn_res", routing_heads=2, routing_mode="delta")
+    model = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2, routing_mode="delta")
+    ref = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2, routing_mode="delta")
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for m in (model, ref):
         m.routing.query.data.normal_(generator=torch.Generator().manual_seed(1))
@@ -135,7 +125,7 @@ def test_group_grad_norms_and_clipping_match_torch():
 
 
 def test_nonfinite_gradients_are_reported_not_scaled():
-    model = tiny_model()
+    model = tiny_model(vocab_size=64, max_seq_len=16)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     model.norm.weight.grad[0] = float("nan")

@@ -7,7 +7,6 @@ data-loader workers gets Ctrl-C as a terminal sends it, to its whole process gro
 Stop signals sent to a loader's process group leave its workers serving batches."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,8 @@ import pytest
 
 from mhar_titan.checkpoint import is_complete, read_marker, step_folders
 from mhar_titan.preemption import PreemptionHandler
-from train_common import ROOT, debug_argv
+from helpers import ROOT, read_metrics
+from train_common import debug_argv
 
 # A loop of "steps" that stops when should_stop() says so, like the trainer.
 CHILD = textwrap.dedent("""
@@ -84,7 +84,7 @@ def test_ctrl_c_to_train_py_saves_a_complete_checkpoint_and_exits_0(tmp_path):
     assert len(steps) == 1 and 2 <= min(steps) < 500
     (step, folder), = steps.items()
     assert is_complete(folder) and read_marker(folder)["step"] == step
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics.parent)
     assert max(r["step"] for r in rows if "loss" in r) == step  # saved the last finished step
 
 

@@ -7,7 +7,6 @@ Restarts=1), and that the requeued attempt resumed from that checkpoint and comp
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -15,7 +14,8 @@ import time
 import pytest
 
 from slurm_cluster import LocalSlurmCluster, missing_requirements
-from slurm_tools import ROOT, launch_env
+from helpers import ROOT, read_metrics
+from slurm_tools import launch_env
 
 
 
@@ -47,10 +47,7 @@ def wait_until(predicate, timeout: float, what: str, context) -> None:
 
 
 def logged_steps(run_dir) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
 
 
 @pytest.mark.distributed
