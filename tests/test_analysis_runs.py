@@ -2,6 +2,7 @@
 order) trained here, then the comparison table and plot, the heatmap command on the MHAR
 checkpoint, perplexity and the sample printer."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -135,3 +136,25 @@ def test_commands_refuse_what_they_cannot_do(runs, capsys):
     except ImportError:
         assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai"]) == 2
         assert "pip install lm-eval" in capsys.readouterr().err
+
+
+def test_trainers_routing_entropy_equals_the_analysis_value_on_its_checkpoint(runs):
+    """The trainer (FSDP-wrapped model, no explicit unshard) logs at the last step the entropy of
+    the step's first sequence; the plain model loaded from the last checkpoint gives the same."""
+    from mhar_titan.analysis.routing import routing_entropy
+    from mhar_titan.data.loader import build_train_loader
+
+    run = runs / "debug_mhar"
+    logged = [r["routing_entropy"] for r in read_metrics(run) if r["step"] == STEPS and "routing_entropy" in r]
+    loaded = load_run(run)
+    cfg = loaded.cfg
+    loader = build_train_loader(cfg.data, loaded.tokenizer, dp_rank=0, dp_world=1, local_batch_size=2,
+                                seq_len=32, seed=cfg.debug.seed)
+    batches = iter(loader)
+    for _ in range(STEPS):
+        x, _ = next(batches)
+    fresh = sum(math.log(n) for n in range(1, 10)) / 9
+    assert logged[0] == pytest.approx(routing_entropy(loaded.model, x[:1]), rel=1e-5)
+    assert abs(logged[0] - fresh) > 1e-4  # trained queries: not the uniform value
+    baseline_rows = read_metrics(runs / "debug_baseline")
+    assert any("loss" in r for r in baseline_rows) and not any("routing_entropy" in r for r in baseline_rows)
