@@ -13,6 +13,7 @@ Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
 c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro-batch):
 
     sharded state      16 N / W        fp32 params 4, grads 4, AdamW exp_avg + exp_avg_sq 8
+                                       (+ 4 N / W for the weight EMA, training.ema_decay > 0)
     gathered params    (2 P_block + P_root) c    two blocks in flight (current + prefetch)
                                                  and the root unit (embedding, routing, norms);
                        N c                       with fsdp_reshard_after_forward = "never"
@@ -47,7 +48,7 @@ import torch
 
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
-from mhar_titan.data.tokenizer import tokenizer_n_vocab
+from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters
 from mhar_titan.models.build import resolve_model_args
 from mhar_titan.models.model import Transformer
@@ -122,6 +123,9 @@ def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:
     except ImportError as e:  # pragma: no cover - data stack missing
         return [f"tokenizer not checked: {e}"]
     name = cfg.data.tokenizer
+    if name.startswith(HF_PREFIX):  # the dry run reads no model folder
+        return [f"tokenizer {name!r} not checked: a Hugging Face folder's tokenizer is read when training starts "
+                f"(model.vocab_size = {args.vocab_size} must cover it)"]
     if name not in ENCODING_FILES:
         raise ConfigError(f"'data.tokenizer' = {name!r} is unknown; valid: {', '.join(ENCODING_FILES)}")
     try:
@@ -190,7 +194,7 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     return MemoryEstimate(
         params=4 * n // world_size,
         grads=4 * n // world_size,
-        optimizer=8 * n // world_size,
+        optimizer=(8 + (4 if cfg.training.ema_decay > 0 else 0)) * n // world_size,  # AdamW (+ weight EMA)
         gathered_params=(n if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2 * p_block + p_root) * c,
         unsharded_grads=(p_block + p_root) * 4,
         activations=int(act),
@@ -220,6 +224,8 @@ def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]
     t = cfg.training
     family = "baseline" if args.residual == "standard" else (
         "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})")
+    if args.residual == "attn_res" and args.routing_mode == "delta":
+        family += f", delta, {args.routing_layout} layout"
     lines = [
         f"job: {cfg.job.name} -> {cfg.job.dump_folder}/{cfg.job.name}",
         f"model: flavor={cfg.model.flavor} {family} d={args.dim} L={args.n_layers} heads={args.n_heads}/"

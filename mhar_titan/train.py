@@ -17,7 +17,9 @@ One optimizer step:
 3. global gradient norm (and per group: routing pseudo-queries, gates, the
    rest), clipping; a non-finite loss or norm skips the step (counted), and
    ``training.max_consecutive_nonfinite`` consecutive ones stop the run;
-4. AdamW step, LR schedule step, checkpoint, preemption check.
+4. AdamW step, weight EMA update (``training.ema_decay``; validation runs on the EMA
+   weights), LR schedule step, checkpoint, preemption check. With ``training.z_loss`` the
+   summed loss of step 2 includes the z-loss (``components.loss``).
 
 The parts live with their owners: the run folder, loss, batch geometry, train state and
 profiling in ``mhar_titan.components``, checkpoints in ``mhar_titan.checkpoint``, the
@@ -26,6 +28,7 @@ config, data, checkpoint, launch environment or run folder) into exit code 2.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
+from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
 from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row
 from mhar_titan.components.run_folder import RunFolder, on_rank0
@@ -90,7 +94,9 @@ class Trainer:
         self.model = build_model(Transformer, self.model_args, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.loss_fn = build_loss_fn(cfg.compile)
+        self.loss_fn = build_loss_fn(cfg.compile, t.z_loss)
+        self.eval_loss_fn = build_loss_fn(cfg.compile) if t.z_loss > 0 else self.loss_fn
+        self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
         self.train_loader = build_train_loader(
             cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
             local_batch_size=t.local_batch_size, seq_len=t.seq_len, seed=cfg.debug.seed,
@@ -111,9 +117,11 @@ class Trainer:
             self.checkpointer = CheckpointManager(
                 cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
-                fingerprint=checkpoint_fingerprint(self.model_args, self.tokenizer.name),
+                fingerprint=checkpoint_fingerprint(self.model_args, self.tokenizer.name), ema=self.ema,
             )
             self.state.step = self.checkpointer.load()
+        if self.ema is not None and not self.ema.loaded:
+            self.ema.reset()  # start the average at the loaded (or initial) weights
         if self.state.step == 0:
             on_rank0(env.rank, env.world_size, self.run_folder.refuse_existing_run)
         if env.rank == 0:
@@ -178,7 +186,7 @@ class Trainer:
         total = torch.zeros(2, device=self.device)
         for x, y in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)
-            total[0] += self.loss_fn(self.model(x), y)
+            total[0] += self.eval_loss_fn(self.model(x), y)
             total[1] += target_count(y)
         total = self._all_reduce_sum(total)
         return (total[0] / total[1].clamp_min(1)).item()
@@ -220,6 +228,8 @@ class Trainer:
                     finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
                     if finite:
                         self.optimizer.step()
+                        if self.ema is not None:
+                            self.ema.update()
                     self.optimizer.zero_grad(set_to_none=True)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     self.lr_scheduler.step()
@@ -232,7 +242,8 @@ class Trainer:
                     if not finite or step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        self._log(step, {"val_loss": self.validate()})
+                        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+                            self._log(step, {"val_loss": self.validate()})
                     self.state.check_health(t.max_consecutive_nonfinite)
                     if self.checkpointer is not None:
                         self.checkpointer.save(step, last=step == t.steps)
@@ -279,7 +290,8 @@ class Trainer:
         if self.preemption is not None:
             self.preemption.restore()
         self.run_folder.unlock()
-        for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn"):
+        for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn",
+                     "eval_loss_fn", "ema"):
             setattr(self, name, None)
         self.env.mesh = None
         gc.collect()

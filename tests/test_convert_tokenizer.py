@@ -105,3 +105,12 @@ def test_byte_table_is_gpt2s():
     table = byte_to_unicode()
     assert len(set(table.values())) == 256
     assert table[ord("A")] == "A" and table[ord(" ")] == "Ġ" and table[ord("\n")] == "Ċ"
+
+
+def test_data_tokenizer_names_a_hugging_face_folder(folder):
+    from mhar_titan.data import DataConfig
+    from mhar_titan.data.tokenizer import build_tokenizer, tokenizer_n_vocab
+
+    tok = build_tokenizer(DataConfig(tokenizer=f"hf:{folder}"))
+    assert tok.n_vocab == 320 + len(SPECIALS) and tok.encode("Hello world") == load_hf_tokenizer(folder).encode("Hello world")
+    assert tokenizer_n_vocab(f"hf:{folder}") is None  # sized from the files only when they are read

@@ -18,7 +18,7 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint was made for a different model, tokenizer or optimizer setup."""
 
 
-COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
 """Parts of the train state; any of them can be named in ``exclude_from_loading``."""
 
 ASYNC_MODES = ("disabled", "async")
@@ -47,14 +47,16 @@ class CheckpointConfig:
     group; the next save or ``close()`` waits for it). The last step and a preemption always
     save synchronously."""
     initial_load_path: Optional[str] = None
-    """A ``step-N`` folder (of another run, or a converted model) loaded when the run folder
-    has no complete checkpoint yet; None: start from the random init."""
+    """A ``step-N`` folder (of another run, or a converted model), or a pretrained folder with a
+    ``config.json`` (Hugging Face Llama, ``mhar_titan``, the authors' format; weights streamed in
+    by ``mhar_titan.convert``), loaded when the run folder has no complete checkpoint yet; None:
+    start from the random init."""
     initial_load_model_only: bool = True
     """Load only the model from ``initial_load_path`` (step counts from 0); False loads the
     whole train state and continues at its step."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts not restored on resume: any of model, optimizer, lr_scheduler, dataloader,
-    train_state, rng (e.g. ["dataloader"] to switch data sets)."""
+    train_state, rng, ema (e.g. ["dataloader"] to switch data sets)."""
     last_save_model_only: bool = False
     """Save only the model (cast to ``export_dtype``) at the last step: a smaller export that
     cannot be resumed from (load it through ``initial_load_path``)."""

@@ -19,7 +19,14 @@ What one checkpoint holds (DCP keys):
 ``train_state``     ``train_state.state_dict()``: step, tokens seen, logger run ids
 ``dataloader.rank_R``  each rank's ``dataloader.state_dict()``
 ``rng.rank_R``      each rank's python, numpy, torch CPU (and CUDA) RNG states
+``ema.*``           the weight EMA's averages (``training.ema_decay > 0``), keyed and
+                    sharded like the model; a model-only last save holds the EMA
 ==================  ==========================================================
+
+``initial_load_path`` may also name a pretrained folder with a ``config.json`` (Hugging
+Face Llama, ``mhar_titan`` or the authors' format, ``mhar_titan.convert``): its weights are
+streamed into the built model (a Llama backbone under a routing model leaves the routing
+parameters at their init: the delta identity).
 
 Non-tensor values are stored as ``torch.save`` bytes of plain data, one DCP byte
 item each, and read back with ``weights_only=True`` (no code runs from a checkpoint).
@@ -135,6 +142,7 @@ class CheckpointManager:
         train_state: Any = None,
         fingerprint: Optional[dict] = None,
         storage_writer_factory: Optional[Callable[[str], Any]] = None,
+        ema: Any = None,
     ) -> None:
         cfg.validate()
         self.cfg = cfg
@@ -144,6 +152,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.dataloader = dataloader
         self.train_state = train_state
+        self.ema = ema
         self.fingerprint = json_safe(fingerprint or {})
         self._writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(path))
         self.rank, self.world_size = _rank_world()
@@ -201,9 +210,9 @@ class CheckpointManager:
         self._wait_async()
 
     def _state_for_save(self, model_only: bool) -> dict:
-        if model_only:
-            model_sd = cast_floats(get_model_state_dict(self.model), self.cfg.export_dtype)
-            return {"model": model_sd}
+        if model_only:  # the export: the weight EMA when the run keeps one
+            weights = self.ema.state_dict() if self.ema is not None else get_model_state_dict(self.model)
+            return {"model": cast_floats(weights, self.cfg.export_dtype)}
         if self.optimizer is not None:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
@@ -216,6 +225,8 @@ class CheckpointManager:
         if self.dataloader is not None:
             state["dataloader"] = {f"rank_{self.rank}": encode(self.dataloader.state_dict())}
         state["rng"] = {f"rank_{self.rank}": encode(rng_state())}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
         return state
 
     def _clear_folder(self, path: Path) -> None:
@@ -317,6 +328,16 @@ class CheckpointManager:
             return int(marker["step"])
         if self.cfg.initial_load_path:
             path = Path(self.cfg.initial_load_path)
+            if (path / "config.json").is_file() and not (path / ".metadata").is_file():
+                # a pretrained folder (Hugging Face Llama, mhar_titan, the authors'): streamed into the
+                # model by mhar_titan.convert (imported here: it builds on this package)
+                from mhar_titan.convert import ConversionError, load_pretrained_weights
+
+                try:
+                    load_pretrained_weights(self.model, path)
+                except ConversionError as e:
+                    raise CheckpointError(f"checkpoint.initial_load_path={path}: {e}") from None
+                return 0
             if not (path / ".metadata").is_file():
                 raise CheckpointError(
                     f"checkpoint.initial_load_path={path} is not a DCP checkpoint folder (no .metadata)"
@@ -402,6 +423,8 @@ class CheckpointManager:
             self.dataloader.load_state_dict(objects["dataloader"])
         if "rng" in objects:
             set_rng_state(objects["rng"])
+        if "ema" in state:
+            self.ema.load_state_dict(state["ema"])
         if self.rank == 0:
             logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
                         time.perf_counter() - started)
@@ -446,4 +469,9 @@ class CheckpointManager:
                 state["rng"] = {f"rank_{self.rank}": b""}
             elif self.rank == 0:
                 logger.info("checkpoint has no RNG state for rank %d: keeping this run's seed", self.rank)
+        if "ema" in parts and self.ema is not None:
+            if any(key.startswith("ema.") for key in saved):
+                state["ema"] = self.ema.state_dict()
+            elif self.rank == 0:
+                logger.info("checkpoint has no weight EMA: the average starts at the loaded weights")
         return state

@@ -271,6 +271,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if t.max_consecutive_nonfinite < 1:
         raise ConfigError("'training.max_consecutive_nonfinite' must be >= 1")
+    if not t.z_loss >= 0:
+        raise ConfigError(f"'training.z_loss' must be >= 0 (0 disables it), got {t.z_loss}")
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"'training.ema_decay' must be in [0, 1) (0 disables the weight EMA), got {t.ema_decay}")
     s = cfg.lr_scheduler
     if s.warmup_steps < 0:
         raise ConfigError(f"'lr_scheduler.warmup_steps' must be >= 0, got {s.warmup_steps}")

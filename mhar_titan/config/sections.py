@@ -105,6 +105,12 @@ class Training:
     """Run ``gc.collect()`` every this many steps (automatic GC is disabled in the loop)."""
     max_consecutive_nonfinite: int = 3
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+    z_loss: float = 0.0
+    """Weight z of the z-loss: the training loss adds z * mean(logsumexp(logits)^2) over the
+    target tokens (components/loss.py); 0 disables it. The 8B mid-training recipe uses 1e-4."""
+    ema_decay: float = 0.0
+    """Decay of the weight EMA (components/ema.py) updated after every optimizer step, kept in
+    checkpoints and used for validation and export; 0 disables it. The 8B recipe uses 0.999."""
 
 
 @dataclass

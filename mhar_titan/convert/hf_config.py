@@ -12,12 +12,13 @@ import json
 import os
 from pathlib import Path
 
+from mhar_titan.errors import UserError
 from mhar_titan.models.args import ModelArgs
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint or config cannot be converted; the message names what and how to fix it."""
 
 

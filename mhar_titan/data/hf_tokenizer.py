@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import tiktoken
 
 from mhar_titan.data.tokenizer import Tokenizer
+from mhar_titan.errors import UserError
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -43,7 +44,7 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 TIKTOKEN_FILES = ("tokenizer.model", "original/tokenizer.model")
 
 
-class HFTokenizerError(ValueError):
+class HFTokenizerError(UserError, ValueError):
     """A tokenizer folder cannot be loaded; the message names the file and what is wrong."""
 
 

@@ -69,12 +69,20 @@ N_VOCAB = {"gpt2": 50_257, "cl100k_base": 100_277, "o200k_base": 200_019, "bytes
 encoding files (checked against the built tokenizers by the tests)."""
 
 
-def tokenizer_n_vocab(name: str) -> int:
-    """``n_vocab`` of the tiktoken encoding ``name`` (no file or network access).
+HF_PREFIX = "hf:"
+"""``data.tokenizer = "hf:<folder>"``: the tokenizer of a Hugging Face model folder
+(``mhar_titan.data.hf_tokenizer``), e.g. the base model of a mid-training run."""
+
+
+def tokenizer_n_vocab(name: str) -> int | None:
+    """``n_vocab`` of the tiktoken encoding ``name`` (no file or network access); None for a
+    Hugging Face folder (``hf:<folder>``), whose size is known once its files are read.
 
     Raises:
         ConfigError: ``name`` is not a supported encoding.
     """
+    if name.startswith(HF_PREFIX):
+        return None
     if name not in N_VOCAB:
         raise ConfigError(f"'data.tokenizer' = {name!r} is unknown; valid: {', '.join(N_VOCAB)}")
     return N_VOCAB[name]
@@ -177,7 +185,8 @@ def check_cache(name: str, cache_dir: Path) -> None:
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """The encoding ``cfg.tokenizer`` loaded offline from a verified cache or ``cfg.tokenizer_file``.
+    """The encoding ``cfg.tokenizer`` loaded offline from a verified cache or ``cfg.tokenizer_file``,
+    or a Hugging Face folder's tokenizer for ``hf:<folder>`` (``hf_tokenizer.load_hf_tokenizer``).
 
     Raises:
         ValueError: unknown encoding name.
@@ -185,6 +194,10 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
             or its SHA-256 differs from tiktoken's published hash.
     """
     name = cfg.tokenizer
+    if name.startswith(HF_PREFIX):
+        from mhar_titan.data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(name[len(HF_PREFIX):])
     if name not in ENCODING_FILES:
         raise ValueError(f"data.tokenizer {name!r} is not supported offline; choose one of {sorted(ENCODING_FILES)}")
     if name == "bytes":

@@ -134,17 +134,21 @@ class BlockOutput(NamedTuple):
     states: dict | None = None
 
 
+def routed_sources(site: Site, sources: Sequence[Tensor], like: Tensor) -> list[Tensor]:
+    """The entries `site` routes over. A site that reads only its (d,) null source (paper layout,
+    layer 0's attention) gets it broadcast to the shape of `like` (B, T, d), so its mix is the null."""
+    picked = [sources[j] for j in site.reads]
+    if all(s.dim() == 1 for s in picked):
+        picked = [s.to(like.dtype).expand_as(like).contiguous() for s in picked]
+    return picked
+
+
 def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
                alpha: Tensor | None, args: ModelArgs) -> Tensor:
     """Input of a routed sublayer: route over the entries `site.reads` of `sources`; a delta-gated
-    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows.
-    A site that reads only its (d,) null source (paper layout, layer 0's attention) routes over it
-    broadcast to h's shape (mix = null)."""
-    picked = [sources[j] for j in site.reads]
-    if all(s.dim() == 1 for s in picked):
-        picked = [s.to(h.dtype).expand_as(h).contiguous() for s in picked]
+    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows."""
     return route(
-        picked, query, key_norm, args.resolved_routing_heads, args.routing_eps,
+        routed_sources(site, sources, h), query, key_norm, args.resolved_routing_heads, args.routing_eps,
         args.routing_kernel, partial=h if site.gated else None, alpha=alpha if site.gated else None,
         permutation=args.routing_permutation,
     )
@@ -312,7 +316,7 @@ class Transformer(nn.Module):
             states.update(created or {})
             sources = sources + new
             if trace is not None:
-                trace.extend([sources[j] for j in site.reads] for site in self.plan.sites[2 * i: 2 * i + 2])
+                trace.extend(routed_sources(site, sources, h) for site in self.plan.sites[2 * i: 2 * i + 2])
             # Drop the entries no later site uses (block-delta partial sums are never routed over),
             # so that they are freed once autograd is done with them.
             sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
