@@ -2,7 +2,8 @@
 
 ===============  ==================================================================
 ``batches``      batch geometry (global batch, gradient accumulation), micro-batches
-``loss``         summed token cross-entropy and the ignored label
+``loss``         summed token cross-entropy (plus the optional z-loss) and the ignored label
+``ema``          weight EMA of the parameters (checkpointed; validation and export use it)
 ``run_folder``   lock, fresh-start refusal, metrics truncation, resolved config
 ``train_state``  the trainer's counters (checkpointed) and the health guard
 ``performance``  per-step throughput and MFU, profiler traces, CUDA memory snapshots
