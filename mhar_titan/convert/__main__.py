@@ -20,13 +20,13 @@ import sys
 
 import torch
 
+from mhar_titan.checkpoint.config import EXPORT_DTYPES
+
 from .dcp_io import load_model_dcp, save_model_dcp
 from .delta import delta_fields
 from .folders import FORMATS, export_pretrained, folder_model_type, load_pretrained
 from .hf_config import ConversionError
 from .hf_llama import hf_args
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="pretrained folder -> model-only DCP checkpoint")
     imp.add_argument("folder")
     imp.add_argument("out")
-    imp.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    imp.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the written weights")
     imp.add_argument("--to-delta", choices=("paper", "clean"), default=None,
                      help="convert a Llama model to delta-MHAR in this routing layout")
     imp.add_argument("--max-seq-len", type=int, default=None,
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=FORMATS, default="auto",
                      help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
                           "names (routing models); auto: hf when possible, else mhar")
-    exp.add_argument("--dtype", choices=DTYPES, default=None, help="dtype of the exported weights (default: float32)")
+    exp.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="dtype of the exported weights (default: float32)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     exp.add_argument("--no-ema", action="store_true",
                      help="export the trained weights even when the checkpoint holds a weight EMA (the default exports the EMA)")
@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                 if folder_model_type(opts.folder) != "llama":
                     raise ConversionError("--to-delta converts a Hugging Face Llama folder (model_type llama)")
                 overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta))
-            model = load_pretrained(opts.folder, DTYPES[opts.dtype], **overrides)
+            model = load_pretrained(opts.folder, getattr(torch, opts.dtype), **overrides)
             path = save_model_dcp(model, opts.out, source=str(opts.folder))
             print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
             model = load_model_dcp(opts.checkpoint, ema=not opts.no_ema)
-            paths = export_pretrained(model, opts.out, opts.format, DTYPES[opts.dtype] if opts.dtype else None,
+            paths = export_pretrained(model, opts.out, opts.format, getattr(torch, opts.dtype) if opts.dtype else None,
                                       int(opts.max_shard_gb * 2**30))
             print(f"wrote {opts.out} ({len(paths)} shard(s))")
     except ConversionError as e:

@@ -6,12 +6,10 @@ import math
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from mhar_titan.components.loss import target_count, token_loss_sum
 from mhar_titan.progress import progress
-
-IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +42,8 @@ def evaluate_perplexity(model: torch.nn.Module, batches: Iterable[tuple[Tensor, 
     total_batches = len(batches) if hasattr(batches, "__len__") else None
     for x, y in progress(batches, total=total_batches, desc=desc, unit="batch"):
         x, y = x.to(device), y.to(device)
-        logits = model(x)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="sum").item()
-        count += int((y != IGNORE_INDEX).sum())
+        total += token_loss_sum(model(x), y).item()  # the trainer's loss, so the numbers compare
+        count += int(target_count(y))
     if count == 0:
         raise ValueError("no target tokens to score (every label is -100, or there were no batches)")
     return Perplexity(loss=total / count, tokens=count)
