@@ -96,6 +96,13 @@ def test_z_loss_and_ema_resume_bitwise(tmp_path):
         assert losses[step] == ref_losses[step]
     for k in ref_ema:
         assert torch.equal(ema[k], ref_ema[k]) and torch.equal(weights[k], ref_weights[k]), k
+    # export reads the EMA from a training checkpoint (the trained weights with ema=False)
+    from mhar_titan.convert.dcp_io import load_model_dcp
+
+    step4 = tmp_path / "ref" / "checkpoints" / "step-4"
+    exported, trained = load_model_dcp(step4).state_dict(), load_model_dcp(step4, ema=False).state_dict()
+    for k in ref_ema:
+        assert torch.equal(exported[k], ref_ema[k]) and torch.equal(trained[k], ref_weights[k]), k
     without_z, _, _ = train(debug_cfg(tmp_path, "no_z", *BYTES, "--training.steps=1"))
     assert ref_losses[1] > without_z[1]  # same model and batch: the z-loss term is in the step's loss
 
