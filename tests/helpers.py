@@ -76,3 +76,18 @@ def assert_not_blank(path) -> None:
     assert pixels.shape[0] > 100 and pixels.shape[1] > 100
     assert pixels.std() > 0.05
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20
+
+
+def decode_heatmap_cell(pixels, heat, name: str, row: int, col: int) -> float:
+    """The value whose colour is at the centre of cell (row, col) of heatmap panel ``name``:
+    ``pixels`` from ``read_png`` of the saved figure, ``heat`` what ``plot_routing_heatmaps``
+    returned (its axes give the cell positions; the colour map is inverted by nearest colour)."""
+    import numpy as np
+
+    from mhar_titan.analysis.plots import pyplot
+
+    x, y = heat.axes[name].transData.transform((col, row))
+    rgb = pixels[int(round(pixels.shape[0] - y)), int(round(x))]
+    cmap = pyplot().get_cmap(heat.cmap)
+    table = cmap(np.linspace(0, 1, cmap.N))[:, :3]
+    return int(np.argmin(((table - rgb) ** 2).sum(1))) / (cmap.N - 1) * heat.vmax

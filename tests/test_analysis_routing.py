@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_not_blank, random_tokens, read_png, tiny_model
+from helpers import assert_not_blank, decode_heatmap_cell, random_tokens, read_png, tiny_model
 
 from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
 from mhar_titan.analysis.plots import pyplot
@@ -87,18 +87,6 @@ def test_routing_entropy_metric_runs_through_the_forward():
         RoutingRecorder(tiny_model())
 
 
-def decode_cell(pixels, heat, name, row, col):
-    """The value whose colour is at the centre of heatmap cell (row, col) of panel ``name``."""
-    fig, ax = heat.figure, heat.axes[name]
-    x, y = ax.transData.transform((col, row))
-    height = pixels.shape[0]
-    rgb = pixels[int(round(height - y)), int(round(x))]
-    cmap = pyplot().get_cmap(heat.cmap)
-    table = cmap(np.linspace(0, 1, cmap.N))[:, :3]
-    index = np.argmin(((table - rgb) ** 2).sum(1))
-    return index / (cmap.N - 1) * heat.vmax
-
-
 def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
     model = tiny_model(random_queries=True, residual="attn_res", routing_heads=2)
     x = random_tokens()
@@ -115,7 +103,7 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
             assert np.allclose(heat.panels[name][row, :w.shape[0]], expected, rtol=0, atol=1e-12)
             assert np.isnan(heat.panels[name][row, w.shape[0]:]).all()
             for col, value in enumerate(expected):
-                got = decode_cell(pixels, heat, name, row, col)
+                got = decode_heatmap_cell(pixels, heat, name, row, col)
                 assert abs(got - min(value, heat.vmax)) <= 3 * step, (name, row, col, got, value)  # 8-bit colours
     pyplot().close(heat.figure)
 

@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_not_blank, read_metrics
+from helpers import assert_not_blank, decode_heatmap_cell, read_metrics, read_png
 from train_common import ROOT, SAMPLE, debug_argv
 
 from mhar_titan.analysis.__main__ import main as analysis_main
 from mhar_titan.analysis.compare import comparison_table, read_run
+from mhar_titan.analysis.heatmap import plot_routing_heatmaps
+from mhar_titan.analysis.plots import pyplot
+from mhar_titan.analysis.routing import routing_summary
 from mhar_titan.data import build_validation_loader
 from mhar_titan.eval.__main__ import main as eval_main
 from mhar_titan.eval.load import load_run
@@ -85,6 +88,18 @@ def test_heatmap_command_on_the_checkpoint_plots_the_models_mean_weights(runs, t
         expected = w.double().mean((1, 2)).T.numpy()  # (H, N)
         assert np.allclose(data["sites"][s]["mean_weights"], expected, rtol=0, atol=1e-12)
     assert "| final | 9 |" in (out / f"routing_step{STEPS}.md").read_text()
+    # the PNG itself: the same figure drawn here has the same pixels, and its cells decode to the means
+    title = f"debug_mhar, step {STEPS}: mean routing weight per site and source"
+    heat = plot_routing_heatmaps(routing_summary(loaded.model, [x]), tmp_path / "again.png", title=title)
+    pixels = read_png(out / f"routing_step{STEPS}.png")
+    assert np.array_equal(pixels, read_png(heat.path))
+    step = heat.vmax / (pyplot().get_cmap(heat.cmap).N - 1)
+    for s, site in enumerate(data["sites"]):
+        for head, weights in enumerate(site["mean_weights"]):
+            for col, value in enumerate(weights):
+                got = decode_heatmap_cell(pixels, heat, f"head {head}", s, col)
+                assert abs(got - min(value, heat.vmax)) <= 3 * step
+    pyplot().close(heat.figure)
 
 
 def test_perplexity_command_matches_the_trainers_last_validation(runs, capsys):
