@@ -13,11 +13,12 @@ from mhar_titan.config import ActivationCheckpoint
 from mhar_titan.models import grouped
 from mhar_titan.models.args import FAMILIES, ModelArgs
 from mhar_titan.models.model import Transformer
-from mhar_titan.models.plan import RoutingPlan
+from mhar_titan.models.plan import Group, RoutingPlan, Site
 from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import metric_losses  # noqa: E402
+from kernels_oracle import oracle_route, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
 SHAPE = dict(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -92,6 +93,42 @@ def test_grouped_equals_per_call_delta_null_block(layout, g, ac):
     """Delta gates, the (d,) null source (read in phase 1) and block partial sums (a site's early
     entries differ within a group); g = 9 is one group over all sites."""
     assert_close_per_tensor(loss_and_grads(layout, 8, g, ac), per_call(layout, 8), f"{layout} g={g}")
+
+
+BF16_TOL = 0.03  # tests/test_kernels_numerics.py's bf16 bound (every tensor but the delta gate)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16_TOL)])
+def test_group_against_the_fp64_oracle(dtype, tol):
+    """One group of 3 sites (d = 64, H = 4) over a null source and 5 start entries, site i also
+    reading i in-group entries: every output and gradient (sources, null, the 3 queries and key
+    norms) within 2e-4 (fp32) or the kernels' bf16 bound (bf16) of the fp64 oracle."""
+    d, heads, n0, g = 64, 4, 5, 3
+    gen = torch.Generator().manual_seed(3)
+    sources = [torch.randn(2, 7, d, generator=gen).to(dtype).requires_grad_() for _ in range(n0 + g - 1)]
+    null = (0.5 * torch.randn(d, generator=gen)).to(dtype).requires_grad_()
+    query = (1.5 / (d // heads) ** 0.5 * torch.randn(g, d, generator=gen)).to(dtype).requires_grad_()
+    key_norm = (1 + 0.2 * torch.randn(g, d, generator=gen)).to(dtype).requires_grad_()
+    grad_outs = [torch.randn(2, 7, d, generator=gen).to(dtype) for _ in range(g)]
+    entries = [null, *sources]  # entry 0 is the null source; entries 1..n0 exist at the group start
+    group = Group(0, tuple(range(g)), tuple(range(n0 + 1)), tuple(tuple(range(n0 + 1)) for _ in range(g)),
+                  tuple(tuple(range(n0 + 1, n0 + 1 + i)) for i in range(g)))
+    leaves = [*sources, null, query, key_norm]
+
+    def run(route_site):
+        outs = [route_site(i) for i in range(g)]
+        grads = torch.autograd.grad(outs, leaves, grad_outs)
+        return [*outs, *grads]
+
+    states = grouped.phase1(group, entries, query, key_norm, heads, 1e-6)
+    got = run(lambda i: grouped.merge(Site(i, 0, "attention", ()), [entries[j] for j in group.late[i]],
+                                      states[i], None, query[i], key_norm[i], None, heads, 1e-6))
+    truth = run(lambda i: oracle_route([entries[j] for j in group.early[i][1:] + group.late[i]], query[i],
+                                       key_norm[i], heads, null_source=null))
+    names = [f"out{i}" for i in range(g)] + [f"source{j}" for j in range(len(sources))] + ["null", "query", "key_norm"]
+    for name, x, t in zip(names, got, truth):
+        assert x.dtype == dtype, name
+        assert rel_err(x, t, floor=1e-3) < tol, (name, rel_err(x, t, floor=1e-3))
 
 
 def count_rows(model: Transformer, x: torch.Tensor, monkeypatch) -> int:
