@@ -4,22 +4,21 @@ The model's shape comes from the checkpoint itself: the ``complete.json`` marker
 checkpoint records the weight-defining ``ModelArgs`` and the tokenizer (the fingerprint), so a
 checkpoint loads even after the run's ``config.toml`` changed. The run's ``config.toml`` (when
 present) supplies the data settings (validation files, tokenizer cache), ``max_seq_len`` and the
-metrics file name. Only the ``model.*`` items are read (no optimizer state); model-only exports
-load too. One process, no process group.
+metrics file name. Only the weights are read (the weight EMA when there is one, else ``model.*``;
+no optimizer state) through ``mhar_titan.convert.dcp_io.load_model_dcp``; model-only exports and
+converted models load too. One process, no process group.
 """
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-import warnings
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from mhar_titan.checkpoint import CheckpointError, CheckpointMismatchError, is_complete, read_marker, step_folders
+from mhar_titan.checkpoint import CheckpointMismatchError, is_complete, read_marker, step_folders
 from mhar_titan.config import JobConfig, load_config
+from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
 from mhar_titan.errors import UserError
 from mhar_titan.models.args import ModelArgs
@@ -113,60 +112,30 @@ def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tup
     return path, complete[step]
 
 
-def read_fingerprint(checkpoint: pathlib.Path) -> dict:
-    """The fingerprint in the checkpoint's marker: ``{"model_args": {...}, "tokenizer": name}``.
-
-    Raises:
-        CheckpointError: the folder has no marker with model arguments (not written by our trainer).
-    """
-    marker = read_marker(checkpoint) if (checkpoint / "complete.json").is_file() else {}
-    fingerprint = marker.get("fingerprint") or {}
-    if "model_args" not in fingerprint:
-        raise CheckpointError(f"{checkpoint} has no complete.json with the model arguments; only checkpoints "
-                              "written by mhar_titan's trainer can be loaded here")
-    return fingerprint
-
-
-def load_model_weights(model: torch.nn.Module, checkpoint: pathlib.Path) -> None:
-    """Fill a plain (unsharded) model with the ``model.*`` items of a DCP checkpoint folder.
-
-    Raises:
-        CheckpointMismatchError: the checkpoint's model keys or shapes differ from the model's.
-    """
-    state = {"model": get_model_state_dict(model)}
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    wanted = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items()}
-    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
-    if wanted != have:
-        diff = sorted(set(wanted) ^ set(have)) or sorted(k for k in wanted if wanted[k] != have[k])
-        raise CheckpointMismatchError(f"checkpoint {checkpoint} does not match the model built from its marker: "
-                                      f"{len(diff)} key(s) differ, e.g. {diff[:5]}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    set_model_state_dict(model, state["model"])
-
-
 def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str | torch.device = "cpu",
-             routing_kernel: str = "eager") -> LoadedModel:
+             routing_kernel: str = "eager", ema: bool = True) -> LoadedModel:
     """Build the model of a run (or checkpoint) folder, load its weights, switch to eval mode.
 
     Args:
-        path: a run folder (``<dump_folder>/<job.name>``) or a ``step-N`` checkpoint folder.
+        path: a run folder (``<dump_folder>/<job.name>``) or a ``step-N`` checkpoint folder (also
+            a converted model's folder, ``python -m mhar_titan.convert``).
         step: checkpoint step of a run folder; None = the newest complete one.
         device: where the model goes.
         routing_kernel: ``ModelArgs.routing_kernel`` for the loaded model ("eager" gives the
             reference routing that analysis reads; "auto" uses the fused kernels on CUDA).
+        ema: load the weight EMA when the checkpoint holds one (``training.ema_decay > 0``; the
+            trainer validates on it too), else the trained weights.
 
     Raises:
         FileNotFoundError / ValueError: see ``find_checkpoint``.
-        CheckpointError, CheckpointMismatchError: the checkpoint has no fingerprint or other keys.
+        ConversionError: the checkpoint's marker records no model arguments.
+        CheckpointMismatchError: the marker's tokenizer differs from the run's config.
         TokenizerFileError: the run's tokenizer files are missing (the message names the fix).
     """
     run_dir, checkpoint = find_checkpoint(path, step)
     cfg = read_run_config(run_dir)
-    fingerprint = read_fingerprint(checkpoint)
-    tokenizer_name = fingerprint.get("tokenizer", "gpt2")
+    marker = read_marker(checkpoint) if (checkpoint / "complete.json").is_file() else {}
+    tokenizer_name = (marker.get("fingerprint") or {}).get("tokenizer") or (cfg.data.tokenizer if cfg else "gpt2")
     data_cfg = cfg.data if cfg is not None else DataConfig(tokenizer=tokenizer_name)
     if data_cfg.tokenizer != tokenizer_name:
         raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
@@ -174,13 +143,7 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
     tokenizer = build_tokenizer(data_cfg)
     max_seq_len = (resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer.n_vocab, tokenizer.name).max_seq_len
                    if cfg is not None else DEFAULT_MAX_SEQ_LEN)
-    args = ModelArgs(**{**fingerprint["model_args"], "max_seq_len": max_seq_len, "routing_kernel": routing_kernel})
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)
-    load_model_weights(model, checkpoint)
-    model.eval()
-    marker = read_marker(checkpoint)
-    return LoadedModel(model=model, args=args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,
+    model = load_model_dcp(checkpoint, ema=ema, max_seq_len=max_seq_len, routing_kernel=routing_kernel)
+    model = model.to(device).eval()
+    return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,
                        step=int(marker.get("step", 0)), cfg=cfg)
