@@ -49,6 +49,7 @@ from mhar_titan.components.performance import MemorySnapshots, build_profiler, p
 from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
+from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
@@ -118,6 +119,7 @@ class Trainer:
                 cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
                 fingerprint=checkpoint_fingerprint(self.model_args, self.tokenizer.name), ema=self.ema,
+                pretrained_loader=load_pretrained_weights,
             )
             self.state.step = self.checkpointer.load()
         if self.ema is not None and not self.ema.loaded:

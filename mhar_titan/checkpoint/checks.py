@@ -3,6 +3,8 @@
 
 * ``check_keys``: every key this run asks for exists in the DCP metadata with the same
   shape, and every saved model key is used.
+* ``unreadable_error``: the error for a checkpoint whose files cannot be read, naming the
+  previous complete step to fall back to.
 * ``check_no_newer``: ``checkpoint.load_step`` may not go back behind newer complete
   checkpoints of the same folder (they would be deleted by retention later, or win
   again over the new saves on the next ``load_step = -1``).
@@ -18,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from mhar_titan.checkpoint.config import CheckpointError, CheckpointMismatchError
+from mhar_titan.checkpoint.layout import is_complete, step_folders, step_of
 
 
 def check_no_newer(folder: Path, wanted: int, complete: list[int]) -> None:
@@ -70,3 +73,34 @@ def check_keys(path: Path, requested: dict, metadata: Metadata, has_model: bool)
             + "\nNothing was loaded. Check [model] (flavor, residual, routing_heads) against the run that "
             "saved it, or list parts to skip in checkpoint.exclude_from_loading."
         )
+
+
+def _first_line(error: BaseException) -> str:
+    """A one-line reason from ``error``, unwrapping DCP's per-rank ``CheckpointException``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_first_line(inner)}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def unreadable_error(folder: Path, path: Path, error: BaseException) -> CheckpointError:
+    """The error for checkpoint ``path`` (a ``step-N`` of ``folder``, or an ``initial_load_path``)
+    whose files cannot be read (truncated, corrupted): names the way out; nothing is deleted."""
+    step = step_of(path)
+    if path.parent == folder and step is not None:
+        older = sorted(s for s, p in step_folders(folder).items() if s < step and is_complete(p))
+        way_out = (
+            f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
+            + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
+               f"(or pass --checkpoint.load_step={older[-1]})" if older else
+               "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
+        )
+    else:
+        way_out = "point checkpoint.initial_load_path at another checkpoint"
+    return CheckpointError(
+        f"checkpoint {path} cannot be read ({_first_line(error)}); its files are truncated or corrupted. "
+        f"Nothing was loaded or deleted. To continue, {way_out}."
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -44,3 +45,22 @@ def read_marker(path: Path) -> dict:
     """The ``complete.json`` of a checkpoint folder (step, world size, fingerprint, model_only)."""
     with open(path / MARKER) as f:
         return json.load(f)
+
+
+def apply_retention(folder: Path, keep_latest_k: int) -> list[Path]:
+    """Keep the ``keep_latest_k`` newest complete checkpoints of ``folder`` (0 keeps all) and drop
+    incomplete folders older than the newest complete one; returns the deleted folders.
+
+    Only folders older than the newest complete checkpoint are touched, so an in-flight
+    save and the newest complete checkpoint are never deleted.
+    """
+    folders = step_folders(folder)
+    complete = sorted(step for step, path in folders.items() if is_complete(path))
+    if not complete:
+        return []
+    doomed = [s for s in folders if s < complete[-1] and not is_complete(folders[s])]
+    if keep_latest_k > 0:
+        doomed += complete[:-keep_latest_k]
+    for step in sorted(doomed):
+        shutil.rmtree(folders[step], ignore_errors=True)
+    return [folders[step] for step in sorted(doomed)]

@@ -24,9 +24,10 @@ What one checkpoint holds (DCP keys):
 ==================  ==========================================================
 
 ``initial_load_path`` may also name a pretrained folder with a ``config.json`` (Hugging
-Face Llama, ``mhar_titan`` or the authors' format, ``mhar_titan.convert``): its weights are
-streamed into the built model (a Llama backbone under a routing model leaves the routing
-parameters at their init: the delta identity).
+Face Llama, ``mhar_titan`` or the authors' format): the ``pretrained_loader`` the caller
+passes (``mhar_titan.convert.load_pretrained_weights``) streams its weights into the built
+model (a Llama backbone under a routing model leaves the routing parameters at their init:
+the delta identity).
 
 Non-tensor values are stored as ``torch.save`` bytes of plain data, one DCP byte
 item each, and read back with ``weights_only=True`` (no code runs from a checkpoint).
@@ -67,11 +68,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mhar_titan.checkpoint.checks import check_keys, check_no_newer
+from mhar_titan.checkpoint.checks import check_keys, check_no_newer, unreadable_error
 from mhar_titan.checkpoint.config import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
 from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
-from mhar_titan.checkpoint.layout import MARKER, is_complete, read_marker, step_folders, step_of
+from mhar_titan.checkpoint.layout import MARKER, apply_retention, is_complete, read_marker, step_folders
+from mhar_titan.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +99,6 @@ def _flatten(tree: dict) -> dict:
     return flatten_state_dict(tree)[0]
 
 
-def _first_line(error: BaseException) -> str:
-    """A one-line reason from ``error``, unwrapping DCP's per-rank ``CheckpointException``."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        return f"rank {rank}: {_first_line(inner)}"
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 # --------------------------------------------------------------------------- manager
 
 
@@ -125,6 +116,10 @@ class CheckpointManager:
             args, tokenizer name); compared on every load.
         storage_writer_factory: ``path -> StorageWriter`` for DCP; default
             ``FileSystemWriter(path)``. Tests pass slow or blocking writers.
+        ema: the weight EMA (``state_dict()`` / ``load_state_dict()`` keyed like the model) or None.
+        pretrained_loader: ``(model, folder) -> Any`` that streams a pretrained folder's weights
+            into ``model`` (the trainer passes ``mhar_titan.convert.load_pretrained_weights``);
+            needed when ``initial_load_path`` names a folder with a ``config.json``.
 
     Raises:
         CheckpointError: invalid ``[checkpoint]`` settings.
@@ -143,6 +138,7 @@ class CheckpointManager:
         fingerprint: Optional[dict] = None,
         storage_writer_factory: Optional[Callable[[str], Any]] = None,
         ema: Any = None,
+        pretrained_loader: Optional[Callable[[torch.nn.Module, Path], Any]] = None,
     ) -> None:
         cfg.validate()
         self.cfg = cfg
@@ -153,6 +149,7 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.train_state = train_state
         self.ema = ema
+        self.pretrained_loader = pretrained_loader
         self.fingerprint = json_safe(fingerprint or {})
         self._writer_factory = storage_writer_factory or (lambda path: dcp.FileSystemWriter(path))
         self.rank, self.world_size = _rank_world()
@@ -260,7 +257,8 @@ class CheckpointManager:
         os.replace(tmp, path / MARKER)
         logger.info("checkpoint step-%d saved to %s in %.2f s%s", step, path, time.perf_counter() - started,
                     " (model only)" if model_only else "")
-        self._purge()
+        for doomed in apply_retention(self.folder, self.cfg.keep_latest_k):
+            logger.info("checkpoint retention: deleted %s", doomed)
 
     def _poll_async(self) -> None:
         if self._in_flight is not None and self._in_flight[3].done():
@@ -273,24 +271,6 @@ class CheckpointManager:
         self._in_flight = None
         future.result()  # re-raises a failed save
         self._finish(step, path, model_only, started)
-
-    def _purge(self) -> None:
-        """Keep the ``keep_latest_k`` newest complete checkpoints; drop stale incomplete ones.
-
-        Only folders older than the newest complete checkpoint are touched, so an
-        in-flight save and the newest complete checkpoint are never deleted.
-        """
-        folders = step_folders(self.folder)
-        complete = sorted(step for step, path in folders.items() if is_complete(path))
-        if not complete:
-            return
-        newest = complete[-1]
-        doomed = [s for s in folders if s < newest and not is_complete(folders[s])]
-        if self.cfg.keep_latest_k > 0:
-            doomed += complete[: -self.cfg.keep_latest_k]
-        for step in sorted(doomed):
-            shutil.rmtree(folders[step], ignore_errors=True)
-            logger.info("checkpoint retention: deleted %s", folders[step])
 
     # ------------------------------------------------------------------ loading
 
@@ -329,13 +309,13 @@ class CheckpointManager:
         if self.cfg.initial_load_path:
             path = Path(self.cfg.initial_load_path)
             if (path / "config.json").is_file() and not (path / ".metadata").is_file():
-                # a pretrained folder (Hugging Face Llama, mhar_titan, the authors'): streamed into the
-                # model by mhar_titan.convert (imported here: it builds on this package)
-                from mhar_titan.convert import ConversionError, load_pretrained_weights
-
+                # a pretrained folder (Hugging Face Llama, mhar_titan, the authors'): streamed into the model
+                if self.pretrained_loader is None:
+                    raise CheckpointError(f"checkpoint.initial_load_path={path} is a pretrained folder (config.json), "
+                                          "and this CheckpointManager was given no pretrained_loader")
                 try:
-                    load_pretrained_weights(self.model, path)
-                except ConversionError as e:
+                    self.pretrained_loader(self.model, path)
+                except UserError as e:
                     raise CheckpointError(f"checkpoint.initial_load_path={path}: {e}") from None
                 return 0
             if not (path / ".metadata").is_file():
@@ -391,7 +371,7 @@ class CheckpointManager:
         try:
             metadata = dcp.FileSystemReader(str(path)).read_metadata()
         except (Exception, CheckpointException) as e:  # noqa: BLE001
-            raise self._unreadable(path, e) from None
+            raise unreadable_error(self.folder, path, e) from None
         if "fingerprint" in marker:
             check_fingerprint(path, marker["fingerprint"], self.fingerprint)
         state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
@@ -401,7 +381,7 @@ class CheckpointManager:
             with _quiet_single_process():
                 dcp.load(state, checkpoint_id=str(path), no_dist=not self._distributed)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            raise self._unreadable(path, e) from None
+            raise unreadable_error(self.folder, path, e) from None
 
         # decode every object before restoring any: an unsafe item stops the load here
         objects = {name: decode(state[name], name, path) for name in ("lr_scheduler", "train_state") if name in state}
@@ -428,24 +408,6 @@ class CheckpointManager:
         if self.rank == 0:
             logger.info("loaded checkpoint %s (%s) in %.2f s", path, ", ".join(sorted(state)),
                         time.perf_counter() - started)
-
-    def _unreadable(self, path: Path, error: BaseException) -> CheckpointError:
-        """The error for a checkpoint whose files cannot be read (truncated, corrupted, unreadable)."""
-        step = step_of(path)
-        if path.parent == self.folder and step is not None:
-            older = sorted(s for s, p in step_folders(self.folder).items() if s < step and is_complete(p))
-            way_out = (
-                f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
-                + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
-                   f"(or pass --checkpoint.load_step={older[-1]})" if older else
-                   "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
-            )
-        else:
-            way_out = "point checkpoint.initial_load_path at another checkpoint"
-        return CheckpointError(
-            f"checkpoint {path} cannot be read ({_first_line(error)}); its files are truncated or corrupted. "
-            f"Nothing was loaded or deleted. To continue, {way_out}."
-        )
 
     def _state_for_load(self, parts: list[str], metadata: Metadata, saved_world: int) -> dict:
         """Placeholders shaped like the current run; DCP fills them in place."""
