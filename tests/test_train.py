@@ -282,6 +282,28 @@ def test_missing_data_files_exit_2_with_a_message(tmp_path, capsys):
     assert not dist.is_initialized()
 
 
+def test_every_input_error_is_a_user_error_and_exits_2(tmp_path, capsys):
+    """main() maps UserError to exit 2 with no list of classes: every error of the job's inputs
+    derives from it; a shard degree the launch cannot have is one (found at launch, not parse)."""
+    from mhar_titan.checkpoint import CheckpointError, CheckpointMismatchError
+    from mhar_titan.components.run_folder import RunFolderError
+    from mhar_titan.config import ConfigError, ConfigFileNotFoundError
+    from mhar_titan.data import DataError, DataStateError, ManifestError, TokenizerFileError
+    from mhar_titan.errors import UserError
+    from mhar_titan.launch_env import LaunchEnvError
+
+    for cls in (ConfigError, ConfigFileNotFoundError, CheckpointError, CheckpointMismatchError, RunFolderError,
+                DataError, DataStateError, ManifestError, TokenizerFileError, LaunchEnvError):
+        assert issubclass(cls, UserError), cls
+    assert issubclass(ConfigFileNotFoundError, FileNotFoundError)  # callers that caught it still do
+    code = main(debug_argv(tmp_path, "degree", "--parallelism.data_parallel_shard_degree=2"))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "data_parallel_shard_degree=2" in err and "1 ranks" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # refused before the run folder was made
+    assert not dist.is_initialized()
+
+
 def test_srun_without_torchrun_is_refused(tmp_path, monkeypatch, capsys):
     """SLURM tasks without torchrun's RANK/WORLD_SIZE would each train alone as rank 0."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
