@@ -147,3 +147,18 @@ def test_progress_bar_is_silent_off_a_terminal_and_shows_rate_on_one(monkeypatch
     assert not bar.disable and list(bar) == [0, 1, 2]
     text = err.getvalue()  # count of total, rate (and ETA once known) on stderr, nothing on stdout
     assert "scoring" in text and "0/3" in text and "batch/s" in text and out.getvalue() == ""
+
+
+def test_adapter_under_lm_eval_answers_its_instances(model, tok):
+    """Only where lm-eval is installed: MharLM is its LM, registered, and answers Instances as tuples."""
+    lm_eval_model = pytest.importorskip("lm_eval.api.model")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    lm = MharLM(model, tok)
+    assert isinstance(lm, lm_eval_model.LM) and get_model("mhar_titan") is MharLM and lm.device == torch.device("cpu")
+    pair, text = ("To be, or not to", " be"), ("Hello world",)
+    assert lm.loglikelihood([Instance("loglikelihood", {}, pair, 0)]) == lm.loglikelihood([pair])
+    assert lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, text, 0)]) == lm.loglikelihood_rolling([text])
+    gen = ("ROMEO:", {"until": ["\n"], "max_gen_toks": 4})
+    assert lm.generate_until([Instance("generate_until", {}, gen, 0)]) == lm.generate_until([gen])

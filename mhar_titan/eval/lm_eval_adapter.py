@@ -64,7 +64,12 @@ class MharLM(_Base):
         self.max_length = int(max_length or model.args.max_seq_len)
         if self.max_length > model.args.max_seq_len:
             raise ValueError(f"max_length {self.max_length} exceeds the model's max_seq_len {model.args.max_seq_len}")
-        self.device = next(model.parameters()).device
+        self._device = next(model.parameters()).device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are (lm-eval reads it)."""
+        return self._device
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None) -> "MharLM":
