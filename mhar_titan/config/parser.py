@@ -182,6 +182,21 @@ def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
     return config_file, pairs
 
 
+def read_toml(path: pathlib.Path, what: str = "config file") -> dict:
+    """The tables of the TOML file ``path`` (``what`` names it in the errors).
+
+    Raises:
+        ConfigFileNotFoundError: ``path`` is not a file.
+        ConfigError: it is not valid TOML (the message has the parser's line and column).
+    """
+    if not path.is_file():
+        raise ConfigFileNotFoundError(f"{what} not found: {path}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
 def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """Build and validate a ``JobConfig`` from an optional TOML file and CLI overrides.
 
@@ -200,12 +215,7 @@ def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]
     cfg = JobConfig()
     if config_file is not None:
         path = pathlib.Path(config_file)
-        if not path.is_file():
-            raise ConfigFileNotFoundError(f"config file not found: {config_file}")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{config_file}: not valid TOML: {e}") from e
+        data = read_toml(path)
         for section, values in data.items():
             _apply_section(cfg, section, values, str(config_file))
         if not cfg.job.name:

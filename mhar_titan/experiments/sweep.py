@@ -40,15 +40,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pathlib
-import sys
 from typing import Any, Optional
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from mhar_titan.config import ConfigError, JobConfig, load_config
+from mhar_titan.config.parser import read_toml
 
 SWEEP_KEYS = ("name", "base", "dump_folder", "seeds", "seed_keys", "baseline", "tail_evals", "set", "grid",
               "slurm")
@@ -179,12 +174,7 @@ def load_sweep(path: str | pathlib.Path, extra_set: Optional[dict] = None,
             family, or a run whose config is invalid (the message names the run).
     """
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"sweep file not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    data = read_toml(path, "sweep file")
     where = str(path)
     unknown = sorted(set(data) - {"sweep", "families"})
     if unknown:
