@@ -262,7 +262,7 @@ def test_validation_unchanged_when_training_files_change(gpt2, text_files):
 
     def val_digest(files):
         cfg = _cfg(files, validation_files=[val])
-        loader = build_validation_loader(cfg, gpt2, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=32, steps=5)
+        loader = build_validation_loader(cfg, gpt2, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=32, sequences=10)
         first, second = _digest(loader), _digest(loader)
         assert first == second  # the same batches at every evaluation
         return first
@@ -282,12 +282,12 @@ def test_hub_validation_files_held_out_and_unchanged_when_training_files_change(
     def val_digest(files):
         cfg = _hub_cfg(files, validation_files=[val])
         return _digest(build_validation_loader(cfg, gpt2, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=32,
-                                               steps=5))
+                                               sequences=10))
 
     reference = val_digest(train[:4])
     assert val_digest(train[:3]) == reference and val_digest(train) == reference
     local = build_validation_loader(_cfg(train, validation_files=[val]), gpt2, dp_rank=0, dp_world=1,
-                                    local_batch_size=2, seq_len=32, steps=5)
+                                    local_batch_size=2, seq_len=32, sequences=10)
     assert _digest(local) == reference
     # a validation file inside the training data files (here through a glob) is excluded from training
     glob_all = str(Path(val).parent / "*.parquet")

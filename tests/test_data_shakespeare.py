@@ -73,7 +73,7 @@ def test_real_corpus_loads_for_training_and_validation(shakespeare):
     inputs, labels = next(iter(build_train_loader(cfg, tok, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=64,
                                                   seed=0)))
     assert inputs.shape == labels.shape == (2, 64)
-    val = build_validation_loader(cfg, tok, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=64, steps=2)
+    val = build_validation_loader(cfg, tok, dp_rank=0, dp_world=1, local_batch_size=2, seq_len=64, sequences=4)
     text = tok.decode(next(iter(val))[0][0].tolist())
     assert "JULIUS CAESAR" in text.upper() or "TWELFTH" in text.upper()
 

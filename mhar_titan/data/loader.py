@@ -306,50 +306,79 @@ def build_train_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: in
                        seed=cfg.seed if cfg.seed is not None else seed)
 
 
-class ValidationLoader:
-    """The first ``steps`` global rounds of the held-out stream (files in listed order, no shuffling).
+IGNORE_INDEX = -100
+"""Label of a padding row in a validation micro-batch: the loss ignores it (``F.cross_entropy``'s default)."""
 
-    Rank r's batches are windows ``[r * B, (r + 1) * B)`` of each round, as in window sharding,
-    so the evaluated set does not depend on the world size. Batches are built on the first
-    iteration and reused: every evaluation sees identical tensors.
+
+def validation_windows(shards: list, tokenizer, *, seq_len: int, sequences: int) -> list[list[int]]:
+    """The validation set: the first ``sequences`` windows of ``seq_len + 1`` tokens of the held-out stream
+    (files in listed order, no shuffling, packed like training data).
+
+    Raises DataError when the files hold fewer windows, naming how many they hold and the largest
+    ``validation.sequences`` they allow.
+    """
+    stream = TokenStream(shards, tokenizer.encode, tokenizer.eos_id, seq_len + 1, seed=0, shuffle=False,
+                         shuffle_buffer=0, infinite=False, consumer=[])
+    windows = []
+    while len(windows) < sequences:
+        w = stream.next_window()
+        if w is None:
+            files = ", ".join(s.name for s in shards[:3]) + (", ..." if len(shards) > 3 else "")
+            if not windows:
+                raise DataError(f"the validation files ({files}) hold fewer than {seq_len + 1} tokens, not one "
+                                f"validation sequence of training.seq_len + 1 tokens: add validation files "
+                                f"(data.validation_files) or set validation.enable = false")
+            raise DataError(f"validation.sequences = {sequences}, but the validation files ({files}) hold only "
+                            f"{len(windows)} sequences of {seq_len + 1} tokens: set validation.sequences to at "
+                            f"most {len(windows)}, or add validation files")
+        windows.append(w)
+    return windows
+
+
+class ValidationLoader:
+    """The validation set (``validation_windows``: a fixed set of ``sequences`` windows, so
+    ``sequences * seq_len`` target tokens) as this rank's micro-batches.
+
+    Rank r of W evaluates windows r, r + W, r + 2W, ... in micro-batches of ``local_batch_size``
+    rows. Every rank yields the same number of micro-batches (``len(self)``; the model's forward is
+    a collective under FSDP); rows past the rank's share are padding whose labels are all
+    ``IGNORE_INDEX``. The summed loss over all ranks divided by the summed target count is thus the
+    mean over the same tokens whatever the micro-batch size, gradient accumulation or world size
+    (equal up to float summation order). Built and checked on construction; every evaluation sees
+    identical tensors. Micro-batches are ``(inputs, labels)``, int64 ``(local_batch_size, seq_len)``.
     """
 
-    def __init__(self, shards: list, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
-                 seq_len: int, steps: int):
-        self.shards, self.tokenizer, self.steps = shards, tokenizer, steps
-        self.dp_rank, self.dp_world, self.batch, self.seq_len = dp_rank, dp_world, local_batch_size, seq_len
-        self._batches: Optional[list] = None
+    def __init__(self, windows: list[list[int]], *, dp_rank: int, dp_world: int, local_batch_size: int):
+        mine = torch.tensor(windows[dp_rank::dp_world], dtype=torch.int64).reshape(-1, len(windows[0]))
+        per_rank = -(-len(windows) // dp_world)
+        self.steps = -(-per_rank // local_batch_size)
+        pad = self.steps * local_batch_size - mine.shape[0]
+        inputs = torch.cat([mine[:, :-1], torch.zeros(pad, mine.shape[1] - 1, dtype=torch.int64)])
+        labels = torch.cat([mine[:, 1:], torch.full((pad, mine.shape[1] - 1), IGNORE_INDEX, dtype=torch.int64)])
+        self.target_tokens = len(windows) * (len(windows[0]) - 1)
+        self._batches = [(inputs[i:i + local_batch_size].contiguous(), labels[i:i + local_batch_size].contiguous())
+                         for i in range(0, inputs.shape[0], local_batch_size)]
 
     def __len__(self) -> int:
         return self.steps
 
-    def _materialise(self) -> list:
-        stream = TokenStream(self.shards, self.tokenizer.encode, self.tokenizer.eos_id, self.seq_len + 1, seed=0,
-                             shuffle=False, shuffle_buffer=0, infinite=False, consumer=[])
-        rounds, batches = self.dp_world * self.batch, []
-        for step in range(self.steps):
-            windows = [stream.next_window() for _ in range(rounds)]
-            if windows[-1] is None:
-                raise DataError(f"the validation files give only {step} rounds of {rounds} windows of "
-                                f"{self.seq_len + 1} tokens; lower the number of validation steps to <= {step} or "
-                                f"add validation files")
-            x = torch.tensor(windows[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch], dtype=torch.int64)
-            batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-        return batches
-
     def __iter__(self):
-        if self._batches is None:
-            self._batches = self._materialise()
         return iter(self._batches)
 
 
 def build_validation_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
-                            seq_len: int, steps: int) -> ValidationLoader:
-    """Re-iterable of ``steps`` validation batches ``(inputs, labels)`` int64 ``(local_batch_size, seq_len)``.
+                            seq_len: int, sequences: int) -> ValidationLoader:
+    """This rank's micro-batches of the validation set: the first ``sequences`` windows of
+    ``seq_len + 1`` tokens of ``cfg.validation_files`` (``ValidationLoader``).
 
-    Built only from ``cfg.validation_files``. Raises DataError if they are empty or too short.
+    Needs no model: call it before building one, so a too-small validation set stops the job
+    before anything expensive. Raises DataError if the files are missing, unreadable, or hold
+    fewer than ``sequences`` windows (the message gives the largest value they allow); ValueError
+    for ``sequences`` or ``local_batch_size`` < 1.
     """
+    if sequences < 1 or local_batch_size < 1:
+        raise ValueError(f"sequences ({sequences}) and local_batch_size ({local_batch_size}) must be >= 1")
     shards = validation_shards(cfg)
     _check_pretokenized(cfg, shards, tokenizer)
-    return ValidationLoader(shards, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
-                            local_batch_size=local_batch_size, seq_len=seq_len, steps=steps)
+    windows = validation_windows(shards, tokenizer, seq_len=seq_len, sequences=sequences)
+    return ValidationLoader(windows, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=local_batch_size)
