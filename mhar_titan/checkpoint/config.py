@@ -50,7 +50,8 @@ class CheckpointConfig:
     """A ``step-N`` folder (of another run, or a converted model), or a pretrained folder with a
     ``config.json`` (Hugging Face Llama, ``mhar_titan``, the authors' format; weights streamed in
     by ``mhar_titan.convert``), loaded when the run folder has no complete checkpoint yet; None:
-    start from the random init."""
+    start from the random init. Loaded with ``enable = false`` too (a run that starts from it
+    and saves nothing)."""
     initial_load_model_only: bool = True
     """Load only the model from ``initial_load_path`` (step counts from 0); False loads the
     whole train state and continues at its step."""

@@ -37,8 +37,16 @@ def step_folders(root: Path) -> dict[int, Path]:
 
 
 def is_complete(path: Path) -> bool:
-    """A checkpoint folder is complete when both DCP's metadata and our marker exist."""
-    return (path / MARKER).is_file() and (path / ".metadata").is_file()
+    """A checkpoint folder is complete while DCP's metadata, our marker and every file the
+    marker lists (``files``: the folder's files when it was written) are present; a folder
+    that lost a file (a deletion cut short) is not."""
+    if not ((path / MARKER).is_file() and (path / ".metadata").is_file()):
+        return False
+    try:
+        files = read_marker(path).get("files", [])
+    except (OSError, ValueError):
+        return False
+    return all((path / name).is_file() for name in files)
 
 
 def read_marker(path: Path) -> dict:
@@ -52,7 +60,8 @@ def apply_retention(folder: Path, keep_latest_k: int) -> list[Path]:
     incomplete folders older than the newest complete one; returns the deleted folders.
 
     Only folders older than the newest complete checkpoint are touched, so an in-flight
-    save and the newest complete checkpoint are never deleted.
+    save and the newest complete checkpoint are never deleted. Each folder's marker is
+    deleted before its files.
     """
     folders = step_folders(folder)
     complete = sorted(step for step, path in folders.items() if is_complete(path))
@@ -62,5 +71,7 @@ def apply_retention(folder: Path, keep_latest_k: int) -> list[Path]:
     if keep_latest_k > 0:
         doomed += complete[:-keep_latest_k]
     for step in sorted(doomed):
+        # the marker goes first: a deletion cut short leaves a folder that is not complete
+        (folders[step] / MARKER).unlink(missing_ok=True)
         shutil.rmtree(folders[step], ignore_errors=True)
     return [folders[step] for step in sorted(doomed)]

@@ -3,9 +3,10 @@
 Layout (TorchTitan v0.2.2 pattern): ``<run_dir>/<folder>/step-N/`` holds one DCP
 checkpoint (``__<rank>_0.distcp`` files plus DCP's ``.metadata``) and our marker
 ``complete.json``, written by rank 0 *after* DCP has finished, atomically
-(temporary file + rename). A folder without the marker is incomplete (a save
-that was killed or is still in flight): it is never loaded, and ``load()`` warns
-naming it.
+(temporary file + rename); it lists the folder's files. A folder without the
+marker, or missing a file it lists, is incomplete (a save that was killed or is
+still in flight, a deletion cut short): it is never loaded, and ``load()`` warns
+naming it. Retention deletes a folder's marker before its files.
 
 What one checkpoint holds (DCP keys):
 
@@ -248,6 +249,7 @@ class CheckpointManager:
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MARKER + ".tmp"),
         }
         tmp = path / (MARKER + ".tmp")
         with open(tmp, "w") as f:
@@ -292,8 +294,8 @@ class CheckpointManager:
                 complete step to fall back to, and nothing is deleted.
             CheckpointMismatchError: fingerprint, keys or shapes differ; nothing is loaded.
         """
-        if not self.cfg.enable:
-            return 0
+        if not self.cfg.enable:  # nothing saved here to resume; an initial checkpoint still loads
+            return self._load_initial() if self.cfg.initial_load_path else 0
         path = self._choose_checkpoint()
         if path is not None:
             marker = read_marker(path)
@@ -307,30 +309,35 @@ class CheckpointManager:
             self._last_saved_step = marker["step"]
             return int(marker["step"])
         if self.cfg.initial_load_path:
-            path = Path(self.cfg.initial_load_path)
-            if (path / "config.json").is_file() and not (path / ".metadata").is_file():
-                # a pretrained folder (Hugging Face Llama, mhar_titan, the authors'): streamed into the model
-                if self.pretrained_loader is None:
-                    raise CheckpointError(f"checkpoint.initial_load_path={path} is a pretrained folder (config.json), "
-                                          "and this CheckpointManager was given no pretrained_loader")
-                try:
-                    self.pretrained_loader(self.model, path)
-                except UserError as e:
-                    raise CheckpointError(f"checkpoint.initial_load_path={path}: {e}") from None
-                return 0
-            if not (path / ".metadata").is_file():
-                raise CheckpointError(
-                    f"checkpoint.initial_load_path={path} is not a DCP checkpoint folder (no .metadata)"
-                )
-            if (path / MARKER).is_file():
-                marker = read_marker(path)
-            else:
-                marker = {"step": 0, "model_only": True}
-            model_only = self.cfg.initial_load_model_only or marker.get("model_only", False)
-            parts = ["model"] if model_only else [p for p in COMPONENTS if p not in self.cfg.exclude_from_loading]
-            self._load_from(path, parts, marker)
-            return 0 if model_only else int(marker["step"])
+            return self._load_initial()
         return 0
+
+    def _load_initial(self) -> int:
+        """Load ``checkpoint.initial_load_path``: a pretrained folder, or a DCP checkpoint (model only
+        unless ``initial_load_model_only`` is false). Returns the step to continue after."""
+        path = Path(self.cfg.initial_load_path)
+        if (path / "config.json").is_file() and not (path / ".metadata").is_file():
+            # a pretrained folder (Hugging Face Llama, mhar_titan, the authors'): streamed into the model
+            if self.pretrained_loader is None:
+                raise CheckpointError(f"checkpoint.initial_load_path={path} is a pretrained folder (config.json), "
+                                      "and this CheckpointManager was given no pretrained_loader")
+            try:
+                self.pretrained_loader(self.model, path)
+            except UserError as e:
+                raise CheckpointError(f"checkpoint.initial_load_path={path}: {e}") from None
+            return 0
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint.initial_load_path={path} is not a DCP checkpoint folder (no .metadata)"
+            )
+        if (path / MARKER).is_file():
+            marker = read_marker(path)
+        else:
+            marker = {"step": 0, "model_only": True}
+        model_only = self.cfg.initial_load_model_only or marker.get("model_only", False)
+        parts = ["model"] if model_only else [p for p in COMPONENTS if p not in self.cfg.exclude_from_loading]
+        self._load_from(path, parts, marker)
+        return 0 if model_only else int(marker["step"])
 
     def _choose_checkpoint(self) -> Optional[Path]:
         """Rank 0 picks the folder and tells the others, so every rank loads the same one."""
