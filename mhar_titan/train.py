@@ -33,10 +33,12 @@ import gc
 import logging
 import math
 import os
+import random
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -50,10 +52,12 @@ from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
 from mhar_titan.convert import load_pretrained_weights
-from mhar_titan.data import build_tokenizer
+from mhar_titan.data import DataError, build_tokenizer
+from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.errors import UserError
+from mhar_titan.exit_status import write_exit_status
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.build import resolve_model_args
 from mhar_titan.models.model import Transformer
@@ -71,7 +75,11 @@ class Trainer:
         self.cfg = cfg
         self.env = env = init_distributed(cfg)
         self.device = env.device
+        # Every global RNG a component might draw from starts from the seed (and is saved in
+        # checkpoints, so a resumed run continues the same streams).
         torch.manual_seed(cfg.debug.seed)
+        np.random.seed(cfg.debug.seed)
+        random.seed(cfg.debug.seed)
         if cfg.debug.deterministic:
             if env.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -79,17 +87,21 @@ class Trainer:
         self.global_batch_size, self.grad_accum = batch_geometry(cfg.training, env.world_size)
         self.run_folder = RunFolder(cfg)
         self.run_dir = self.run_folder.path
+        self.preempted = False  # set when a stop signal ended train() (after its checkpoint)
         on_rank0(env.rank, env.world_size, self.run_folder.lock)
         try:
             self._build()
         except BaseException:
             self.run_folder.unlock()
+            self._release()  # free FSDP state before the process group goes (clean gloo exit)
             raise
 
     def _build(self) -> None:
         """Model, data, optimizer, checkpoint load, metrics sinks (config.toml is written by ``train()``)."""
         cfg, env, t = self.cfg, self.env, self.cfg.training
-        self.tokenizer = build_tokenizer(cfg.data)
+        # Inputs first, before anything expensive: every data check that needs only the config
+        # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
+        self._agree_on_setup(self._build_inputs)
         self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
                                              cfg.data.tokenizer)
         self.model = build_model(Transformer, self.model_args, cfg, env)
@@ -98,23 +110,11 @@ class Trainer:
         self.loss_fn = build_loss_fn(cfg.compile, t.z_loss)
         self.eval_loss_fn = build_loss_fn(cfg.compile) if t.z_loss > 0 else self.loss_fn
         self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
-        self.train_loader = build_train_loader(
-            cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
-            local_batch_size=t.local_batch_size, seq_len=t.seq_len, seed=cfg.debug.seed,
-        )
-        self.val_loader = None
-        if cfg.validation.enable:
-            v = cfg.validation
-            self.val_loader = build_validation_loader(
-                cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
-                local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
-                seq_len=t.seq_len, steps=v.steps,
-            )
         self.flops = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.state = TrainState()
         self.checkpointer = None
-        if cfg.checkpoint.enable:
+        if cfg.checkpoint.enable or cfg.checkpoint.initial_load_path:  # loading needs no saving
             self.checkpointer = CheckpointManager(
                 cfg.checkpoint, self.run_dir, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
@@ -126,14 +126,78 @@ class Trainer:
             self.ema.reset()  # start the average at the loaded (or initial) weights
         if self.state.step == 0:
             on_rank0(env.rank, env.world_size, self.run_folder.refuse_existing_run)
-        if env.rank == 0:
-            self.run_folder.truncate_metrics(self.state.step)
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, env.rank, run_name=cfg.job.name,
-                                     config=cfg.to_dict(), wandb_id=self.state.wandb_id)
+                                     config=cfg.to_dict(), wandb_id=self.state.wandb_id,
+                                     resume_step=self.state.step if self.state.step > 0 else None)
         self.state.wandb_id = self.metrics.wandb_id or self.state.wandb_id
         self.state.sync_from_rank0(env.world_size)
         self.preemption = PreemptionHandler()
         self._log(self.state.step, self._startup_summary(), console_only=True)
+
+    def _build_inputs(self) -> None:
+        """Tokenizer, data checks (``check_data_files``), train loader and validation set.
+
+        Raises:
+            UserError: a bad data file or setting (DataError names the file), a tokenizer file.
+        """
+        cfg, env, t = self.cfg, self.env, self.cfg.training
+        self.tokenizer = build_tokenizer(cfg.data)
+        check_data_files(cfg.data, dp_world=env.world_size, seed=cfg.debug.seed, validation=cfg.validation.enable)
+        self.train_loader = build_train_loader(
+            cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
+            local_batch_size=t.local_batch_size, seq_len=t.seq_len, seed=cfg.debug.seed,
+        )
+        self.val_loader = None
+        if cfg.validation.enable:
+            v = cfg.validation
+            self.val_loader = build_validation_loader(
+                cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
+                local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
+                seq_len=t.seq_len, sequences=v.sequences,
+            )
+
+    def _agree_on_setup(self, build: Callable[[], None]) -> None:
+        """Run ``build`` on every rank; if it raised a ``UserError`` on any rank, raise on every rank
+        (that rank's error where it happened, a ``UserError`` quoting it elsewhere), so that all
+        ranks stop together with exit code 2 instead of some waiting in a collective."""
+        error: Optional[UserError] = None
+        try:
+            build()
+        except UserError as e:
+            error = e
+        if self.env.world_size > 1:
+            errors: list = [None] * self.env.world_size
+            dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+            failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
+            if failed and error is None:
+                rank, msg = failed[0]
+                raise UserError(f"rank {rank} could not start: {msg}")
+        if error is not None:
+            raise error
+
+    def _agree_on_data_error(self, error: Optional[UserError], step: int) -> None:
+        """Per step, before any collective of the step: if fetching the batches failed on any
+        rank (a bad row met while reading), raise on every rank, so all stop within the step
+        instead of waiting for the process-group timeout. One all-reduce of one number."""
+        failed = -1 if error is None else self.env.rank
+        if self.env.world_size > 1:
+            box = torch.tensor([float(failed)], device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            failed = int(box.item())
+        if error is not None:
+            raise error
+        if failed >= 0:
+            raise DataError(f"rank {failed} stopped at step {step} on a data error (its message names the file "
+                            f"and row); every rank stops")
+
+    def _release(self) -> None:
+        """Drop the model, optimizer, loaders and EMA (and collect): FSDP state must be gone before
+        ``destroy_process_group``, or 2-rank gloo runs can abort at exit (SIGABRT)."""
+        for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn",
+                     "eval_loss_fn", "ema"):
+            setattr(self, name, None)
+        self.env.mesh = None
+        gc.collect()
 
     # ------------------------------------------------------------------ helpers
 
@@ -225,7 +289,12 @@ class Trainer:
             with profiler as prof:
                 while self.state.step < t.steps:
                     step = self.state.step + 1
-                    micro = next_micro_batches(it, self.grad_accum, self.device, step)
+                    micro, data_error = None, None
+                    try:
+                        micro = next_micro_batches(it, self.grad_accum, self.device, step)
+                    except UserError as e:  # a bad row met while reading (DataError naming file and row)
+                        data_error = e
+                    self._agree_on_data_error(data_error, step)
                     loss, grad_norm, group_norms = self.train_step(micro)
                     finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
                     if finite:
@@ -247,8 +316,8 @@ class Trainer:
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
                             self._log(step, {"val_loss": self.validate()})
                     self.state.check_health(t.max_consecutive_nonfinite)
-                    if self.checkpointer is not None:
-                        self.checkpointer.save(step, last=step == t.steps)
+                    if self.checkpointer is not None and self.checkpointer.save(step, last=step == t.steps):
+                        self.metrics.flush()  # everything logged up to a checkpoint survives a crash
                     if prof is not None:
                         prof.step()
                     snapshots.after_step(step)
@@ -257,6 +326,8 @@ class Trainer:
                     if self.preemption is not None and self.preemption.should_stop():
                         if self.checkpointer is not None:
                             self.checkpointer.save(step, force=True)
+                        self.metrics.flush()
+                        self.preempted = True
                         self._log(step, {"event": "preempted", "signal": str(self.preemption.received)},
                                   console_only=True)
                         break
@@ -292,48 +363,62 @@ class Trainer:
         if self.preemption is not None:
             self.preemption.restore()
         self.run_folder.unlock()
-        for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn",
-                     "eval_loss_fn", "ema"):
-            setattr(self, name, None)
-        self.env.mesh = None
-        gc.collect()
+        self._release()
         if dist.is_initialized():
             dist.barrier()
             if destroy_process_group:
                 dist.destroy_process_group()
 
 
+def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optional[int] = None) -> int:
+    """Global rank 0 writes the exit status for the launch scripts (``mhar_titan.exit_status``); returns ``code``."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir = RunFolder(cfg).path if cfg is not None else None
+        write_exit_status(run_dir, status, code, step)
+    return code
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
 
-    Returns the exit code: 0 on success (also after a preemption); 2 for any
-    ``UserError``: a bad config (nothing is built), launch environment, run folder,
-    checkpoint (e.g. made for another model) or data (message on stderr, process group
-    torn down); 1 when the run stops for training health.
+    Returns the exit code, the same on every rank: 0 on success (also after a preemption);
+    2 for any ``UserError``: a bad config (nothing is built), launch environment, run folder,
+    checkpoint (e.g. made for another model) or data, found at start-up or, for a bad row met
+    while reading, at any step on any rank (one line on stderr; every rank stops within the
+    step); 1 when the run stops for training health. Rank 0 records the outcome as the exit
+    status the launch scripts read (``mhar_titan.exit_status``); a crash records nothing.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # torchdata 0.11 calls a torch API that torch 2.13 deprecated; harmless, and printed once per worker.
     warnings.filterwarnings("ignore", message=".*set_vital.*")
     argv = sys.argv[1:] if argv is None else argv
+    cfg = None
     try:
         cfg = load_config(None, argv)
         batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
         resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer), cfg.data.tokenizer)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _record_exit(cfg, "bad_input", 2)
     try:
         trainer = Trainer(cfg)
     except UserError as e:
         print(f"cannot start training: {type(e).__name__}: {e}", file=sys.stderr)
         if dist.is_initialized():
+            dist.barrier()  # every rank refused (the checks agree): leave together
             dist.destroy_process_group()
-        return 2
+        return _record_exit(cfg, "bad_input", 2)
+    status, code = "completed", 0
     try:
         trainer.train()
+        if trainer.preempted:
+            status = "preempted"
     except TrainingHealthError as e:
         print(f"training stopped: {e}", file=sys.stderr)
-        return 1
+        status, code = "health", 1
+    except UserError as e:
+        print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        status, code = "bad_input", 2
     finally:
         trainer.close()
-    return 0
+    return _record_exit(cfg, status, code, trainer.state.step)

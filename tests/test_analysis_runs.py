@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     for name in ("debug_baseline", "debug_mhar"):
         argv = debug_argv(root, name, f"--training.steps={STEPS}", "--training.local_batch_size=2",
-                          "--validation.enable=true", "--validation.freq=2", "--validation.steps=1",
+                          "--validation.enable=true", "--validation.freq=2", "--validation.sequences=2",
                           "--checkpoint.enable=true", f"--checkpoint.interval={STEPS}",
                           config=ROOT / "train_configs" / f"{name}.toml")
         assert train_main(argv) == 0
@@ -77,7 +77,7 @@ def test_heatmap_command_on_the_checkpoint_plots_the_models_mean_weights(runs, t
     data = json.loads((out / f"routing_step{STEPS}.json").read_text())
     loaded = load_run(run)
     (x, _), = build_validation_loader(loaded.data_config, loaded.tokenizer, dp_rank=0, dp_world=1,
-                                      local_batch_size=2, seq_len=32, steps=1)
+                                      local_batch_size=2, seq_len=32, sequences=2)
     trace = []
     with torch.no_grad():
         loaded.model.hidden_states(x, trace=trace)

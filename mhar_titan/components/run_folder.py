@@ -6,9 +6,8 @@ sinks write inside it on their own):
 * ``lock()``: an exclusive ``flock`` on ``<run_dir>/.lock`` held until ``unlock()``
   (the OS drops it if the process dies), so two trainings cannot write one folder;
 * ``refuse_existing_run()``: a fresh start (no checkpoint restored) must not mix with
-  a run already in the folder;
-* ``truncate_metrics(step)``: on resume, drop metric rows the interrupted run wrote
-  after the restored step;
+  a run already in the folder; a relaunch of the same resolved config (a job that died
+  before its first complete checkpoint) starts again, the earlier metrics set aside;
 * ``save_config()``: the resolved config, keeping a differing earlier one as
   ``<stem>.prev.toml``.
 
@@ -17,13 +16,15 @@ The checks run on rank 0; ``on_rank0`` raises their ``RunFolderError`` on every 
 from __future__ import annotations
 
 import fcntl
-import json
+import logging
 import pathlib
 from typing import Callable, Optional
 
 from mhar_titan.checkpoint.layout import step_folders
 from mhar_titan.config import JobConfig, to_toml
 from mhar_titan.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class RunFolderError(UserError, RuntimeError):
@@ -86,32 +87,48 @@ class RunFolder:
             self._lock = None
 
     def refuse_existing_run(self) -> None:
-        """Refuse a fresh start into a folder that already holds a run.
+        """Refuse a fresh start into a folder that already holds a run, unless it is the same job.
+
+        The same job is a start whose resolved config equals the folder's ``config.toml`` (an
+        automatic requeue or the same command after a crash before the first complete
+        checkpoint): it starts again, and the earlier attempt's metrics (JSONL rows,
+        TensorBoard folder) are moved aside to ``<name>.aborted-<n>`` so they are kept but not
+        mixed with the new run's. (Resumed runs drop later rows themselves: ``MetricsLogger``.)
 
         Raises:
-            RunFolderError: the folder holds metrics rows or checkpoint folders.
+            RunFolderError: the folder holds metrics rows or checkpoint folders of another config.
         """
         found = []
         if self.metrics_file.is_file() and self.metrics_file.read_text().strip():
             found.append(self.metrics_file.name)
         if step_folders(self.path / self.cfg.checkpoint.folder):
             found.append(f"{self.cfg.checkpoint.folder}/step-N")
-        if found:
-            why = ("no complete checkpoint to resume from" if self.cfg.checkpoint.enable
-                   else "checkpoint.enable = false, so nothing is resumed")
-            raise RunFolderError(
-                f"{self.path} already holds a run ({', '.join(found)}) and this start would overwrite it "
-                f"({why}); start a fresh run with another --job.name, or delete or move {self.path}"
-            )
-
-    def truncate_metrics(self, step: int) -> None:
-        """On resume from ``step``, drop JSONL rows written after it by the interrupted run."""
-        if not self.metrics_file.exists():
+        if not found:
             return
-        rows = [line for line in self.metrics_file.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-        if len(kept) != len(rows):
-            self.metrics_file.write_text("".join(line + "\n" for line in kept))
+        saved = self.path / self.cfg.job.save_config_file
+        if saved.is_file() and saved.read_text() == to_toml(self.cfg):
+            self._set_aside_earlier_attempt()
+            return
+        why = ("no complete checkpoint to resume from" if self.cfg.checkpoint.enable
+               else "checkpoint.enable = false, so nothing is resumed")
+        raise RunFolderError(
+            f"{self.path} already holds a run ({', '.join(found)}) of a different config than this start "
+            f"({why}; the same config would start again); start a fresh run with another --job.name, or "
+            f"delete or move {self.path}"
+        )
+
+    def _set_aside_earlier_attempt(self) -> None:
+        n = 1
+        while any(self.path.glob(f"*.aborted-{n}")):
+            n += 1
+        moved = []
+        for path in (self.metrics_file, self.path / self.cfg.metrics.save_tb_folder):
+            if path.exists():
+                path.replace(path.with_name(f"{path.name}.aborted-{n}"))
+                moved.append(path.name)
+        logger.warning("run folder %s: same config and no complete checkpoint (an attempt that stopped before "
+                       "its first checkpoint): starting again; earlier %s kept as *.aborted-%d",
+                       self.path, ", ".join(moved) or "files", n)
 
     def save_config(self) -> None:
         """Write the resolved config to ``job.save_config_file``; a differing one from an earlier

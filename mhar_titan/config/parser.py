@@ -305,8 +305,17 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"'compile.components' has unknown entries {bad}; valid: 'model', 'loss'")
     if cfg.metrics.log_freq < 1:
         raise ConfigError("'metrics.log_freq' must be >= 1")
-    if cfg.validation.enable and (cfg.validation.freq < 1 or cfg.validation.steps < 1):
-        raise ConfigError("'validation.freq' and 'validation.steps' must be >= 1 when validation is enabled")
+    v = cfg.validation
+    if v.steps is not None:
+        rows = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
+        raise ConfigError(
+            f"'validation.steps' counted micro-batches, so the validation set changed with the batch layout; "
+            f"it is replaced by 'validation.sequences', a fixed number of sequences. For the set {v.steps} steps "
+            f"gave on one rank, set validation.sequences = {v.steps * rows} (steps x {rows} sequences per "
+            f"micro-batch, times the number of ranks for a multi-rank run) and remove validation.steps"
+        )
+    if v.enable and (v.freq < 1 or v.sequences < 1):
+        raise ConfigError("'validation.freq' and 'validation.sequences' must be >= 1 when validation is enabled")
     if cfg.profiling.profile_freq < 1:
         raise ConfigError("'profiling.profile_freq' must be >= 1")
 

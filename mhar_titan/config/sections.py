@@ -163,14 +163,26 @@ class Metrics:
 
 @dataclass
 class Validation:
-    """``[validation]``: periodic loss on the held-out set."""
+    """``[validation]``: periodic loss on the held-out set (``data.validation_files``).
+
+    The validation set is a fixed set of tokens: the first ``sequences`` windows of
+    ``training.seq_len + 1`` tokens of the held-out files, so ``sequences * training.seq_len``
+    target tokens. ``val_loss`` is their mean loss, the same (up to float summation order)
+    whatever ``local_batch_size``, gradient accumulation or world size.
+    """
 
     enable: bool = False
     freq: int = 500
-    steps: int = 20
-    """Micro-batches per evaluation (the same batches every time)."""
+    sequences: int = 256
+    """Sequences of training.seq_len tokens evaluated each time (the same ones every time).
+    Checked against the files before training starts; ranks split them (the last micro-batch
+    is padded with ignored rows)."""
     local_batch_size: int = -1
-    """-1 means training.local_batch_size."""
+    """Sequences per evaluation micro-batch (memory only: it does not change the set);
+    -1 means training.local_batch_size."""
+    steps: Optional[int] = None
+    """Removed: it counted micro-batches, so the set changed with the batch layout. Use
+    ``sequences`` (the message says which value gives the old set)."""
 
 
 @dataclass

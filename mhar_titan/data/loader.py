@@ -349,6 +349,7 @@ class ValidationLoader:
     """
 
     def __init__(self, windows: list[list[int]], *, dp_rank: int, dp_world: int, local_batch_size: int):
+        self.seq_len = len(windows[0]) - 1
         mine = torch.tensor(windows[dp_rank::dp_world], dtype=torch.int64).reshape(-1, len(windows[0]))
         per_rank = -(-len(windows) // dp_world)
         self.steps = -(-per_rank // local_batch_size)

@@ -1,7 +1,7 @@
 """``python -m mhar_titan.eval {perplexity,lm-eval} RUN ...``: evaluate a run's checkpoint.
 
 perplexity: validation loss and perplexity on held-out files (default: the run's
-``data.validation_files``, at its ``training.seq_len``, ``validation.steps`` batches).
+``data.validation_files``, at its ``training.seq_len``, its ``validation.sequences``).
 lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install lm-eval`` and its task data).
 Bad input: a message on stderr and exit status 2.
 """
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p = sub.choices["perplexity"]
     p.add_argument("--files", nargs="+", default=None, help="held-out parquet/jsonl files or globs")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
-    p.add_argument("--batches", type=int, default=None, help="batches to score (default: validation.steps)")
+    p.add_argument("--batches", type=int, default=None, help="batches to score (default: the run's validation.sequences)")
     p = sub.choices["lm-eval"]
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--limit", type=int, default=None, help="examples per task")

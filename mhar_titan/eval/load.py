@@ -57,7 +57,8 @@ class LoadedModel:
         """Held-out ``(inputs, labels)`` batches as the trainer's validation builds them.
 
         Defaults come from the run's config: ``data.validation_files``, ``training.local_batch_size``,
-        ``training.seq_len`` and ``validation.steps`` (8, 512 and 8 without a config).
+        ``training.seq_len`` and ``validation.sequences`` (8, 512 and 64 without a config);
+        ``steps`` batches instead means ``steps * batch_size`` sequences.
 
         Raises:
             ValueError: no validation files named anywhere. DataError: the files are too short.
@@ -66,11 +67,12 @@ class LoadedModel:
         files = list(files or self.data_config.validation_files)
         if not files:
             raise ValueError(f"{self.run_dir} names no validation files (data.validation_files); pass some files")
+        batch_size = batch_size or (cfg.training.local_batch_size if cfg is not None else 8)
+        sequences = steps * batch_size if steps else (cfg.validation.sequences if cfg is not None else 64)
         return build_validation_loader(
             dataclasses.replace(self.data_config, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,
-            local_batch_size=batch_size or (cfg.training.local_batch_size if cfg is not None else 8),
-            seq_len=seq_len or (cfg.training.seq_len if cfg is not None else 512),
-            steps=steps or (cfg.validation.steps if cfg is not None else 8))
+            local_batch_size=batch_size, seq_len=seq_len or (cfg.training.seq_len if cfg is not None else 512),
+            sequences=sequences)
 
 
 def _is_checkpoint(path: pathlib.Path) -> bool:
