@@ -153,7 +153,7 @@ class Trainer:
             self.val_loader = build_validation_loader(
                 cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
                 local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
-                seq_len=t.seq_len, sequences=v.sequences,
+                seq_len=t.seq_len, sequences=v.sequences_for(t.seq_len),
             )
 
     def _agree_on_setup(self, build: Callable[[], None]) -> None:

@@ -83,7 +83,7 @@ def test_too_small_a_validation_set_is_refused_with_a_value_that_works(val_cfg):
         build_validation_loader(cfg, tok, dp_rank=0, dp_world=2, local_batch_size=4, seq_len=SEQ, sequences=10_000)
     msg = str(err.value)
     assert "validation.sequences = 10000" in msg and "set validation.sequences to at most" in msg
-    most = int(msg.split("at most ")[1].split(",")[0])
+    most = int(msg.split("at most ")[1].split(" ")[0])
     assert most >= 1
     loader = build_validation_loader(cfg, tok, dp_rank=1, dp_world=2, local_batch_size=4, seq_len=SEQ,
                                      sequences=most)

@@ -86,11 +86,10 @@ def test_validation_set_too_small_suggests_a_value_the_config_accepts(tmp_path, 
 
 def test_validation_loss_equal_across_micro_batch_and_accumulation(tmp_path):
     val_losses = []
-    for layout in (("--training.local_batch_size=4", "--training.global_batch_size=4"),
+    for layout in (("--training.local_batch_size=4", "--training.global_batch_size=4", "--validation.sequences=10"),
                    ("--training.local_batch_size=1", "--training.global_batch_size=4",
-                    "--validation.local_batch_size=3")):
-        cfg = debug_cfg(tmp_path, f"val{len(val_losses)}", *layout, "--validation.enable=true",
-                        "--validation.sequences=10")
+                    "--validation.local_batch_size=3", "--validation.tokens=320")):  # 10 sequences of 32
+        cfg = debug_cfg(tmp_path, f"val{len(val_losses)}", *layout, "--validation.enable=true")
         trainer = Trainer(cfg)
         try:
             val_losses.append(trainer.validate())
@@ -168,10 +167,7 @@ def test_bad_row_on_one_rank_stops_every_rank_within_seconds_with_exit_2(tmp_pat
     (tmp_path / "exit").mkdir()
     argv = debug_argv(tmp_path, "bad_row", *TINY, "--training.steps=200", "--data.sharding=document",
                       "--data.shuffle=false", f"--data.files={json.dumps(shards)}")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2",
-                             "tests/ckpt_train_entry.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "CKPT_EXIT_DIR": str(tmp_path / "exit"),
-                                                                      "OMP_NUM_THREADS": "1"})
+    proc = _torchrun(argv, tmp_path / "exit")
     last_step, lines = None, []
     for line in proc.stdout:
         lines.append(line)
@@ -187,3 +183,20 @@ def test_bad_row_on_one_rank_stops_every_rank_within_seconds_with_exit_2(tmp_pat
     assert any(f"{shards[1]} row 30: the text field holds a list, not text" in line for line in error), out[-3000:]
     assert out.count("Traceback") == 1 and "ChildFailedError" in out  # torchrun's own report of exit code 2 only
     assert read_exit_status(tmp_path / "bad_row" / "exit_status")["status"] == "bad_input"
+
+    # a relaunch with another config into that folder is refused on both ranks alike (exit 2, no abort)
+    for rc in (tmp_path / "exit").iterdir():
+        rc.unlink()
+    refused = _torchrun([*argv, "--optimizer.lr=1e-4"], tmp_path / "exit")
+    out, _ = refused.communicate(timeout=600)
+    assert {p.name: p.read_text() for p in (tmp_path / "exit").iterdir()} == {"rank0.rc": "2", "rank1.rc": "2"}, out
+    assert "already holds a run" in out and "SIGABRT" not in out and "terminate called" not in out
+
+
+def _torchrun(argv, exit_dir):
+    """``torchrun --nproc_per_node=2 train.py ARGV`` (through tests/ckpt_train_entry.py, which records
+    each rank's exit code in ``exit_dir``), output on stdout."""
+    return subprocess.Popen([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2",
+                             "tests/ckpt_train_entry.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CKPT_EXIT_DIR": str(exit_dir), "OMP_NUM_THREADS": "1"})

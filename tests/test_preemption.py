@@ -134,7 +134,7 @@ LOADER_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])  # SIGINT: the Ctrl-C test above
 def test_stop_signal_to_the_process_group_leaves_loader_workers_serving(sig):
     proc = subprocess.Popen([sys.executable, "-c", LOADER_CHILD, str(ROOT / "data/shakespeare/validation-00000-of-00001.parquet")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -316,6 +316,9 @@ def validate(cfg: JobConfig) -> None:
         )
     if v.enable and (v.freq < 1 or v.sequences < 1):
         raise ConfigError("'validation.freq' and 'validation.sequences' must be >= 1 when validation is enabled")
+    if v.enable and v.tokens is not None and v.tokens < t.seq_len:
+        raise ConfigError(f"'validation.tokens' = {v.tokens} is less than one sequence of training.seq_len = "
+                          f"{t.seq_len} tokens; set it to a multiple of {t.seq_len} (it counts whole sequences)")
     if cfg.profiling.profile_freq < 1:
         raise ConfigError("'profiling.profile_freq' must be >= 1")
 

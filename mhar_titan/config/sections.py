@@ -177,12 +177,19 @@ class Validation:
     """Sequences of training.seq_len tokens evaluated each time (the same ones every time).
     Checked against the files before training starts; ranks split them (the last micro-batch
     is padded with ignored rows)."""
+    tokens: Optional[int] = None
+    """The set's size in target tokens instead: ``tokens // training.seq_len`` sequences
+    (whole sequences; overrides ``sequences`` when set)."""
     local_batch_size: int = -1
     """Sequences per evaluation micro-batch (memory only: it does not change the set);
     -1 means training.local_batch_size."""
     steps: Optional[int] = None
     """Removed: it counted micro-batches, so the set changed with the batch layout. Use
     ``sequences`` (the message says which value gives the old set)."""
+
+    def sequences_for(self, seq_len: int) -> int:
+        """Sequences in the validation set at ``seq_len`` tokens each (``tokens`` or ``sequences``)."""
+        return self.tokens // seq_len if self.tokens is not None else self.sequences
 
 
 @dataclass

@@ -51,10 +51,10 @@ def _parquet_rows(shard: ParquetShard) -> int:
     return rows
 
 
-def _jsonl_rows(shard: JsonlShard) -> int:
+def _jsonl_rows(shard: JsonlShard, count: bool) -> int:
     shard.check()
     with open(shard.path, "rb") as f:
-        rows = sum(1 for _ in f)
+        rows = sum(1 for _ in f) if count else len(f.readline()[:1])  # without count: 1 if not empty
     if rows == 0:
         raise DataError(f"jsonl file {shard.path} is empty (an empty shard): remove it from the data files")
     first = next(shard.rows(0))  # DataError naming the line for bad JSON or a missing key
@@ -64,12 +64,15 @@ def _jsonl_rows(shard: JsonlShard) -> int:
     return rows
 
 
-def shard_rows(shard) -> int:
-    """Rows of one local shard after checking its readability, text column and emptiness (DataError)."""
+def shard_rows(shard, count: bool = True) -> int:
+    """Rows of one local shard after checking its readability, text column and emptiness (DataError).
+
+    ``count = False``: a jsonl file is not read to its end (the result is then 1 for a non-empty file).
+    """
     if isinstance(shard, ParquetShard):
         return _parquet_rows(shard)
     if isinstance(shard, JsonlShard):
-        return _jsonl_rows(shard)
+        return _jsonl_rows(shard, count)
     rows = shard.n_docs  # pretokenized: files checked against the manifest when loaded
     if rows == 0:
         raise DataError(f"pretokenized shard {shard.name} has no rows (an empty shard): remove it")
@@ -100,18 +103,18 @@ def check_data_files(cfg: DataConfig, *, dp_world: int, seed: int, validation: b
     """Run every data check that needs only ``cfg`` and the files (module docstring); DataError if one fails.
 
     ``seed`` is the training seed (used when ``cfg.seed`` is None); ``validation``: check
-    ``cfg.validation_files`` too. Costs one footer read per parquet file and one pass over the
-    lines of each jsonl file; no tokenization.
+    ``cfg.validation_files`` too. Costs one footer read per parquet file and, in document
+    sharding, one pass over the lines of each jsonl file (else its first line); no tokenization.
     """
     if cfg.source == "hub":
         return
     shards = train_shards(cfg)
-    rows = [shard_rows(s) for s in shards]
+    rows = [shard_rows(s, count=cfg.sharding == "document") for s in shards]
     check_readers(shards, rows, cfg, dp_world=dp_world, num_workers=cfg.num_workers,
                   seed=cfg.seed if cfg.seed is not None else seed)
     if validation:
         for shard in validation_shards(cfg):
-            shard_rows(shard)
+            shard_rows(shard, count=False)
 
 
 

@@ -330,7 +330,8 @@ def validation_windows(shards: list, tokenizer, *, seq_len: int, sequences: int)
                                 f"(data.validation_files) or set validation.enable = false")
             raise DataError(f"validation.sequences = {sequences}, but the validation files ({files}) hold only "
                             f"{len(windows)} sequences of {seq_len + 1} tokens: set validation.sequences to at "
-                            f"most {len(windows)}, or add validation files")
+                            f"most {len(windows)} (or validation.tokens to at most {len(windows) * seq_len}), "
+                            f"or add validation files")
         windows.append(w)
     return windows
 

@@ -68,10 +68,11 @@ class LoadedModel:
         if not files:
             raise ValueError(f"{self.run_dir} names no validation files (data.validation_files); pass some files")
         batch_size = batch_size or (cfg.training.local_batch_size if cfg is not None else 8)
-        sequences = steps * batch_size if steps else (cfg.validation.sequences if cfg is not None else 64)
+        seq_len = seq_len or (cfg.training.seq_len if cfg is not None else 512)
+        sequences = steps * batch_size if steps else (cfg.validation.sequences_for(seq_len) if cfg is not None else 64)
         return build_validation_loader(
             dataclasses.replace(self.data_config, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,
-            local_batch_size=batch_size, seq_len=seq_len or (cfg.training.seq_len if cfg is not None else 512),
+            local_batch_size=batch_size, seq_len=seq_len,
             sequences=sequences)
 
 
