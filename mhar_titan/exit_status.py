@@ -10,7 +10,8 @@ trainer therefore writes, as it exits, one small text file of ``key=value`` line
 
 ``status`` is one of ``STATUSES``; a launcher that finds no file after the run (or only a
 file from before it) treats the run as crashed (killed, out of memory, a bug). It is written
-by global rank 0 to ``<run folder>/exit_status`` and, when the environment variable
+by global rank 0 to ``<run folder>/exit_status`` (removed when a training starts, so a crash
+leaves none) and, when the environment variable
 ``MHAR_EXIT_STATUS_FILE`` names a file, to that file too (``slurm/train.sbatch`` and
 ``scripts/run_train.sh`` set it, since they do not know the run folder). Each write replaces
 the file atomically. ``slurm/lib.sh`` (``next_action``) turns the status into requeue / stop.
@@ -51,6 +52,11 @@ def write_exit_status(run_dir: Optional[Path], status: str, exit_code: int, step
             tmp.replace(path)
         except OSError:
             pass
+
+
+def clear_exit_status(run_dir: Path) -> None:
+    """Remove ``run_dir / FILE_NAME`` at the start of a training, so a crash leaves no status behind."""
+    (Path(run_dir) / FILE_NAME).unlink(missing_ok=True)
 
 
 def read_exit_status(path: Path) -> dict:

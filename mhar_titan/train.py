@@ -57,7 +57,7 @@ from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.errors import UserError
-from mhar_titan.exit_status import write_exit_status
+from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.build import resolve_model_args
 from mhar_titan.models.model import Transformer
@@ -89,6 +89,8 @@ class Trainer:
         self.run_dir = self.run_folder.path
         self.preempted = False  # set when a stop signal ended train() (after its checkpoint)
         on_rank0(env.rank, env.world_size, self.run_folder.lock)
+        if env.rank == 0:
+            clear_exit_status(self.run_dir)  # this start's outcome, or none after a crash
         try:
             self._build()
         except BaseException:
