@@ -145,7 +145,8 @@ def test_retention_deletes_the_marker_first_and_a_folder_missing_a_file_is_incom
     data.rename(data.with_suffix(".moved"))
     assert not is_complete(data.parent)  # a folder that lost a data file is not complete
     data.with_suffix(".moved").rename(data)
-    monkeypatch.setattr(manager_module.shutil, "rmtree", lambda *a, **k: None)  # killed as deletion starts
+    from mhar_titan.checkpoint import layout
+    monkeypatch.setattr(layout.shutil, "rmtree", lambda *a, **k: None)  # killed as deletion starts
     mgr.save(4, force=True)
     folders = step_folders(tmp_path / "checkpoints")
     assert sorted(folders) == [3, 4] and not is_complete(folders[3])  # files left, marker gone
