@@ -129,7 +129,7 @@ def run_local(sweep: Sweep, runs: Optional[Sequence[Run]] = None, dry_run: bool 
         status = status or ("preempted" if code == 0 else "crashed")
         if after == "done":
             report.completed.append(run.name)
-        elif code == 0 and status == "preempted":
+        elif code == 0 and status in ("preempted", "completed"):  # a clean stop short of the sweep's last step
             echo(f"{run.name} stopped at a checkpoint before its last step; rerun the same command to resume")
             report.stopped = run.name
             break
