@@ -18,13 +18,7 @@ LAYOUTS = ["paper", "clean"]
 STEPS, BATCH, SEQ = 20, 4, 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from intra-op threads and lose much on a busy 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def llama_like(vocab_size: int) -> Transformer:

@@ -30,12 +30,7 @@ LAYOUTS = {
 TOL = 2e-4  # fp32, ||x - ref|| / ||ref|| per tensor (issue 13, acceptance 1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loss_and_grads(layout: str, heads: int, g, ac: str = "none") -> dict[str, torch.Tensor]:

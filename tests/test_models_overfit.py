@@ -17,14 +17,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from intra-op threads; on a busy 2-core runner two threads per
-    process made this test 7x slower (measured: 158 s vs 22 s for the five families)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("family", CASES)

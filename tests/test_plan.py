@@ -25,13 +25,7 @@ GRANULARITIES = {"sublayer": {}, **{f"block k={k}": dict(routing_granularity="bl
                                     for k in (1, 2, 3)}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from intra-op threads, and lose much on a busy 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def routed_calls(model, x, monkeypatch):
