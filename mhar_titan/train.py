@@ -33,12 +33,10 @@ import gc
 import logging
 import math
 import os
-import random
 import sys
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,12 +45,13 @@ from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
-from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row
+from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_row
+from mhar_titan.components.ranks import agree_on_data_error, agree_on_setup, seed_global_rngs
 from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
 from mhar_titan.convert import load_pretrained_weights
-from mhar_titan.data import DataError, build_tokenizer
+from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
@@ -75,15 +74,7 @@ class Trainer:
         self.cfg = cfg
         self.env = env = init_distributed(cfg)
         self.device = env.device
-        # Every global RNG a component might draw from starts from the seed (and is saved in
-        # checkpoints, so a resumed run continues the same streams).
-        torch.manual_seed(cfg.debug.seed)
-        np.random.seed(cfg.debug.seed)
-        random.seed(cfg.debug.seed)
-        if cfg.debug.deterministic:
-            if env.device.type == "cuda":
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+        seed_global_rngs(cfg.debug.seed, cfg.debug.deterministic, env.device)
         self.global_batch_size, self.grad_accum = batch_geometry(cfg.training, env.world_size)
         self.run_folder = RunFolder(cfg)
         self.run_dir = self.run_folder.path
@@ -103,7 +94,7 @@ class Trainer:
         cfg, env, t = self.cfg, self.env, self.cfg.training
         # Inputs first, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
-        self._agree_on_setup(self._build_inputs)
+        agree_on_setup(self._build_inputs, env.world_size)
         self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
                                              cfg.data.tokenizer)
         self.model = build_model(Transformer, self.model_args, cfg, env)
@@ -134,7 +125,9 @@ class Trainer:
         self.state.wandb_id = self.metrics.wandb_id or self.state.wandb_id
         self.state.sync_from_rank0(env.world_size)
         self.preemption = PreemptionHandler()
-        self._log(self.state.step, self._startup_summary(), console_only=True)
+        self._log(self.state.step, startup_row(
+            cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
+            self.grad_accum, self.flops, self.run_dir), console_only=True)
 
     def _build_inputs(self) -> None:
         """Tokenizer, data checks (``check_data_files``), train loader and validation set.
@@ -158,40 +151,6 @@ class Trainer:
                 seq_len=t.seq_len, sequences=v.sequences_for(t.seq_len),
             )
 
-    def _agree_on_setup(self, build: Callable[[], None]) -> None:
-        """Run ``build`` on every rank; if it raised a ``UserError`` on any rank, raise on every rank
-        (that rank's error where it happened, a ``UserError`` quoting it elsewhere), so that all
-        ranks stop together with exit code 2 instead of some waiting in a collective."""
-        error: Optional[UserError] = None
-        try:
-            build()
-        except UserError as e:
-            error = e
-        if self.env.world_size > 1:
-            errors: list = [None] * self.env.world_size
-            dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-            failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
-            if failed and error is None:
-                rank, msg = failed[0]
-                raise UserError(f"rank {rank} could not start: {msg}")
-        if error is not None:
-            raise error
-
-    def _agree_on_data_error(self, error: Optional[UserError], step: int) -> None:
-        """Per step, before any collective of the step: if fetching the batches failed on any
-        rank (a bad row met while reading), raise on every rank, so all stop within the step
-        instead of waiting for the process-group timeout. One all-reduce of one number."""
-        failed = -1 if error is None else self.env.rank
-        if self.env.world_size > 1:
-            box = torch.tensor([float(failed)], device=self.device)
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
-            failed = int(box.item())
-        if error is not None:
-            raise error
-        if failed >= 0:
-            raise DataError(f"rank {failed} stopped at step {step} on a data error (its message names the file "
-                            f"and row); every rank stops")
-
     def _release(self) -> None:
         """Drop the model, optimizer, loaders and EMA (and collect): FSDP state must be gone before
         ``destroy_process_group``, or 2-rank gloo runs can abort at exit (SIGABRT)."""
@@ -202,17 +161,6 @@ class Trainer:
         gc.collect()
 
     # ------------------------------------------------------------------ helpers
-
-    def _startup_summary(self) -> dict:
-        a = self.model_args
-        return {
-            "event": "start", "flavor": self.cfg.model.flavor, "residual": a.residual,
-            "routing_heads": a.resolved_routing_heads if a.residual == "attn_res" else 0,
-            "params": sum(p.numel() for p in self.model.parameters()), "ranks": self.env.world_size,
-            "device": str(self.device), "global_batch": self.global_batch_size, "grad_accum": self.grad_accum,
-            "flops_per_token": self.flops.total, "routing_flops_per_token": self.flops.routing,
-            "run_dir": str(self.run_dir),
-        }
 
     def _log(self, step: int, row: dict, console_only: bool = False) -> None:
         if self.env.rank != 0:
@@ -296,7 +244,7 @@ class Trainer:
                         micro = next_micro_batches(it, self.grad_accum, self.device, step)
                     except UserError as e:  # a bad row met while reading (DataError naming file and row)
                         data_error = e
-                    self._agree_on_data_error(data_error, step)
+                    agree_on_data_error(data_error, step, self.env.rank, self.env.world_size, self.device)
                     loss, grad_norm, group_norms = self.train_step(micro)
                     finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
                     if finite:

@@ -6,6 +6,7 @@
 ``ema``          weight EMA of the parameters (checkpointed; validation and export use it)
 ``run_folder``   lock, fresh-start refusal, metrics truncation, resolved config
 ``train_state``  the trainer's counters (checkpointed) and the health guard
-``performance``  per-step throughput and MFU, profiler traces, CUDA memory snapshots
+``performance``  the start-up line, per-step throughput and MFU, profiler traces, CUDA memory snapshots
+``ranks``        seeds of the global RNGs; all ranks stop together on a start-up or data error
 ===============  ==================================================================
 """

@@ -28,6 +28,20 @@ def performance_row(tokens_per_s: float, world_size: int, flops: FlopsPerToken, 
     }
 
 
+def startup_row(cfg, model_args, model: torch.nn.Module, world_size: int, device: torch.device,
+                global_batch: int, grad_accum: int, flops: FlopsPerToken, run_dir: pathlib.Path) -> dict:
+    """The console line a run starts with: flavor, family, parameter count, ranks, device, batch
+    geometry, training FLOPs per token (total and routing) and the run folder."""
+    return {
+        "event": "start", "flavor": cfg.model.flavor, "residual": model_args.residual,
+        "routing_heads": model_args.resolved_routing_heads if model_args.residual == "attn_res" else 0,
+        "params": sum(p.numel() for p in model.parameters()), "ranks": world_size,
+        "device": str(device), "global_batch": global_batch, "grad_accum": grad_accum,
+        "flops_per_token": flops.total, "routing_flops_per_token": flops.routing,
+        "run_dir": str(run_dir),
+    }
+
+
 def build_profiler(cfg: Profiling, run_dir: pathlib.Path, rank: int, device: torch.device,
                    current_step: Callable[[], int]):
     """A context manager yielding a ``torch.profiler.profile`` that writes one step's Chrome
