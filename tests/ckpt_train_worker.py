@@ -41,6 +41,12 @@ FAMILIES = {
 STEPS, WARMUP = 20, 10
 
 
+# The SIGTERM runs of test_checkpoint_e2e.py read with data-loader workers (the workers must
+# not die of a stop signal before the trainer saves): 2 workers in one process, 1 per torchrun rank.
+SIG1_ARGS = ["--training.steps", "40", "--data.num_workers", "2"]
+SIG2_ARGS = ["--training.steps", "40", "--data.num_workers", "1"]
+
+
 def base_args(out: Path, corpus: Path, name: str) -> list[str]:
     return [
         "--config", "train_configs/debug_mhar.toml",
@@ -199,7 +205,7 @@ def phase_one(r: Runner) -> None:
     r.save("w1_ref", rows(r.out, "w1_ref"))
     r.run("w1_doc", FAMILIES["mhar"] + ["--data.sharding", "document"], save_at={2}, stop_after=2)
     if (r.out / "sig1").exists():  # the test's SIGTERMed `python train.py` run
-        r.save("sig1_restart", r.run("sig1", ["--training.steps", "40"], one_step=True))
+        r.save("sig1_restart", r.run("sig1", SIG1_ARGS, one_step=True))
         r.save("sig1_rows", rows(r.out, "sig1"))
 
 
@@ -249,7 +255,7 @@ def phase_two(r: Runner) -> None:
 
     # restart the preempted torchrun run
     if (r.out / "sig2").exists():
-        r.save("sig2_restart", r.run("sig2", ["--training.steps", "40"], one_step=True))
+        r.save("sig2_restart", r.run("sig2", SIG2_ARGS, one_step=True))
         r.save("sig2_rows", rows(r.out, "sig2"))
 
 

@@ -1,8 +1,8 @@
 """Exact resume with the real trainer (issue 5, acceptance 1, 2, 4, 5, 6, 8).
 
 One module fixture runs, in order (about 3-4 min of CPU time on 2 cores):
-  1. ``python train.py`` and SIGTERM to it while it trains;
-  2. ``torchrun --nproc_per_node=2`` (train.py through tests/ckpt_train_entry.py, which
+  1. ``python train.py`` (2 data-loader workers) and SIGTERM to it while it trains;
+  2. ``torchrun --nproc_per_node=2`` (1 loader worker per rank; train.py through tests/ckpt_train_entry.py, which
      records each rank's exit status) and SIGTERM to torchrun;
   3. tests/ckpt_train_worker.py phases one (1 rank), two (2 ranks), three (1 rank): the
      Trainer built from the same config as train.py, several runs per launch (see there).
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_train_worker import FAMILIES, STEPS, base_args  # noqa: E402
+from ckpt_train_worker import FAMILIES, SIG1_ARGS, SIG2_ARGS, STEPS, base_args  # noqa: E402
 from helpers import ROOT, read_metrics  # noqa: E402
 
 PY = sys.executable
@@ -85,11 +85,11 @@ def e2e(tmp_path_factory):
     (out / "exit").mkdir()
     res = {}
     res["sig1"] = sigterm_while_training(
-        [PY, "train.py", *base_args(out, corpus, "sig1"), "--training.steps", "40"], out / "sig1", env)
+        [PY, "train.py", *base_args(out, corpus, "sig1"), *SIG1_ARGS], out / "sig1", env)
     res["sig1_rows_before"] = read_metrics(out / "sig1")
     res["sig2"] = sigterm_while_training(
         [TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/ckpt_train_entry.py",
-         *base_args(out, corpus, "sig2"), "--training.steps", "40"], out / "sig2", env)
+         *base_args(out, corpus, "sig2"), *SIG2_ARGS], out / "sig2", env)
     res["sig2_rows_before"] = read_metrics(out / "sig2")
     res["sig2_exit"] = {p.name: p.read_text() for p in (out / "exit").iterdir()}
     res["out"] = out
