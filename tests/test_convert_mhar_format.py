@@ -68,3 +68,19 @@ def test_loading_into_a_different_model_is_refused(tmp_path):
     load_mhar_weights(longer, tmp_path / "out")
     with torch.no_grad():
         assert torch.equal(longer(TOKENS), model(TOKENS))
+
+
+@pytest.mark.parametrize("damaged", ["data", "metadata"])
+def test_a_truncated_checkpoint_is_one_checkpoint_error_for_every_loader(tmp_path, damaged, capsys):
+    from mhar_titan.checkpoint import CheckpointError
+    from mhar_titan.generate import main as generate_main
+
+    model = trained_like(routing_mode="replace", routing_granularity="sublayer")
+    folder = save_model_dcp(model, tmp_path / "checkpoints" / "step-3")
+    victim = folder / ".metadata" if damaged == "metadata" else sorted(folder.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"step-3 cannot be read .* truncated or corrupted"):
+        load_model_dcp(folder)
+    assert generate_main([str(folder), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "step-3 cannot be read" in err and "Traceback" not in err

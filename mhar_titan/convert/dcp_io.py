@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from mhar_titan.checkpoint import MARKER
+from mhar_titan.checkpoint.checks import unreadable_error
 from mhar_titan.models.args import ModelArgs
 
 from .hf_config import ConversionError, read_json
@@ -69,12 +71,22 @@ def dcp_model_args(path: str | os.PathLike, **overrides) -> ModelArgs:
 def load_model_dcp(path: str | os.PathLike, dtype: torch.dtype = torch.float32, ema: bool = True, **overrides):
     """Rebuild the model of a DCP checkpoint (args from its marker) and load its weights: the
     weight EMA (``ema.*`` keys, written when training.ema_decay > 0) when the checkpoint has one
-    and ``ema`` is True, the trained weights otherwise."""
+    and ``ema`` is True, the trained weights otherwise.
+
+    Raises:
+        ConversionError: no marker, or a marker without model arguments.
+        CheckpointError: the checkpoint's files cannot be read (truncated or corrupted); names the
+            folder and the way out, deletes nothing.
+    """
     model = empty_model(dcp_model_args(path, **overrides), dtype)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    part = "ema" if ema and any(key.startswith("ema.") for key in saved) else "model"
-    state = {part: get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    folder = Path(path)
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        part = "ema" if ema and any(key.startswith("ema.") for key in saved) else "model"
+        state = {part: get_model_state_dict(model)}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise unreadable_error(folder.parent, folder, e) from None
     return model
