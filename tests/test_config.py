@@ -38,6 +38,17 @@ def test_config_file_from_cli_and_list_and_bool_values(tmp_path):
     assert cfg.optimizer.no_decay == ["norms"]
 
 
+def test_string_lists_on_the_command_line_take_one_item_or_commas():
+    one = load_config(None, ["--data.files=data/x-*.parquet"])
+    assert one.data.files == ["data/x-*.parquet"]
+    two = load_config(None, ["--data.files", "a.parquet, more/*.parquet"])
+    assert two.data.files == ["a.parquet", "more/*.parquet"]
+    toml = load_config(None, ['--data.files=["a.parquet", "b.parquet"]'])
+    assert toml.data.files == ["a.parquet", "b.parquet"]
+    with pytest.raises(ConfigError, match="force_nonfinite_loss_steps"):  # lists of ints stay TOML
+        load_config(None, ["--debug.force_nonfinite_loss_steps=3,4"])
+
+
 @pytest.mark.parametrize(
     "text, cli, needles",
     [

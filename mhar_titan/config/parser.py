@@ -148,10 +148,21 @@ def _apply_section(cfg: JobConfig, section: str, values: dict, where: str) -> No
         setattr(obj, key, _check_key(section, key, value, types_, where))
 
 
+def _is_str_list(tp: Any) -> bool:
+    """True for ``list[str]`` (also inside Optional)."""
+    optional = typing.get_origin(tp) in (Union, types.UnionType)
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if optional else [tp]
+    return any(typing.get_origin(a) is list and typing.get_args(a) == (str,) for a in args)
+
+
 def _parse_cli_value(raw: str, tp: Any) -> Any:
-    """A command-line string as the field's type: strings stay raw, the rest parse as TOML values."""
+    """A command-line string as the field's type: strings stay raw; a list of strings may also be
+    written comma-separated (``--data.files=a.parquet,b/*.parquet``, one item without a comma);
+    the rest parse as TOML values (``--data.files='["a", "b"]'`` works too)."""
     if tp is str or tp == Optional[str]:
         return raw
+    if _is_str_list(tp) and not raw.lstrip().startswith("["):
+        return [part.strip() for part in raw.split(",") if part.strip()]
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     try:
