@@ -252,6 +252,15 @@ def test_model_only_last_save_exports_dtype(tmp_path):
     assert all(torch.equal(v, want[k]) for k, v in params(fresh.model).items())
 
 
+def test_initial_load_path_that_is_missing_or_not_a_checkpoint_is_named(tmp_path):
+    missing = tmp_path / "nowhere" / "step-3"
+    with pytest.raises(CheckpointError, match=r"initial_load_path=.*nowhere.*does not exist"):
+        Run(tmp_path / "a", initial_load_path=str(missing)).ckpt.load()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"initial_load_path=.*empty is not a DCP checkpoint folder"):
+        Run(tmp_path / "b", initial_load_path=str(tmp_path / "empty")).ckpt.load()
+
+
 def test_wrapped_and_compiled_blocks_save_plain_keys(tmp_path):
     run = Run(tmp_path, interval=1)
     for i, layer in enumerate(run.model.layers):

@@ -84,3 +84,12 @@ def test_a_truncated_checkpoint_is_one_checkpoint_error_for_every_loader(tmp_pat
     assert generate_main([str(folder), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "step-3 cannot be read" in err and "Traceback" not in err
+
+
+def test_a_run_folder_given_for_a_checkpoint_names_its_step_folders(tmp_path):
+    model = trained_like(routing_mode="replace", routing_granularity="sublayer")
+    for step in (20, 100):
+        save_model_dcp(model, tmp_path / "run" / "checkpoints" / f"step-{step}")
+    with pytest.raises(ConversionError, match=r"is a run folder, not a checkpoint.*newest: .*step-100"):
+        load_model_dcp(tmp_path / "run")
+    assert convert_main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2

@@ -326,6 +326,9 @@ class CheckpointManager:
             except UserError as e:
                 raise CheckpointError(f"checkpoint.initial_load_path={path}: {e}") from None
             return 0
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.initial_load_path={path} does not exist (or is not a folder); "
+                                  "point it at a checkpoints/step-N folder or a pretrained model folder")
         if not (path / ".metadata").is_file():
             raise CheckpointError(
                 f"checkpoint.initial_load_path={path} is not a DCP checkpoint folder (no .metadata)"

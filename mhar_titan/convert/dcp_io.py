@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from mhar_titan.checkpoint import MARKER
 from mhar_titan.checkpoint.checks import unreadable_error
+from mhar_titan.checkpoint.layout import step_folders
 from mhar_titan.models.args import ModelArgs
 
 from .hf_config import ConversionError, read_json
@@ -60,7 +61,13 @@ def dcp_model_args(path: str | os.PathLike, **overrides) -> ModelArgs:
     Raises:
         ConversionError: no marker, or a marker without model arguments.
     """
-    marker = read_json(Path(path) / MARKER)
+    path = Path(path)
+    if not (path / MARKER).is_file() and (path / "checkpoints").is_dir():
+        steps = step_folders(path / "checkpoints")
+        hint = f" (the newest: {steps[max(steps)]})" if steps else ""
+        raise ConversionError(f"{path} is a run folder, not a checkpoint: pass one of its "
+                              f"checkpoints/step-N folders{hint}")
+    marker = read_json(path / MARKER)
     fields = marker.get("model_args") or marker.get("fingerprint", {}).get("model_args")
     if not fields:
         raise ConversionError(f"{Path(path) / MARKER} records no model arguments; cannot rebuild the model")
