@@ -101,6 +101,18 @@ def test_arguments_checked_once_per_routing_call(counted_checks, kernel, delta):
     assert counted_checks == {"check": 1, "launch": int(kernel == "triton")}
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_arguments_checked_once_per_permuted_routing_call(counted_checks, delta):
+    """The permuted head layout (eager path only) also checks its arguments exactly once."""
+    inputs = make_inputs(4, 16, 4, torch.float32, delta=delta)
+    null = [inputs["null_source"]] if delta else []
+    permutation = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    out = routing.route(null + inputs["sources"], inputs["query"], inputs["norm_weight"], 4, kernel="eager",
+                        partial=inputs.get("partial"), alpha=inputs.get("alpha"), permutation=permutation)
+    torch.autograd.grad(out.sum(), leaves(inputs))
+    assert counted_checks == {"check": 1, "launch": 0}
+
+
 def test_kernel_package_public_route_checks_once(counted_checks):
     inputs = make_inputs(3, 16, 4, torch.float32)
     mhar_kernels.route(inputs["sources"], inputs["query"], inputs["norm_weight"], 4).sum().backward()

@@ -207,13 +207,21 @@ def route_reference(
     """
     null_source, full = contract.split_null_source(sources)
     heads = contract.check_route_args(full, query, norm_weight, heads, null_source=null_source)
-    sources = contract.with_null_source(null_source, full)
+    out, weights = _reference_mix(contract.with_null_source(null_source, full), query, norm_weight, heads, eps,
+                                  permutation)
+    return (out, weights) if return_weights else out
+
+
+def _reference_mix(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float,
+                   permutation: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`route_reference` on arguments already checked (null source first, heads an int): the mix
+    and the weights, in the permuted head layout when `permutation` is given."""
     if permutation is not None:
         sources, query, norm_weight = _permute_features(sources, query, norm_weight, permutation)
     out, weights = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
     if permutation is not None:
         out = out.index_select(-1, torch.argsort(permutation.to(out.device)))
-    return (out, weights) if return_weights else out
+    return out, weights
 
 
 def route_stacked(stacked: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
@@ -284,13 +292,9 @@ def route(
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {ROUTING_KERNELS}")
     null_source, full = contract.split_null_source(sources)
     heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
-    if permutation is not None:
-        if kernel != "eager":
-            raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
-                             "set routing_kernel='eager'")
-        mix = route_reference(contract.with_null_source(null_source, full), query, norm_weight, heads, eps,
-                              permutation=permutation)
-        return mix if partial is None else partial + alpha.to(mix.dtype) * mix
+    if permutation is not None and kernel != "eager":
+        raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
+                         "set routing_kernel='eager'")
     if kernel == "auto":
         kernel = "triton" if full[0].is_cuda else "eager"
     if kernel == "triton":
@@ -302,7 +306,7 @@ def route(
     if kernel == "compile":
         mix = _route_compiled(sources, query, norm_weight, heads, eps)
     else:
-        mix, _ = _DepthRoute.apply(query, norm_weight, heads, float(eps), *sources)
+        mix, _ = _reference_mix(sources, query, norm_weight, heads, eps, permutation)
     if partial is None:
         return mix
     return partial + alpha.to(mix.dtype) * mix
