@@ -161,7 +161,12 @@ def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Ten
     for entry in site.creates if site is not None else ():
         value = None
         for coefficient, operand in entry.recipe:
-            x = output if operand == OUTPUT else h if operand == STREAM else (sources + created)[operand]
+            if operand == OUTPUT:
+                x = output
+            elif operand == STREAM:
+                x = h
+            else:  # an index into the source list, the entries created here continuing it
+                x = sources[operand] if operand < len(sources) else created[operand - len(sources)]
             value = x if value is None else (value + x if coefficient > 0 else value - x)
         created.append(value)
     return created
