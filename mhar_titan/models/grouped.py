@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from mhar_kernels import contract
 
 from .plan import Group, Site
-from .routing import _inv_rms, _logits_and_inv_rms, _normalised_key, depth_mix
+from .routing import _inv_rms, _logits_and_inv_rms, _normalised_key, depth_mix, rms_norm_input_grad
 
 
 class State(NamedTuple):
@@ -73,10 +73,7 @@ def _key_backward(source: Tensor, rstd: Tensor, key: Tensor, dlogits: Tensor, q:
             dq += t * g
         if dg is not None:
             dg += t * q
-    dkp = torch.einsum("...gh,ghk->...hk", dlogits, q * g).flatten(-2)
-    xhat = source.to(dkp.dtype) * rstd
-    # dv = r dkp - (r^3/d) <dkp, s> s, written with xhat = r s (r^3 underflows fp32 at large RMS)
-    return rstd * (dkp - xhat * ((dkp * xhat).sum(-1, keepdim=True) / dkp.shape[-1]))
+    return rms_norm_input_grad(source, rstd, torch.einsum("...gh,ghk->...hk", dlogits, q * g).flatten(-2))
 
 
 def _reduce_to(grad: Tensor, source: Tensor) -> Tensor:

@@ -57,6 +57,15 @@ def _normalised_key(source: Tensor, rstd: Tensor, cdt: torch.dtype) -> Tensor:
     return (source.to(cdt) * rstd).to(source.dtype).to(cdt)
 
 
+def rms_norm_input_grad(source: Tensor, rstd: Tensor, dkp: Tensor) -> Tensor:
+    """Gradient through the key RMSNorm (MHAR_SPEC section 4, the storage cast taken as identity):
+    dv = r dkp - (r^3/d) <dkp, s> s for the upstream gradient dkp (..., d) of the normalised key
+    (before the key-norm weight), written with xhat = r s so that r^3 never appears (it underflows
+    fp32 once a source's RMS passes ~1e12). rstd: inverse RMS (..., 1); result in dkp's dtype."""
+    xhat = source.to(dkp.dtype) * rstd
+    return rstd * (dkp - xhat * ((dkp * xhat).sum(-1, keepdim=True) / dkp.shape[-1]))
+
+
 def _source_logits(source: Tensor, q: Tensor, g: Tensor, eps: float, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per-head logits (..., H) of one source (or a stack of them) against q (H, K), and its
     inverse RMS (..., 1)."""
@@ -156,11 +165,7 @@ class _DepthRoute(torch.autograd.Function):
             if not need_src[n]:
                 grads.append(None)
                 continue
-            # dv = r dkp - (r^3/d) <dkp, s> s, written with xhat = r s so that r^3 never
-            # appears (it underflows fp32 once a source's RMS passes ~1e12).
-            xhat = s.to(cdt) * r
-            dkp = dkey * g
-            dv = r * (dkp - xhat * ((dkp * xhat).sum(-1, keepdim=True) / d))
+            dv = rms_norm_input_grad(s, r, dkey * g)
             dv = dv + (weights[n].unsqueeze(-1) * dout).flatten(-2)
             if s.dim() == 1:  # broadcast null source: sum over the token dims
                 dv = dv.sum(token_dims)
