@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from mhar_kernels.traffic import H200_PROGRAMS, Traffic, routing_traffic  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
-from mhar_titan.models.routing import route as model_route  # noqa: E402
+from mhar_titan.models.routing import route as model_route, share_gradient  # noqa: E402
 
 # name: (B, T, d, N); N = 2L + 1 sources at the final routing of an L-layer model.
 SHAPES = {
@@ -56,40 +56,41 @@ SECTION = "## Kernels: depth routing"
 
 def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, device) -> int:
     """Counted bytes of one fused call over n sources ("call") or of the n sites of a step,
-    site s reading the first s sources ("step"), forward + backward."""
+    site s reading the first s sources, shared as the models share them ("step"), forward +
+    backward."""
     from mhar_kernels.triton_routing import reduce_programs
 
-    counts = [n] if scope == "call" else list(range(1, n + 1))
-    return routing_traffic(counts, dim=d, tokens=b * t, dtype=dtype, heads=heads, distinct_sources=n,
+    sites = [list(range(n))] if scope == "call" else [list(range(s)) for s in range(1, n + 1)]
+    return routing_traffic(sites, dim=d, tokens=b * t, dtype=dtype, heads=heads,
                            programs=reduce_programs(b * t, device)).total
 
 
-def plan_counts(args: ModelArgs) -> tuple[list[int], int]:
-    """(the (B, T, d) sources each routing site reads, how many different ones) from the
-    model's routing plan; the null source is not a row and is not counted."""
+def plan_sources(args: ModelArgs) -> list[list[int]]:
+    """For each routing site of the model's routing plan, the entries (ids) of the (B, T, d)
+    sources it reads; the null source is not a row and is left out."""
     plan = RoutingPlan.from_args(args)
-    rows = [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
-    return [len(r) for r in rows], len({j for r in rows for j in r})
+    return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
 
 
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
-                 programs: int = H200_PROGRAMS) -> Traffic:
-    """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch."""
-    counts, distinct = plan_counts(args)
-    return routing_traffic(counts, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
-                           distinct_sources=distinct, delta=args.routing_mode == "delta",
-                           null_source=args.routing_null_source, programs=programs,
-                           recomputed_sites=len(counts) - 1 if ac == "full" else 0)
+                 programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
+    """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
+    (shared: the sources' gradient buffers shared between sites, as the models run)."""
+    sites = plan_sources(args)
+    return routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
+                           delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                           programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
 
 
 def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
     lines = [
         f"Counted routing traffic per training step (`mhar_kernels.traffic`, MHAR H = 8, sublayer, replace, "
         f"{dtype}, backward partial sums from {H200_PROGRAMS} programs), GB; floor = N + 1 rows forward and "
-        "2N + 1 backward per site.",
+        "2N + 1 backward per site. The backward column includes the read-back of shared gradient buffers; "
+        "the last column is the ratio if autograd summed separate per-site gradients instead.",
         "",
-        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | accumulate | counted | floor | "
-        "counted / floor |",
+        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | counted | floor | "
+        "counted / floor | without shared gradients |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scale in scales:
@@ -97,11 +98,12 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
         b, t = MICRO_BATCH[scale]
         for ac in ("none", "full"):
             traffic = step_traffic(args, b * t, dtype, ac)
+            unshared = step_traffic(args, b * t, dtype, ac, shared=False)
             kinds = {k: v / 1e9 for k, v in traffic.by_kind().items()}
             lines.append(
                 f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
-                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | {kinds['accumulate']:.2f} | "
-                f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x |")
+                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | "
+                f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x | {unshared.ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -112,12 +114,17 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> tuple[float, float]:
-    """Host time (ms: median, minimum) of one forward+backward routing call through the models' route
-    (kernel="triton") over n sources, with the two kernel launches stubbed out: argument check,
-    custom-op dispatch, pointer table, allocations and autograd, no device work. CUDA tensors
-    where there is a GPU; CPU tensors otherwise (needs TRITON_INTERPRET=1 so that the op
-    accepts them)."""
+def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dict:
+    """Host time (ms) of routing with the two kernel launches stubbed out (argument check,
+    pointer table, allocations, autograd; no device work), through the models' route
+    (kernel="triton") and over sources shared as the models share them (`share_gradient`).
+    CUDA tensors where there is a GPU; CPU tensors otherwise (needs TRITON_INTERPRET=1 so that
+    the op accepts them).
+
+    Returns {'call': median and 'call_min': minimum of one forward+backward call over n sources
+    whose gradient buffers deeper sites already wrote (every site but a source's last reader),
+    'share': median per source of `share_gradient` forward + backward (once per source and
+    step, i.e. about once per call), 'total' = call + share}."""
     from mhar_kernels import triton_routing
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,15 +133,28 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> tup
     triton_routing._route_fwd_kernel = triton_routing._route_bwd_kernel = _NoLaunch()
     try:
         grad_out = torch.ones_like(sources[0])
+        shared = [share_gradient(x, "triton", heads) for x in sources]
 
-        def call():  # autograd.grad: no accumulation into the leaves' .grad (the model's sources are not leaves)
-            out = model_route(sources, query, norm_weight, heads, kernel="triton")
-            torch.autograd.grad(out, [*sources, query, norm_weight], grad_out)
-        for _ in range(10):
-            call()
+        def call():  # gradients of q and g only: the shared buffers stay with their sinks, as mid-step
+            out = model_route(shared, query, norm_weight, heads, kernel="triton")
+            torch.autograd.grad(out, [query, norm_weight], grad_out)
+
+        def share():  # n sources shared, used, and their gradients handed on
+            views = [share_gradient(x, "triton", heads) for x in sources]
+            torch.autograd.grad([v.sum() for v in views], sources)
+
+        def plain():  # the same without share_gradient, subtracted from share()
+            torch.autograd.grad([x.sum() for x in sources], sources)
         measure = timer(torch.device("cpu"))  # the host clock: there is no device work
-        times = [measure(call) for _ in range(iters)]
-        return statistics.median(times), min(times)
+        result = {}
+        for name, fn in (("call", call), ("share", share), ("plain", plain)):
+            for _ in range(10):
+                fn()
+            times = [measure(fn) for _ in range(iters)]
+            result[name], result[name + "_min"] = statistics.median(times), min(times)
+        result["share"] = max(0.0, result["share"] - result.pop("plain")) / n
+        result["total"] = result["call"] + result["share"]
+        return result
     finally:
         triton_routing._route_fwd_kernel, triton_routing._route_bwd_kernel = saved
 
@@ -192,8 +212,9 @@ def one_step(impl, sources, query, norm_weight, heads):
     """All 2L+1 routing sites of a step: site s routes over sources[:s] (forward, then one backward)."""
     def run():
         total = None
+        shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
         for s in range(1, len(sources) + 1):
-            out = model_route(sources[:s], query, norm_weight, heads, kernel=impl)
+            out = model_route(shared[:s], query, norm_weight, heads, kernel=impl)
             total = out.float().sum() if total is None else total + out.float().sum()
         torch.autograd.grad(total, [*sources, query, norm_weight])
     return run
@@ -299,10 +320,12 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.bytes:
         where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-        median, best = host_ms()
+        host = host_ms()
         text = bytes_table() + (
             f"\n\nHost time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
-            f"stubbed, 200 calls): median {median:.3f} ms, minimum {best:.3f} ms on {where}.")
+            f"stubbed, 200 calls, sources shared as the models share them): median {host['call']:.3f} ms "
+            f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its gradient "
+            f"(once per source and step): {host['total']:.3f} ms per call on {where}.")
         print(text)
         if a.out:
             write_table(a.out, text)

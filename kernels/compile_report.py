@@ -29,7 +29,7 @@ TOKENS = 2048
 _POINTER_ARGS = {
     "forward": dict(PTRS="*i64", RSTRIDES="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
                     STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32"),
-    "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
+    "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
                      DOUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
                      DALPHA_PART="*fp32", DNULL_PART="*fp32"),
 }
@@ -51,7 +51,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
-    HAS_* constexprs (default all False: replacement routing without a null source). Returns {'registers', 'spill_bytes', 'num_warps',
+    HAS_* constexprs (default: replacement routing without a null source; the backward adds
+    into shared gradient buffers, HAS_ACCUM). Returns {'registers', 'spill_bytes', 'num_warps',
     'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched by 16-byte cp.async
     in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
@@ -70,7 +71,9 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     cfg = tr.launch_config(tokens, heads, d // heads, backward=kind == "backward")
     num_warps = cfg.pop("num_warps")
     types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()} | _SCALAR_ARGS
-    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False)
+    # backward: HAS_ACCUM, as the models run it (a site adds into its sources' shared gradient buffers)
+    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False,
+                                                                                       HAS_ACCUM=True)
     constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
     names = fn.arg_names
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)

@@ -63,18 +63,25 @@ def check_route_args(
     if len(sources) == 0:
         raise ValueError("depth routing needs at least one (B, T, d) source")
     full = sources[0]
-    for i, s in enumerate(sources):
+    # One cheap pass (this runs once per routing call, N up to 73): the same shape as a source
+    # of >= 2 dims, the same dtype object and the same device (type and index).
+    # get_device() is -1 off CUDA: then the device type is compared too.
+    shape, dtype, device_type, device_index = full.shape, full.dtype, full.device.type, full.get_device()
+    off_cuda = device_index < 0
+    mismatched = [i for i, s in enumerate(sources)
+                  if s.shape != shape or s.dtype is not dtype or s.get_device() != device_index
+                  or (off_cuda and s.device.type != device_type)] if full.dim() >= 2 else [0]
+    for i in mismatched:
+        s = sources[i]
         if s.dim() < 2:
             raise ValueError(
                 f"source {i} has shape {tuple(s.shape)}; sources must be (B, T, d) tensors: a (d,) null source "
                 "goes first in route()/route_reference() or as null_source= in mhar_kernels.route()"
             )
+        raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
+                         f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
     if not full.is_floating_point():
         raise ValueError(f"sources must be floating point, got {full.dtype}")
-    for i, s in enumerate(sources):
-        if s.shape != full.shape or s.dtype != full.dtype or s.device != full.device:
-            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
-                             f"source 0: {tuple(full.shape)} {full.dtype} on {full.device}")
     d = full.shape[-1]
     if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
         raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")

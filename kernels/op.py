@@ -18,9 +18,11 @@ handling of the N sources (about a quarter of the host time of a call at N = 73)
 Saved for backward: references to the source tensors (no copies), query, norm weight,
 alpha, null source, the fp32 logits and lse (N*B*T*H + B*T*H elements) and the normalised mix
 (the output itself in replacement mode; one extra (B, T, d) tensor in delta mode), from which
-the backward gets <dmix, mix> without a second read of the sources. Nothing is
-shared between calls, so a block recomputed by activation checkpointing, or a backward in
-any order (FSDP2 prefetching, pipeline schedules), sees the same state as the first run.
+the backward gets <dmix, mix> without a second read of the sources. The only state shared
+between calls is a source's gradient buffer (`share_gradient`): it belongs to the sharing
+view's autograd node of the original forward, so a block recomputed by activation
+checkpointing adds into the same buffer, and the view's backward runs after every reader's,
+whatever their order (FSDP2 prefetching, pipeline schedules).
 """
 from __future__ import annotations
 
@@ -99,12 +101,15 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
 
 
 # ---------------------------------------------------------------------------- backward op
-def _backward_values(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source):
-    """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None."""
+def _backward_values(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source,
+                     grads=None, accumulate=None):
+    """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None.
+    grads / accumulate: the source gradient buffers and whether to add into each
+    (`triton_routing.route_backward`)."""
     _require(grad_out.device, grad_out.shape[-1], heads)
     srcs = contract.with_null_source(null_source, list(sources))
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha
+        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate
     )
     return (
         grads,
@@ -175,22 +180,98 @@ def _backward(ctx, grad_out, _grad_mix, _grad_logits, _grad_lse):
 route_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------- shared source gradients
+class GradientSink:
+    """The gradient buffer of one source, shared by every routing call that reads it.
+
+    `grad` is None until the first reader's backward (the deepest site: backward runs in
+    reverse) writes it; later readers add into it in their kernel; `share_gradient`'s node
+    hands it on and empties the sink."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: Optional[Tensor] = None
+
+
+SINK_ATTRIBUTE = "_mhar_gradient_sink"
+
+
+class _ShareGradient(torch.autograd.Function):
+    """Identity whose backward returns the source's gradient accumulated in its sink (plus any
+    gradient reaching the view by other paths). Autograd runs it only after the backward of
+    every op that read the view, so the sum is complete, whatever the order of those backwards
+    (activation checkpointing recompute, FSDP2 prefetch) and whichever ops they are."""
+
+    @staticmethod
+    def forward(ctx, source, sink):
+        ctx.set_materialize_grads(False)  # the routing calls return None: no zero tensor to add
+        ctx.sink = sink
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total, ctx.sink.grad = ctx.sink.grad, None
+        if grad is None:
+            return total, None
+        return (grad if total is None else grad + total), None
+
+
+def share_gradient(source: Tensor) -> Tensor:
+    """A view of `source` (B, T, d) whose routing gradients are accumulated in one buffer.
+
+    Every `route` call (outside torch.compile) that reads the returned view adds its gradient
+    for it, in its backward kernel, into one (B, T, d) buffer in the source's dtype (the first
+    writer overwrites, later ones read-modify-write with one rounding each), instead of
+    returning a new gradient tensor that autograd then adds (k - 1 additions of three rows for
+    a source read by k sites). The finished buffer reaches the source's producer through this
+    view's backward. Gradients from ops other than `route` (or from `route` under
+    torch.compile, whose custom op returns them as usual) are added there.
+
+    A tensor that does not require grad, or grad mode off, returns `source` itself."""
+    if not (torch.is_grad_enabled() and source.requires_grad):
+        return source
+    sink = GradientSink()
+    view = _ShareGradient.apply(source, sink)
+    setattr(view, SINK_ATTRIBUTE, sink)
+    return view
+
+
 class _EagerRoute(torch.autograd.Function):
     """The same forward and backward as the custom ops, called directly: outside torch.compile
-    this skips the custom-op dispatch and pytree handling of the N sources (host time per call)."""
+    this skips the custom-op dispatch and pytree handling of the N sources (host time per call).
+    Sources made by `share_gradient` get their gradient added into their sink by the kernel and
+    return None here."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
         inputs = (sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         output = _forward_values(*inputs)
         _setup_context(ctx, inputs, output)
+        ctx.sinks = [getattr(s, SINK_ATTRIBUTE, None) for s in sources]
+        ctx.grad_like = dict(size=sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
         return output[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        grads, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, _backward_values)
-        return (dq, dg, None, None, dpartial, dalpha, dnull, *grads)
+        buffers, accumulate, returned = [], [], []
+        for sink in ctx.sinks:  # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
+            if sink is not None and sink.grad is not None:
+                buffers.append(sink.grad)
+                accumulate.append(True)
+            else:
+                buffer = torch.empty(**ctx.grad_like)
+                if sink is not None:
+                    sink.grad = buffer
+                buffers.append(buffer)
+                accumulate.append(False)
+            returned.append(None if sink is not None else buffers[-1])
+
+        def backward(*args):
+            return _backward_values(*args, grads=buffers, accumulate=accumulate)
+        _, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, backward)
+        return (dq, dg, None, None, dpartial, dalpha, dnull, *returned)
 
 
 # ---------------------------------------------------------------------------- public API

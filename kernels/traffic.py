@@ -1,4 +1,4 @@
-"""Bytes the routing kernels move: per launch, per gradient accumulation, per step, and the floor.
+"""Bytes the routing kernels move: per launch, per step, and the floor.
 
 A row is one (B*T, d) tensor in the storage dtype: tokens * d * element bytes. For a routing
 site over N (B, T, d) sources (a (d,) null source, when present, is one more source of the
@@ -6,16 +6,22 @@ depth softmax but not a row: it is d values, cache-resident), the kernels of thi
 
     forward launch     reads N rows (+ partial in delta mode), q, g;
                        writes out (+ the mix in delta mode), logits (N', T, H) and lse (T, H) fp32
-    backward launch    reads grad_out, the saved mix, N rows once, logits, lse, q, g;
+    backward launch    reads grad_out, the saved mix, N rows once, logits, lse, q, g, and the
+                       gradient buffer of every source a later site already wrote (A rows);
                        writes N gradient rows and (P, d) fp32 partial sums of dq, dg (dnull)
     reduce             the host sums the (P, d) partials (P = programs of the backward launch)
-    accumulate         autograd adds the gradients of a source read by k sites: k - 1 additions,
-                       each reading two rows and writing one
+
+Sources shared between sites (`op.share_gradient`, as the models pass them) have one gradient
+buffer: backward runs the sites in reverse, so a source's last reader writes it and every
+earlier reader adds into it inside its backward launch (A counts those), and autograd adds
+nothing. Without sharing, autograd would add the k gradients of a source read by k sites
+(k - 1 additions of three rows each); `routing_traffic(..., shared=False)` counts that as one
+"accumulate" entry.
 
 The floor per site is N + 1 rows forward (read N sources, write the output) and 2N + 1 rows
 backward (read N sources and the upstream gradient, write N gradients), as in docs/DESIGN.md.
-The per-site source counts come from the model's routing plan; this module takes plain ints
-(it imports nothing of the models) and no GPU.
+The per-site sources come from the model's routing plan; this module takes plain ints (it
+imports nothing of the models) and no GPU.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ H200_PROGRAMS = 264
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch (or, for kind "accumulate", all autograd additions of a step).
+    """One kernel launch (or, for kind "accumulate", all autograd additions of a step without
+    shared gradients).
 
     site: routing site index (None for the accumulation total); kind: "forward", "backward",
     "reduce" or "accumulate"; read / written: bytes."""
@@ -76,12 +83,19 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                   delta: bool = False, null_source: bool = False, programs: int = H200_PROGRAMS,
-                  recomputed: bool = False) -> list[Launch]:
+                  recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
     """The forward, backward and reduce launches of one routing site over `n_sources` (B, T, d)
     sources (the null source not counted in n_sources). recomputed: activation checkpointing
-    runs the forward launch a second time in backward. Bytes as in the module docstring."""
+    runs the forward launch a second time in backward. accumulated: how many of the sources'
+    shared gradient buffers a later site already wrote (read back and added to). Bytes as in the
+    module docstring.
+
+    Raises:
+        ValueError: no source, or accumulated outside [0, n_sources]."""
     if n_sources < 1:
         raise ValueError(f"site {site}: a routing site reads at least one (B, T, d) source, got {n_sources}")
+    if not 0 <= accumulated <= n_sources:
+        raise ValueError(f"site {site}: accumulated={accumulated} must lie in [0, {n_sources}]")
     el = element_bytes(dtype)
     row = tokens * dim * el
     n_all = n_sources + int(null_source)
@@ -90,43 +104,56 @@ def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: to
     forward = Launch(site, "forward", read=n_sources * row + int(delta) * row + params,
                      written=row + int(delta) * row + stats)
     partial_sums = programs * dim * FP32 * (2 + int(null_source)) + int(delta) * programs * FP32
-    backward = Launch(site, "backward", read=(n_sources + 2) * row + stats + params,
+    backward = Launch(site, "backward", read=(n_sources + 2 + accumulated) * row + stats + params,
                       written=n_sources * row + partial_sums)
     reduce = Launch(site, "reduce", read=partial_sums, written=dim * FP32 * (2 + int(null_source)) + int(delta) * FP32)
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
-def routing_traffic(source_counts: Sequence[int], *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
-                    distinct_sources: int, delta: bool = False, null_source: bool = False,
-                    programs: int = H200_PROGRAMS, recomputed_sites: int = 0) -> Traffic:
+def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
+    """Per site, how many of its sources' shared gradient buffers a later site already wrote.
+
+    site_sources: for each routing site in forward order, the ids of the (B, T, d) sources it
+    reads. Backward runs the sites in reverse, so each source's last reader writes its buffer
+    and every earlier reader adds into it."""
+    last_reader: dict[int, int] = {}
+    for site, ids in enumerate(site_sources):
+        for source in ids:
+            last_reader[source] = site
+    return [sum(last_reader[source] != site for source in ids) for site, ids in enumerate(site_sources)]
+
+
+def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: int, dtype: torch.dtype,
+                    heads: int, delta: bool = False, null_source: bool = False, programs: int = H200_PROGRAMS,
+                    recomputed_sites: int = 0, shared: bool = True) -> Traffic:
     """Traffic of every routing launch of one step and the floor.
 
     Args:
-        source_counts: (B, T, d) sources read by each routing site, in order (null source excluded).
+        site_sources: for each routing site in order, the ids of the (B, T, d) sources it reads
+            (null source excluded); sites reading the same id read the same tensor.
         dim, tokens, heads: d, B*T of the micro-batch, routing heads H.
         dtype: storage dtype of the sources.
-        distinct_sources: how many different (B, T, d) tensors the sites read; a source read by
-            k sites costs k - 1 autograd additions, so there are sum(source_counts) - distinct
-            additions of three rows each.
         delta, null_source: delta routing (partial and mix rows), a (d,) null source.
         programs: backward programs P (partial sums are (P, d) fp32); 264 on one H200.
         recomputed_sites: the first this-many sites run their forward twice (activation
             checkpointing recomputes the blocks; the final routing is outside them).
+        shared: the sources' gradients are shared buffers the kernels add into (the models'
+            fused path); False counts separate gradients summed by autograd instead.
 
     Raises:
-        ValueError: a site without sources, or distinct_sources outside [max count, sum of counts].
+        ValueError: a site without sources.
     """
-    reads = sum(source_counts)
-    if not max(source_counts, default=0) <= distinct_sources <= reads:
-        raise ValueError(f"distinct_sources={distinct_sources} must lie in [{max(source_counts, default=0)}, "
-                         f"{reads}] for source counts summing to {reads}")
     el = element_bytes(dtype)
     row = tokens * dim * el
+    counts = [len(ids) for ids in site_sources]
+    accumulated = accumulated_reads(site_sources) if shared else [0] * len(counts)
     launches = []
-    for site, n in enumerate(source_counts):
+    for site, n in enumerate(counts):
         launches += site_launches(site, n, dim=dim, tokens=tokens, dtype=dtype, heads=heads, delta=delta,
-                                  null_source=null_source, programs=programs, recomputed=site < recomputed_sites)
-    additions = reads - distinct_sources
-    launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
-    floor = sum((n + 1) + (2 * n + 1) for n in source_counts) * row
+                                  null_source=null_source, programs=programs, recomputed=site < recomputed_sites,
+                                  accumulated=accumulated[site])
+    if not shared:
+        additions = sum(counts) - len({source for ids in site_sources for source in ids})
+        launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
+    floor = sum((n + 1) + (2 * n + 1) for n in counts) * row
     return Traffic(tuple(launches), floor, row)

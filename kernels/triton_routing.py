@@ -20,7 +20,9 @@ Saved for backward by the caller: logits (N, B*T, H) and lse (B*T, H) in fp32 an
 normalised mix (B, T, d): the output itself in replacement mode, an extra output of the forward
 in delta mode (one row written). The backward kernel reads each source ONCE: S_h = <dmix_h, mix_h>
 comes from the saved mix (rounded to the storage dtype: in bf16 the measured gradient errors equal
-the eager path's), so every source's gradient is written in the same pass that reads it.
+the eager path's), so every source's gradient is written in the same pass that reads it: into a
+new buffer, or (HAS_ACCUM, per source by a flag in the pointer table) added to the shared
+gradient buffer that deeper sites already wrote, one rounding to the storage dtype per addition.
 dq, dg, dalpha and dnull are accumulated over the token tiles of a fixed number of programs
 (`reduce_programs`) and written as (programs, d) partial sums that the host reduces in a fixed
 order: no atomics, so results are bitwise repeatable, and no per-site (B*T, d) partial buffers.
@@ -177,11 +179,12 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, SRC0, Q, G, ALPHA, DOUT, MIX, LOGITS, LSE,
+    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, LOGITS, LSE,
     DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
     N, BT, D, H, K, eps,
-    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
     if ALIGNED:
@@ -235,8 +238,11 @@ def _route_bwd_kernel(
             dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
             dq += dq_n
             dg += dg_n
-            dbase = _source_base(DPTRS, n, SRC_TY, ALIGNED)
-            tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
+            dptr = _source_base(DPTRS, n, SRC_TY, ALIGNED) + rows * D + cols
+            if HAS_ACCUM:  # add into the gradient buffer that later sites' backward already wrote
+                accumulate = (rows * 0 + tl.load(ACCUM + n)) != 0  # [BLOCK_T, 1, 1]
+                dv += tl.load(dptr, mask=mask & accumulate, other=0.0).to(CDT)
+            tl.store(dptr, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
     tl.store(DQ_PART + pid * D + hk, dq, mask=cmask2)
     tl.store(DG_PART + pid * D + hk, dg, mask=cmask2)
     if HAS_ALPHA:
@@ -263,25 +269,41 @@ _INTERPRET_BLOCK_T = 128
 MAX_TILE = 8192
 
 
+def _next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python: `triton.next_power_of_2` is a
+    constexpr function whose call costs microseconds of host time per launch."""
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def fits_tile(heads: int, head_dim: int) -> bool:
     """True when one token's [next_pow2(H), next_pow2(K)] tile is at most MAX_TILE elements."""
-    return triton.next_power_of_2(heads) * triton.next_power_of_2(head_dim) <= MAX_TILE
+    return _next_pow2(heads) * _next_pow2(head_dim) <= MAX_TILE
 
 
 def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
-    """Tile sizes and warps for B*T tokens: {'BLOCK_T', 'HB', 'KB', 'num_warps'}.
+    """Tile sizes and warps for B*T tokens: {'BLOCK_T', 'HB', 'KB', 'num_warps'} (a new dict).
 
     One configuration under the interpreter (whole problem in as few programs as possible);
     on a GPU BLOCK_T fills a fixed register budget (the paper uses one token per program)."""
-    hb, kb = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    return dict(_launch_config(bt, heads, head_dim, backward))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> tuple:
+    """`launch_config` as (key, value) pairs, cached (host time per launch)."""
+    hb, kb = _next_pow2(heads), _next_pow2(head_dim)
     if INTERPRET:
-        block_t = min(triton.next_power_of_2(max(bt, 1)), _INTERPRET_BLOCK_T)
+        block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
     else:
         budget = _BWD_TILE if backward else _FWD_TILE
-        block_t = max(1, min(triton.next_power_of_2(max(bt, 1)), budget // (hb * kb)))
+        block_t = max(1, min(_next_pow2(max(bt, 1)), budget // (hb * kb)))
     tile = block_t * hb * kb
     num_warps = 8 if tile >= 2048 else 4 if tile >= 1024 else 2
-    return dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps)
+    return tuple(dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps).items())
 
 
 def reduce_programs(tiles: int, device: torch.device) -> int:
@@ -382,7 +404,7 @@ def route_forward(
         state = (state[0].contiguous(), state[1].contiguous())
     is_aligned = aligned(ptrs + _pointers(partial, out, mix, state[0] if state else None), strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=False)
-    grid = (triton.cdiv(bt, cfg["BLOCK_T"]),)
+    grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
         table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
@@ -406,9 +428,16 @@ def route_backward(
     logits: Tensor,
     lse: Tensor,
     alpha: Optional[Tensor] = None,
+    grads: Optional[Sequence[Tensor]] = None,
+    accumulate: Optional[Sequence[bool]] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
     normalised mix that call produced (its output in replacement mode, its mix in delta mode).
+
+    grads: optional contiguous (B, T, d) buffers, one per (B, T, d) source, that receive the
+    source gradients (new ones otherwise); accumulate: per buffer, True to add this call's
+    gradient to what the buffer holds (read-modify-write in the kernel, one rounding to the
+    storage dtype), False to overwrite it.
 
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dq, dg, dalpha, dnull are in the compute dtype, reduced over the
@@ -419,30 +448,34 @@ def route_backward(
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
     device = full.device
-    grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
+    if grads is None:
+        grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
+    has_accum = accumulate is not None and any(accumulate)
     if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
         dq, dg = (torch.zeros(d, dtype=cdt, device=device) for _ in range(2))
         dalpha = dq.new_zeros(1) if alpha is not None else None
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
     n = len(sources)
     dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs)
+    flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags)
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
     is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix), strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=True)
-    programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
+    programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     dq_part = torch.empty((programs, d), dtype=cdt, device=device)
     dg_part = torch.empty((programs, d), dtype=cdt, device=device)
     dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else dq_part
     dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else dq_part
     _route_bwd_kernel[(programs,)](
-        table[:n], table[n:2 * n], table[2 * n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
+        table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:] if has_accum else table, tensors[0],
+        query.contiguous(), norm_weight.contiguous(),
         alpha if alpha is not None else lse, grad_out, mix, logits, lse,
         dq_part, dg_part, dalpha_part, dnull_part,
         n, bt, d, heads, head_dim, eps,
-        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
-        CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, HAS_ACCUM=has_accum, ALIGNED=is_aligned,
+        NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None
     dnull = dnull_part.sum(0) if has_null else None
-    return grads, dq_part.sum(0), dg_part.sum(0), dalpha, dnull
+    return list(grads), dq_part.sum(0), dg_part.sum(0), dalpha, dnull

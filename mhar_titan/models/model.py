@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .args import ModelArgs
 from . import grouped
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
-from .routing import route
+from .routing import route, share_gradient
 
 
 class RMSNorm(nn.Module):
@@ -203,11 +203,15 @@ class TransformerBlock(nn.Module):
         attention_site, mlp_site = self.sites
         a = self.attention(self.attention_norm(self._input(0, h, sources, *routing)), cos, sin)
         h = None if h is None else h + a
-        sources += new_sources(attention_site, sources, a, h)
+        sources += self._shared(new_sources(attention_site, sources, a, h))
         m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, *routing)))
         h = None if h is None else h + m
-        sources += new_sources(mlp_site, sources, m, h)
+        sources += self._shared(new_sources(mlp_site, sources, m, h))
         return BlockOutput(h, sources[start:], states or None)
+
+    def _shared(self, entries: list[Tensor]) -> list[Tensor]:
+        """New source-list entries as the routing sites read them (`routing.share_gradient`)."""
+        return [share_gradient(e, self.args.routing_kernel, self.args.resolved_routing_heads) for e in entries]
 
     def _input(self, row: int, h, sources, query, key_norm, alpha, states, group_query, group_key_norm) -> Tensor:
         """Input of sublayer `row` (0 attention, 1 MLP): h for the standard residual, else its site's
@@ -313,7 +317,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         h = self.tok_embeddings(tokens)
         nulls = iter(self.routing.null_sources() if self.routing is not None else ())
-        sources = [next(nulls) if entry.kind == "null" else h for entry in self.plan.initial]
+        shared = share_gradient(h, self.args.routing_kernel, self.args.resolved_routing_heads) \
+            if self.plan.initial and self.routing is not None else h
+        sources = [next(nulls) if entry.kind == "null" else shared for entry in self.plan.initial]
         h = h if self.plan.stream else None
         states: dict = {}  # grouped routing: phase-1 states of sites in later blocks
         for i, layer in enumerate(self.layers):

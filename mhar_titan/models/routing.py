@@ -263,6 +263,22 @@ def _fused_op():
     return op
 
 
+def share_gradient(source: Tensor, kernel: str, heads: int) -> Tensor:
+    """The entry the routing sites read for a new (B, T, d) source: where `route` will run the
+    fused kernels (`kernel` "triton", or "auto" on CUDA, `mhar_kernels.can_run`, outside
+    torch.compile), a view whose gradient the kernels of every site that reads it accumulate
+    in one buffer (`mhar_kernels.op.share_gradient`: no per-site gradient tensors, no autograd
+    additions); otherwise `source` itself. (d,) null sources are returned as they are."""
+    if source.dim() == 1 or torch.compiler.is_compiling() or kernel not in ("triton", "auto"):
+        return source
+    if kernel == "auto" and not source.is_cuda:
+        return source
+    op = _fused_op()
+    if not op.can_run(source.device, source.shape[-1], heads):
+        return source
+    return op.share_gradient(source)
+
+
 def route(
     sources: Sequence[Tensor],
     query: Tensor,
