@@ -122,12 +122,15 @@ def test_backward_saves_only_source_references_and_small_tensors():
 
 def test_bf16_is_computed_in_fp32_and_close_to_fp64():
     sources = make_sources(6, shape=(2, 4, 64), dtype=torch.bfloat16)
-    query, norm_weight = torch.randn(64), torch.rand(64) + 0.5
+    gen = torch.Generator().manual_seed(0)  # not the global RNG: the result must not depend on test order
+    query, norm_weight = torch.randn(64, generator=gen), torch.rand(64, generator=gen) + 0.5
     out, weights = route_reference(sources, query, norm_weight, 8, return_weights=True)
     assert out.dtype == torch.bfloat16 and weights.dtype == torch.float32
     truth = route_stacked(torch.stack([s.double() for s in sources]), query.double(), norm_weight.double(), 8, 1e-6)
-    # bf16 keys change the logits by ~1 ulp; the output stays within a few bf16 ulps.
-    torch.testing.assert_close(out.double(), truth, rtol=2e-2, atol=2e-2)
+    # bf16 keys change the logits by ~1 ulp; the output stays within two bf16 ulps (2^-8 each) in
+    # norm: measured 0.0024 at this seed, at most 0.0031 over seeds 0-29.
+    err = ((out.double() - truth).norm() / truth.norm()).item()
+    assert err < 0.008, err
 
 
 def test_rejects_heads_not_dividing_dim():
