@@ -4,7 +4,7 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
 
 - `contract`: the op's argument checks, compute dtype and null-source handling (torch only).
 - `route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None,
-  null_source=None)`: the registered custom op `mhar::route_mix` with autograd (`op.py`);
+  null_source=None)`: the registered custom op `mhar::depth_route` with autograd (`op.py`);
   `can_run(device, dim, heads)` says where it runs (CUDA; CPU under TRITON_INTERPRET=1).
 - `route_with_state` / `merge_states`: the online-softmax state for grouped routing.
 - `traffic`: bytes each routing launch reads and writes, against the floor.

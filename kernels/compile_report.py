@@ -28,9 +28,10 @@ TOKENS = 2048
 
 _POINTER_ARGS = {
     "forward": dict(PTRS="*i64", RSTRIDES="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
-                    STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32"),
+                    STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", RES="*SRC", LOGITS="*fp32",
+                    LSE="*fp32"),
     "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
-                     DOUT="*SRC", MIX="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
+                     DOUT="*SRC", MIX="*SRC", RES="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
                      DALPHA_PART="*fp32", DNULL_PART="*fp32"),
 }
 _SCALAR_ARGS = dict(N="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
@@ -51,8 +52,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
-    HAS_* constexprs (default: replacement routing without a null source; the backward adds
-    into shared gradient buffers, HAS_ACCUM). Returns {'registers', 'spill_bytes', 'num_warps',
+    HAS_* constexprs (default: replacement routing without a null source, the mix residual
+    for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM). Returns {'registers', 'spill_bytes', 'num_warps',
     'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched by 16-byte cp.async
     in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
@@ -72,8 +73,10 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     num_warps = cfg.pop("num_warps")
     types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()} | _SCALAR_ARGS
     # backward: HAS_ACCUM, as the models run it (a site adds into its sources' shared gradient buffers)
-    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False) if kind == "forward" else dict(HAS_ALPHA=False, HAS_NULL=False,
-                                                                                       HAS_ACCUM=True)
+    # HAS_RES for bf16 / fp16 (the saved mix's rounding residual), as the op runs them
+    has_res = dtype != "fp32"
+    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False, HAS_RES=has_res) if kind == "forward" else \
+        dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res)
     constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
     names = fn.arg_names
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)

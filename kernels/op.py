@@ -4,9 +4,11 @@ Two ops, so that `torch.compile` (per block, fullgraph) traces them as opaque no
 never touches a data pointer (`triton_op` + `wrap_triton` fails under compile with the
 interpreter: fake tensors have no data pointer):
 
-    mhar::route_mix(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
-        -> (out (B, T, d), mix (B, T, d) in delta mode else (0,), logits (N, B*T, H), lse (B*T, H))
-    mhar::route_mix_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source)
+    mhar::depth_route(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
+        -> (out (B, T, d), mix (B, T, d) in delta mode else (0,), mix residual (B, T, d) for bf16 /
+            fp16 sources else (0,), logits (N, B*T, H), lse (B*T, H))
+    mhar::depth_route_backward(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse,
+                             alpha, null_source)
         -> (grads of the N sources, dq, dg, dalpha, dnull)
 
 Both run the Triton kernels: on CUDA, and on CPU when TRITON_INTERPRET=1 was set before the
@@ -17,8 +19,10 @@ handling of the N sources (about a quarter of the host time of a call at N = 73)
 
 Saved for backward: references to the source tensors (no copies), query, norm weight,
 alpha, null source, the fp32 logits and lse (N*B*T*H + B*T*H elements) and the normalised mix
-(the output itself in replacement mode; one extra (B, T, d) tensor in delta mode), from which
-the backward gets <dmix, mix> without a second read of the sources. The only state shared
+(the output itself in replacement mode; one extra (B, T, d) tensor in delta mode) and, for bf16
+or fp16 sources, what rounding that mix to the storage dtype lost (one (B, T, d) tensor in the
+sources' dtype), from which the backward gets <dmix, mix> as the fp32 forward had it, without a
+second read of the sources. The only state shared
 between calls is a source's gradient buffer (`share_gradient`): it belongs to the sharing
 view's autograd node of the original forward, so a block recomputed by activation
 checkpointing adds into the same buffer, and the view's backward runs after every reader's,
@@ -67,15 +71,20 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
 
 # ---------------------------------------------------------------------------- forward op
 def _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source):
-    """(out, mix or an empty (0,) tensor, logits, lse) from the forward kernel."""
-    _require(sources[0].device, sources[0].shape[-1], heads)
+    """(out, mix or an empty (0,) tensor, mix residual or an empty (0,) tensor, logits, lse) from
+    the forward kernel."""
+    full = sources[0]
+    _require(full.device, full.shape[-1], heads)
     srcs = contract.with_null_source(null_source, list(sources))
+    residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
+        if triton_routing.needs_mix_residual(full.dtype) else None
     out, mix, logits, lse = triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial,
-                                                         alpha=alpha)
-    return out, mix if mix is not None else out.new_empty((0,)), logits, lse
+                                                         alpha=alpha, mix_residual=residual)
+    empty = out.new_empty((0,))
+    return out, mix if mix is not None else empty, residual if residual is not None else empty, logits, lse
 
 
-@torch.library.custom_op("mhar::route_mix", mutates_args=())
+@torch.library.custom_op("mhar::depth_route", mutates_args=())
 def route_fwd(
     sources: list[Tensor],
     query: Tensor,
@@ -85,7 +94,7 @@ def route_fwd(
     partial: Optional[Tensor],
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
 
 
@@ -96,20 +105,22 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
     bt = full.numel() // full.shape[-1]
     cdt = contract.compute_dtype(full.dtype)
     mix = full.new_empty(full.shape) if partial is not None else full.new_empty((0,))
-    return (full.new_empty(full.shape), mix, full.new_empty((n, bt, heads), dtype=cdt),
+    residual = full.new_empty(full.shape) if cdt != full.dtype else full.new_empty((0,))
+    return (full.new_empty(full.shape), mix, residual, full.new_empty((n, bt, heads), dtype=cdt),
             full.new_empty((bt, heads), dtype=cdt))
 
 
 # ---------------------------------------------------------------------------- backward op
-def _backward_values(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source,
-                     grads=None, accumulate=None):
+def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
+                     null_source, grads=None, accumulate=None):
     """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None.
-    grads / accumulate: the source gradient buffers and whether to add into each
-    (`triton_routing.route_backward`)."""
+    residual: the forward's mix residual, or an empty (0,) tensor. grads / accumulate: the
+    source gradient buffers and whether to add into each (`triton_routing.route_backward`)."""
     _require(grad_out.device, grad_out.shape[-1], heads)
     srcs = contract.with_null_source(null_source, list(sources))
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate
+        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate,
+        mix_residual=residual if residual.numel() else None,
     )
     return (
         grads,
@@ -120,11 +131,12 @@ def _backward_values(grad_out, sources, mix, query, norm_weight, heads, eps, log
     )
 
 
-@torch.library.custom_op("mhar::route_mix_backward", mutates_args=())
+@torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
 def route_bwd(
     grad_out: Tensor,
     sources: list[Tensor],
     mix: Tensor,
+    residual: Tensor,
     query: Tensor,
     norm_weight: Tensor,
     heads: int,
@@ -134,11 +146,13 @@ def route_bwd(
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor]:
-    return _backward_values(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source)
+    return _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
+                            null_source)
 
 
 @route_bwd.register_fake
-def _route_bwd_fake(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha, null_source):
+def _route_bwd_fake(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
+                    null_source):
     return (
         [s.new_empty(s.shape) for s in sources],  # contiguous, like the kernel's
         torch.empty_like(query),
@@ -151,28 +165,29 @@ def _route_bwd_fake(grad_out, sources, mix, query, norm_weight, heads, eps, logi
 # ---------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     sources, query, norm_weight, heads, eps, partial, alpha, null_source = inputs
-    out, mix, logits, lse = output
+    out, mix, residual, logits, lse = output
     ctx.heads, ctx.eps, ctx.n_sources = heads, eps, len(sources)
     ctx.has_alpha, ctx.has_null = alpha is not None, null_source is not None
     ctx.partial_dtype = partial.dtype if partial is not None else None
     optional = [t for t in (alpha, null_source) if t is not None]
-    ctx.save_for_backward(out if partial is None else mix, query, norm_weight, logits, lse, *optional, *sources)
+    ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, *optional,
+                          *sources)
 
 
 def _gradients(ctx, grad_out, backward) -> tuple:
     """(source gradients, dq, dg, dpartial, dalpha, dnull) of the call saved in ctx, from
     backward = the backward op (under torch.compile) or `_backward_values` (eager)."""
-    mix, query, norm_weight, logits, lse, *rest = ctx.saved_tensors
+    mix, residual, query, norm_weight, logits, lse, *rest = ctx.saved_tensors
     alpha = rest.pop(0) if ctx.has_alpha else None
     null_source = rest.pop(0) if ctx.has_null else None
     grads, dq, dg, dalpha, dnull = backward(
-        grad_out, rest, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
+        grad_out, rest, mix, residual, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
     )
     dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
     return list(grads), dq, dg, dpartial, dalpha if ctx.has_alpha else None, dnull if ctx.has_null else None
 
 
-def _backward(ctx, grad_out, _grad_mix, _grad_logits, _grad_lse):
+def _backward(ctx, grad_out, _grad_mix, _grad_residual, _grad_logits, _grad_lse):
     grads, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, route_bwd)
     return grads, dq, dg, None, None, dpartial, dalpha, dnull
 

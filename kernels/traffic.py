@@ -5,8 +5,9 @@ site over N (B, T, d) sources (a (d,) null source, when present, is one more sou
 depth softmax but not a row: it is d values, cache-resident), the kernels of this package move:
 
     forward launch     reads N rows (+ partial in delta mode), q, g;
-                       writes out (+ the mix in delta mode), logits (N', T, H) and lse (T, H) fp32
-    backward launch    reads grad_out, the saved mix, N rows once, logits, lse, q, g, and the
+                       writes out (+ the mix in delta mode), logits (N', T, H) and lse (T, H) fp32,
+                       and for bf16 / fp16 the mix residual (one row: what rounding the mix lost)
+    backward launch    reads grad_out, the saved mix (+ its residual), N rows once, logits, lse, q, g, and the
                        gradient buffer of every source a later site already wrote (A rows);
                        writes N gradient rows and (P, d) fp32 partial sums of dq, dg (dnull)
     reduce             the host sums the (P, d) partials (P = programs of the backward launch)
@@ -98,13 +99,14 @@ def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: to
         raise ValueError(f"site {site}: accumulated={accumulated} must lie in [0, {n_sources}]")
     el = element_bytes(dtype)
     row = tokens * dim * el
+    residual = int(el < FP32)  # bf16 / fp16: the saved mix's rounding residual, one row
     n_all = n_sources + int(null_source)
     params = 2 * dim * el + int(null_source) * dim * el  # q, g (and the null source)
     stats = tokens * heads * FP32 * (n_all + 1)  # logits + lse
     forward = Launch(site, "forward", read=n_sources * row + int(delta) * row + params,
-                     written=row + int(delta) * row + stats)
+                     written=(1 + int(delta) + residual) * row + stats)
     partial_sums = programs * dim * FP32 * (2 + int(null_source)) + int(delta) * programs * FP32
-    backward = Launch(site, "backward", read=(n_sources + 2 + accumulated) * row + stats + params,
+    backward = Launch(site, "backward", read=(n_sources + 2 + residual + accumulated) * row + stats + params,
                       written=n_sources * row + partial_sums)
     reduce = Launch(site, "reduce", read=partial_sums, written=dim * FP32 * (2 + int(null_source)) + int(delta) * FP32)
     return [forward, *([forward] if recomputed else []), backward, reduce]

@@ -104,9 +104,10 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 @triton.jit
 def _route_fwd_kernel(
     PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
-    OUT, MIX, LOGITS, LSE,
+    OUT, MIX, RES, LOGITS, LSE,
     N, BT, D, H, K, eps,
-    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr, ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
@@ -151,12 +152,17 @@ def _route_fwd_kernel(
         l = l_new
 
     tl.store(LSE + th, m + tl.log(l), mask=thmask)
-    out = acc
     if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store; the mix is kept
-        tl.store(MIX + rows * D + cols, _to_storage(acc, MIX.dtype.element_ty, RNE_BF16), mask=mask)
+        saved = _to_storage(acc, MIX.dtype.element_ty, RNE_BF16)
+        tl.store(MIX + rows * D + cols, saved, mask=mask)
         alpha = tl.load(ALPHA).to(CDT)
-        out = tl.load(PARTIAL + rows * D + cols, mask=mask, other=0.0).to(CDT) + alpha * out
-    tl.store(OUT + rows * D + cols, _to_storage(out, OUT.dtype.element_ty, RNE_BF16), mask=mask)
+        out = tl.load(PARTIAL + rows * D + cols, mask=mask, other=0.0).to(CDT) + alpha * acc
+        tl.store(OUT + rows * D + cols, _to_storage(out, OUT.dtype.element_ty, RNE_BF16), mask=mask)
+    else:
+        saved = _to_storage(acc, OUT.dtype.element_ty, RNE_BF16)
+        tl.store(OUT + rows * D + cols, saved, mask=mask)
+    if HAS_RES:  # what rounding the saved mix lost, so that the backward's <dmix, mix> is the fp32 one
+        tl.store(RES + rows * D + cols, _to_storage(acc - saved.to(CDT), RES.dtype.element_ty, RNE_BF16), mask=mask)
 
 
 @triton.jit
@@ -179,10 +185,11 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, LOGITS, LSE,
+    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
     DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
     N, BT, D, H, K, eps,
-    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
+    ALIGNED: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
@@ -214,6 +221,8 @@ def _route_bwd_kernel(
         lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
         dout = tl.load(DOUT + rows * D + cols, mask=mask, other=0.0).to(CDT)
         mix = tl.load(MIX + rows * D + cols, mask=mask, other=0.0).to(CDT)  # saved by the forward
+        if HAS_RES:
+            mix += tl.load(RES + rows * D + cols, mask=mask, other=0.0).to(CDT)
         if HAS_ALPHA:
             dalpha += tl.sum(dout * mix, axis=2)
             dmix = tl.load(ALPHA).to(CDT) * dout
@@ -367,6 +376,12 @@ def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
     return tensors, ptrs, strides, table
 
 
+def needs_mix_residual(dtype: torch.dtype) -> bool:
+    """True for storage dtypes narrower than the compute dtype (bf16, fp16): rounding the saved mix
+    to them loses bits that <dmix, mix> in the backward needs (fp32 and fp64 lose nothing)."""
+    return compute_dtype(dtype) != dtype
+
+
 def route_forward(
     sources: Sequence[Tensor],
     query: Tensor,
@@ -378,14 +393,17 @@ def route_forward(
     alpha: Optional[Tensor] = None,
     state: Optional[tuple[Tensor, Tensor]] = None,
     out_dtype: Optional[torch.dtype] = None,
+    mix_residual: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
 
     state: optional incoming online-softmax state (mix (B, T, d) normalised, lse (B*T, H) fp32)
     of sources routed earlier with the same query/norm; the result then covers both sets.
-    Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the sources'
-    dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse (B*T, H)),
-    statistics in fp32 (fp64 for fp64 sources)."""
+    mix_residual: optional (B, T, d) contiguous tensor (the sources' dtype) that receives
+    fp32 mix - the saved mix rounded to the storage dtype (`needs_mix_residual`), for the
+    backward. Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
+    sources' dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse
+    (B*T, H)), statistics in fp32 (fp64 for fp64 sources)."""
     full = next(s for s in sources if s.dim() != 1)
     shape, d = full.shape, full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
@@ -402,17 +420,18 @@ def route_forward(
         partial = partial.contiguous()
     if state is not None:
         state = (state[0].contiguous(), state[1].contiguous())
-    is_aligned = aligned(ptrs + _pointers(partial, out, mix, state[0] if state else None), strides, head_dim)
+    is_aligned = aligned(ptrs + _pointers(partial, out, mix, mix_residual, state[0] if state else None), strides,
+                         head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=False)
     grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
         table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
         state[0] if state is not None else out, state[1] if state is not None else lse,
-        out, mix if mix is not None else out, logits, lse,
+        out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, logits, lse,
         len(sources), bt, d, heads, head_dim, eps,
-        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
-        CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+        HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, HAS_RES=mix_residual is not None,
+        ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     return out, mix, logits, lse
 
@@ -430,9 +449,11 @@ def route_backward(
     alpha: Optional[Tensor] = None,
     grads: Optional[Sequence[Tensor]] = None,
     accumulate: Optional[Sequence[bool]] = None,
+    mix_residual: Optional[Tensor] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
-    normalised mix that call produced (its output in replacement mode, its mix in delta mode).
+    normalised mix that call produced (its output in replacement mode, its mix in delta mode),
+    `mix_residual` what its rounding lost, when that call wrote it.
 
     grads: optional contiguous (B, T, d) buffers, one per (B, T, d) source, that receive the
     source gradients (new ones otherwise); accumulate: per buffer, True to add this call's
@@ -460,7 +481,7 @@ def route_backward(
     flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
     tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags)
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
-    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix), strides, head_dim)
+    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix, mix_residual), strides, head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=True)
     programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     dq_part = torch.empty((programs, d), dtype=cdt, device=device)
@@ -470,10 +491,11 @@ def route_backward(
     _route_bwd_kernel[(programs,)](
         table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:] if has_accum else table, tensors[0],
         query.contiguous(), norm_weight.contiguous(),
-        alpha if alpha is not None else lse, grad_out, mix, logits, lse,
-        dq_part, dg_part, dalpha_part, dnull_part,
+        alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
+        logits, lse, dq_part, dg_part, dalpha_part, dnull_part,
         n, bt, d, heads, head_dim, eps,
-        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, HAS_ACCUM=has_accum, ALIGNED=is_aligned,
+        HAS_ALPHA=alpha is not None, HAS_NULL=has_null, HAS_ACCUM=has_accum, HAS_RES=mix_residual is not None,
+        ALIGNED=is_aligned,
         NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None

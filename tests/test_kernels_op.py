@@ -35,16 +35,20 @@ def _saved_outside_sources(fn, sources) -> tuple[int, list[torch.Tensor]]:
     return sum(t.numel() for t in own), saved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [False, True])
-def test_saved_state_is_references_plus_per_token_head_scalars(delta):
+def test_saved_state_is_references_plus_per_token_head_scalars(delta, dtype):
     """Acceptance 4: besides references to the sources, one call saves at most
     2 * N * B * T * H elements (logits + lse), one (B, T, d) mix (the output itself in replacement
-    mode) and O(d) (query, norm weight, alpha, null source): never N rows."""
+    mode), in bf16 one (B, T, d) mix residual, and O(d) (query, norm weight, alpha, null source):
+    never N rows."""
     n, d, heads, batch, seq = 6, 64, 4, 2, 7
-    inputs = make_inputs(n, d, heads, torch.float32, delta=delta)
+    inputs = make_inputs(n, d, heads, dtype, delta=delta)
     own, saved = _saved_outside_sources(lambda: _route(inputs, heads), inputs["sources"])
     n_all = n + int(delta)  # the null source counts as a source of the softmax
-    assert own <= 2 * n_all * batch * seq * heads + batch * seq * d + 4 * d + 1, own
+    rows = 1 + int(dtype == torch.bfloat16)
+    assert own <= 2 * n_all * batch * seq * heads + rows * batch * seq * d + 4 * d + 1, own
+    assert own > 2 * n_all * batch * seq * heads + (rows - 1) * batch * seq * d, own  # the residual is there
     saved_ptrs = {t.data_ptr() for t in saved}
     assert all(s.data_ptr() in saved_ptrs for s in inputs["sources"])  # kept by reference
 
@@ -158,7 +162,7 @@ def test_opcheck_fake_and_autograd_registration():
     inputs = make_inputs(3, 16, 2, torch.float32, delta=True)
     args = (inputs["sources"], inputs["query"], inputs["norm_weight"], 2, 1e-6,
             inputs["partial"], inputs["alpha"], inputs["null_source"])
-    torch.library.opcheck(torch.ops.mhar.route_mix.default, args,
+    torch.library.opcheck(torch.ops.mhar.depth_route.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

@@ -31,19 +31,22 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
     measured = {"forward": 0, "backward": 0, "reduce": 0, "launches": 0, "returned": 0, "buffers": set()}
     forward, backward = triton_routing.route_forward, triton_routing.route_backward
 
-    def counting_forward(sources, query, norm_weight, heads, eps, *, partial=None, alpha=None, **kw):
-        out, mix, logits, lse = forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha, **kw)
-        measured["forward"] += _nbytes(*sources, partial, query, norm_weight) + _nbytes(out, mix, logits, lse)
+    def counting_forward(sources, query, norm_weight, heads, eps, *, partial=None, alpha=None, mix_residual=None,
+                         **kw):
+        out, mix, logits, lse = forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                        mix_residual=mix_residual, **kw)
+        measured["forward"] += _nbytes(*sources, partial, query, norm_weight) \
+            + _nbytes(out, mix, mix_residual, logits, lse)
         measured["launches"] += 1
         return out, mix, logits, lse
 
     def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
-                          grads=None, accumulate=None):
+                          grads=None, accumulate=None, mix_residual=None):
         read_back = [g for g, add in zip(grads or [], accumulate or []) if add]
         got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse,
-                                              alpha, grads=grads, accumulate=accumulate)
+                                              alpha, grads=grads, accumulate=accumulate, mix_residual=mix_residual)
         partials = _nbytes(dq, dg, dnull) + (FP32 if alpha is not None else 0)  # one program on CPU
-        measured["backward"] += _nbytes(grad_out, mix, *sources, logits, lse, query, norm_weight) \
+        measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight) \
             + _nbytes(*read_back) + _nbytes(*got) + partials
         measured["reduce"] += 2 * partials  # the host reads the partials and writes the sums
         measured["returned"] += grads is None  # gradients not written into shared buffers
@@ -81,11 +84,20 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
     # every launch wrote into shared buffers, one per distinct source: nothing for autograd to add
     assert measured["returned"] == 0
     assert len(measured["buffers"]) == len({j for ids in sites for j in ids})
-    # Acceptance 1: at most 1.5x the floor (bench/routing.py --bytes gives 1.35x at 1b); separate
-    # per-site gradients summed by autograd would cost more.
-    assert 1.0 < counted.ratio <= 1.5, counted.ratio
+    # separate per-site gradients summed by autograd would cost more
     unshared = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)
-    assert unshared.ratio > counted.ratio
+    assert unshared.total - counted.total == 2 * counted.row_bytes * (sum(map(len, sites)) - len(measured["buffers"]))
+
+
+def test_counted_traffic_at_1b_is_within_1_5x_of_the_floor():
+    """Acceptance 1 with the accounting checked above: MHAR H = 8 at 1b (sublayer, replace, AC none,
+    bf16, the paper's 2 x 1024 micro-batch) moves at most 1.5x the floor (1.98x with autograd
+    summing per-site gradients). The debug flavor is not the target: its per-token logits and
+    lse (H = 8 fp32 per source at d = 64) are a large share of a row there."""
+    args = ModelArgs.from_flavor("1b", residual="attn_res", routing_heads=8)
+    counted = routing_bench.step_traffic(args, 2 * 1024, torch.bfloat16)
+    assert 1.0 < counted.ratio <= 1.5, counted.ratio
+    assert routing_bench.step_traffic(args, 2 * 1024, torch.bfloat16, shared=False).ratio > 1.9
 
 
 def test_traffic_floor_and_rows_by_hand():
@@ -95,11 +107,13 @@ def test_traffic_floor_and_rows_by_hand():
     assert t.floor == ((1 + 1) + (2 + 1) + (2 + 1) + (4 + 1)) * row
     fwd = [launch for launch in t.launches if launch.kind == "forward"]
     assert [f.read for f in fwd] == [1 * row + 32, 2 * row + 32]  # sources + q, g (2 x 8 bf16)
-    assert [f.written for f in fwd] == [row + 4 * 2 * 4 * 2, row + 4 * 2 * 4 * 3]  # out + logits + lse
+    # out + the mix residual (bf16) + logits + lse
+    assert [f.written for f in fwd] == [2 * row + 4 * 2 * 4 * 2, 2 * row + 4 * 2 * 4 * 3]
     bwd = [launch for launch in t.launches if launch.kind == "backward"]
     stats = [4 * 2 * 4 * 2, 4 * 2 * 4 * 3]
-    # site 1 runs backward first and writes both buffers; site 0 reads source 0's back and adds
-    assert [b.read for b in bwd] == [(1 + 2 + 1) * row + stats[0] + 32, (2 + 2) * row + stats[1] + 32]
+    # grad_out, mix, residual and the sources; site 1 runs backward first and writes both
+    # buffers; site 0 reads source 0's back and adds
+    assert [b.read for b in bwd] == [(1 + 3 + 1) * row + stats[0] + 32, (2 + 3) * row + stats[1] + 32]
     assert traffic.accumulated_reads([[0], [0, 1]]) == [1, 0]
     assert traffic.accumulated_reads([[0, 1], [1, 2], [0, 2]]) == [2, 1, 0]
     unshared = traffic.routing_traffic([[0], [0, 1]], dim=8, tokens=4, dtype=torch.bfloat16, heads=2, programs=1,
