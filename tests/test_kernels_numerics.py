@@ -87,9 +87,10 @@ def test_fp32_matches_reference_and_oracle(n, d, heads):
 
 
 # bf16 bounds against the fp64 truth, each at least 2x the largest error measured over the grid
-# (fused kernels, interpreter): alpha 0.052 (<dout, mix> cancels; the eager path errs 0.11),
-# every other tensor at most 0.0087 (the eager path 0.011).
-BF16_TOL = {"alpha": 0.12}
+# (fused kernels, interpreter): alpha 0.035 (<dout, mix> cancels; the fused kernels take the mix
+# with its rounding residual, the eager path errs 0.11), every other tensor at most 0.0087 (the
+# eager path 0.011).
+BF16_TOL = {"alpha": 0.07}
 BF16_DEFAULT_TOL = 0.03
 
 
@@ -114,15 +115,15 @@ def test_bf16_within_tolerance_and_no_worse_than_eager():
 def test_bf16_source_gradients_at_the_deepest_1b_site(delta):
     """N = 73 sources, d = 1280, H = 8 (the 1b final routing), bf16: every source gradient within
     0.014 of the fp64 truth (measured at most 0.0067, as the eager path) and the mean error over
-    the sources at most 10% above the eager path's (measured 0.0034 vs 0.0034 replace, 0.0034 vs
-    0.0038 delta)."""
+    the sources no worse than the eager path's (measured 0.00337 vs 0.00337 replace, 0.00337 vs
+    0.00378 delta; 1% slack for summation order)."""
     names, fused, eager, truth = _compare(make_inputs(73, 1280, 8, torch.bfloat16, delta=delta, seed=73,
                                                       batch=1, seq=3), 8)
     pairs = [(rel_err(f, t, floor=1e-3), rel_err(e, t, floor=1e-3))
              for name, f, e, t in zip(names, fused, eager, truth) if name.startswith("source")]
     assert len(pairs) == 73 and max(f for f, _ in pairs) < 0.014, max(pairs)
     mean_fused, mean_eager = (sum(x) / len(pairs) for x in zip(*pairs))
-    assert mean_fused <= 1.1 * mean_eager, (mean_fused, mean_eager)
+    assert mean_fused <= 1.01 * mean_eager, (mean_fused, mean_eager)
 
 
 # ---------------------------------------------------------------------------- edge cases (acceptance 2)
