@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR
 
 Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4, every
-rank's train state with an offline W&B run) and
+rank's train state with an offline W&B run, the permuted head layout's permutation as every
+rank's model routes with it and the losses of a permuted run straight and resumed) and
 OUT_DIR/grads.pt (full unclipped gradients of one masked step at local batch 2 x accumulation 2).
 The process group is shared by the runs and destroyed by the last one (clean gloo exit).
 """
@@ -31,6 +32,22 @@ def main(out):
         trainer.train()
         trainer.close(destroy_process_group=False)
         result[f"losses_{ac}"] = metric_losses(trainer.run_dir)  # written by rank 0, read there
+
+    # Permuted head layout (issue 16): every rank draws the same permutation from the seed, whatever
+    # its global RNG, also in a resumed run.
+    permuted = ["--model.routing_heads=4", "--model.routing_head_layout=permuted",
+                "--model.routing_head_layout_seed=9", "--training.local_batch_size=2",
+                "--training.global_batch_size=4", "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    for name, steps in (("perm_straight", 3), ("perm_resumed", 2), ("perm_resumed", 3)):
+        torch.manual_seed(1000 + dist.get_rank())  # ranks start from different global RNG states
+        torch.rand(dist.get_rank() + 7)
+        trainer = Trainer(debug_cfg(out, name, f"--training.steps={steps}", *permuted))
+        perms = [None] * dist.get_world_size()
+        dist.all_gather_object(perms, trainer.model_args.routing_permutation.tolist())
+        result.setdefault("permutations", []).append(perms)
+        trainer.train()
+        trainer.close(destroy_process_group=False)
+        result[f"losses_{name}"] = metric_losses(trainer.run_dir)
 
     cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
                     "--training.global_batch_size=8", "--training.max_norm=0", "--metrics.enable_wandb=true")

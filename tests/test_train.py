@@ -204,6 +204,21 @@ def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads)
 
 
 @pytest.mark.distributed
+def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_results):
+    """Issue 16, acceptance 4 on 2 ranks: ranks with different global RNG states route with one
+    permutation (the seed's), in three runs; a 2-step run resumed to 3 steps gives the straight
+    run's losses."""
+    from mhar_titan.models.routing import head_permutation
+
+    results, _ = dist_results
+    expected = head_permutation(len(results["permutations"][0][0]), 9).tolist()
+    assert expected != sorted(expected)
+    assert [perms for perms in results["permutations"]] == [[expected, expected]] * 3
+    straight, resumed = results["losses_perm_straight"], results["losses_perm_resumed"]
+    assert len(straight) == 3 and resumed == straight, (straight, resumed)
+
+
+@pytest.mark.distributed
 def test_train_state_is_rank0s_on_every_rank(dist_results):
     """Rank 0 owns the W&B run; its id must reach every rank's train_state (the checkpoint keeps one copy)."""
     results, _ = dist_results
