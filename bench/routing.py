@@ -3,8 +3,9 @@
 For each shape (the paper's: bf16, H = 8) it times one routing call over N sources and the
 full set of calls of one training step (site s = 1..2L+1 reads s sources), and reports
 milliseconds (median after warm-up; CUDA events on a GPU), the bytes the fused kernels move
-as counted by `mhar_kernels.traffic` (forward, backward and reduce launches; for the step
-also autograd's additions of each source's gradients), the achieved GB/s and its fraction
+as counted by `mhar_kernels.traffic` (forward, backward and reduce launches; in the step the
+sources are shared as the models share them, so their gradients are added inside the backward
+launches), the achieved GB/s and its fraction
 of the measured device copy bandwidth. The same bytes are charged to eager and compile (they
 move more), so the GB/s column compares implementations at equal work. Gradients are taken
 with torch.autograd.grad (nothing accumulates into the leaves' .grad between calls).
