@@ -30,7 +30,7 @@ if (( TINY )); then
 else
   COMPILE=()  # every paper shape, both variants
   # The kernel tests on CUDA tensors (the FSDP test is CPU/gloo and needs torchrun: left to CI).
-  TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py
+  TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py tests/test_kernels_shared_grad.py
          tests/test_kernels_model.py -m "not distributed")
   ROUTING=(--shapes paper --impls triton,eager,compile --warmup 3 --iters 10)
   THROUGHPUT=(--steps 3 --warmup 1 --ac none,full --kernel triton)
