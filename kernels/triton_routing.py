@@ -309,6 +309,10 @@ def _launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> tuple:
         block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
     else:
         budget = _BWD_TILE if backward else _FWD_TILE
+        if backward and hb == 1 and kb <= _BWD_TILE // 2:
+            # one head: the d-wide reductions need more registers per element; half the tile
+            # (4 warps, still 8 elements per thread) keeps triton 3.6 from spilling at d = 512, 1024
+            budget = _BWD_TILE // 2
         block_t = max(1, min(_next_pow2(max(bt, 1)), budget // (hb * kb)))
     tile = block_t * hb * kb
     num_warps = 8 if tile >= 2048 else 4 if tile >= 1024 else 2

@@ -49,8 +49,9 @@ def test_general_variant_makes_no_alignment_promise():
     assert all(r["registers"] <= 168 for r in rows)
 
 
-# Every constexpr combination the launchers use, as bf16 aligned and fp32 general, at a small
-# shape with a non-power-of-two head width: what the GPU will compile, caught without one.
+# Every constexpr combination the launchers use, as bf16 aligned (with the mix residual) and fp32
+# general (without), at a small shape with a non-power-of-two head width: what the GPU will
+# compile, caught without one.
 _EVERY_VARIANT = """
 import itertools
 from mhar_kernels.compile_report import compile_kernel
@@ -59,7 +60,7 @@ for (dtype, aligned), a, b in itertools.product((("bf16", True), ("fp32", False)
     compile_kernel("forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
                    flags=dict(HAS_PARTIAL=a, HAS_STATE=b))
     compile_kernel("backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
-                   flags=dict(HAS_ALPHA=a, HAS_NULL=b))
+                   flags=dict(HAS_ALPHA=a, HAS_NULL=b, HAS_ACCUM=not a))  # fresh and shared gradient buffers
     count += 2
 print("compiled", count)
 """
