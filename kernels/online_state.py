@@ -4,8 +4,9 @@ A depth softmax over sources A + B can be computed in two pieces: route A, route
 the two normalised mixes by their log-sum-exps (exact in real arithmetic; the summation order
 changes, so not bitwise). A state is (mix (B, T, d) fp32, normalised; lse (B*T, H) fp32).
 
-Forward only: the backward of a merged route is left to the grouped-routing issue. Runs the
-Triton kernels only (`mhar_kernels.can_run`); `merge_states` is plain torch.
+Forward only (no autograd). Grouped routing's differentiable phase 1 is
+`triton_grouped.route_phase1`; its merge is the models' eager one. Runs the Triton kernels only
+(`mhar_kernels.can_run`); `merge_states` is plain torch.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 tests/grouped_fsdp_worker.py OUT_DIR
 
 One masked, unclipped step of debug_mhar (local batch 2 x accumulation 2 per rank) with per-call
-routing, and with routing_group_size 3 under activation checkpointing none and full; rank 0
+routing, and with routing_group_size 3 under activation checkpointing none and full (eager), and
+full with the fused phase 1 (routing_kernel triton, through TRITON_INTERPRET=1 on CPU); rank 0
 writes OUT_DIR/grouped.pt: {run: (loss, {parameter name: full gradient, fp64})}.
 """
 import pathlib
@@ -17,23 +18,30 @@ from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E4
 
 from mhar_titan.train import Trainer  # noqa: E402
 
-RUNS = (("1", "none"), ("3", "none"), ("3", "full"))
+RUNS = (("1", "none", "eager"), ("3", "none", "eager"), ("3", "full", "eager"), ("3", "full", "triton"))
 
 
 def main(out):
     results, trainers = {}, []  # trainers stay referenced: masked_micro_batches keys iterators by id
-    for k, (g, ac) in enumerate(RUNS):
-        cfg = debug_cfg(out, f"g{g}_{ac}", "--training.steps=1", "--training.local_batch_size=2",
+    for k, (g, ac, kernel) in enumerate(RUNS):
+        name = f"g{g}_{ac}" + ("" if kernel == "eager" else f"_{kernel}")
+        cfg = debug_cfg(out, name, "--training.steps=1", "--training.local_batch_size=2",
                         "--training.global_batch_size=8", "--training.max_norm=0",
-                        f"--model.routing_group_size={g}", f"--activation_checkpoint.mode={ac}")
+                        f"--model.routing_group_size={g}", f"--activation_checkpoint.mode={ac}",
+                        f"--model.routing_kernel={kernel}")
         trainer = Trainer(cfg)
         trainers.append(trainer)
         rank, world = dist.get_rank(), dist.get_world_size()
         assert trainer.grad_accum == 2 and trainer.model.plan.group_size == int(g)
+        if kernel == "triton":  # the fused phase 1 runs here (not the eager fallback)
+            import mhar_kernels
+
+            margs = trainer.model.args
+            assert mhar_kernels.can_run_phase1(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
         loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
         grads = {name.replace("._checkpoint_wrapped_module", ""): grad
                  for name, grad in full_grads(trainer.model).items()}
-        results[f"g{g}_{ac}"] = (loss, grads)
+        results[name] = (loss, grads)
         trainer.close(destroy_process_group=k == len(RUNS) - 1)
         if rank == 0 and k == len(RUNS) - 1:
             torch.save(results, pathlib.Path(out) / "grouped.pt")

@@ -103,11 +103,13 @@ def test_bad_group_size_is_a_clear_error(bad):
                                               routing_null_source=False, routing_group_size=bad))
 
 
-def test_group_size_needs_routing_and_the_eager_kernel():
+def test_group_size_needs_routing_and_a_grouped_kernel():
     with pytest.raises(ValueError, match="needs residual='attn_res'"):
         ModelArgs(**SHAPE, routing_group_size=2)
-    with pytest.raises(ValueError, match="routing_kernel='eager'"):
-        ModelArgs(**SHAPE, residual="attn_res", routing_group_size="auto", routing_kernel="triton")
+    with pytest.raises(ValueError, match="runs with routing_kernel 'eager', 'triton' or 'auto'"):
+        ModelArgs(**SHAPE, residual="attn_res", routing_group_size="auto", routing_kernel="compile")
+    for kernel in ("eager", "triton", "auto"):
+        assert ModelArgs(**SHAPE, residual="attn_res", routing_group_size=3, routing_kernel=kernel)
     with pytest.raises(ValueError, match="routing_layout='clean' only"):
         ModelArgs(**SHAPE, residual="attn_res", routing_group_size=3, routing_layout="paper", routing_mode="delta",
                   routing_null_source=True, routing_eps=1e-6)

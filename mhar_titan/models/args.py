@@ -151,7 +151,7 @@ class ModelArgs:
             )
 
     def _check_group_size(self) -> None:
-        """routing_group_size: a positive int or "auto"; g != 1 needs the eager kernel (ValueError)."""
+        """routing_group_size: a positive int or "auto"; g != 1 rejects routing_kernel="compile" (ValueError)."""
         g = self.routing_group_size
         if g != "auto" and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
             raise ValueError(f"routing_group_size must be a positive integer (1 = per-call routing) or 'auto', "
@@ -165,10 +165,11 @@ class ModelArgs:
         if g != 1 and self.routing_head_layout != "contiguous":
             raise ValueError(f"routing_group_size={g!r} supports routing_head_layout='contiguous' only; set "
                              "routing_group_size=1 for the permuted head layout")
-        if g != 1 and self.routing_kernel != "eager":
-            raise ValueError(f"routing_group_size={g!r} runs only with routing_kernel='eager' (grouped routing has "
-                             f"no fused or compiled kernel yet), got routing_kernel={self.routing_kernel!r}; set "
-                             "routing_kernel='eager' or routing_group_size=1")
+        if g != 1 and self.routing_kernel == "compile":
+            raise ValueError(f"routing_group_size={g!r} runs with routing_kernel 'eager', 'triton' or 'auto' "
+                             "(grouped routing has no torch.compile'd routing body; per-block compile is "
+                             "training.compile), got routing_kernel='compile'; set routing_kernel='triton' or "
+                             "'eager', or routing_group_size=1")
 
     def _check_types(self) -> None:
         """Numeric and boolean fields: positive ints, finite positive reals, bools (ValueError)."""

@@ -1,5 +1,9 @@
 """Grouped two-phase depth routing, eager reference (docs/DESIGN.md "Grouped routing").
 
+`phase1` runs the fused phase 1 (`mhar_kernels.route_phase1`, the same contract as `_Phase1`)
+for routing_kernel "triton" / "auto" where it can run, and `_Phase1` otherwise; the merge is
+always `_Merge`.
+
 The pseudo-queries do not depend on the input, so for a group of g consecutive routing sites
 (`RoutingPlan.groups`) the part of every site's depth softmax over the entries that exist when
 the group starts can be computed at once:
@@ -197,10 +201,27 @@ class _Merge(torch.autograd.Function):
         return (dmix, dnorm, None, dquery, dnorm_weight, None, None, None, *grads)
 
 
+def _fused_phase1(kernel: str, full: Tensor, heads: int):
+    """`mhar_kernels.route_phase1` where `kernel` selects the fused kernels and they can run here,
+    else None (the eager `_Phase1`), with the rules of `routing.route`: "triton" runs them where
+    `mhar_kernels.can_run_phase1` is True, "auto" on CUDA sources only (inside torch.compile the
+    fused phase 1 is the opaque custom op `mhar::phase1`)."""
+    if kernel not in ("triton", "auto") or (kernel == "auto" and not full.is_cuda):
+        return None
+    try:
+        import mhar_kernels
+        runs = mhar_kernels.can_run_phase1(full.device, full.shape[-1], heads)
+    except ImportError:  # triton not installed
+        return None
+    return mhar_kernels.route_phase1 if runs else None
+
+
 def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_norm: Tensor, heads: int,
-           eps: float) -> dict[int, State]:
+           eps: float, kernel: str = "eager") -> dict[int, State]:
     """Phase 1 of `group` over the model's source list `sources` (entries `group.reads`; a
     leading (d,) entry is the null source). query, key_norm: the group's rows (g, d).
+    kernel: the `routing_kernel` field; "triton" / "auto" run the fused phase 1
+    (`mhar_kernels.route_phase1`) where it can run (`_fused_phase1`), else the eager `_Phase1`.
 
     Returns {site index: State} for every site of the group.
     Raises:
@@ -213,7 +234,9 @@ def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_no
     null, full = contract.split_null_source([sources[j] for j in group.reads])
     heads = contract.check_route_args(full, query[0], key_norm[0], heads, null_source=null)
     reads = tuple(tuple(j in early for j in group.reads) for early in group.early)
-    out = _Phase1.apply(query, key_norm, reads, heads, float(eps), *contract.with_null_source(null, full))
+    fused = _fused_phase1(kernel, full[0], heads)
+    apply = _Phase1.apply if fused is None else fused
+    out = apply(query, key_norm, reads, heads, float(eps), *contract.with_null_source(null, full))
     g = group.size
     # each site's lse is its own tensor, not a view of the group's (a block output must not be a view)
     return {site: State(out[i], out[g + i], out[2 * g][..., i, :].contiguous(), full[0].dtype)

@@ -225,7 +225,8 @@ class TransformerBlock(nn.Module):
             return site_input(site, sources, h, query[row], key_norm[row], alpha, self.args)
         heads, eps = self.args.resolved_routing_heads, self.args.routing_eps
         if position == 0:
-            states.update(grouped.phase1(group, sources, group_query, group_key_norm, heads, eps))
+            states.update(grouped.phase1(group, sources, group_query, group_key_norm, heads, eps,
+                                         self.args.routing_kernel))
         late = [sources[j] for j in group.late[position]]
         return grouped.merge(site, late, states.pop(site.index), h, query[row], key_norm[row], alpha, heads, eps)
 

@@ -1,0 +1,450 @@
+"""Fused Triton kernels for phase 1 of grouped depth routing (docs/DESIGN.md "Grouped routing").
+
+For a group of g routing sites and the n sources s_1..s_n that exist when it starts, phase 1
+computes, for every site i and routing head h, the online-softmax state over the sources site i
+reads (a (g, n) read table; MHAR_SPEC section 2 for the logits):
+
+    l_{n,i,h}  = <q_i[h], (fp32(storage(s_n r_n)) g_i)[h]>      r_n over the full d
+    lse_{i,h}  = logsumexp over the sources site i reads of l_{n,i,h}
+    mix_i[h]   = sum_n exp(l_{n,i,h} - lse_{i,h}) s_n[h]         (normalised, fp32)
+
+in one pass over the sources: a program holds a [BLOCK_T, SB, HB, KB] accumulator (SB sites of
+the group, HB = next_pow2(H), KB = next_pow2(K)), loads each source tile once, computes its
+inverse RMS and rounded key once and the SB sites' logits from it. The normaliser of the eager
+reference (`norm_i`, identically 1) is not computed; its gradient enters the backward.
+
+Backward (the log-sum-exp held constant, as in the eager reference, so mix_i and norm_i are
+plain sums over the sources): per source, recompute its key and the SB sites' logits, then
+
+    a_{n,i}    = exp(l_{n,i} - lse_i)                 (0 where site i does not read source n)
+    dl_{n,i}   = a_{n,i} (<dmix_i[h], s_n[h]> + dnorm_i)
+    ds_n       = RMSNorm backward of sum_i dl_{n,i} q_i g_i  +  sum_i a_{n,i} dmix_i[h]
+    T_i        = sum over tokens and sources of dl_{n,i} khat_n;  dq_i = T_i g_i, dg_i = T_i q_i
+
+so each source's gradient is written once per group (per site chunk, below). Programs are
+persistent over token tiles (`triton_routing.reduce_programs`); T (and the null source's
+gradient) are written as (programs, g, d) fp32 partial sums that the host reduces in a fixed
+order: no atomics, bitwise repeatable, no per-site (B*T, d) partial buffers.
+
+Site chunks. g sites of d values in fp32 do not fit one program's registers at the largest
+shapes (d = 1280, H = 8: one site of one token is an [8, 256] tile), so a launch may split
+the group into C = ceil(g / SB) chunks of SB sites, SB chosen on the host from a register
+budget (`launch_config`). Chunk programs of one token tile are adjacent in launch order, so
+C > 1 reads each source C times, all but the first from L2; in the backward each chunk writes
+its own gradient of every source (C rows instead of one) into one (C, B, T, d) buffer per
+source, which the host sums over C (reads C rows, writes one). C = 1 at the debug flavor and
+at 100m; at 350m the backward runs 2 chunks, at 1b the forward 3 and the backward 6
+(docs/DESIGN.md "Grouped routing" lists registers and chunks).
+
+Sources, outputs (the per-site mixes) and incoming gradients are separate tensors addressed by
+device tables of data pointers, as in `triton_routing`; a (d,) null source is source 0 with row
+stride 0. All loads are cast to fp32 (fp64 for fp64 sources) and outputs are rounded at the
+store (`triton_routing._to_storage`: the interpreter cannot do bf16 arithmetic).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import contract
+from .triton_routing import (
+    _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _source_base, _source_table,
+    _to_storage, aligned, fits_tile, reduce_programs,
+)
+
+# Register budget: elements of one program's [BLOCK_T, SB, HB, KB] tile (fp32). The forward
+# holds one such accumulator; the backward holds the incoming mix gradients of the tile and
+# the [SB, HB, KB] key-gradient sums, so it gets half.
+_FWD_TILE = 8192
+_BWD_TILE = 4096
+_INTERPRET_BLOCK_T = 128
+
+
+# ---------------------------------------------------------------------------- device code
+@triton.jit
+def _site_rows(TABLE, s, smask, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """[SB] pointers to row 0 of the per-site tensors listed in TABLE (int64 data pointers)."""
+    base = tl.load(TABLE + s, mask=smask, other=0).to(tl.pointer_type(TY))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+    return base
+
+
+@triton.jit
+def _phase1_fwd_kernel(
+    PTRS, RSTRIDES, READS, MIX_PTRS, SRC0, Q, G, LSE,
+    N, NG, C, BT, D, H, K, eps,
+    ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, SB: tl.constexpr,
+    HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
+):
+    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    if ALIGNED:
+        D = tl.multiple_of(D, 8)
+        K = tl.multiple_of(K, 8)
+    pid = tl.program_id(0)
+    chunk = pid % C  # the chunks of one token tile are adjacent: repeated source reads hit L2
+    t = (pid // C) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = chunk * SB + tl.arange(0, SB)
+    h = tl.arange(0, HB)
+    k = tl.arange(0, KB)
+    smask = s < NG
+    rows = t[:, None, None].to(tl.int64)
+    cols = h[None, :, None] * K + k[None, None, :]  # [1, HB, KB]
+    cmask = (h[None, :, None] < H) & (k[None, None, :] < K)
+    mask = (t[:, None, None] < BT) & cmask
+    site_cols = s[:, None, None] * D + cols  # [SB, HB, KB] into the (g, d) query / key-norm rows
+    site_cmask = smask[:, None, None] & cmask
+    gq = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT) * \
+        tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT)
+
+    acc = tl.zeros([BLOCK_T, SB, HB, KB], CDT)
+    m = tl.full([BLOCK_T, SB, HB], float("-inf"), CDT)
+    l = tl.zeros([BLOCK_T, SB, HB], CDT)
+    for n in tl.range(0, N, num_stages=NUM_STAGES):
+        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
+        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+        logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
+        read = tl.load(READS + n * C * SB + s) != 0  # [SB]; padded sites read nothing
+        logit = tl.where(read[None, :, None], logit, float("-inf"))
+        m_new = tl.maximum(m, logit)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a site that has read nothing yet
+        keep = l * tl.exp(m - shift)
+        p = tl.exp(logit - shift)
+        l_new = keep + p
+        inv = tl.where(l_new > 0, 1.0 / tl.where(l_new > 0, l_new, 1.0), 0.0)
+        acc = acc * (keep * inv)[:, :, :, None] + v[:, None, :, :] * (p * inv)[:, :, :, None]
+        m = m_new
+        l = l_new
+
+    th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]  # (B*T, g, H)
+    thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
+    tl.store(LSE + th, m + tl.log(tl.where(thmask, l, 1.0)), mask=thmask)
+    out = _site_rows(MIX_PTRS, s, smask, CDT, ALIGNED)[None, :, None, None]
+    tl.store(out + rows[:, None] * D + cols[:, None], acc, mask=mask[:, None] & smask[None, :, None, None])
+
+
+@triton.jit
+def _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB: tl.constexpr,
+                        SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Backward of phase 1 for source n's tile v [BLOCK_T, HB, KB] at SB sites (module docstring):
+    its gradient dv [BLOCK_T, HB, KB] and its key-gradient sums sum_t dl khat [SB, HB, KB]."""
+    r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+    logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
+    read = tl.load(READS + n * C * SB + s) != 0
+    a = tl.where(thmask & read[None, :, None], tl.exp(logit - lse), 0.0)
+    dl = a * (tl.sum(dmix * v[:, None, :, :], axis=3) + dnorm)
+    t_n = tl.sum(dl[:, :, :, None] * khat[:, None, :, :], axis=0)
+    dkp = tl.sum(dl[:, :, :, None] * gq[None, :, :, :], axis=1)  # [BLOCK_T, HB, KB]
+    c = tl.sum(tl.sum(dkp * v, axis=2), axis=1)[:, None, None]
+    # RMSNorm backward as in triton_routing._source_grad (no r^3), plus the mixing term
+    dv = r * (dkp - (c * r * r / D) * v) + tl.sum(a[:, :, :, None] * dmix, axis=1)
+    return dv, t_n
+
+
+@triton.jit
+def _phase1_bwd_kernel(
+    PTRS, RSTRIDES, DPTRS, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
+    N, NG, C, BT, D, H, K, eps,
+    HAS_NULL: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
+    SB: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
+):
+    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    if ALIGNED:
+        D = tl.multiple_of(D, 8)
+        K = tl.multiple_of(K, 8)
+    pid = tl.program_id(0)
+    chunk = pid % C
+    prog = pid // C
+    programs = tl.num_programs(0) // C
+    s = chunk * SB + tl.arange(0, SB)
+    h = tl.arange(0, HB)
+    k = tl.arange(0, KB)
+    smask = s < NG
+    hk = h[:, None] * K + k[None, :]  # [HB, KB]
+    cmask2 = (h[:, None] < H) & (k[None, :] < K)
+    cols = hk[None, :, :]
+    cmask = cmask2[None, :, :]
+    site_cols = s[:, None, None] * D + cols
+    site_cmask = smask[:, None, None] & cmask
+    q = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT)
+    gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
+    dmix_rows = _site_rows(DMIX_PTRS, s, smask, CDT, ALIGNED)[None, :, None, None]
+
+    tacc = tl.zeros([SB, HB, KB], CDT)  # sum of dl * khat over tokens and sources
+    dnull = tl.zeros([HB, KB], CDT)
+    for tile in range(prog, tl.cdiv(BT, BLOCK_T), programs):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = t[:, None, None].to(tl.int64)
+        mask = (t[:, None, None] < BT) & cmask
+        mask4 = mask[:, None] & smask[None, :, None, None]
+        th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]
+        thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
+        dmix = tl.load(dmix_rows + rows[:, None] * D + cols[:, None], mask=mask4, other=0.0).to(CDT)
+        dnorm = tl.load(DNORM + th, mask=thmask, other=0.0).to(CDT)
+        lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
+        if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
+            v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
+            dv, t_n = _phase1_source_grad(v, 0, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
+                                          CDT, RNE_BF16)
+            tacc += t_n
+            dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
+        # One read of each source, one write of its gradient (per site chunk).
+        for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
+            v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
+            dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
+                                          CDT, RNE_BF16)
+            tacc += t_n
+            dbase = _source_base(DPTRS, chunk * N + n, SRC_TY, ALIGNED)
+            tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
+    part = prog * NG * D + site_cols  # T_PART (programs, g, d)
+    tl.store(T_PART + part, tacc, mask=site_cmask)
+    if HAS_NULL:
+        tl.store(DNULL_PART + pid * D + hk, dnull, mask=cmask2)  # (C * programs, d)
+
+
+# ---------------------------------------------------------------------------- host code
+def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
+                  site_block: Optional[int] = None) -> dict:
+    """{'BLOCK_T', 'SB', 'HB', 'KB', 'num_warps'} for B*T tokens and a group of `group` sites.
+
+    SB (sites per program, a power of two) is the whole group where one token's [SB, HB, KB]
+    tile fits the budget, else the largest power of two that does; BLOCK_T fills the rest.
+    site_block overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large
+    (few programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
+    hb, kb = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    budget = _BWD_TILE if backward else _FWD_TILE
+    sb = site_block or min(triton.next_power_of_2(group), max(1, budget // (hb * kb)))
+    if INTERPRET:
+        block_t = min(triton.next_power_of_2(max(bt, 1)), _INTERPRET_BLOCK_T)
+    else:
+        block_t = max(1, min(triton.next_power_of_2(max(bt, 1)), budget // (sb * hb * kb)))
+    tile = block_t * sb * hb * kb
+    num_warps = 16 if tile >= 8192 else 8 if tile >= 2048 else 4 if tile >= 1024 else 2
+    return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps)
+
+
+def _read_table(reads: Sequence[Sequence[bool]], n: int, padded: int, device: torch.device) -> Tensor:
+    """int8 (n, padded): entry [j, i] = 1 when site i reads source j (padded sites read nothing)."""
+    table = torch.zeros((n, padded), dtype=torch.int8)
+    table[:, :len(reads)] = torch.tensor(reads, dtype=torch.int8).T
+    return table.to(device)
+
+
+def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Tensor,
+                   reads: Sequence[Sequence[bool]], heads: int, eps: float,
+                   site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor]:
+    """Launch the phase-1 forward. sources: n tensors (B, T, d), sources[0] may be a (d,) null
+    source; queries, norm_weights (g, d); reads[i][j]: site i reads source j.
+    Returns (g mixes (B, T, d) in the compute dtype, lse (B, T, g, H) in the compute dtype)."""
+    full = next(x for x in sources if x.dim() != 1)
+    d, g = full.shape[-1], queries.shape[0]
+    bt, head_dim = full.numel() // d, d // heads
+    cdt = contract.compute_dtype(full.dtype)
+    mixes = [torch.empty(full.shape, dtype=cdt, device=full.device) for _ in range(g)]
+    lse = torch.empty((*full.shape[:-1], g, heads), dtype=cdt, device=full.device)
+    if bt == 0:
+        return mixes, lse
+    n = len(sources)
+    cfg = launch_config(bt, g, heads, head_dim, backward=False, site_block=site_block)
+    chunks = triton.cdiv(g, cfg["SB"])
+    mix_ptrs = [m.data_ptr() for m in mixes]
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=mix_ptrs)
+    is_aligned = aligned(ptrs + mix_ptrs, strides, head_dim)
+    grid = (chunks * triton.cdiv(bt, cfg["BLOCK_T"]),)
+    _phase1_fwd_kernel[grid](
+        table[:n], table[n:2 * n], _read_table(reads, n, chunks * cfg["SB"], full.device), table[2 * n:],
+        tensors[0], queries.contiguous(), norm_weights.contiguous(), lse,
+        n, g, chunks, bt, d, heads, head_dim, eps,
+        ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+    )
+    return mixes, lse
+
+
+def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[Tensor], queries: Tensor,
+                    norm_weights: Tensor, reads: Sequence[Sequence[bool]], heads: int, eps: float, lse: Tensor,
+                    site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor]]:
+    """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (B, T, g, H)
+    of the normalisers; lse from `phase1_forward`. Returns (gradients of the (B, T, d) sources in
+    their dtype, dq (g, d), dg (g, d) and dnull (d,) or None in the compute dtype), the partial
+    sums reduced in a fixed order (bitwise repeatable)."""
+    has_null = sources[0].dim() == 1
+    full = next(x for x in sources if x.dim() != 1)
+    d, g = full.shape[-1], queries.shape[0]
+    bt, head_dim = full.numel() // d, d // heads
+    cdt, device = lse.dtype, full.device
+    n = len(sources)
+    cfg = launch_config(bt, g, heads, head_dim, backward=True, site_block=site_block)
+    chunks = triton.cdiv(g, cfg["SB"])
+    # per source, one (C, B, T, d) buffer when C > 1: chunk c writes block c, the host sums over C once
+    shape = full.shape if chunks == 1 else (chunks, *full.shape)
+    buffers = [torch.empty(shape, dtype=full.dtype, device=device) for _ in range(n - int(has_null))]
+    grads = [buffers] if chunks == 1 else [[buf[c] for buf in buffers] for c in range(chunks)]
+    if bt == 0:
+        zeros = torch.zeros((g, d), dtype=cdt, device=device)
+        return grads[0], zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
+    dmixes = [x.to(cdt).contiguous() for x in dmixes]
+    dptrs = [p for chunk in grads for p in [0] * int(has_null) + [x.data_ptr() for x in chunk]]
+    dmix_ptrs = [x.data_ptr() for x in dmixes]
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs)
+    is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
+    programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
+    t_part = torch.zeros((programs, g, d), dtype=cdt, device=device)
+    dnull_part = torch.empty((chunks * programs, d), dtype=cdt, device=device) if has_null else t_part
+    q, w = queries.contiguous(), norm_weights.contiguous()
+    _phase1_bwd_kernel[(chunks * programs,)](
+        table[:n], table[n:2 * n], table[2 * n:2 * n + chunks * n], _read_table(reads, n, chunks * cfg["SB"], device),
+        table[2 * n + chunks * n:], tensors[0], q, w, dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
+        n, g, chunks, bt, d, heads, head_dim, eps,
+        HAS_NULL=has_null, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+    )
+    # the site chunks' gradients of each source: one sum over C (fp32 accumulation, one rounding)
+    out = buffers if chunks == 1 else [buf.sum(0) for buf in buffers]
+    t_sum = t_part.sum(0)
+    dnull = dnull_part.sum(0) if has_null else None
+    return out, t_sum * w.to(cdt), t_sum * q.to(cdt), dnull
+
+
+class Phase1(torch.autograd.Function):
+    """Phase 1 of one group on the fused kernels: forward(queries (g, d), norm_weights (g, d),
+    reads (per site, one bool per source), heads, eps, *sources) -> (mix_1..mix_g (B, T, d),
+    norm_1..norm_g (B, T, H), lse (B, T, g, H)), all in the compute dtype; the same contract as
+    the models' eager phase 1 (a leading (d,) source is the null source). lse is not
+    differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
+
+    Saves for backward: references to the sources, the query and key-norm rows, and lse
+    (g H values per token). No (B, T, d) tensor."""
+
+    site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
+
+    @staticmethod
+    def forward(ctx, queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, *sources: Tensor):
+        mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block)
+        norms = [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes]
+        ctx.save_for_backward(queries, norm_weights, lse, *sources)
+        ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
+        ctx.mark_non_differentiable(lse)
+        return (*mixes, *norms, lse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        queries, norm_weights, lse, *sources = ctx.saved_tensors
+        g = queries.shape[0]
+        dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
+                  if x is None else x for x in grads[:g]]
+        dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grads[g:2 * g]], -2)
+        out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
+                                             ctx.eps, lse, Phase1.site_block)
+        if dnull is not None:
+            out = [dnull.to(sources[0].dtype), *out]
+        out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]
+        return (dq.to(queries.dtype), dg.to(norm_weights.dtype), None, None, None, *out)
+
+
+def can_run_phase1(device: torch.device, dim: int, heads: int) -> bool:
+    """True where the phase-1 kernels run (as `mhar_kernels.can_run`: CUDA, or CPU under
+    TRITON_INTERPRET=1, and one token's [HB, KB] tile within the per-call kernels' budget)."""
+    on_device = device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+    return on_device and fits_tile(heads, dim // heads)
+
+
+# ---------------------------------------------------------------------------- custom ops
+# Inside torch.compile the phase 1 is two registered custom ops (opaque graph nodes: fake tensors
+# have no data pointer), as the per-call kernels are (op.py); reads are flattened, site-major.
+def _unflatten_reads(reads: list[bool], sites: int) -> tuple:
+    n = len(reads) // sites
+    return tuple(tuple(reads[i * n:(i + 1) * n]) for i in range(sites))
+
+
+@torch.library.custom_op("mhar::phase1", mutates_args=())
+def phase1_op(sources: list[Tensor], queries: Tensor, norm_weights: Tensor, reads: list[bool], heads: int,
+              eps: float) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    mixes, lse = phase1_forward(sources, queries, norm_weights, _unflatten_reads(reads, queries.shape[0]), heads,
+                                eps, Phase1.site_block)
+    return mixes, [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes], lse
+
+
+@phase1_op.register_fake
+def _phase1_fake(sources, queries, norm_weights, reads, heads, eps):
+    full = sources[-1]
+    cdt = contract.compute_dtype(full.dtype)
+    g = queries.shape[0]
+    return ([full.new_empty(full.shape, dtype=cdt) for _ in range(g)],
+            [full.new_empty((*full.shape[:-1], heads), dtype=cdt) for _ in range(g)],
+            full.new_empty((*full.shape[:-1], g, heads), dtype=cdt))
+
+
+@torch.library.custom_op("mhar::phase1_backward", mutates_args=())
+def phase1_backward_op(dmixes: list[Tensor], dnorm: Tensor, sources: list[Tensor], queries: Tensor,
+                       norm_weights: Tensor, reads: list[bool], heads: int, eps: float,
+                       lse: Tensor) -> tuple[list[Tensor], Tensor, Tensor]:
+    grads, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights,
+                                           _unflatten_reads(reads, queries.shape[0]), heads, eps, lse,
+                                           Phase1.site_block)
+    if dnull is not None:
+        grads = [dnull.to(sources[0].dtype), *grads]
+    return grads, dq.to(queries.dtype), dg.to(norm_weights.dtype)
+
+
+@phase1_backward_op.register_fake
+def _phase1_backward_fake(dmixes, dnorm, sources, queries, norm_weights, reads, heads, eps, lse):
+    return [s.new_empty(s.shape) for s in sources], torch.empty_like(queries), torch.empty_like(norm_weights)
+
+
+def _phase1_setup_context(ctx, inputs, output):
+    sources, queries, norm_weights, reads, heads, eps = inputs
+    ctx.save_for_backward(queries, norm_weights, output[2], *sources)
+    ctx.reads, ctx.heads, ctx.eps = reads, heads, eps
+
+
+def _phase1_op_backward(ctx, grad_mixes, grad_norms, _grad_lse):
+    queries, norm_weights, lse, *sources = ctx.saved_tensors
+    dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grad_norms], -2)
+    dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
+              if x is None else x for x in grad_mixes]
+    grads, dq, dg = phase1_backward_op(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads, ctx.eps,
+                                       lse)
+    return list(grads), dq, dg, None, None, None
+
+
+phase1_op.register_autograd(_phase1_op_backward, setup_context=_phase1_setup_context)
+
+
+def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float,
+                 *sources: Tensor) -> tuple[Tensor, ...]:
+    """Phase 1 of one routing group on the fused kernels, with autograd (`Phase1`; inside
+    torch.compile the custom op `mhar::phase1`, an opaque graph node).
+
+    Args:
+        queries, norm_weights: the group's pseudo-queries and key-norm weights, (g, d) each.
+        reads: g tuples of one bool per source: site i reads source j.
+        heads, eps: routing heads H (d % H == 0) and RMSNorm epsilon.
+        sources: the n entries that exist when the group starts, (B, T, d) each of one dtype; a
+            leading (d,) tensor is the null source (in the sources' dtype).
+
+    Returns:
+        (mix_1..mix_g (B, T, d), norm_1..norm_g (B, T, H), lse (B, T, g, H)) in the compute
+        dtype (fp32, fp64 for fp64 sources).
+
+    Raises:
+        RuntimeError: where the kernels cannot run (`can_run_phase1` is False).
+        ValueError: reads not g tuples of n bools.
+    """
+    full = sources[-1]
+    if not torch.compiler.is_compiling() and not can_run_phase1(full.device, full.shape[-1], heads):
+        raise RuntimeError(f"the phase-1 kernels cannot run on {full.device} at d={full.shape[-1]}, H={heads} "
+                           "(CUDA, or CPU with TRITON_INTERPRET=1, within the register budget); check "
+                           "can_run_phase1() first and use the eager phase 1 where it is False")
+    if len(reads) != queries.shape[0] or any(len(r) != len(sources) for r in reads):
+        raise ValueError(f"reads must be {queries.shape[0]} tuples of {len(sources)} bools (one per site and "
+                         f"source), got {[len(r) for r in reads]}")
+    if torch.compiler.is_compiling():
+        mixes, norms, lse = phase1_op(list(sources), queries, norm_weights, [bool(x) for r in reads for x in r],
+                                      int(heads), float(eps))
+        return (*mixes, *norms, lse)
+    return Phase1.apply(queries, norm_weights, reads, int(heads), float(eps), *sources)
