@@ -2,12 +2,13 @@
 
     python -m mhar_kernels.compile_report            # paper shapes, N = 73, bf16: one line each
     python -m mhar_kernels.compile_report --json     # the same as JSON
+    python -m mhar_kernels.compile_report --kernels phase1_forward,phase1_backward --group 11 --shapes 1280x8
 
 Uses Triton's ahead-of-time path (`triton.compile` with `GPUTarget("cuda", 90, 64)`) and the
 ptxas that ships with Triton, so it runs on a CPU-only machine; run it with another Triton
 (for example 3.6 in a second environment) to compare versions. For each kernel and variant it
-reports registers per thread, spill bytes, the widest global/async source access in the PTX
-and whether the loop over sources is software-pipelined (cp.async groups).
+reports registers per thread, spill bytes, sites per program (phase 1), the widest global/async
+source access in the PTX and whether the loop over sources is software-pipelined (cp.async groups).
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler).
 """
@@ -33,8 +34,14 @@ _POINTER_ARGS = {
     "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
                      DOUT="*SRC", MIX="*SRC", RES="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
                      DALPHA_PART="*fp32", DNULL_PART="*fp32"),
+    "phase1_forward": dict(PTRS="*i64", RSTRIDES="*i64", READS="*i8", MIX_PTRS="*i64", SRC0="*SRC", Q="*SRC",
+                           G="*SRC", LSE="*fp32"),
+    "phase1_backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", READS="*i8", DMIX_PTRS="*i64", SRC0="*SRC",
+                            Q="*SRC", G="*SRC", DNORM="*fp32", LSE="*fp32", T_PART="*fp32", DNULL_PART="*fp32"),
 }
-_SCALAR_ARGS = dict(N="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
+# Grouped routing's phase 1 (triton_grouped): the group size `auto` picks at 1b.
+GROUP = 11
+_SCALAR_ARGS = dict(N="i32", NG="i32", C="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
 
 
 def _ptxas():
@@ -47,15 +54,18 @@ def _ptxas():
 
 
 def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
-                   tokens: int = TOKENS, dtype: str = "bf16", flags: dict | None = None) -> dict:
-    """Compile the forward or backward kernel for sm_90 as a launch with these arguments would.
+                   tokens: int = TOKENS, dtype: str = "bf16", flags: dict | None = None, group: int = GROUP) -> dict:
+    """Compile a routing kernel for sm_90 as a launch with these arguments would: kind "forward" /
+    "backward" (per call, triton_routing) or "phase1_forward" / "phase1_backward" (grouped
+    routing's phase 1 over a group of `group` sites, triton_grouped).
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
-    for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM). Returns {'registers', 'spill_bytes', 'num_warps',
-    'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched by 16-byte cp.async
-    in a multi-stage loop), 'ptxas' (its -v report)}.
+    for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
+    null source). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
+    None), 'block_t', 'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched
+    by 16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
@@ -64,21 +74,30 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from . import triton_grouped as tg
     from . import triton_routing as tr
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         raise RuntimeError("this Triton build has no CUDA backend")
-    fn = tr._route_fwd_kernel if kind == "forward" else tr._route_bwd_kernel
-    cfg = tr.launch_config(tokens, heads, d // heads, backward=kind == "backward")
+    fn = dict(forward=tr._route_fwd_kernel, backward=tr._route_bwd_kernel, phase1_forward=tg._phase1_fwd_kernel,
+              phase1_backward=tg._phase1_bwd_kernel)[kind]
+    backward = kind.endswith("backward")
+    if kind.startswith("phase1"):
+        cfg = tg.launch_config(tokens, group, heads, d // heads, backward=backward)
+    else:
+        cfg = tr.launch_config(tokens, heads, d // heads, backward=backward)
     num_warps = cfg.pop("num_warps")
-    types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()} | _SCALAR_ARGS
+    names = fn.arg_names
+    types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()}
+    types |= {k: v for k, v in _SCALAR_ARGS.items() if k in names}
     # backward: HAS_ACCUM, as the models run it (a site adds into its sources' shared gradient buffers)
     # HAS_RES for bf16 / fp16 (the saved mix's rounding residual), as the op runs them
     has_res = dtype != "fp32"
-    defaults = dict(HAS_PARTIAL=False, HAS_STATE=False, HAS_RES=has_res) if kind == "forward" else \
-        dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res)
-    constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32, RNE_BF16=False, **cfg)
-    names = fn.arg_names
+    defaults = dict(forward=dict(HAS_PARTIAL=False, HAS_STATE=False, HAS_RES=has_res),
+                    backward=dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res),
+                    phase1_forward={}, phase1_backward=dict(HAS_NULL=False))[kind]
+    constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32,
+                      RNE_BF16=False, **cfg)
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)
     divisible = [k for k in types if k.isupper() and types[k].startswith("*")]
     divisible += [k for k, v in values.items() if v % 16 == 0]
@@ -98,7 +117,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     counts = access_counts(ptx)
-    return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, scalar_16bit_loads=counts["scalar_16bit"],
+    return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, site_block=cfg.get("SB"),
+                block_t=cfg["BLOCK_T"], scalar_16bit_loads=counts["scalar_16bit"],
                 accesses_128bit=counts["128bit"], pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx,
                 ptxas=report.strip())
 
@@ -113,13 +133,15 @@ def access_counts(ptx: str) -> dict:
                 async_128bit=copies.count(16), **{"128bit": vectors + copies.count(16)})
 
 
-def report(shapes=SHAPES, variants=("aligned", "general")) -> list[dict]:
-    """compile_kernel for both kernels at every (d, H) of `shapes` and every variant, as rows."""
+def report(shapes=SHAPES, variants=("aligned", "general"), kernels=("forward", "backward"),
+           group: int = GROUP) -> list[dict]:
+    """compile_kernel for each of `kernels` at every (d, H) of `shapes` and every variant, as rows
+    (phase-1 kernels over a group of `group` sites)."""
     rows = []
     for d, heads in shapes:
-        for kind in ("forward", "backward"):
+        for kind in kernels:
             for aligned in (v == "aligned" for v in variants):
-                r = compile_kernel(kind, d, heads, aligned=aligned)
+                r = compile_kernel(kind, d, heads, aligned=aligned, group=group)
                 rows.append(dict(kernel=kind, d=d, H=heads, N=N_SOURCES, variant="aligned" if aligned else "general",
                                  **{k: v for k, v in r.items() if k != "ptxas"}))
     return rows
@@ -130,24 +152,30 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--shapes", default=",".join(f"{d}x{h}" for d, h in SHAPES), help="comma list of dxH")
     p.add_argument("--variants", default="aligned,general")
+    p.add_argument("--kernels", default="forward,backward",
+                   help="comma list of forward, backward, phase1_forward, phase1_backward")
+    p.add_argument("--group", type=int, default=GROUP, help="sites per group of the phase-1 kernels")
     p.add_argument("--out", type=Path, help="also write the table (or JSON) to this file")
     a = p.parse_args(argv)
     import triton
 
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in a.shapes.split(",")]
     try:
-        rows = report(shapes, a.variants.split(","))
+        rows = report(shapes, a.variants.split(","), a.kernels.split(","), a.group)
     except RuntimeError as exc:
         raise SystemExit(f"compile_report: {exc}")
     if a.json:
         text = json.dumps(dict(triton=triton.__version__, rows=rows), indent=2)
     else:
-        lines = [f"triton {triton.__version__}, compiled for sm_90 (no GPU), bf16, N = {N_SOURCES}, {TOKENS} tokens",
+        group = f", phase-1 group of {a.group} sites" if "phase1" in a.kernels else ""
+        lines = [f"triton {triton.__version__}, compiled for sm_90 (no GPU), bf16, N = {N_SOURCES}, {TOKENS} tokens"
+                 f"{group}",
                  "",
-                 "| kernel | d | H | variant | warps | registers | spill bytes | 16-bit loads | 128-bit accesses "
-                 "| pipelined |",
-                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-        lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['num_warps']} | {r['registers']} | "
+                 "| kernel | d | H | variant | sites per program | warps | registers | spill bytes | 16-bit loads "
+                 "| 128-bit accesses | pipelined |",
+                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
+                  f"{r['num_warps']} | {r['registers']} | "
                   f"{r['spill_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
                   f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
         text = "\n".join(lines)

@@ -68,3 +68,34 @@ print("compiled", count)
 
 def test_every_kernel_variant_compiles_for_sm90():
     assert "compiled 16" in _run(["-c", _EVERY_VARIANT]).stdout
+
+
+def test_grouped_phase1_kernels_fit_registers_at_1b():
+    """Grouped routing's phase 1 (triton_grouped) at d = 1280, H = 8 and the group `auto` picks at
+    1b (g = 11): no spills, within the register file at the launch's warps (docs/DESIGN.md,
+    "Grouped routing", lists the numbers)."""
+    rows = json.loads(_run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", "1280x8", "--variants",
+                            "aligned", "--kernels", "phase1_forward,phase1_backward", "--group", "11"]).stdout)["rows"]
+    assert [r["kernel"] for r in rows] == ["phase1_forward", "phase1_backward"]
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["registers"] <= 65536 // (32 * r["num_warps"]), r
+        assert r["accesses_128bit"] > 0, r
+
+
+_PHASE1_VARIANTS = """
+from mhar_kernels.compile_report import compile_kernel
+count = 0
+for dtype, aligned in (("bf16", True), ("fp32", False)):
+    compile_kernel("phase1_forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype, group=3)
+    count += 1
+    for null in (False, True):
+        compile_kernel("phase1_backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
+                       flags=dict(HAS_NULL=null), group=3)
+        count += 1
+print("compiled", count)
+"""
+
+
+def test_every_phase1_variant_compiles_for_sm90():
+    assert "compiled 6" in _run(["-c", _PHASE1_VARIANTS]).stdout
