@@ -14,11 +14,13 @@ with torch.autograd.grad (nothing accumulates into the leaves' .grad between cal
     python bench/routing.py --append BENCHMARKS.md
     python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
     python bench/routing.py --bytes                # counted bytes per step vs the floor, no timing
+    python bench/routing.py --group 11             # also the step with its sites in groups of 11
 
 `--bytes` prints, for 100m / 350m / 1b (MHAR, H = 8, sublayer, replace, bf16, the paper's
 micro-batches), the bytes the kernels move per training step as counted by
 `mhar_kernels.traffic` from the model's routing plan, beside the floor (N + 1 rows forward and
-2N + 1 backward per site), with activation checkpointing off and on.
+2N + 1 backward per site), with activation checkpointing off and on, then the same for grouped routing at the group size
+`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mhar_kernels.traffic import H200_PROGRAMS, Traffic, routing_traffic  # noqa: E402
+from mhar_kernels.traffic import H200_PROGRAMS, Traffic, grouped_traffic, routing_traffic  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
 from mhar_titan.models.routing import route as model_route, share_gradient  # noqa: E402
@@ -66,6 +68,23 @@ def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, d
                            programs=reduce_programs(b * t, device)).total
 
 
+def step_groups(n: int, g: int) -> list[tuple[list[int], list[list[int]]]]:
+    """The n sites of a step (site k = 1..n reads sources 0..k-1) in groups of g consecutive sites,
+    as `mhar_kernels.traffic.grouped_traffic` takes them: (start source ids, per site its in-group ids)."""
+    return [(list(range(k0)), [list(range(k0, k0 + m)) for m in range(min(g, n + 1 - k0))])
+            for k0 in range(1, n + 1, g)]
+
+
+def grouped_moved_bytes(b: int, t: int, d: int, n: int, heads: int, dtype, device, g: int) -> int:
+    """Counted bytes of the n sites of a step routed in groups of g (`one_grouped_step`)."""
+    from mhar_kernels.triton_grouped import launch_config
+    from mhar_kernels.triton_routing import reduce_programs
+
+    block = launch_config(b * t, g, heads, d // heads, backward=True)["SB"]
+    return grouped_traffic(step_groups(n, g), dim=d, tokens=b * t, dtype=dtype, heads=heads,
+                           programs=reduce_programs(b * t, device), backward_site_block=block).total
+
+
 def plan_sources(args: ModelArgs) -> list[list[int]]:
     """For each routing site of the model's routing plan, the entries (ids) of the (B, T, d)
     sources it reads; the null source is not a row and is left out."""
@@ -81,6 +100,60 @@ def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "no
     return routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
                            delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                            programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+
+
+def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
+    """Per routing group of the plan (args.routing_group_size): the entries (ids) of the (B, T, d)
+    sources its phase 1 reads, and per site those of its in-group sources; the grouped
+    counterpart of `plan_sources` (null source left out)."""
+    plan = RoutingPlan.from_args(args)
+    rows = lambda entries: [j for j in entries if plan.sources[j].kind != "null"]  # noqa: E731
+    return [(rows(group.reads), [rows(late) for late in group.late]) for group in plan.groups]
+
+
+def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
+                         programs: int = H200_PROGRAMS) -> Traffic:
+    """Counted routing bytes of one grouped training step (`mhar_kernels.traffic.grouped_traffic`),
+    with the phase-1 backward's site chunks of the fused kernels' launch configuration."""
+    from mhar_kernels.triton_grouped import launch_config
+
+    groups = plan_groups(args)
+    heads = args.resolved_routing_heads
+    g = max(len(late) for _, late in groups)
+    block = launch_config(tokens, g, heads, args.dim // heads, backward=True)["SB"]
+    return grouped_traffic(groups, dim=args.dim, tokens=tokens, dtype=dtype, heads=heads,
+                           delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                           programs=programs, backward_site_block=block,
+                           recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0)
+
+
+def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
+    """Per scale and AC mode: per-call routing beside grouped routing at the group size `auto` picks."""
+    lines = [
+        f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing "
+        f"(`mhar_kernels.traffic.grouped_traffic`: fused phase 1, merges counted as one fused pass; MHAR H = 8, "
+        f"sublayer, replace, {dtype}, {H200_PROGRAMS} backward programs), GB per training step; source rows = "
+        "(B, T, d) sources read per token by one forward.",
+        "",
+        "| scale | AC | g | backward site chunks | source rows, per call | source rows, grouped | counted, per call | "
+        "counted, grouped | floor, per call | floor, grouped | grouped / per call |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    from mhar_kernels.triton_grouped import launch_config
+
+    for scale in scales:
+        args = ModelArgs.from_flavor(scale, residual="attn_res", routing_heads=8, routing_group_size="auto")
+        plan = RoutingPlan.from_args(args)
+        b, t = MICRO_BATCH[scale]
+        g = plan.group_size
+        chunks = -(-g // launch_config(b * t, g, 8, args.dim // 8, backward=True)["SB"])
+        for ac in ("none", "full"):
+            call, grouped = step_traffic(args, b * t, dtype, ac), grouped_step_traffic(args, b * t, dtype, ac)
+            lines.append(
+                f"| {scale} | {ac} | {g} | {chunks} | {plan.source_rows:,} | {plan.grouped_rows:,} | "
+                f"{call.total / 1e9:.2f} | {grouped.total / 1e9:.2f} | {call.floor / 1e9:.2f} | "
+                f"{grouped.floor / 1e9:.2f} | {grouped.total / call.total:.2f} |")
+    return "\n".join(lines)
 
 
 def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
@@ -221,9 +294,37 @@ def one_step(impl, sources, query, norm_weight, heads):
     return run
 
 
+def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
+    """`one_step`'s sites in groups of g (grouped two-phase routing, models/grouped.py): phase 1
+    of each group over the sources that exist when it starts (fused for impl "triton"), then each
+    site's merge with its in-group sources; a group of one site is a per-call route."""
+    from mhar_titan.models import grouped
+    from mhar_titan.models.plan import Group, Site
+
+    def run():
+        total = None
+        shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
+        for start, late in step_groups(len(sources), g):
+            if len(late) == 1:
+                outs = [model_route([shared[j] for j in start], query, norm_weight, heads, kernel=impl)]
+            else:
+                size = len(late)
+                group = Group(0, tuple(range(size)), tuple(start), tuple(tuple(start) for _ in late),
+                              tuple(tuple(ids) for ids in late))
+                rows = query.unsqueeze(0).expand(size, -1), norm_weight.unsqueeze(0).expand(size, -1)
+                states = grouped.phase1(group, shared, *rows, heads, 1e-6, impl)
+                outs = [grouped.merge(Site(i, 0, "attention", ()), [shared[j] for j in ids], states[i], None, query,
+                                      norm_weight, None, heads, 1e-6) for i, ids in enumerate(late)]
+            for out in outs:
+                total = out.float().sum() if total is None else total + out.float().sum()
+        torch.autograd.grad(total, [*sources, query, norm_weight])
+    return run
+
+
 def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool,
-          budget_s: float | None = None, progress=None) -> tuple[list[dict], float, list[str]]:
+          budget_s: float | None = None, progress=None, group: int = 0) -> tuple[list[dict], float, list[str]]:
     """Time every (shape, scope, impl); returns (rows, copy bandwidth GB/s, names not run or failed).
+    group > 1 adds the scope "step g=<group>" (`one_grouped_step`, eager and triton only).
 
     With budget_s, no new measurement starts after that many seconds; a failing implementation
     (for example a compile error) is reported and the others still run. progress(rows, bandwidth)
@@ -235,16 +336,26 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
         progress(rows, bandwidth)  # the table exists (header only) before the first measurement
     for name, (b, t, d, n) in shapes.items():
         sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
-        for scope in ("call", "step") if step else ("call",):
-            moved = moved_bytes(scope, b, t, d, n, heads, dtype, device)
+        scopes = ("call", "step") if step else ("call",)
+        for scope in scopes + ((f"step g={group}",) if step and group > 1 else ()):
+            grouped_scope = scope.startswith("step g=")
+            if grouped_scope:
+                moved = grouped_moved_bytes(b, t, d, n, heads, dtype, device, group)
+            else:
+                moved = moved_bytes(scope, b, t, d, n, heads, dtype, device)
             for impl in impls:
                 label = f"{name}/{scope}/{impl}"
+                if grouped_scope and impl == "compile":
+                    continue  # grouped routing has no compiled routing body (models/args.py)
                 if budget_s is not None and time.perf_counter() - start > budget_s:
                     missing.append(f"{label} (time budget spent)")
                     continue
-                make = one_call if scope == "call" else one_step
+                if grouped_scope:
+                    run = one_grouped_step(impl, sources, query, norm_weight, heads, group)
+                else:
+                    run = (one_call if scope == "call" else one_step)(impl, sources, query, norm_weight, heads)
                 try:
-                    ms = median_ms(make(impl, sources, query, norm_weight, heads), device, warmup, iters)
+                    ms = median_ms(run, device, warmup, iters)
                 except Exception:  # e.g. an inductor failure: keep the other rows
                     traceback.print_exc()
                     missing.append(f"{label} (failed, see the log)")
@@ -313,6 +424,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-step", action="store_true", help="skip the full-step rows")
+    p.add_argument("--group", type=int, default=0,
+                   help="also time the step with its sites in groups of this many (grouped routing; eager, triton)")
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
@@ -322,7 +435,7 @@ def main(argv=None) -> None:
     if a.bytes:
         where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
         host = host_ms()
-        text = bytes_table() + (
+        text = bytes_table() + "\n\n" + grouped_bytes_table() + (
             f"\n\nHost time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
             f"stubbed, 200 calls, sources shared as the models share them): median {host['call']:.3f} ms "
             f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its gradient "
@@ -346,7 +459,7 @@ def main(argv=None) -> None:
             write_table(a.out, table(rows, bandwidth, heads, dtype, device))
 
     rows, bandwidth, missing = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters,
-                                     not a.no_step, a.budget_s, progress)
+                                     not a.no_step, a.budget_s, progress, a.group)
     text = table(rows, bandwidth, heads, dtype, device, missing)
     print(text)
     if a.out:

@@ -41,13 +41,15 @@ class Launch:
     """One kernel launch (or, for kind "accumulate", all autograd additions of a step without
     shared gradients).
 
-    site: routing site index (None for the accumulation total); kind: "forward", "backward",
-    "reduce" or "accumulate"; read / written: bytes."""
+    site: routing site index (None for the accumulation total; a group's first site for its
+    phase 1); kind: "forward", "backward", "reduce" or "accumulate"; read / written: bytes;
+    phase: "call", or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
 
     site: Optional[int]
     kind: str
     read: int
     written: int
+    phase: str = "call"  # "call" (per-call site), or grouped routing's "phase1" / "merge"
 
     @property
     def bytes(self) -> int:
@@ -159,3 +161,133 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
     floor = sum((n + 1) + (2 * n + 1) for n in counts) * row
     return Traffic(tuple(launches), floor, row)
+
+
+# ---------------------------------------------------------------------------- grouped routing
+# Grouped routing (docs/DESIGN.md "Grouped routing"): a group of g > 1 sites runs one phase-1
+# launch pair over its n start rows (triton_grouped) and, per site, a merge with its m in-group
+# rows. Phase 1 reads and writes, per launch:
+#
+#     phase-1 forward    reads n rows, the g query and key-norm rows; writes g mixes (B*T, d)
+#                        fp32 and lse (B*T, g, H) fp32
+#     phase-1 backward   reads n rows, the g mix gradients (fp32) and normaliser gradients,
+#                        lse, the g query and key-norm rows; writes C gradient rows per source
+#                        (C = site chunks of the backward launch) and (P, g, d) (+ null: (C P, d))
+#                        fp32 partial sums
+#     reduce             the host sums the partials and, for C > 1, each source's C chunk
+#                        gradients (reads C rows, writes one)
+#
+# Sources are counted once per launch: the C forward chunk programs of one token tile are
+# adjacent, so their repeated reads come from L2. The merge runs eagerly (`models/grouped.py`);
+# it is counted as one fused pass over what it receives and returns (a fused merge's bytes; the
+# eager ops move more): forward reads m rows, the state (mix fp32, normaliser and lse), q, g and
+# writes the output row; backward reads the upstream gradient, the saved output and m rows and
+# writes the mix (fp32) and normaliser gradients, m gradient rows and dq, dg. Delta mode adds the
+# partial row read and the mix row written, as per call. Per-token statistics the eager merge
+# saves (in-group weights and inverse RMS) are not counted.
+
+
+def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
+                    null_source: bool = False, programs: int = H200_PROGRAMS, chunks: int = 1,
+                    recomputed: bool = False) -> list[Launch]:
+    """The phase-1 forward, backward and reduce launches of a group of `sites` sites starting at
+    site `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
+    chunks C of the backward launch. Bytes as in the comment above (`phase="phase1"`)."""
+    if n_rows < 1 or sites < 2:
+        raise ValueError(f"group at site {site}: phase 1 reads at least one (B, T, d) source for at least two "
+                         f"sites, got {n_rows} sources and {sites} sites")
+    el = element_bytes(dtype)
+    row, state = tokens * dim * el, tokens * dim * FP32
+    params = 2 * sites * dim * el + int(null_source) * dim * el
+    lse = tokens * sites * heads * FP32
+    forward = Launch(site, "forward", read=n_rows * row + params, written=sites * state + lse, phase="phase1")
+    partial_sums = programs * sites * dim * FP32 + int(null_source) * chunks * programs * dim * FP32
+    backward = Launch(site, "backward", read=n_rows * row + params + sites * state + 2 * lse,
+                      written=chunks * n_rows * row + partial_sums, phase="phase1")
+    summed = n_rows * row if chunks > 1 else 0  # the chunk gradients of each source, summed over C
+    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed,
+                    written=(sites + int(null_source)) * dim * FP32 + summed, phase="phase1")
+    return [forward, *([forward] if recomputed else []), backward, reduce]
+
+
+def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
+                   delta: bool = False, recomputed: bool = False) -> list[Launch]:
+    """The merge (phase 2) of one grouped site with `late_rows` in-group (B, T, d) sources,
+    forward and backward, counted as one fused pass each (comment above; `phase="merge"`)."""
+    el = element_bytes(dtype)
+    row, state = tokens * dim * el, tokens * dim * FP32
+    stats = tokens * heads * FP32  # one (B*T, H) fp32 tensor
+    params = 2 * dim * el
+    forward = Launch(site, "forward", read=(late_rows + int(delta)) * row + state + 2 * stats + params,
+                     written=(1 + int(delta)) * row, phase="merge")
+    backward = Launch(site, "backward", read=(late_rows + 2) * row + params,
+                      written=late_rows * row + state + stats + 2 * dim * el, phase="merge")
+    return [forward, *([forward] if recomputed else []), backward]
+
+
+def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], *, dim: int, tokens: int,
+                    dtype: torch.dtype, heads: int, delta: bool = False, null_source: bool = False,
+                    programs: int = H200_PROGRAMS, backward_site_block: int = 0, recomputed_sites: int = 0,
+                    shared: bool = True) -> Traffic:
+    """Traffic of one step with grouped routing, and its floor.
+
+    Args:
+        groups: per group, in site order, (start, late): the ids of the (B, T, d) sources that
+            exist when the group starts and that its sites read (phase 1), and per site the ids
+            of the in-group sources it merges (len(late) = the group's sites). A group of one
+            site is a per-call site over its start sources (`site_launches`).
+        backward_site_block: sites per program of the phase-1 backward (0 = the whole group);
+            a group of g sites then runs ceil(g / block) site chunks.
+        recomputed_sites: sites below this index run their forward launches twice (a group's
+            phase 1 when its first site is below it).
+        shared: the per-call sites add into shared gradient buffers (as `routing_traffic`);
+            phase 1 and the merges return their source gradients to autograd either way.
+        dim, tokens, dtype, heads, delta, null_source, programs: as `routing_traffic`.
+
+    Autograd adds the gradients a source gets from several launches: one per phase-1 or merge
+    read, plus one for all per-call reads with shared buffers (one per read without); c
+    contributions cost c - 1 additions of three rows ("accumulate"). The floor is what the
+    routing must move at the least: per group, n + sum(m + 1) rows forward (read the n start
+    sources once, write each site's output) and 2 n + sum(2 m + 1) backward; at one site per
+    group it is `routing_traffic`'s floor.
+
+    Raises:
+        ValueError: a group without sites or start sources.
+    """
+    el = element_bytes(dtype)
+    row = tokens * dim * el
+    calls = [list(start) for start, late in groups if len(late) == 1]  # per-call sites, in order
+    accumulated = iter(accumulated_reads(calls) if shared else [0] * len(calls))
+    contributions: dict[int, int] = {}
+    shared_reads: set = set()
+    launches, site, floor_rows = [], 0, 0
+    for start, late in groups:
+        g, n = len(late), len(start)
+        if g == 0 or n == 0:
+            raise ValueError(f"group at site {site} needs sites and start sources, got {g} sites, {n} sources")
+        if g == 1:
+            launches += site_launches(site, n, dim=dim, tokens=tokens, dtype=dtype, heads=heads, delta=delta,
+                                      null_source=null_source, programs=programs, recomputed=site < recomputed_sites,
+                                      accumulated=next(accumulated))
+            for source in start:
+                if not shared:
+                    contributions[source] = contributions.get(source, 0) + 1
+                elif source not in shared_reads:
+                    shared_reads.add(source)
+                    contributions[source] = contributions.get(source, 0) + 1
+        else:
+            chunks = -(-g // backward_site_block) if backward_site_block else 1
+            launches += phase1_launches(site, n, g, dim=dim, tokens=tokens, dtype=dtype, heads=heads,
+                                        null_source=null_source, programs=programs, chunks=chunks,
+                                        recomputed=site < recomputed_sites)
+            for i, ids in enumerate(late):
+                launches += merge_launches(site + i, len(ids), dim=dim, tokens=tokens, dtype=dtype, heads=heads,
+                                           delta=delta, recomputed=site + i < recomputed_sites)
+            for source in [*start, *(j for ids in late for j in ids)]:
+                contributions[source] = contributions.get(source, 0) + 1
+        m = [len(ids) for ids in late] if g > 1 else [0]
+        floor_rows += (n + sum(k + 1 for k in m)) + (2 * n + sum(2 * k + 1 for k in m))
+        site += g
+    additions = sum(c - 1 for c in contributions.values())
+    launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
+    return Traffic(tuple(launches), floor_rows * row, row)

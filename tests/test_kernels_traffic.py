@@ -6,6 +6,7 @@ traffic stays within 1.5x of the floor."""
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 import pytest
@@ -131,6 +132,165 @@ def test_bytes_table_reports_every_scale(tmp_path):
     routing_bench.main(["--bytes", "--out", str(tmp_path / "bytes.md")])
     text = (tmp_path / "bytes.md").read_text()
     assert "Host time of one forward+backward routing call (N = 73" in text
-    rows = [line for line in text.splitlines() if line.startswith("| 1") or line.startswith("| 3")]
+    per_call, grouped = text.split("Grouped routing at the group size")
+    rows = [line for line in per_call.splitlines() if line.startswith("| 1") or line.startswith("| 3")]
     assert [r.split("|")[1].strip() for r in rows] == ["100m", "100m", "350m", "350m", "1b", "1b"]
     assert all(float(r.split("|")[-2].strip().rstrip("x")) > 1 for r in rows)
+    # grouped at the auto g beside per call: forward source rows per token (issue 13, acceptance 2)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in grouped.splitlines()
+            if line.startswith("| 1") or line.startswith("| 3")]
+    assert [r[:3] + r[4:6] for r in rows] == [[s, ac, g, call, grp] for s, g, call, grp in
+                                              (("100m", "5", "325", "105"), ("350m", "7", "1,225", "301"),
+                                               ("1b", "11", "2,701", "589")) for ac in ("none", "full")]
+    assert all(float(r[6]) > float(r[7]) and float(r[-1]) < 1 for r in rows)  # grouped moves fewer bytes
+
+
+def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
+    """Bytes per (phase, kind) of one grouped debug step, read from the tensors each real launch
+    gets and returns: per-call kernels (groups of one site), the fused phase 1, and the eager
+    merge's inputs and outputs (what `traffic.merge_launches` counts). One program on CPU.
+    "additions": the gradients autograd must add, per source one fewer than its contributions
+    (each phase-1 or merge read; all per-call reads together, through the shared buffer)."""
+    from mhar_kernels import triton_grouped
+    from mhar_titan.models import grouped
+
+    measured: dict = {}
+    reads: dict = {}
+    per_call: set = set()
+
+    def add(phase, kind, nbytes, sources=()):
+        measured[phase, kind] = measured.get((phase, kind), 0) + nbytes
+        for s in sources:
+            if s.dim() == 1:  # the (d,) null source is not a row
+                continue
+            if phase == "call":
+                if id(s) in per_call:
+                    continue
+                per_call.add(id(s))
+            reads[id(s)] = reads.get(id(s), 0) + 1
+
+    fwd, bwd = triton_routing.route_forward, triton_routing.route_backward
+    p1_fwd, p1_bwd = triton_grouped.phase1_forward, triton_grouped.phase1_backward
+    merge_fwd, merge_bwd = grouped._Merge.forward, grouped._Merge.backward
+
+    def call_forward(sources, query, norm_weight, heads, eps, *, mix_residual=None, **kw):
+        out = fwd(sources, query, norm_weight, heads, eps, mix_residual=mix_residual, **kw)
+        add("call", "forward", _nbytes(*sources, query, norm_weight, *out, mix_residual), sources)
+        return out
+
+    def call_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
+                      grads=None, accumulate=None, mix_residual=None):
+        read_back = [g for g, acc in zip(grads or [], accumulate or []) if acc]
+        got, dq, dg, dalpha, dnull = bwd(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha,
+                                         grads=grads, accumulate=accumulate, mix_residual=mix_residual)
+        partials = _nbytes(dq, dg, dnull)
+        add("call", "backward", _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight)
+            + _nbytes(*read_back, *got) + partials)
+        add("call", "reduce", 2 * partials)
+        return got, dq, dg, dalpha, dnull
+
+    def phase1_forward(sources, queries, norm_weights, reads_, heads, eps, site_block=None):
+        mixes, lse = p1_fwd(sources, queries, norm_weights, reads_, heads, eps, site_block)
+        add("phase1", "forward", _nbytes(*sources, queries, norm_weights, *mixes, lse), sources)
+        return mixes, lse
+
+    def phase1_backward(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse, site_block=None):
+        grads, dq, dg, dnull = p1_bwd(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse,
+                                      site_block)
+        partials = _nbytes(dq, dnull)  # (1, g, d) and (1, d) fp32: one program on CPU
+        add("phase1", "backward", _nbytes(*dmixes, dnorm, *sources, queries, norm_weights, lse, *grads) + partials)
+        add("phase1", "reduce", 2 * partials)
+        return grads, dq, dg, dnull
+
+    def merge_forward(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late):
+        out = merge_fwd(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late)
+        add("merge", "forward", _nbytes(mix, norm, lse1, query, norm_weight, *late, out), late)
+        return out
+
+    def merge_backward(ctx, grad_out):
+        query, norm_weight, _, out, _, _, *late = ctx.saved_tensors
+        grads = merge_bwd(ctx, grad_out)
+        add("merge", "backward", _nbytes(grad_out, out, query, norm_weight, *late)
+            + _nbytes(*(g for g in grads if g is not None)))
+        return grads
+
+    monkeypatch.setattr(triton_routing, "route_forward", call_forward)
+    monkeypatch.setattr(triton_routing, "route_backward", call_backward)
+    monkeypatch.setattr(triton_grouped, "phase1_forward", phase1_forward)
+    monkeypatch.setattr(triton_grouped, "phase1_backward", phase1_backward)
+    monkeypatch.setattr(grouped._Merge, "forward", staticmethod(merge_forward))
+    monkeypatch.setattr(grouped._Merge, "backward", staticmethod(merge_backward))
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.routing.query.normal_(0.0, 0.3)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    measured["additions"] = sum(k - 1 for k in reads.values())
+    return measured
+
+
+@pytest.mark.parametrize("g, null", [(2, False), (3, False), (3, True)])
+def test_grouped_traffic_equals_real_launches_at_debug_flavor(g, null, monkeypatch):
+    """Grouped routing (g = 2: four groups and one per-call site; g = 3: three groups crossing
+    block boundaries; with and without the null source), fused phase 1: `traffic.grouped_traffic`,
+    fed with the plan's groups, equals the bytes of every real launch and merge of a debug-flavor
+    step, per phase and kind, and the autograd additions of the sources read by several launches."""
+    args = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, vocab_size=512,
+                                 routing_kernel="triton", routing_group_size=g, routing_null_source=null)
+    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    measured = _measured_grouped_step(monkeypatch, args, tokens)
+    groups = routing_bench.plan_groups(args)
+    counted = routing_bench.grouped_step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
+    by_phase: dict = {}
+    for launch in counted.launches:
+        if launch.kind != "accumulate":
+            by_phase[launch.phase, launch.kind] = by_phase.get((launch.phase, launch.kind), 0) + launch.bytes
+    assert {"phase1", "merge"} <= {phase for phase, _ in by_phase}
+    assert by_phase == {k: v for k, v in measured.items() if k != "additions"}
+    assert counted.by_kind()["accumulate"] == 3 * measured["additions"] * counted.row_bytes
+    if g == 3:  # no per-call site: every read of a source is one contribution for autograd
+        reads = [j for start, late in groups for j in [*start, *(j for ids in late for j in ids)]]
+        assert measured["additions"] == len(reads) - len(set(reads))
+    per_call = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
+    assert counted.floor < per_call.floor  # (at the debug flavor the fp32 states outweigh the rows saved)
+
+
+def test_grouped_traffic_by_hand():
+    """One group of 2 sites over start sources {0, 1, 2} (the second site merging source 3), then
+    a per-call site over {0, 1, 2, 4}; 4 tokens, d = 8, bf16 (row = 64 bytes), H = 2, one program,
+    two backward site chunks of one site."""
+    row, state, lse = 64, 4 * 8 * 4, 4 * 2 * 2 * 4
+    t = traffic.grouped_traffic([([0, 1, 2], [[], [3]]), ([0, 1, 2, 4], [[]])], dim=8, tokens=4,
+                                dtype=torch.bfloat16, heads=2, programs=1, backward_site_block=1)
+    assert t.floor == ((3 + 1 + 2) + (6 + 1 + 3) + (4 + 1) + (8 + 1)) * row
+    p1 = {launch.kind: launch for launch in t.launches if launch.phase == "phase1"}
+    assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16, 2 * state + lse)
+    assert p1["backward"].written == 2 * 3 * row + 2 * 8 * 4  # two chunks' gradient rows + (1, 2, 8) partials
+    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row  # partials + the two chunks' rows of 3 sources
+    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row  # dq / dg sums + one summed row per source
+    accumulate = next(launch for launch in t.launches if launch.kind == "accumulate")
+    assert accumulate.read == 2 * 3 * row  # sources 0, 1, 2: phase 1 and the per-call site
+    with pytest.raises(ValueError, match="at least two sites"):
+        traffic.phase1_launches(0, 3, 1, dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
+
+
+def _grouped_rows(text: str) -> list[list[str]]:
+    """The grouped bytes table's rows in `text`, without the two per-call byte columns."""
+    rows = []
+    for line in text.splitlines():
+        if re.match(r"\| (100m|350m|1b) \| (none|full) \| \d+ \| \d+ \|", line):
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            rows.append([c for i, c in enumerate(cells) if i not in (6, 8, 10)])  # per call, and the ratio to it
+    return rows
+
+
+def test_design_doc_shows_the_grouped_bytes_table():
+    """docs/DESIGN.md "Grouped routing" shows what `bench/routing.py --bytes` prints for grouped
+    routing (the columns that do not depend on the per-call launches' accounting)."""
+    printed = _grouped_rows(routing_bench.grouped_bytes_table())
+    assert len(printed) == 6
+    assert _grouped_rows((pathlib.Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()) == printed
