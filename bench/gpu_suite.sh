@@ -24,16 +24,18 @@ RUN=("$PY" bench/plain_python.py)
 if (( TINY )); then
   COMPILE=(--shapes 512x8 --variants aligned)
   TESTS=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
-  ROUTING=(--shapes toy --impls triton,eager --warmup 1 --iters 1 --no-step)
-  THROUGHPUT=(--scales debug --batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0 --ac none --families mhar
-              --kernel triton)
+  ROUTING=(--shapes toy --impls triton,eager --warmup 1 --iters 1 --group 2)
+  THROUGHPUT=(--scales debug --batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0 --ac none
+              --families mhar,mhar-grouped --kernel triton)
 else
   COMPILE=()  # every paper shape, both variants
   # The kernel tests on CUDA tensors (the FSDP test is CPU/gloo and needs torchrun: left to CI).
   TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py tests/test_kernels_shared_grad.py
          tests/test_kernels_model.py -m "not distributed")
-  ROUTING=(--shapes paper --impls triton,eager,compile --warmup 3 --iters 10)
-  THROUGHPUT=(--steps 3 --warmup 1 --ac none,full --kernel triton)
+  # the step also with its sites in groups of 11 (grouped routing, the fused phase 1), last per shape
+  ROUTING=(--shapes paper --impls triton,eager,compile --warmup 3 --iters 10 --group 11)
+  # MHAR per call and grouped (g = "auto") against the baseline; AC none first at every scale.
+  THROUGHPUT=(--steps 3 --warmup 1 --ac none,full --families mhar,mhar-grouped --kernel triton)
 fi
 
 # Sections in order, each with its budget in seconds (the sum stays under 240).

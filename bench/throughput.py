@@ -1,5 +1,8 @@
 """End-to-end training throughput: baseline vs AttnRes (H = 1) vs MHAR (H = 8) on one device.
 
+Families: baseline, attnres, mhar (per-call routing) and mhar-grouped (MHAR with
+routing_group_size="auto": 5 / 7 / 11 at 100m / 350m / 1b; the table's "routing g" column).
+
 Trains each model for a few steps on synthetic tokens (bf16 parameters and compute, AdamW, the
 paper's micro-batches: 100m 8x2048, 350m 4x1024, 1b 2x1024), with activation checkpointing
 off and on (the trainer's `apply_ac`), and reports tokens/s, MFU (model FLOPs, routing FLOPs
@@ -42,9 +45,11 @@ from mhar_titan.parallel import apply_ac  # noqa: E402
 
 from routing import MICRO_BATCH, append_section, write_table  # noqa: E402  (bench/ is on sys.path as a script)
 
-# The paper's three families (models/args.py FAMILIES) under the short names of the tables.
+# The paper's three families (models/args.py FAMILIES) under the short names of the tables, and
+# MHAR with grouped routing at the group size "auto" picks per flavor (docs/DESIGN.md "Grouped routing").
 FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
             (("baseline", "baseline"), ("attnres", "attn_res H=1"), ("mhar", "mhar H=8"))}
+FAMILIES["mhar-grouped"] = dict(FAMILIES["mhar"], routing_group_size="auto")
 
 
 def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | None, device, compile_blocks: bool):
@@ -97,6 +102,7 @@ def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device,
     tps = batch * seq * steps / seconds
     fpt = flops_per_token(args, seq)
     result = dict(scale=scale, family=family, ac=ac, batch=batch, seq=seq, tokens_per_s=tps,
+                  group=model.plan.group_size,
                   mfu=mfu(fpt.model, tps, peak_flops(device)), peak_gib=peak_memory_gib(device),
                   loss=loss.item())
     del model, opt
@@ -114,8 +120,8 @@ def table(rows: list[dict], device, kernel: str, compile_blocks: bool, skipped=(
         f"{datetime.date.today().isoformat()}; bf16 params and compute, AdamW, synthetic tokens; "
         f"routing_kernel={kernel}; per-block compile {'on' if compile_blocks else 'off'}.",
         "",
-        "| scale | AC | family | micro-batch | tokens/s | vs baseline | MFU (model FLOPs) | peak GiB |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| scale | AC | family | routing g | micro-batch | tokens/s | vs baseline | MFU (model FLOPs) | peak GiB |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = next((x for x in rows if x["scale"] == r["scale"] and x["ac"] == r["ac"]
@@ -123,7 +129,8 @@ def table(rows: list[dict], device, kernel: str, compile_blocks: bool, skipped=(
         ratio = "-" if base is None else f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
         m = "-" if r["mfu"] is None else f"{r['mfu']:.1f}%"
         lines.append(
-            f"| {r['scale']} | {r['ac']} | {r['family']} | {r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['scale']} | {r['ac']} | {r['family']} | {r['group'] if r['family'] != 'baseline' else '-'} | "
+            f"{r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | "
             f"{ratio} | {m} | {r['peak_gib']:.2f} |"
         )
     if failed:

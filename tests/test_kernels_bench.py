@@ -50,12 +50,13 @@ def test_bytes_charged_to_a_call_and_a_step():
 def test_throughput_bench_debug_flavor(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
     throughput_bench.main(["--scales", "debug", "--batch", "1", "--seq", "8", "--steps", "1", "--warmup", "0",
-                           "--vocab", "256", "--ac", "full", "--families", "mhar", "--kernel", "triton",
+                           "--vocab", "256", "--ac", "full", "--families", "mhar,mhar-grouped", "--kernel", "triton",
                            "--append", str(md)])
     rows = [line for line in md.read_text().splitlines() if line.startswith("| debug | full |")]
-    assert [r.split("|")[3].strip() for r in rows] == ["baseline", "mhar"]
-    assert rows[0].split("|")[6].strip() == "1.00"  # ratio of the baseline to itself
-    assert all(float(r.split("|")[5].replace(",", "")) > 0 for r in rows)  # tokens/s
+    assert [r.split("|")[3].strip() for r in rows] == ["baseline", "mhar", "mhar-grouped"]
+    assert [r.split("|")[4].strip() for r in rows] == ["-", "1", "3"]  # routing g: per call, auto at debug
+    assert rows[0].split("|")[7].strip() == "1.00"  # ratio of the baseline to itself
+    assert all(float(r.split("|")[6].replace(",", "")) > 0 for r in rows)  # tokens/s
 
 
 def test_throughput_rejects_unknown_scale():

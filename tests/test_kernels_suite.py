@@ -34,6 +34,8 @@ def test_gpu_suite_tiny_writes_every_table(tmp_path):
         assert len(rows) >= 3, (section["name"], table)  # a header and at least two data rows
     tests = (out / "tests.md").read_text()
     assert tests.count("| passed |") >= 3 and "failed" not in tests
-    assert "| triton |" in (out / "routing.md").read_text()
-    assert "| mhar |" in (out / "throughput.md").read_text()
+    routing = (out / "routing.md").read_text()
+    assert "| triton |" in routing and "| step g=2 | 1 | 8 | 64 | 5 | triton |" in routing
+    throughput = (out / "throughput.md").read_text()
+    assert "| mhar | 1 |" in throughput and "| mhar-grouped | 3 |" in throughput  # per call and grouped (auto)
     assert summary["versions"]["triton_interpret"] == "1" and summary["all_ok"]
