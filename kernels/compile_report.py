@@ -36,8 +36,9 @@ _POINTER_ARGS = {
                      DALPHA_PART="*fp32", DNULL_PART="*fp32"),
     "phase1_forward": dict(PTRS="*i64", RSTRIDES="*i64", READS="*i8", MIX_PTRS="*i64", SRC0="*SRC", Q="*SRC",
                            G="*SRC", LSE="*fp32"),
-    "phase1_backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", READS="*i8", DMIX_PTRS="*i64", SRC0="*SRC",
-                            Q="*SRC", G="*SRC", DNORM="*fp32", LSE="*fp32", T_PART="*fp32", DNULL_PART="*fp32"),
+    "phase1_backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", READS="*i8", DMIX_PTRS="*i64",
+                            SRC0="*SRC", Q="*SRC", G="*SRC", DNORM="*fp32", LSE="*fp32", T_PART="*fp32",
+                            DNULL_PART="*fp32"),
 }
 # Grouped routing's phase 1 (triton_grouped): the group size `auto` picks at 1b.
 GROUP = 11
@@ -63,7 +64,7 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
     for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
-    null source). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
+    null source, HAS_ACCUM where the group is one site chunk). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
     None), 'block_t', 'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched
     by 16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
@@ -95,7 +96,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     has_res = dtype != "fp32"
     defaults = dict(forward=dict(HAS_PARTIAL=False, HAS_STATE=False, HAS_RES=has_res),
                     backward=dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res),
-                    phase1_forward={}, phase1_backward=dict(HAS_NULL=False))[kind]
+                    phase1_forward={},  # phase 1 adds into shared buffers in the kernel with one site chunk
+                    phase1_backward=dict(HAS_NULL=False, HAS_ACCUM=cfg.get("SB", 0) >= group))[kind]
     constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32,
                       RNE_BF16=False, **cfg)
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)

@@ -171,11 +171,13 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #     phase-1 forward    reads n rows, the g query and key-norm rows; writes g mixes (B*T, d)
 #                        fp32 and lse (B*T, g, H) fp32
 #     phase-1 backward   reads n rows, the g mix gradients (fp32) and normaliser gradients,
-#                        lse, the g query and key-norm rows; writes C gradient rows per source
-#                        (C = site chunks of the backward launch) and (P, g, d) (+ null: (C P, d))
-#                        fp32 partial sums
+#                        lse, the g query and key-norm rows, and with one site chunk the shared
+#                        gradient buffer of every source another reader already wrote (A rows);
+#                        writes C gradient rows per source (C = site chunks of the backward
+#                        launch) and (P, g, d) (+ null: (C P, d)) fp32 partial sums
 #     reduce             the host sums the partials and, for C > 1, each source's C chunk
-#                        gradients (reads C rows, writes one)
+#                        gradients (reads C rows, writes one) and adds the A sums into their
+#                        shared buffers (two rows read, one written each)
 #
 # Sources are counted once per launch: the C forward chunk programs of one token tile are
 # adjacent, so their repeated reads come from L2. The merge runs eagerly (`models/grouped.py`);
@@ -189,10 +191,11 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 
 def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                     null_source: bool = False, programs: int = H200_PROGRAMS, chunks: int = 1,
-                    recomputed: bool = False) -> list[Launch]:
+                    recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
     """The phase-1 forward, backward and reduce launches of a group of `sites` sites starting at
     site `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
-    chunks C of the backward launch. Bytes as in the comment above (`phase="phase1"`)."""
+    chunks C of the backward launch; accumulated: how many of the sources' shared gradient
+    buffers another reader already wrote (A). Bytes as in the comment above (`phase="phase1"`)."""
     if n_rows < 1 or sites < 2:
         raise ValueError(f"group at site {site}: phase 1 reads at least one (B, T, d) source for at least two "
                          f"sites, got {n_rows} sources and {sites} sites")
@@ -202,11 +205,13 @@ def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int
     lse = tokens * sites * heads * FP32
     forward = Launch(site, "forward", read=n_rows * row + params, written=sites * state + lse, phase="phase1")
     partial_sums = programs * sites * dim * FP32 + int(null_source) * chunks * programs * dim * FP32
-    backward = Launch(site, "backward", read=n_rows * row + params + sites * state + 2 * lse,
+    read_back = accumulated * row if chunks == 1 else 0  # added into in the kernel
+    backward = Launch(site, "backward", read=n_rows * row + params + sites * state + 2 * lse + read_back,
                       written=chunks * n_rows * row + partial_sums, phase="phase1")
     summed = n_rows * row if chunks > 1 else 0  # the chunk gradients of each source, summed over C
-    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed,
-                    written=(sites + int(null_source)) * dim * FP32 + summed, phase="phase1")
+    added = accumulated * row if chunks > 1 else 0  # ... then added into the shared buffers on the host
+    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed + 2 * added,
+                    written=(sites + int(null_source)) * dim * FP32 + summed + added, phase="phase1")
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
@@ -240,12 +245,13 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
             a group of g sites then runs ceil(g / block) site chunks.
         recomputed_sites: sites below this index run their forward launches twice (a group's
             phase 1 when its first site is below it).
-        shared: the per-call sites add into shared gradient buffers (as `routing_traffic`);
-            phase 1 and the merges return their source gradients to autograd either way.
+        shared: the per-call sites and phase 1 add into shared gradient buffers (as
+            `routing_traffic`: the last reader writes, earlier ones add); the merges return their
+            source gradients to autograd either way.
         dim, tokens, dtype, heads, delta, null_source, programs: as `routing_traffic`.
 
-    Autograd adds the gradients a source gets from several launches: one per phase-1 or merge
-    read, plus one for all per-call reads with shared buffers (one per read without); c
+    Autograd adds the gradients a source gets from several launches: one per merge read, plus
+    one for all per-call and phase-1 reads with shared buffers (one per read without); c
     contributions cost c - 1 additions of three rows ("accumulate"). The floor is what the
     routing must move at the least: per group, n + sum(m + 1) rows forward (read the n start
     sources once, write each site's output) and 2 n + sum(2 m + 1) backward; at one site per
@@ -256,10 +262,10 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
     """
     el = element_bytes(dtype)
     row = tokens * dim * el
-    calls = [list(start) for start, late in groups if len(late) == 1]  # per-call sites, in order
-    accumulated = iter(accumulated_reads(calls) if shared else [0] * len(calls))
+    # per-call sites and phase-1 launches use the shared gradient buffers (in forward order)
+    users = [list(start) for start, _ in groups]
+    accumulated = iter(accumulated_reads(users) if shared else [0] * len(users))
     contributions: dict[int, int] = {}
-    shared_reads: set = set()
     launches, site, floor_rows = [], 0, 0
     for start, late in groups:
         g, n = len(late), len(start)
@@ -269,25 +275,23 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
             launches += site_launches(site, n, dim=dim, tokens=tokens, dtype=dtype, heads=heads, delta=delta,
                                       null_source=null_source, programs=programs, recomputed=site < recomputed_sites,
                                       accumulated=next(accumulated))
-            for source in start:
-                if not shared:
-                    contributions[source] = contributions.get(source, 0) + 1
-                elif source not in shared_reads:
-                    shared_reads.add(source)
-                    contributions[source] = contributions.get(source, 0) + 1
         else:
             chunks = -(-g // backward_site_block) if backward_site_block else 1
             launches += phase1_launches(site, n, g, dim=dim, tokens=tokens, dtype=dtype, heads=heads,
                                         null_source=null_source, programs=programs, chunks=chunks,
-                                        recomputed=site < recomputed_sites)
+                                        recomputed=site < recomputed_sites, accumulated=next(accumulated))
             for i, ids in enumerate(late):
                 launches += merge_launches(site + i, len(ids), dim=dim, tokens=tokens, dtype=dtype, heads=heads,
                                            delta=delta, recomputed=site + i < recomputed_sites)
-            for source in [*start, *(j for ids in late for j in ids)]:
+                for source in ids:  # merges return their gradients to autograd
+                    contributions[source] = contributions.get(source, 0) + 1
+        for source in start:  # shared: one contribution (the buffer) for all; else one per read
+            if not shared or (source, "buffer") not in contributions:
                 contributions[source] = contributions.get(source, 0) + 1
+                contributions[source, "buffer"] = 1
         m = [len(ids) for ids in late] if g > 1 else [0]
         floor_rows += (n + sum(k + 1 for k in m)) + (2 * n + sum(2 * k + 1 for k in m))
         site += g
-    additions = sum(c - 1 for c in contributions.values())
+    additions = sum(c - 1 for key, c in contributions.items() if not isinstance(key, tuple))
     launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
     return Traffic(tuple(launches), floor_rows * row, row)

@@ -36,6 +36,11 @@ source, which the host sums over C (reads C rows, writes one). C = 1 at the debu
 at 100m; at 350m the backward runs 2 chunks, at 1b the forward 3 and the backward 6
 (docs/DESIGN.md "Grouped routing" lists registers and chunks).
 
+Shared gradients: a source passed as `op.share_gradient`'s view has one gradient buffer for
+every routing call that reads it; the phase-1 backward writes it (first reader in backward) or
+adds into it (HAS_ACCUM, per source by a flag in the pointer table; with C > 1 chunks the host
+adds the chunk sum) and returns None for that source, as the per-call kernels do.
+
 Sources, outputs (the per-site mixes) and incoming gradients are separate tensors addressed by
 device tables of data pointers, as in `triton_routing`; a (d,) null source is source 0 with row
 stride 0. All loads are cast to fp32 (fp64 for fp64 sources) and outputs are rounded at the
@@ -52,6 +57,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import contract
+from .op import SINK_ATTRIBUTE
 from .triton_routing import (
     _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _source_base, _source_table,
     _to_storage, aligned, fits_tile, reduce_programs,
@@ -148,9 +154,9 @@ def _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps,
 
 @triton.jit
 def _phase1_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
+    PTRS, RSTRIDES, DPTRS, ACCUM, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
     N, NG, C, BT, D, H, K, eps,
-    HAS_NULL: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
     SB: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
@@ -199,8 +205,11 @@ def _phase1_bwd_kernel(
             dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
                                           CDT, RNE_BF16)
             tacc += t_n
-            dbase = _source_base(DPTRS, chunk * N + n, SRC_TY, ALIGNED)
-            tl.store(dbase + rows * D + cols, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
+            dptr = _source_base(DPTRS, chunk * N + n, SRC_TY, ALIGNED) + rows * D + cols
+            if HAS_ACCUM:  # (one site chunk only) add into the shared buffer a later reader wrote
+                accumulate = (rows * 0 + tl.load(ACCUM + n)) != 0  # [BLOCK_T, 1, 1]
+                dv += tl.load(dptr, mask=mask & accumulate, other=0.0).to(CDT)
+            tl.store(dptr, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
     part = prog * NG * D + site_cols  # T_PART (programs, g, d)
     tl.store(T_PART + part, tacc, mask=site_cmask)
     if HAS_NULL:
@@ -267,11 +276,17 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
 
 def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[Tensor], queries: Tensor,
                     norm_weights: Tensor, reads: Sequence[Sequence[bool]], heads: int, eps: float, lse: Tensor,
-                    site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor]]:
+                    site_block: Optional[int] = None, grads: Optional[Sequence[Tensor]] = None,
+                    accumulate: Optional[Sequence[bool]] = None,
+                    ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (B, T, g, H)
-    of the normalisers; lse from `phase1_forward`. Returns (gradients of the (B, T, d) sources in
-    their dtype, dq (g, d), dg (g, d) and dnull (d,) or None in the compute dtype), the partial
-    sums reduced in a fixed order (bitwise repeatable)."""
+    of the normalisers; lse from `phase1_forward`. grads: optional contiguous (B, T, d) buffers,
+    one per (B, T, d) source, that receive the source gradients (new ones otherwise);
+    accumulate: per buffer, True to add into it (a shared gradient buffer another reader already
+    wrote; in the kernel with one site chunk, on the host with several), False to overwrite.
+    Returns (gradients of the (B, T, d) sources in their dtype, dq (g, d), dg (g, d) and dnull
+    (d,) or None in the compute dtype), the partial sums reduced in a fixed order (bitwise
+    repeatable)."""
     has_null = sources[0].dim() == 1
     full = next(x for x in sources if x.dim() != 1)
     d, g = full.shape[-1], queries.shape[0]
@@ -280,30 +295,51 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
     n = len(sources)
     cfg = launch_config(bt, g, heads, head_dim, backward=True, site_block=site_block)
     chunks = triton.cdiv(g, cfg["SB"])
-    # per source, one (C, B, T, d) buffer when C > 1: chunk c writes block c, the host sums over C once
-    shape = full.shape if chunks == 1 else (chunks, *full.shape)
-    buffers = [torch.empty(shape, dtype=full.dtype, device=device) for _ in range(n - int(has_null))]
-    grads = [buffers] if chunks == 1 else [[buf[c] for buf in buffers] for c in range(chunks)]
+    n_rows = n - int(has_null)
+    accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
+    if chunks == 1:
+        buffers = list(grads) if grads is not None else \
+            [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
+        chunk_grads = [buffers]
+    else:  # per source, one (C, B, T, d) buffer: chunk c writes block c, the host sums over C once
+        buffers = [torch.empty((chunks, *full.shape), dtype=full.dtype, device=device) for _ in range(n_rows)]
+        chunk_grads = [[buf[c] for buf in buffers] for c in range(chunks)]
+    has_accum = chunks == 1 and any(accumulate)
     if bt == 0:
         zeros = torch.zeros((g, d), dtype=cdt, device=device)
-        return grads[0], zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
+        out = list(grads) if grads is not None else [torch.empty_like(full) for _ in range(n_rows)]
+        return out, zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
     dmixes = [x.to(cdt).contiguous() for x in dmixes]
-    dptrs = [p for chunk in grads for p in [0] * int(has_null) + [x.data_ptr() for x in chunk]]
+    dptrs = [p for chunk in chunk_grads for p in [0] * int(has_null) + [x.data_ptr() for x in chunk]]
     dmix_ptrs = [x.data_ptr() for x in dmixes]
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs)
+    flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
     is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
     programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
     t_part = torch.zeros((programs, g, d), dtype=cdt, device=device)
     dnull_part = torch.empty((chunks * programs, d), dtype=cdt, device=device) if has_null else t_part
     q, w = queries.contiguous(), norm_weights.contiguous()
+    dmix_at = 2 * n + chunks * n
     _phase1_bwd_kernel[(chunks * programs,)](
-        table[:n], table[n:2 * n], table[2 * n:2 * n + chunks * n], _read_table(reads, n, chunks * cfg["SB"], device),
-        table[2 * n + chunks * n:], tensors[0], q, w, dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
+        table[:n], table[n:2 * n], table[2 * n:dmix_at], table[dmix_at + g:] if has_accum else table,
+        _read_table(reads, n, chunks * cfg["SB"], device), table[dmix_at:dmix_at + g], tensors[0], q, w,
+        dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
         n, g, chunks, bt, d, heads, head_dim, eps,
-        HAS_NULL=has_null, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
+        HAS_NULL=has_null, HAS_ACCUM=has_accum, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt],
+        RNE_BF16=INTERPRET, **cfg,
     )
-    # the site chunks' gradients of each source: one sum over C (fp32 accumulation, one rounding)
-    out = buffers if chunks == 1 else [buf.sum(0) for buf in buffers]
+    if chunks == 1:
+        out = buffers
+    else:  # the site chunks' gradients of each source: one sum over C (fp32 accumulation, one rounding)
+        if grads is None:
+            out = [buf.sum(0) for buf in buffers]
+        else:
+            for target, buf, add in zip(grads, buffers, accumulate):
+                if add:
+                    target.add_(buf.sum(0))
+                else:
+                    torch.sum(buf, 0, out=target)
+            out = list(grads)
     t_sum = t_part.sum(0)
     dnull = dnull_part.sum(0) if has_null else None
     return out, t_sum * w.to(cdt), t_sum * q.to(cdt), dnull
@@ -317,7 +353,8 @@ class Phase1(torch.autograd.Function):
     differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
     Saves for backward: references to the sources, the query and key-norm rows, and lse
-    (g H values per token). No (B, T, d) tensor."""
+    (g H values per token). No (B, T, d) tensor. A source made by `op.share_gradient` gets its
+    gradient added into its shared buffer (as the per-call kernels do) and None returned."""
 
     site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
 
@@ -327,6 +364,7 @@ class Phase1(torch.autograd.Function):
         norms = [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes]
         ctx.save_for_backward(queries, norm_weights, lse, *sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
+        ctx.sinks = [getattr(x, SINK_ATTRIBUTE, None) for x in sources if x.dim() != 1]
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
 
@@ -338,8 +376,20 @@ class Phase1(torch.autograd.Function):
         dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
                   if x is None else x for x in grads[:g]]
         dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grads[g:2 * g]], -2)
+        full = sources[-1]
+        buffers, accumulate = [], []
+        for sink in ctx.sinks:  # shared gradient buffers (op.share_gradient), as _EagerRoute uses them
+            if sink is not None and sink.grad is not None:
+                buffers.append(sink.grad)
+                accumulate.append(True)
+            else:
+                buffers.append(torch.empty_like(full, memory_format=torch.contiguous_format))
+                accumulate.append(False)
+                if sink is not None:
+                    sink.grad = buffers[-1]
         out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
-                                             ctx.eps, lse, Phase1.site_block)
+                                             ctx.eps, lse, Phase1.site_block, grads=buffers, accumulate=accumulate)
+        out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
         if dnull is not None:
             out = [dnull.to(sources[0].dtype), *out]
         out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]

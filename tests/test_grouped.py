@@ -144,12 +144,14 @@ def test_grouped_triton_bf16_model_step(monkeypatch):
         assert err <= BF16_TOL, (name, err)
 
 
-@pytest.mark.parametrize("site_block", [1, 2])
-def test_fused_phase1_site_chunks(site_block):
-    """A group of 3 sites split into chunks of 1 or 2 sites (the layout the largest shapes get,
-    `triton_grouped.launch_config`): the same state and gradients as the eager phase 1 within
-    2e-4, each chunk writing its own source gradients that the host adds."""
-    from mhar_kernels import triton_grouped
+@pytest.mark.parametrize("site_block", [None, 1, 2])
+def test_fused_phase1_site_chunks_and_shared_gradients(site_block):
+    """A group of 3 sites, whole or split into chunks of 1 or 2 sites (the layout the largest
+    shapes get, `triton_grouped.launch_config`), run twice over the same sources passed as shared
+    gradient views (`mhar_kernels.op.share_gradient`, as the models pass them: the first backward
+    writes each source's buffer, the second adds into it, in the kernel or, with chunks, on the
+    host): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
+    from mhar_kernels import op, triton_grouped
 
     d, heads, g = 32, 4, 3
     gen = torch.Generator().manual_seed(5)
@@ -161,17 +163,21 @@ def test_fused_phase1_site_chunks(site_block):
     upstream = [torch.randn(2, 5, d, generator=gen).to(DEVICE) for _ in range(g)]
     upstream += [torch.randn(2, 5, heads, generator=gen).to(DEVICE) for _ in range(g)]
     results = []
-    for fn in (grouped._Phase1.apply, triton_grouped.route_phase1):
+    for fn, shared in ((grouped._Phase1.apply, False), (triton_grouped.route_phase1, True)):
         triton_grouped.Phase1.site_block = site_block
         try:
-            out = fn(query, key_norm, reads, heads, 1e-6, *sources)
-            grads = torch.autograd.grad(out[:2 * g], [query, key_norm, *sources], upstream)
+            entries = [op.share_gradient(x) if shared and x.dim() > 1 else x for x in sources]
+            first = fn(query, key_norm, reads, heads, 1e-6, *entries)
+            second = fn(query, key_norm, reads, heads, 1e-6, *entries)
+            loss = sum((o * u).sum() for o, u in zip(first[:2 * g], upstream))
+            loss = loss + sum((0.5 * o * u).sum() for o, u in zip(second[:2 * g], upstream))
+            grads = torch.autograd.grad(loss, [query, key_norm, *sources])
         finally:
             triton_grouped.Phase1.site_block = None
-        results.append([*out[:g], out[-1], *grads])
+        assert all(getattr(x, op.SINK_ATTRIBUTE, None) is not None for x in entries[1:]) == shared
+        results.append([*first[:g], first[-1], *grads])
     for i, (x, ref) in enumerate(zip(*results)):
         assert ((x - ref).norm() / ref.norm()).item() <= TOL, i
-
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16_TOL)])

@@ -91,7 +91,7 @@ for dtype, aligned in (("bf16", True), ("fp32", False)):
     count += 1
     for null in (False, True):
         compile_kernel("phase1_backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
-                       flags=dict(HAS_NULL=null), group=3)
+                       flags=dict(HAS_NULL=null, HAS_ACCUM=null), group=3)
         count += 1
 print("compiled", count)
 """

@@ -150,23 +150,23 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
     gets and returns: per-call kernels (groups of one site), the fused phase 1, and the eager
     merge's inputs and outputs (what `traffic.merge_launches` counts). One program on CPU.
     "additions": the gradients autograd must add, per source one fewer than its contributions
-    (each phase-1 or merge read; all per-call reads together, through the shared buffer)."""
+    (each merge read; all per-call and phase-1 reads together, through the shared buffer)."""
     from mhar_kernels import triton_grouped
     from mhar_titan.models import grouped
 
     measured: dict = {}
     reads: dict = {}
-    per_call: set = set()
+    buffered: set = set()
 
     def add(phase, kind, nbytes, sources=()):
         measured[phase, kind] = measured.get((phase, kind), 0) + nbytes
         for s in sources:
             if s.dim() == 1:  # the (d,) null source is not a row
                 continue
-            if phase == "call":
-                if id(s) in per_call:
+            if phase != "merge":  # per-call and phase-1 reads share the source's gradient buffer
+                if id(s) in buffered:
                     continue
-                per_call.add(id(s))
+                buffered.add(id(s))
             reads[id(s)] = reads.get(id(s), 0) + 1
 
     fwd, bwd = triton_routing.route_forward, triton_routing.route_backward
@@ -194,13 +194,16 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
         add("phase1", "forward", _nbytes(*sources, queries, norm_weights, *mixes, lse), sources)
         return mixes, lse
 
-    def phase1_backward(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse, site_block=None):
-        grads, dq, dg, dnull = p1_bwd(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse,
-                                      site_block)
+    def phase1_backward(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse, site_block=None,
+                        grads=None, accumulate=None):
+        read_back = [g for g, acc in zip(grads or [], accumulate or []) if acc]  # one site chunk here
+        got, dq, dg, dnull = p1_bwd(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse,
+                                    site_block, grads=grads, accumulate=accumulate)
         partials = _nbytes(dq, dnull)  # (1, g, d) and (1, d) fp32: one program on CPU
-        add("phase1", "backward", _nbytes(*dmixes, dnorm, *sources, queries, norm_weights, lse, *grads) + partials)
+        add("phase1", "backward", _nbytes(*dmixes, dnorm, *sources, queries, norm_weights, lse, *read_back, *got)
+            + partials)
         add("phase1", "reduce", 2 * partials)
-        return grads, dq, dg, dnull
+        return got, dq, dg, dnull
 
     def merge_forward(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late):
         out = merge_fwd(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late)
@@ -252,9 +255,12 @@ def test_grouped_traffic_equals_real_launches_at_debug_flavor(g, null, monkeypat
     assert {"phase1", "merge"} <= {phase for phase, _ in by_phase}
     assert by_phase == {k: v for k, v in measured.items() if k != "additions"}
     assert counted.by_kind()["accumulate"] == 3 * measured["additions"] * counted.row_bytes
-    if g == 3:  # no per-call site: every read of a source is one contribution for autograd
-        reads = [j for start, late in groups for j in [*start, *(j for ids in late for j in ids)]]
-        assert measured["additions"] == len(reads) - len(set(reads))
+    # the shared buffer is one contribution per source, each merge read one more
+    contributions = {j: 1 for start, _ in groups for j in start}
+    for _, late in groups:
+        for j in (j for ids in late for j in ids):
+            contributions[j] = contributions.get(j, 0) + 1
+    assert measured["additions"] == sum(c - 1 for c in contributions.values())
     per_call = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
     assert counted.floor < per_call.floor  # (at the debug flavor the fp32 states outweigh the rows saved)
 
@@ -270,10 +276,12 @@ def test_grouped_traffic_by_hand():
     p1 = {launch.kind: launch for launch in t.launches if launch.phase == "phase1"}
     assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16, 2 * state + lse)
     assert p1["backward"].written == 2 * 3 * row + 2 * 8 * 4  # two chunks' gradient rows + (1, 2, 8) partials
-    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row  # partials + the two chunks' rows of 3 sources
-    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row  # dq / dg sums + one summed row per source
+    # partials, the two chunks' rows of 3 sources, and (the per-call site, later, wrote their shared
+    # buffers first) the 3 sums added into those buffers: two rows read, one written each
+    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row + 2 * 3 * row
     accumulate = next(launch for launch in t.launches if launch.kind == "accumulate")
-    assert accumulate.read == 2 * 3 * row  # sources 0, 1, 2: phase 1 and the per-call site
+    assert accumulate.read == 0  # phase 1 and the per-call site share the buffers; no merge read is shared
+    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row + 3 * row  # dq / dg sums, the summed rows, the buffers
     with pytest.raises(ValueError, match="at least two sites"):
         traffic.phase1_launches(0, 3, 1, dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 
