@@ -24,3 +24,15 @@ def test_study_sweep_pairs_five_families_over_three_seeds():
     args = build_model_args(sweep.runs[-1].config)
     assert (args.vocab_size, args.resolved_routing_heads, args.n_routing_sites) == (384, 8, 25)
     assert build_model_args(load_config(str(ROOT / "train_configs" / "study_bytes.toml"))).vocab_size == 384
+
+
+def test_results_md_quotes_the_generated_family_table():
+    """RESULTS.md shows the per-family table that the documented results command wrote into
+    docs/study/RESULTS.md, unchanged, and links the plot it wrote."""
+    def family_rows(text):
+        return [line for line in text.splitlines() if line.startswith("| ") and "| 3 |" in line and "_s" not in line]
+
+    generated = (ROOT / "docs" / "study" / "RESULTS.md").read_text()
+    quoted = (ROOT / "RESULTS.md").read_text()
+    assert len(family_rows(generated)) == 5 and family_rows(quoted) == family_rows(generated)
+    assert "docs/study/loss_vs_tokens.png" in quoted and (ROOT / "docs" / "study" / "loss_vs_tokens.png").exists()
