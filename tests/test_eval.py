@@ -162,3 +162,28 @@ def test_adapter_under_lm_eval_answers_its_instances(model, tok):
     assert lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, text, 0)]) == lm.loglikelihood_rolling([text])
     gen = ("ROMEO:", {"until": ["\n"], "max_gen_toks": 4})
     assert lm.generate_until([Instance("generate_until", {}, gen, 0)]) == lm.generate_until([gen])
+
+
+def test_reading_a_truncated_checkpoint_points_to_the_previous_step_with_the_readers_flag(tmp_path):
+    """eval / generate / analysis read weights only: a truncated newest checkpoint names the
+    previous complete one and ``--step N`` (their flag), not the trainer's checkpoint.load_step."""
+    from mhar_titan.checkpoint import CheckpointError
+    from mhar_titan.convert.dcp_io import save_model_dcp
+    from mhar_titan.eval.load import load_run
+
+    net = tiny_model(seed=1, residual="attn_res", routing_heads=2)
+    folder = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        save_model_dcp(net, folder / f"step-{step}", step=step)
+    shard = next((folder / "step-4").glob("*.distcp"))
+    with open(shard, "r+b") as f:  # a real shard cut short, as `truncate -s` does
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError) as err:
+        load_run(tmp_path / "run")
+    message = str(err.value)
+    assert str(folder / "step-4") in message and "cannot be read" in message
+    assert f"pass {folder / 'step-2'} (or the run folder with --step 2)" in message
+    assert "load_step" not in message and "\n" not in message
+    loaded = load_run(tmp_path / "run", step=2)  # the way out the message gives
+    assert loaded.step == 2
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), net.state_dict().values()))

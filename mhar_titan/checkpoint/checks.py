@@ -86,18 +86,25 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def unreadable_error(folder: Path, path: Path, error: BaseException) -> CheckpointError:
+def unreadable_error(folder: Path, path: Path, error: BaseException, reader: bool = False) -> CheckpointError:
     """The error for checkpoint ``path`` (a ``step-N`` of ``folder``, or an ``initial_load_path``)
-    whose files cannot be read (truncated, corrupted): names the way out; nothing is deleted."""
+    whose files cannot be read (truncated, corrupted): names the way out; nothing is deleted.
+    ``reader``: the caller only reads weights (eval, generate, analysis, convert), so the way out is
+    the previous complete checkpoint's folder or ``--step N``, not a training resume."""
     step = step_of(path)
     if path.parent == folder and step is not None:
         older = sorted(s for s, p in step_folders(folder).items() if s < step and is_complete(p))
-        way_out = (
-            f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
-            + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
-               f"(or pass --checkpoint.load_step={older[-1]})" if older else
-               "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
-        )
+        if reader:
+            way_out = (f"read the previous complete checkpoint instead: pass {folder / f'step-{older[-1]}'} "
+                       f"(or the run folder with --step {older[-1]})" if older else
+                       "train again: this run has no earlier complete checkpoint")
+        else:
+            way_out = (
+                f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
+                + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
+                   f"(or pass --checkpoint.load_step={older[-1]})" if older else
+                   "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
+            )
     else:
         way_out = "point checkpoint.initial_load_path at another checkpoint"
     return CheckpointError(

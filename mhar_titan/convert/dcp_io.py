@@ -95,5 +95,5 @@ def load_model_dcp(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-        raise unreadable_error(folder.parent, folder, e) from None
+        raise unreadable_error(folder.parent, folder, e, reader=True) from None
     return model
