@@ -94,3 +94,15 @@ def test_results_command_writes_the_same_bytes_twice(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     write_results(sweep, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+
+
+def test_results_without_runs_names_the_run_command_for_that_folder(tmp_path, capsys):
+    sweep = constructed_sweep(tmp_path)
+    empty = tmp_path / "no_runs_yet"
+    empty.mkdir()
+    out = tmp_path / "results"
+    assert experiments_main(["results", str(sweep.path), "--dump-folder", str(empty), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"no run of sweep known has metrics under {empty}" in err and "\n" not in err
+    assert err.endswith(f"run it first: python -m mhar_titan.experiments run {sweep.path} --dump-folder {empty}")
+    assert not out.exists()  # nothing written

@@ -143,7 +143,7 @@ def _apply_section(cfg: JobConfig, section: str, values: dict, where: str) -> No
         arg_types = _model_arg_types()
     for key, value in values.items():
         if section == "model" and key not in types_:
-            obj.overrides[key] = _check_key("model", key, value, arg_types, where)
+            obj.overrides[key] = _check_key("model", key, value, {**arg_types, **types_}, where)
             continue
         setattr(obj, key, _check_key(section, key, value, types_, where))
 

@@ -169,7 +169,8 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 100) -> list
     results, groups = collect(sweep)
     if not groups:
         raise FileNotFoundError(f"no run of sweep {sweep.name} has metrics under {sweep.dump_folder}; "
-                                f"run it first: python -m mhar_titan.experiments run {sweep.path}")
+                                f"run it first: python -m mhar_titan.experiments run {sweep.path} "
+                                f"--dump-folder {sweep.dump_folder}")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     curves = group_curves(results)

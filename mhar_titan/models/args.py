@@ -130,7 +130,8 @@ class ModelArgs:
         if self.residual == "attn_res" and self.dim % self.resolved_routing_heads:
             raise ValueError(
                 f"dim d={self.dim} is not divisible by routing heads H={self.resolved_routing_heads}: "
-                "MHAR splits the pseudo-query into H contiguous slices of d/H"
+                "MHAR splits the pseudo-query into H contiguous slices of d/H; choose H among the divisors of "
+                f"d: {', '.join(str(h) for h in range(1, self.dim + 1) if self.dim % h == 0)}"
             )
         self._check_group_size()
         _check_choice("routing_layout", self.routing_layout, ROUTING_LAYOUTS)
