@@ -159,6 +159,19 @@ def test_incomplete_folder_is_skipped_and_named(tmp_path, caplog):
     assert resumed.state.n == 2
 
 
+def test_damaged_marker_is_skipped_with_the_reason_named(tmp_path, caplog):
+    run = Run(tmp_path, interval=2)
+    run.train(4, total=10)
+    (run.ckpt.folder / "step-4" / "complete.json").write_text('{"step": 4, "fil')  # a marker cut short
+    resumed = Run(tmp_path, interval=2)
+    with caplog.at_level(logging.WARNING, logger="mhar_titan.checkpoint"):
+        assert resumed.ckpt.load() == 2
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping incomplete")]
+    assert messages and "complete.json cannot be read (JSONDecodeError)" in messages[0]
+    assert "no complete.json" not in messages[0]  # it is there: the reason is its content
+    assert resumed.state.n == 2
+
+
 def test_load_step_must_name_a_complete_checkpoint(tmp_path):
     Run(tmp_path, interval=2).train(4, total=10)
     assert Run(tmp_path, load_step=4).ckpt.load() == 4

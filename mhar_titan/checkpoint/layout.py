@@ -40,13 +40,21 @@ def is_complete(path: Path) -> bool:
     """A checkpoint folder is complete while DCP's metadata, our marker and every file the
     marker lists (``files``: the folder's files when it was written) are present; a folder
     that lost a file (a deletion cut short) is not."""
-    if not ((path / MARKER).is_file() and (path / ".metadata").is_file()):
-        return False
+    return incomplete_reason(path) is None
+
+
+def incomplete_reason(path: Path) -> Optional[str]:
+    """Why checkpoint folder ``path`` is not complete (one phrase, for a warning), or None."""
+    if not (path / MARKER).is_file():
+        return f"no {MARKER}: its save did not finish"
+    if not (path / ".metadata").is_file():
+        return "no .metadata: DCP's save did not finish"
     try:
         files = read_marker(path).get("files", [])
-    except (OSError, ValueError):
-        return False
-    return all((path / name).is_file() for name in files)
+    except (OSError, ValueError) as e:
+        return f"its {MARKER} cannot be read ({type(e).__name__}): written partly or damaged"
+    missing = [name for name in files if not (path / name).is_file()]
+    return f"{MARKER} lists {len(missing)} missing file(s), e.g. {missing[0]}" if missing else None
 
 
 def read_marker(path: Path) -> dict:

@@ -73,7 +73,9 @@ from mhar_titan.checkpoint.checks import check_keys, check_no_newer, unreadable_
 from mhar_titan.checkpoint.config import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
 from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
-from mhar_titan.checkpoint.layout import MARKER, apply_retention, is_complete, read_marker, step_folders
+from mhar_titan.checkpoint.layout import (
+    MARKER, apply_retention, incomplete_reason, is_complete, read_marker, step_folders,
+)
 from mhar_titan.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -372,8 +374,8 @@ class CheckpointManager:
         for step in sorted(folders, reverse=True):
             if is_complete(folders[step]):
                 return str(folders[step])
-            logger.warning("skipping incomplete checkpoint folder %s (no %s: its save did not finish)",
-                           folders[step], MARKER)
+            logger.warning("skipping incomplete checkpoint folder %s (%s)", folders[step],
+                           incomplete_reason(folders[step]))
         return None
 
     def _load_from(self, path: Path, parts: list[str], marker: dict) -> None:
