@@ -187,3 +187,18 @@ def test_reading_a_truncated_checkpoint_points_to_the_previous_step_with_the_rea
     loaded = load_run(tmp_path / "run", step=2)  # the way out the message gives
     assert loaded.step == 2
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), net.state_dict().values()))
+
+
+def test_a_run_folder_that_does_not_exist_lists_the_run_folders_beside_it(tmp_path):
+    from mhar_titan.eval.load import load_run
+
+    for name in ("mhar_a", "baseline_b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.toml").write_text("")
+    (tmp_path / "not_a_run").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        load_run(tmp_path / "debug_mhar")
+    assert str(err.value) == (f"{tmp_path / 'debug_mhar'} does not exist; pass a run folder (<dump_folder>/<job.name>) "
+                              f"or one of its checkpoints/step-N folders; run folders in {tmp_path}: baseline_b, mhar_a")
+    with pytest.raises(FileNotFoundError, match=r"step-N folders$"):
+        load_run(tmp_path / "nowhere" / "debug_mhar")

@@ -53,7 +53,7 @@ class ParquetShard:
         try:
             pf = pq.ParquetFile(self.path)
         except Exception as e:  # ArrowInvalid, OSError: not parquet, truncated, unreadable
-            raise DataError(f"cannot read parquet file {self.path}: {e}. The file is corrupt or not parquet; "
+            raise DataError(f"cannot read parquet file {self.path}: {str(e).rstrip('. ')}. The file is corrupt or not parquet; "
                             f"re-download it or remove it from the data files.") from e
         names = pf.schema_arrow.names
         if self.field not in names:

@@ -96,8 +96,11 @@ def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tup
     """
     path = pathlib.Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a run folder (e.g. outputs/debug_mhar) "
-                                "or one of its checkpoints/step-N folders")
+        parent = path.parent
+        runs = sorted(p.name for p in parent.iterdir() if (p / "config.toml").is_file()) if parent.is_dir() else []
+        there = f"; run folders in {parent}: {', '.join(runs[:10])}{', ...' if len(runs) > 10 else ''}" if runs else ""
+        raise FileNotFoundError(f"{path} does not exist; pass a run folder (<dump_folder>/<job.name>) "
+                                f"or one of its checkpoints/step-N folders{there}")
     if _is_checkpoint(path):
         if step is not None:
             raise ValueError(f"{path} is a checkpoint folder already; drop the step ({step}) or pass the run folder")
