@@ -57,6 +57,21 @@ def test_commands_round_trip_a_routing_checkpoint(tmp_path):
     assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]) == 2
 
 
+def test_commands_refuse_a_non_empty_output_folder_and_keep_it(tmp_path, capsys):
+    model = trained_like(routing_mode="delta", routing_granularity="sublayer", routing_null_source=True)
+    save_model_dcp(model, tmp_path / "ckpt")
+    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder")]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "folder").iterdir()}
+    other = trained_like(routing_mode="delta", routing_granularity="block", routing_block_layers=2)
+    save_model_dcp(other, tmp_path / "other")
+    capsys.readouterr()
+    assert convert_main(["export", str(tmp_path / "other"), str(tmp_path / "folder")]) == 2
+    assert f"{tmp_path / 'folder'} exists and is not empty" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "folder").iterdir()} == before  # the first export kept
+    assert convert_main(["import", str(tmp_path / "folder"), str(tmp_path / "ckpt")]) == 2
+    assert "choose a new folder for the imported model" in capsys.readouterr().err
+
+
 def test_loading_into_a_different_model_is_refused(tmp_path):
     model = trained_like(routing_mode="delta", routing_granularity="block", routing_block_layers=2)
     export_mhar(model, tmp_path / "out")

@@ -11,12 +11,14 @@ delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the sam
 ``export`` rebuilds the model of a DCP checkpoint (converted or trained; arguments from its
 ``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and writes a Hugging
 Face Llama folder (standard models), a ``mhar_titan`` folder (routing models) or the authors'
-format. Errors exit with status 2 and one message.
+format. Errors exit with status 2 and one message; both refuse an output folder that exists and
+is not empty before reading anything, so an earlier conversion is never overwritten.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -56,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     try:
+        out = Path(opts.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConversionError(f"{out} exists and is not empty; choose a new folder for the {opts.command}ed "
+                                  "model (nothing was read or written)")
         if opts.command == "import":
             overrides = {} if opts.max_seq_len is None else {"max_seq_len": opts.max_seq_len}
             if opts.to_delta:
