@@ -129,6 +129,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     """``fully_shard`` every block, then the root (embedding, routing, final norm, LM head)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = reshard_after_forward != "never"
+    # Blocks return views (shared-gradient sources, grouped routing's phase-1 states). FSDP2 warns
+    # that an in-place op on a block's view output would skip its pre-backward hook; the model
+    # only reads block outputs (every update is out of place), so the warning does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

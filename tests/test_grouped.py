@@ -419,3 +419,28 @@ def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
         # pseudo-queries start at exactly 0, so the key norms' first gradient is exactly 0 both ways
         assert ref["routing.key_norm"].abs().max() == 0 == grads.pop("routing.key_norm").abs().max(), run
         assert_close_per_tensor(grads, {k: v for k, v in ref.items() if k != "routing.key_norm"}, run)
+
+
+@pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                    reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+@pytest.mark.parametrize("kernel", ["eager", "triton"])
+def test_fsdp_blocks_returning_views_raise_no_warning(tmp_path, kernel):
+    """Blocks return views (grouped phase-1 states, shared-gradient sources); FSDP2 warns about
+    in-place ops on a block's view outputs, which the model never does. A training step with
+    grouped routing, and with the fused kernels' shared sources, prints no such warning."""
+    import warnings
+
+    from mhar_titan.train import Trainer
+
+    cfg = debug_cfg(tmp_path, kernel, "--training.steps=1", "--training.local_batch_size=1", "--training.seq_len=16",
+                    "--model.routing_group_size=auto", f"--model.routing_kernel={kernel}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+    assert views == []
+    assert metric_losses(trainer.run_dir)  # the step ran
