@@ -26,6 +26,19 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _bf16_training_step(args: ModelArgs, tokens: torch.Tensor) -> None:
+    """Forward and backward of one bf16 step of a seeded model with non-uniform routing."""
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.routing.query.normal_(0.0, 0.3)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+
+
 def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
     """Bytes per launch kind, read from the tensors each real routing launch gets and returns,
     and the source gradients the launches hand to autograd (which autograd would add)."""
@@ -56,15 +69,7 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
 
     monkeypatch.setattr(triton_routing, "route_forward", counting_forward)
     monkeypatch.setattr(triton_routing, "route_backward", counting_backward)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    model.to(torch.bfloat16)
-    with torch.no_grad():
-        model.routing.query.normal_(0.0, 0.3)
-    logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    _bf16_training_step(args, tokens)
     return measured
 
 
@@ -223,15 +228,7 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
     monkeypatch.setattr(triton_grouped, "phase1_backward", phase1_backward)
     monkeypatch.setattr(grouped._Merge, "forward", staticmethod(merge_forward))
     monkeypatch.setattr(grouped._Merge, "backward", staticmethod(merge_backward))
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    model.to(torch.bfloat16)
-    with torch.no_grad():
-        model.routing.query.normal_(0.0, 0.3)
-    logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    _bf16_training_step(args, tokens)
     measured["additions"] = sum(k - 1 for k in reads.values())
     return measured
 
