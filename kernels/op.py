@@ -232,6 +232,29 @@ class _ShareGradient(torch.autograd.Function):
         return (grad if total is None else grad + total), None
 
 
+def sinks_of(sources) -> list[Optional[GradientSink]]:
+    """The gradient sink of each (B, T, d) source made by `share_gradient` (None for others);
+    (d,) null sources are skipped."""
+    return [getattr(s, SINK_ATTRIBUTE, None) for s in sources if s.dim() != 1]
+
+
+def gradient_buffers(sinks, size, dtype, device) -> tuple[list[Tensor], list[bool]]:
+    """For a backward launch: per source, the (size) buffer its gradient goes to and whether the
+    kernel adds into it. A sink whose buffer a deeper site already wrote is added into; otherwise
+    a new contiguous buffer is written, and becomes the sink's buffer when there is a sink."""
+    buffers, accumulate = [], []
+    for sink in sinks:
+        if sink is not None and sink.grad is not None:
+            buffers.append(sink.grad)
+            accumulate.append(True)
+            continue
+        buffers.append(torch.empty(size, dtype=dtype, device=device))
+        accumulate.append(False)
+        if sink is not None:
+            sink.grad = buffers[-1]
+    return buffers, accumulate
+
+
 def share_gradient(source: Tensor) -> Tensor:
     """A view of `source` (B, T, d) whose routing gradients are accumulated in one buffer.
 
@@ -263,25 +286,16 @@ class _EagerRoute(torch.autograd.Function):
         inputs = (sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         output = _forward_values(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.sinks = [getattr(s, SINK_ATTRIBUTE, None) for s in sources]
+        ctx.sinks = sinks_of(sources)
         ctx.grad_like = dict(size=sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
         return output[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        buffers, accumulate, returned = [], [], []
-        for sink in ctx.sinks:  # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
-            if sink is not None and sink.grad is not None:
-                buffers.append(sink.grad)
-                accumulate.append(True)
-            else:
-                buffer = torch.empty(**ctx.grad_like)
-                if sink is not None:
-                    sink.grad = buffer
-                buffers.append(buffer)
-                accumulate.append(False)
-            returned.append(None if sink is not None else buffers[-1])
+        # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
+        buffers, accumulate = gradient_buffers(ctx.sinks, **ctx.grad_like)
+        returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
 
         def backward(*args):
             return _backward_values(*args, grads=buffers, accumulate=accumulate)

@@ -57,7 +57,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import contract
-from .op import SINK_ATTRIBUTE
+from .op import gradient_buffers, sinks_of
 from .triton_routing import (
     _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _source_base, _source_table,
     _to_storage, aligned, fits_tile, reduce_programs,
@@ -364,7 +364,7 @@ class Phase1(torch.autograd.Function):
         norms = [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes]
         ctx.save_for_backward(queries, norm_weights, lse, *sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
-        ctx.sinks = [getattr(x, SINK_ATTRIBUTE, None) for x in sources if x.dim() != 1]
+        ctx.sinks = sinks_of(sources)
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
 
@@ -376,17 +376,8 @@ class Phase1(torch.autograd.Function):
         dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
                   if x is None else x for x in grads[:g]]
         dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grads[g:2 * g]], -2)
-        full = sources[-1]
-        buffers, accumulate = [], []
-        for sink in ctx.sinks:  # shared gradient buffers (op.share_gradient), as _EagerRoute uses them
-            if sink is not None and sink.grad is not None:
-                buffers.append(sink.grad)
-                accumulate.append(True)
-            else:
-                buffers.append(torch.empty_like(full, memory_format=torch.contiguous_format))
-                accumulate.append(False)
-                if sink is not None:
-                    sink.grad = buffers[-1]
+        full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
+        buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
         out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
                                              ctx.eps, lse, Phase1.site_block, grads=buffers, accumulate=accumulate)
         out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
