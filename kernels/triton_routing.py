@@ -302,8 +302,8 @@ def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> tuple:
-    """`launch_config` as (key, value) pairs, cached (host time per launch)."""
+def _launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:
+    """`launch_config`, cached (host time per launch); callers get copies."""
     hb, kb = _next_pow2(heads), _next_pow2(head_dim)
     if INTERPRET:
         block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
@@ -316,7 +316,7 @@ def _launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> tuple:
         block_t = max(1, min(_next_pow2(max(bt, 1)), budget // (hb * kb)))
     tile = block_t * hb * kb
     num_warps = 8 if tile >= 2048 else 4 if tile >= 1024 else 2
-    return tuple(dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps).items())
+    return dict(BLOCK_T=block_t, HB=hb, KB=kb, num_warps=num_warps)
 
 
 def reduce_programs(tiles: int, device: torch.device) -> int:
