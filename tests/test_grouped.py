@@ -144,6 +144,22 @@ def test_grouped_triton_bf16_model_step(monkeypatch):
         assert err <= BF16_TOL, (name, err)
 
 
+PHASE1_CASE = (32, 4, 3)  # d, heads, sites of the phase-1 unit tests' group
+
+
+def _phase1_case(seed: int):
+    """(generator, sources: a (d,) null source and four (2, 5, d), queries and key norms (g, d),
+    per-site reads) of one group of PHASE1_CASE, all leaves; the generator continues the draw."""
+    d, _, g = PHASE1_CASE
+    gen = torch.Generator().manual_seed(seed)
+    sources = [(0.5 * torch.randn(d, generator=gen)).to(DEVICE).requires_grad_()]
+    sources += [torch.randn(2, 5, d, generator=gen).to(DEVICE).requires_grad_() for _ in range(4)]
+    query = torch.randn(g, d, generator=gen).to(DEVICE).requires_grad_()
+    key_norm = (1 + 0.2 * torch.randn(g, d, generator=gen)).to(DEVICE).requires_grad_()
+    reads = ((True, True, False, True, True), (True, True, True, True, True), (False, True, True, False, True))
+    return gen, sources, query, key_norm, reads
+
+
 @pytest.mark.parametrize("site_block", [None, 1, 2])
 def test_fused_phase1_site_chunks_and_shared_gradients(site_block):
     """A group of 3 sites, whole or split into chunks of 1 or 2 sites (the layout the largest
@@ -153,13 +169,8 @@ def test_fused_phase1_site_chunks_and_shared_gradients(site_block):
     host): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
     from mhar_kernels import op, triton_grouped
 
-    d, heads, g = 32, 4, 3
-    gen = torch.Generator().manual_seed(5)
-    sources = [(0.5 * torch.randn(d, generator=gen)).to(DEVICE).requires_grad_()]
-    sources += [torch.randn(2, 5, d, generator=gen).to(DEVICE).requires_grad_() for _ in range(4)]
-    query = torch.randn(g, d, generator=gen).to(DEVICE).requires_grad_()
-    key_norm = (1 + 0.2 * torch.randn(g, d, generator=gen)).to(DEVICE).requires_grad_()
-    reads = ((True, True, False, True, True), (True, True, True, True, True), (False, True, True, False, True))
+    d, heads, g = PHASE1_CASE
+    gen, sources, query, key_norm, reads = _phase1_case(5)
     upstream = [torch.randn(2, 5, d, generator=gen).to(DEVICE) for _ in range(g)]
     upstream += [torch.randn(2, 5, heads, generator=gen).to(DEVICE) for _ in range(g)]
     results = []
@@ -248,13 +259,8 @@ def test_fused_phase1_under_torch_compile():
     fake implementation and autograd registration."""
     from mhar_kernels import triton_grouped
 
-    d, heads, g = 32, 4, 3
-    gen = torch.Generator().manual_seed(6)
-    sources = [(0.5 * torch.randn(d, generator=gen)).to(DEVICE).requires_grad_()]
-    sources += [torch.randn(2, 5, d, generator=gen).to(DEVICE).requires_grad_() for _ in range(4)]
-    query = torch.randn(g, d, generator=gen).to(DEVICE).requires_grad_()
-    key_norm = (1 + 0.2 * torch.randn(g, d, generator=gen)).to(DEVICE).requires_grad_()
-    reads = ((True, True, False, True, True), (True, True, True, True, True), (False, True, True, False, True))
+    _, heads, g = PHASE1_CASE
+    _, sources, query, key_norm, reads = _phase1_case(6)
 
     def loss(query, key_norm, *sources):
         out = triton_grouped.route_phase1(query, key_norm, reads, heads, 1e-6, *sources)
