@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "mhar_titan"
-BELOW_TRAINER = ["errors.py", "config", "models", "data", "checkpoint", "optim.py", "metrics.py", "parallel.py",
+BELOW_TRAINER = ["errors.py", "lazy.py", "config", "models", "data", "checkpoint", "optim.py", "metrics.py", "parallel.py",
                  "launch_env.py", "preemption.py", "progress.py", "exit_status.py"]
 ABOVE = ("mhar_titan.train", "mhar_titan.components", "mhar_titan.dryrun", "mhar_titan.eval", "mhar_titan.analysis",
          "mhar_titan.experiments", "mhar_titan.convert", "mhar_titan.generate")

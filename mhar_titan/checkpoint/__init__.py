@@ -14,7 +14,7 @@ CheckpointConfig`` (the job config parser does) does not import DCP.
 """
 from __future__ import annotations
 
-import importlib
+from mhar_titan.lazy import lazy_exports
 
 _EXPORTS = {
     "ASYNC_MODES": "config", "COMPONENTS": "config", "EXPORT_DTYPES": "config", "CheckpointConfig": "config",
@@ -25,9 +25,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

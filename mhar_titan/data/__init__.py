@@ -18,7 +18,7 @@ config parser does) imports neither torchdata nor tiktoken.
 """
 from __future__ import annotations
 
-import importlib
+from mhar_titan.lazy import lazy_exports
 
 _EXPORTS = {
     "DataConfig": "config", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
@@ -28,9 +28,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
