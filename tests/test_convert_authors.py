@@ -13,6 +13,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from mhar_titan.convert import ConversionError, load_pretrained  # noqa: E402
 from mhar_titan.convert.authors import authors_args, export_authors, import_authors  # noqa: E402
 from mhar_titan.convert.safetensors_io import iter_tensors  # noqa: E402
+from mhar_titan.models.model import AttentionContext  # noqa: E402
 from mhar_titan.models.routing import route_reference  # noqa: E402
 
 D, L, VOCAB, FFN = 32, 5, 64, 48
@@ -93,7 +94,7 @@ def reference_delta_forward(model, tokens, sublayer_sources: bool):
     routing), written directly against the model's modules."""
     args, r = model.args, model.routing
     T = tokens.shape[1]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    context = AttentionContext(model.rope_cos[:T], model.rope_sin[:T])
     h = model.tok_embeddings(tokens)
     blocks = []
 
@@ -103,7 +104,7 @@ def reference_delta_forward(model, tokens, sublayer_sources: bool):
         return h + r.alpha[site] * mix
 
     for i, layer in enumerate(model.layers):
-        a = layer.attention(layer.attention_norm(routed(2 * i, h)), cos, sin)
+        a = layer.attention(layer.attention_norm(routed(2 * i, h)), context)
         if sublayer_sources:
             blocks += ([h] if not blocks else []) + [a]
         elif i % args.routing_block_layers == 0:

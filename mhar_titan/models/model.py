@@ -81,6 +81,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class AttentionContext(NamedTuple):
+    """Everything a block's attention needs besides its input, built once per forward and passed
+    to every block as one argument (so a feature of attention adds a field here, not a block
+    parameter; activation checkpointing keeps it as a block input).
+
+    cos, sin: RoPE tables (T, head_dim) for the batch's T positions (`rope_cos_sin`).
+    """
+
+    cos: Tensor
+    sin: Tensor
+
+
 class Attention(nn.Module):
     """GQA causal self-attention through scaled_dot_product_attention; optional per-head q/k RMSNorm."""
 
@@ -94,7 +106,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, context: AttentionContext) -> Tensor:
+        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -102,7 +115,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, context.cos, context.sin), apply_rope(k, context.cos, context.sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -175,9 +188,10 @@ def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Ten
 class TransformerBlock(nn.Module):
     """One decoder layer (attention sublayer, then MLP sublayer); self-contained for AC/compile/FSDP.
 
-    forward(h, cos, sin, sources=(), query=None, key_norm=None, alpha=None, states=None,
+    forward(h, attention_context, sources=(), query=None, key_norm=None, alpha=None, states=None,
             group_query=None, group_key_norm=None) -> BlockOutput
-      h: residual stream (B, T, d), None in replace mode. sources: the source list so far.
+      h: residual stream (B, T, d), None in replace mode. attention_context: `AttentionContext`
+      (RoPE tables). sources: the source list so far.
       query, key_norm: (2, d) rows of this layer's two sites (attention, MLP); alpha: (2, 1), delta only.
       Grouped routing: states, the phase-1 states of this layer's sites computed in earlier blocks;
       group_query, group_key_norm: (g, d) rows of the group whose first site is in this layer.
@@ -195,13 +209,13 @@ class TransformerBlock(nn.Module):
         self.plan = plan if plan is not None else RoutingPlan.from_args(args)
         self.sites = self.plan.layer_sites(layer_id)
 
-    def forward(self, h, cos, sin, sources=(), query=None, key_norm=None, alpha=None, states=None,
+    def forward(self, h, attention_context, sources=(), query=None, key_norm=None, alpha=None, states=None,
                 group_query=None, group_key_norm=None) -> BlockOutput:
         sources, start = list(sources), len(sources)
         states = dict(states or {})  # never mutate the input: checkpointing re-runs the block with it
         routing = (query, key_norm, alpha, states, group_query, group_key_norm)
         attention_site, mlp_site = self.sites
-        a = self.attention(self.attention_norm(self._input(0, h, sources, *routing)), cos, sin)
+        a = self.attention(self.attention_norm(self._input(0, h, sources, *routing)), attention_context)
         h = None if h is None else h + a
         sources += self._shared(new_sources(attention_site, sources, a, h))
         m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, *routing)))
@@ -315,7 +329,7 @@ class Transformer(nn.Module):
         """
         self._check_tokens(tokens)
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        context = AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
         h = self.tok_embeddings(tokens)
         nulls = iter(self.routing.null_sources() if self.routing is not None else ())
         shared = share_gradient(h, self.args.routing_kernel, self.args.resolved_routing_heads) \
@@ -324,7 +338,7 @@ class Transformer(nn.Module):
         h = h if self.plan.stream else None
         states: dict = {}  # grouped routing: phase-1 states of sites in later blocks
         for i, layer in enumerate(self.layers):
-            h, new, created = layer(h, cos, sin, sources, *self._layer_routing(i), **self._group_inputs(i, states))
+            h, new, created = layer(h, context, sources, *self._layer_routing(i), **self._group_inputs(i, states))
             states.update(created or {})
             sources = sources + new
             if trace is not None:
