@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from mhar_kernels.traffic import H200_PROGRAMS, Traffic, grouped_traffic, routing_traffic  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
-from mhar_titan.models.routing import route as model_route, share_gradient  # noqa: E402
+from mhar_kernels.dispatch import merge, phase1, route as model_route, share_gradient  # noqa: E402
 
 # name: (B, T, d, N); N = 2L + 1 sources at the final routing of an L-layer model.
 SHAPES = {
@@ -295,12 +295,10 @@ def one_step(impl, sources, query, norm_weight, heads):
 
 
 def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
-    """`one_step`'s sites in groups of g (grouped two-phase routing, models/grouped.py): phase 1
-    of each group over the sources that exist when it starts (fused for impl "triton"), then each
-    site's merge with its in-group sources; a group of one site is a per-call route."""
-    from mhar_titan.models import grouped
-    from mhar_titan.models.plan import Group, Site
-
+    """`one_step`'s sites in groups of g (grouped two-phase routing, `mhar_kernels.dispatch.phase1`
+    and `merge`): phase 1 of each group over the sources that exist when it starts (fused for impl
+    "triton"), then each site's merge with its in-group sources; a group of one site is a per-call
+    route."""
     def run():
         total = None
         shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
@@ -309,12 +307,12 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
                 outs = [model_route([shared[j] for j in start], query, norm_weight, heads, kernel=impl)]
             else:
                 size = len(late)
-                group = Group(0, tuple(range(size)), tuple(start), tuple(tuple(start) for _ in late),
-                              tuple(tuple(ids) for ids in late))
                 rows = query.unsqueeze(0).expand(size, -1), norm_weight.unsqueeze(0).expand(size, -1)
-                states = grouped.phase1(group, shared, *rows, heads, 1e-6, impl)
-                outs = [grouped.merge(Site(i, 0, "attention", ()), [shared[j] for j in ids], states[i], None, query,
-                                      norm_weight, None, heads, 1e-6) for i, ids in enumerate(late)]
+                reads = tuple((True,) * len(start) for _ in late)
+                states = phase1(*rows, reads, heads, 1e-6, impl, *[shared[j] for j in start])
+                outs = [merge(states[i], states[size + i], states[2 * size][..., i, :].contiguous(), query,
+                              norm_weight, heads, 1e-6, sources[0].dtype, impl, *[shared[j] for j in ids])
+                        for i, ids in enumerate(late)]
             for out in outs:
                 total = out.float().sum() if total is None else total + out.float().sum()
         torch.autograd.grad(total, [*sources, query, norm_weight])

@@ -1,8 +1,8 @@
 """The routing op's contract: argument checks, compute dtype and null-source handling.
 
-Every routing path (the models' eager reference, `torch.compile`, the fused kernels) obeys
-this one contract; the models' routing module checks a call's arguments here once and then
-runs whichever implementation it picked. Imports torch only.
+Every routing path (the eager reference, `torch.compile`, the fused kernels) obeys this one
+contract; the dispatcher (`dispatch.route`) checks a call's arguments here once and then runs
+whichever implementation `dispatch.backend` picked. Imports torch only.
 """
 from __future__ import annotations
 

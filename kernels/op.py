@@ -12,8 +12,8 @@ interpreter: fake tensors have no data pointer):
         -> (grads of the N sources, dq, dg, dalpha, dnull)
 
 Both run the Triton kernels: on CUDA, and on CPU when TRITON_INTERPRET=1 was set before the
-kernels were imported (`can_run`). Elsewhere they raise; the caller (the models' routing
-module) runs its eager reference instead. Outside torch.compile the same forward and backward
+kernels were imported (`can_run`). Elsewhere they raise; the dispatcher (`dispatch.backend`)
+picks the eager reference there instead. Outside torch.compile the same forward and backward
 run through a plain autograd.Function (`_EagerRoute`): no custom-op dispatch and no pytree
 handling of the N sources (about a quarter of the host time of a call at N = 73).
 
@@ -66,7 +66,8 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
     else:
         why = f"Triton cannot run on {device} (on CPU only with TRITON_INTERPRET=1 set before the kernels load)"
     raise RuntimeError(f"mhar_kernels.route cannot run here: {why}. Check mhar_kernels.can_run() first and use "
-                       "an eager implementation (the models' routing reference) where it is False")
+                       "an eager implementation (mhar_kernels.reference) where it is False, or call "
+                       "mhar_kernels.dispatch.route, which does")
 
 
 # ---------------------------------------------------------------------------- forward op
@@ -356,7 +357,7 @@ def route_unchecked(
     null_source: Optional[Tensor] = None,
 ) -> Tensor:
     """`route` for arguments that `contract.check_route_args` already accepted (heads an int):
-    the models' routing checks each call once and then calls this. Raises RuntimeError where the
+    the dispatcher (`dispatch.route`) checks each call once and then calls this. Raises RuntimeError where the
     kernels cannot run (`can_run`)."""
     if torch.compiler.is_compiling():  # an opaque node in the graph
         return route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)[0]

@@ -180,7 +180,7 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #                        shared buffers (two rows read, one written each)
 #
 # Sources are counted once per launch: the C forward chunk programs of one token tile are
-# adjacent, so their repeated reads come from L2. The merge runs eagerly (`models/grouped.py`);
+# adjacent, so their repeated reads come from L2. The merge runs eagerly (`grouped_reference.py`);
 # it is counted as one fused pass over what it receives and returns (a fused merge's bytes; the
 # eager ops move more): forward reads m rows, the state (mix fp32, normaliser and lse), q, g and
 # writes the output row; backward reads the upstream gradient, the saved output and m rows and

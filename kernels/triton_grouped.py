@@ -349,8 +349,8 @@ class Phase1(torch.autograd.Function):
     """Phase 1 of one group on the fused kernels: forward(queries (g, d), norm_weights (g, d),
     reads (per site, one bool per source), heads, eps, *sources) -> (mix_1..mix_g (B, T, d),
     norm_1..norm_g (B, T, H), lse (B, T, g, H)), all in the compute dtype; the same contract as
-    the models' eager phase 1 (a leading (d,) source is the null source). lse is not
-    differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
+    the eager phase 1, `grouped_reference.phase1` (a leading (d,) source is the null source).
+    lse is not differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
     Saves for backward: references to the sources, the query and key-norm rows, and lse
     (g H values per token). No (B, T, d) tensor. A source made by `op.share_gradient` gets its

@@ -29,9 +29,10 @@ with, per token and layer, in elements of the compute dtype,
 
 a checkpointed block keeps only its outputs (k = 2 d routing sources, or d for the baseline)
 and one block is recomputed at a time; eager/compile routing (and "auto" on CPU) also saves
-the RMS-normalised keys of its sources at every site: s d at site s = 1..S, S = 2L + 1
-(S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none). Block
-granularity and delta mode are estimated like sublayer routing;
+the RMS-normalised keys of its sources at every site: one d row per (B, T, d) source the
+routing plan lists for the site (s d at site s = 1..S, S = 2L + 1, for sublayer routing)
+(S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none; which one runs is
+`mhar_kernels.dispatch.backend`'s rule for the device). Delta mode is estimated like replacement;
 the loss keeps logits (c) and fp32 log-probabilities plus their gradient (8) per vocab
 entry. This is a rough planning number (it ignores allocator fragmentation, NCCL
 buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
@@ -46,6 +47,7 @@ from typing import Optional
 
 import torch
 
+from mhar_kernels import dispatch
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
@@ -151,19 +153,19 @@ def build_meta_model(args: ModelArgs) -> Transformer:
 def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str) -> float:
     """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac.
 
-    The routing sites and the layer each belongs to come from the routing plan; every site s
-    (1-based) is charged s key rows, the sources it reads at sublayer granularity."""
+    The routing sites, the layer each belongs to and the (B, T, d) sources each reads come from the
+    routing plan; whether the keys are saved is `mhar_kernels.dispatch.backend`'s choice for `device`."""
     d, f = args.dim, args.ffn_dim
     d_kv = args.n_kv_heads * args.head_dim
     plan = RoutingPlan.from_args(args)
     routed = plan.final is not None
     layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f) + (2 * d if routed else 0)
-    # "auto" picks the Triton kernel on CUDA and the eager reference on CPU
-    saves_keys = routed and (args.routing_kernel in ("eager", "compile")
-                             or (args.routing_kernel == "auto" and device == "cpu"))
+    saves_keys = routed and dispatch.backend(args.routing_kernel, device, d, args.resolved_routing_heads) != "triton"
 
-    def keys(sites) -> int:  # normalised keys saved by these routing sites
-        return sum((site.index + 1) * d for site in sites) if saves_keys else 0
+    def keys(sites) -> int:  # normalised keys saved by these routing sites: one row per (B, T, d) source read
+        if not saves_keys:
+            return 0
+        return sum(d for site in sites for j in site.reads if plan.sources[j].kind != "null")
 
     ac = cfg.activation_checkpoint
     every = {"none": 0, "full": 1}.get(ac.mode) or int(ac.selective_ac_option)

@@ -21,6 +21,7 @@ from helpers import metric_losses  # noqa: E402
 from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E402
 
 from mhar_titan.train import Trainer  # noqa: E402
+from mhar_titan.models.router import RoutingSettings
 
 
 def main(out):
@@ -43,7 +44,7 @@ def main(out):
         torch.rand(dist.get_rank() + 7)
         trainer = Trainer(debug_cfg(out, name, f"--training.steps={steps}", *permuted))
         perms = [None] * dist.get_world_size()
-        dist.all_gather_object(perms, trainer.model_args.routing_permutation.tolist())
+        dist.all_gather_object(perms, RoutingSettings.from_args(trainer.model_args).permutation.tolist())
         result.setdefault("permutations", []).append(perms)
         trainer.train()
         trainer.close(destroy_process_group=False)

@@ -91,3 +91,12 @@ def decode_heatmap_cell(pixels, heat, name: str, row: int, col: int) -> float:
     cmap = pyplot().get_cmap(heat.cmap)
     table = cmap(np.linspace(0, 1, cmap.N))[:, :3]
     return int(np.argmin(((table - rgb) ** 2).sum(1))) / (cmap.N - 1) * heat.vmax
+
+
+def site_sources(model, tokens) -> list:
+    """The sources every routing site of one forward (`hidden_states(tokens)`) routes over, in
+    site order, as the model's Router hands them to an observer (`Transformer.observe_routing`)."""
+    seen = []
+    with model.observe_routing(lambda site, sources, router: seen.append(sources)):
+        model.hidden_states(tokens)
+    return seen

@@ -65,3 +65,31 @@ def leaf_names(inputs: dict) -> list[str]:
     n = len(inputs["sources"])
     extras = [k for k in ("partial", "alpha", "null_source") if k in inputs]
     return [f"source{i}" for i in range(n)] + ["query", "norm_weight"] + extras
+
+
+def route_with_state(sources, query, norm_weight, heads, eps=1e-6, *, state=None, null_source=None):
+    """The fused forward kernel's online-softmax state (HAS_STATE, no autograd): route `sources`
+    continuing from `state` = (mix (B, T, d) normalised, lse (B*T, H) fp32) of earlier sources
+    routed with the same query and norm weight; returns the new state, fp32. Raises as
+    `mhar_kernels.route` (ValueError, RuntimeError where the kernels cannot run)."""
+    from mhar_kernels import contract, op
+    from mhar_kernels.triton_routing import route_forward
+
+    sources = list(sources)
+    heads = contract.check_route_args(sources, query, norm_weight, heads, null_source=null_source)
+    op._require(sources[0].device, sources[0].shape[-1], heads)
+    with torch.no_grad():
+        out, _, _, lse = route_forward(contract.with_null_source(null_source, sources), query, norm_weight, heads,
+                                       eps, state=state, out_dtype=torch.float32)
+    return out, lse
+
+
+def merge_states(a, b):
+    """Merge two routing states over disjoint source sets: lse = logaddexp, mixes weighted by
+    exp(lse_i - lse). Shapes: mix (B, T, d), lse (B*T, H); returns fp32."""
+    (mix_a, lse_a), (mix_b, lse_b) = a, b
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    bt, heads = lse.shape
+    wa, wb = (torch.exp(x.float() - lse).unsqueeze(-1) for x in (lse_a, lse_b))
+    mix = wa * mix_a.float().reshape(bt, heads, -1) + wb * mix_b.float().reshape(bt, heads, -1)
+    return mix.reshape(mix_a.shape), lse

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_tokens, tiny_model
+from helpers import random_tokens, site_sources, tiny_model
 
 from mhar_titan.analysis.probe import query_probe, slice_kl
 
@@ -75,7 +75,7 @@ def test_model_probe_learned_vs_random_reference():
     # the raw number is the mean of slice_kl over probed sites, slices and tokens
     trace = []
     with torch.no_grad():
-        model.hidden_states(batches[0], trace=trace)
+        trace.extend(site_sources(model, batches[0]))
         kls = [slice_kl(src, model.routing.query[s], model.routing.key_norm[s], S) for s, src in enumerate(trace)
                if len(src) > 1]
     assert result.raw_kl == pytest.approx(torch.stack(kls).double().mean().item(), rel=1e-6)

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_not_blank, decode_heatmap_cell, random_tokens, read_png, tiny_model
+from helpers import assert_not_blank, decode_heatmap_cell, random_tokens, read_png, site_sources, tiny_model
 
 from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.analysis.routing import RoutingRecorder, routing_entropy, routing_summary
-from mhar_titan.models import route_reference
+from mhar_kernels.reference import route_reference
 
 FAMILIES = {
     "attn_res H=1": dict(residual="attn_res", routing_heads=1),
@@ -25,7 +25,7 @@ def model_weights(model, x):
     """Per-site weights (N, B, T, H) returned by the model's reference routing for batch x."""
     trace = []
     with torch.no_grad():
-        model.hidden_states(x, trace=trace)
+        trace.extend(site_sources(model, x))
         return [route_reference(sources, model.routing.query[s], model.routing.key_norm[s],
                                 model.args.resolved_routing_heads, model.args.routing_eps, return_weights=True)[1]
                 for s, sources in enumerate(trace)]
@@ -36,8 +36,8 @@ def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, t
     model = tiny_model(**FAMILIES[family])
     x = random_tokens()
     recorder = RoutingRecorder(model, keep_weights=True)
-    with torch.no_grad():
-        model.hidden_states(x, trace=recorder)
+    with torch.no_grad(), model.observe_routing(recorder):
+        model.hidden_states(x)
     summary = recorder.summary()
     assert len(summary.sites) == model.args.n_routing_sites
     for site, w in zip(summary.sites, recorder.weights):

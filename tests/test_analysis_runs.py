@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_not_blank, decode_heatmap_cell, read_metrics, read_png
+from helpers import assert_not_blank, decode_heatmap_cell, read_metrics, read_png, site_sources
 from train_common import ROOT, SAMPLE, debug_argv
 
 from mhar_titan.analysis.__main__ import main as analysis_main
@@ -20,7 +20,7 @@ from mhar_titan.data import build_validation_loader
 from mhar_titan.eval.__main__ import main as eval_main
 from mhar_titan.eval.load import load_run
 from mhar_titan.generate import main as generate_main
-from mhar_titan.models import route_reference
+from mhar_kernels.reference import route_reference
 from mhar_titan.train import main as train_main
 
 pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
@@ -80,7 +80,7 @@ def test_heatmap_command_on_the_checkpoint_plots_the_models_mean_weights(runs, t
                                       local_batch_size=2, seq_len=32, sequences=2)
     trace = []
     with torch.no_grad():
-        loaded.model.hidden_states(x, trace=trace)
+        trace.extend(site_sources(loaded.model, x))
     assert len(data["sites"]) == len(trace) == 9
     for s, sources in enumerate(trace):
         _, w = route_reference(sources, loaded.model.routing.query[s], loaded.model.routing.key_norm[s], 8,

@@ -14,7 +14,7 @@ from mhar_titan.convert import ConversionError, load_pretrained  # noqa: E402
 from mhar_titan.convert.authors import authors_args, export_authors, import_authors  # noqa: E402
 from mhar_titan.convert.safetensors_io import iter_tensors  # noqa: E402
 from mhar_titan.models.model import AttentionContext  # noqa: E402
-from mhar_titan.models.routing import route_reference  # noqa: E402
+from mhar_kernels.reference import route_reference  # noqa: E402
 
 D, L, VOCAB, FFN = 32, 5, 64, 48
 LLAMA = dict(hidden_size=D, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2, intermediate_size=FFN,

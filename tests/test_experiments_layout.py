@@ -8,7 +8,8 @@ import torch
 
 from helpers import metric_losses
 from mhar_titan.models import ModelArgs, Transformer
-from mhar_titan.models.routing import head_permutation, route, route_reference
+from mhar_kernels.dispatch import route
+from mhar_kernels.reference import head_permutation, route_reference
 from train_common import debug_argv
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=256, max_seq_len=16)
@@ -76,7 +77,7 @@ def test_the_permutation_depends_only_on_the_seed():
     assert sorted(perm.tolist()) == list(range(64)) and perm.tolist() != list(range(64))
     assert head_permutation(64, 6).tolist() != perm.tolist()
     code = ("import torch, json; torch.manual_seed(123); torch.rand(99);"
-            "from mhar_titan.models.routing import head_permutation; print(json.dumps(head_permutation(64, 5).tolist()))")
+            "from mhar_kernels.reference import head_permutation; print(json.dumps(head_permutation(64, 5).tolist()))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(other.stdout) == perm.tolist()
 

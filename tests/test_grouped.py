@@ -9,8 +9,11 @@ import pytest
 import torch
 
 import mhar_titan.models.model as model_module
+from mhar_kernels import dispatch
 from mhar_titan.config import ActivationCheckpoint
-from mhar_titan.models import grouped
+from mhar_kernels import grouped_reference as grouped
+from mhar_titan.models import router
+from mhar_titan.models.router import RoutingSettings
 from mhar_titan.models.args import FAMILIES, ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import Group, RoutingPlan, Site
@@ -216,10 +219,11 @@ def test_group_against_the_fp64_oracle(dtype, tol, kernel, monkeypatch):
         return [*outs, *grads]
 
     calls = fused_phase1_calls(monkeypatch)
-    states = grouped.phase1(group, entries, query, key_norm, heads, 1e-6, kernel)
+    states = router.phase1(group, entries, query, key_norm, RoutingSettings(kernel, heads, 1e-6))
     assert len(calls) == (kernel == "triton")
-    got = run(lambda i: grouped.merge(Site(i, 0, "attention", ()), [entries[j] for j in group.late[i]],
-                                      states[i], None, query[i], key_norm[i], None, heads, 1e-6))
+    got = run(lambda i: router.merge(Site(i, 0, "attention", ()), [entries[j] for j in group.late[i]],
+                                     states[i], dtype, None, query[i], key_norm[i], None,
+                                     RoutingSettings(kernel, heads, 1e-6)))
     truth = run(lambda i: oracle_route([entries[j] for j in group.early[i][1:] + group.late[i]], query[i],
                                        key_norm[i], heads, null_source=null))
     names = [f"out{i}" for i in range(g)] + [f"source{j}" for j in range(len(sources))] + ["null", "query", "key_norm"]
@@ -244,9 +248,10 @@ def test_fused_phase1_and_merge_pass_gradcheck(monkeypatch):
 
     def routed(query, key_norm, null, s0, s1, late):
         entries = [null, s0, s1, late]
-        states = grouped.phase1(group, entries, query, key_norm, heads, 1e-6, "triton")
-        return tuple(grouped.merge(Site(i, 0, "attention", ()), [entries[j] for j in group.late[i]], states[i],
-                                   None, query[i], key_norm[i], None, heads, 1e-6) for i in range(g))
+        states = router.phase1(group, entries, query, key_norm, RoutingSettings("triton", heads, 1e-6))
+        return tuple(router.merge(Site(i, 0, "attention", ()), [entries[j] for j in group.late[i]], states[i],
+                                  torch.float64, None, query[i], key_norm[i], None,
+                                  RoutingSettings("triton", heads, 1e-6)) for i in range(g))
 
     calls = fused_phase1_calls(monkeypatch)
     assert torch.autograd.gradcheck(routed, (query, key_norm, null, *sources, late), eps=1e-6, atol=1e-6)
@@ -290,7 +295,7 @@ def count_rows(model: Transformer, x: torch.Tensor, monkeypatch) -> int:
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(model_module, "route", spy(model_module.route, None))
+    monkeypatch.setattr(dispatch, "route", spy(dispatch.route, None))
     monkeypatch.setattr(grouped._Phase1, "apply", spy(grouped._Phase1.apply, 5))
     monkeypatch.setattr(grouped._Merge, "apply", spy(grouped._Merge.apply, 8))
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 
 import mhar_kernels
 from mhar_kernels import contract, triton_routing
-from mhar_titan.models import routing
+from mhar_kernels import dispatch
 from kernels_oracle import leaves, make_inputs
 from helpers import ROOT
 
@@ -95,8 +95,8 @@ def test_arguments_checked_once_per_routing_call(counted_checks, kernel, delta):
     path and on the Triton path (interpreter on CPU), whose kernel really launches."""
     inputs = make_inputs(4, 16, 4, torch.float32, delta=delta)
     null = [inputs["null_source"]] if delta else []
-    out = routing.route(null + inputs["sources"], inputs["query"], inputs["norm_weight"], 4, kernel=kernel,
-                        partial=inputs.get("partial"), alpha=inputs.get("alpha"))
+    out = dispatch.route(null + inputs["sources"], inputs["query"], inputs["norm_weight"], 4, kernel=kernel,
+                         partial=inputs.get("partial"), alpha=inputs.get("alpha"))
     torch.autograd.grad(out.sum(), leaves(inputs))
     assert counted_checks == {"check": 1, "launch": int(kernel == "triton")}
 
@@ -107,8 +107,8 @@ def test_arguments_checked_once_per_permuted_routing_call(counted_checks, delta)
     inputs = make_inputs(4, 16, 4, torch.float32, delta=delta)
     null = [inputs["null_source"]] if delta else []
     permutation = torch.randperm(16, generator=torch.Generator().manual_seed(0))
-    out = routing.route(null + inputs["sources"], inputs["query"], inputs["norm_weight"], 4, kernel="eager",
-                        partial=inputs.get("partial"), alpha=inputs.get("alpha"), permutation=permutation)
+    out = dispatch.route(null + inputs["sources"], inputs["query"], inputs["norm_weight"], 4, kernel="eager",
+                         partial=inputs.get("partial"), alpha=inputs.get("alpha"), permutation=permutation)
     torch.autograd.grad(out.sum(), leaves(inputs))
     assert counted_checks == {"check": 1, "launch": 0}
 

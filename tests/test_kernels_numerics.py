@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mhar_kernels
-from mhar_titan.models.routing import route as model_route, route_reference
+from mhar_kernels.dispatch import route as model_route
+from mhar_kernels.reference import route_reference
 from kernels_oracle import DEVICE, leaf_names, leaves, make_inputs, oracle_route, rel_err
 
 SHAPES = [(64, 1), (64, 4), (96, 12), (1280, 8)]  # (d, H); K = 160 at (1280, 8)

@@ -9,8 +9,9 @@ from torch.utils.checkpoint import checkpoint
 
 import mhar_kernels
 from mhar_kernels import triton_routing
-from mhar_titan.models.routing import route, route_reference, route_stacked
-from kernels_oracle import DEVICE, leaves, make_inputs, oracle_route, rel_err
+from mhar_kernels.dispatch import route
+from mhar_kernels.reference import route_reference, route_stacked
+from kernels_oracle import DEVICE, leaves, make_inputs, merge_states, oracle_route, rel_err, route_with_state
 
 
 def _route(inputs: dict, heads: int):
@@ -171,10 +172,10 @@ def test_online_softmax_state_merges_exactly():
     merge_states of two independent states gives the same (forward; the grouped-routing interface)."""
     inputs = make_inputs(7, 96, 12, torch.float32, delta=True)
     srcs, q, g, null = inputs["sources"], inputs["query"], inputs["norm_weight"], inputs["null_source"]
-    whole = mhar_kernels.route_with_state(srcs, q, g, 12, null_source=null)
-    first = mhar_kernels.route_with_state(srcs[:3], q, g, 12, null_source=null)
-    carried = mhar_kernels.route_with_state(srcs[3:], q, g, 12, state=first)
-    merged = mhar_kernels.merge_states(first, mhar_kernels.route_with_state(srcs[3:], q, g, 12))
+    whole = route_with_state(srcs, q, g, 12, null_source=null)
+    first = route_with_state(srcs[:3], q, g, 12, null_source=null)
+    carried = route_with_state(srcs[3:], q, g, 12, state=first)
+    merged = merge_states(first, route_with_state(srcs[3:], q, g, 12))
     truth = oracle_route(srcs, q, g, 12, null_source=null)
     for mix, lse in (whole, carried, merged):
         assert mix.dtype == torch.float32 and lse.shape == (2 * 7, 12)
@@ -247,7 +248,7 @@ def test_empty_token_batch_gives_empty_output_and_zero_gradients():
     assert out.shape == ref.shape == (2, 0, 16)
     for got, expected in zip(grads, ref_grads):
         assert got.shape == expected.shape and torch.equal(got, torch.zeros_like(expected))
-    mix, lse = mhar_kernels.route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
+    mix, lse = route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 4)
     assert mix.shape == (2, 0, 16) and lse.shape == (0, 4)
 
 
@@ -262,7 +263,7 @@ def test_tile_larger_than_the_register_budget_runs_the_eager_reference():
     with pytest.raises(RuntimeError, match="d=8200, H=1 exceeds the kernels' register budget"):
         _route(inputs, 1)
     with pytest.raises(RuntimeError, match="register budget"):
-        mhar_kernels.route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 1)
+        route_with_state(inputs["sources"], inputs["query"], inputs["norm_weight"], 1)
     _assert_model_triton_equals_eager(inputs, 1)
 
 

@@ -157,7 +157,7 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
     "additions": the gradients autograd must add, per source one fewer than its contributions
     (each merge read; all per-call and phase-1 reads together, through the shared buffer)."""
     from mhar_kernels import triton_grouped
-    from mhar_titan.models import grouped
+    from mhar_kernels import grouped_reference as grouped
 
     measured: dict = {}
     reads: dict = {}

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import read_metrics
+from helpers import read_metrics, site_sources
 from mhar_titan.config import Metrics
 from mhar_titan.metrics import MetricsLogger, flops_per_token, mfu, routing_source_counts
 from mhar_titan.models.args import ModelArgs
@@ -69,7 +69,7 @@ def test_block_source_counts_match_the_model_trace():
     model = Transformer(args)
     model.init_weights()
     trace = []
-    model.hidden_states(torch.zeros(1, 4, dtype=torch.long), trace=trace)
+    trace.extend(site_sources(model, torch.zeros(1, 4, dtype=torch.long)))
     assert [len(s) for s in trace] == routing_source_counts(args)
 
 

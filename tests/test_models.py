@@ -10,7 +10,8 @@ from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.models import FAMILIES, FLAVORS, ModelArgs, Transformer, count_parameters, pad_vocab
 from mhar_titan.models.__main__ import main as list_flavors
 from mhar_titan.models.model import apply_rope, rope_frequencies
-from mhar_titan.models.routing import route_reference
+from mhar_kernels.reference import route_reference
+from helpers import site_sources
 
 ROUTED = {
     **{name: FAMILIES[name] for name in ("attn_res H=1", "mhar H=kv", "mhar H=8")},
@@ -159,7 +160,7 @@ def test_every_site_and_head_starts_uniform(family):
     model = build(args)
     trace = []
     with torch.no_grad():
-        model.hidden_states(tokens(args), trace=trace)
+        trace.extend(site_sources(model, tokens(args)))
     assert len(trace) == args.n_routing_sites
     for site, sources in enumerate(trace):
         n = len(sources)
@@ -223,7 +224,7 @@ def trace_sources(model, x):
     out = record_sublayer_outputs(model)
     trace = []
     with torch.no_grad():
-        model.hidden_states(x, trace=trace)
+        trace.extend(site_sources(model, x))
         emb = model.tok_embeddings(x)
     return trace, emb, out["a"], out["m"]
 
@@ -339,3 +340,45 @@ def test_llama3_rope_scaling_regimes():
     torch.testing.assert_close(scaled[short], plain[short])
     torch.testing.assert_close(scaled[long], plain[long] / 8)
     assert ((scaled[medium] < plain[medium]) & (scaled[medium] > plain[medium] / 8)).all()
+
+
+def _leaves(value, path="output"):
+    """(path, leaf) of a nested tuple / NamedTuple; a dict or list anywhere is reported as a leaf."""
+    if isinstance(value, tuple):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(residual="attn_res", routing_heads=2),
+    dict(residual="attn_res", routing_heads=2, routing_mode="delta", routing_null_source=True, routing_group_size=3),
+    dict(residual="attn_res", routing_heads=2, routing_granularity="block", routing_block_layers=2,
+         routing_group_size="auto"),
+], ids=["baseline", "mhar", "delta g=3", "block auto"])
+def test_block_forward_has_four_inputs_of_tensors_and_returns_tensors(overrides):
+    """TransformerBlock.forward(h, attention_context, sources, routing): four parameters besides
+    self, no *args / **kwargs; what travels into and out of every block is tensors (or None) in
+    tuples, never a dict or a list (issue 20, acceptance 2)."""
+    import inspect
+
+    from mhar_titan.models.model import TransformerBlock
+
+    parameters = list(inspect.signature(TransformerBlock.forward).parameters.values())[1:]
+    assert [p.name for p in parameters] == ["h", "attention_context", "sources", "routing"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
+    args = ModelArgs(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16,
+                     **overrides)
+    model = Transformer(args)
+    model.init_weights()
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda mod, inputs, output: seen.append((inputs, output)), with_kwargs=False)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    assert len(seen) == args.n_layers
+    carried = 0
+    for inputs, output in seen:
+        assert len(inputs) == 4
+        for path, leaf in _leaves(inputs, "inputs") + _leaves(output):
+            assert leaf is None or isinstance(leaf, torch.Tensor), (path, type(leaf))
+        carried += len(output.states)
+    assert (carried > 0) == (args.routing_group_size == 3)  # grouped states leave blocks as tuples

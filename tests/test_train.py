@@ -208,7 +208,7 @@ def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_re
     """Issue 16, acceptance 4 on 2 ranks: ranks with different global RNG states route with one
     permutation (the seed's), in three runs; a 2-step run resumed to 3 steps gives the straight
     run's losses."""
-    from mhar_titan.models.routing import head_permutation
+    from mhar_kernels.reference import head_permutation
 
     results, _ = dist_results
     expected = head_permutation(len(results["permutations"][0][0]), 9).tolist()

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from mhar_titan.models.routing import routing_logits
+from mhar_kernels.reference import routing_logits
 from mhar_titan.progress import progress
 
 
@@ -84,7 +84,8 @@ class ProbeResult:
 
 
 class ProbeTrace:
-    """A ``trace`` for ``Transformer.hidden_states``: probes each site as the forward reaches it."""
+    """An observer of the model's routing (``Transformer.observe_routing``): probes each site as
+    the forward reaches it."""
 
     def __init__(self, model: torch.nn.Module, slices: int, draws: int, seed: int):
         self.routing, self.eps, self.n_sites = model.routing, model.args.routing_eps, model.args.n_routing_sites
@@ -99,8 +100,7 @@ class ProbeTrace:
         self._calls = 0
 
     @torch.no_grad()
-    def append(self, sources: Sequence[Tensor]) -> None:
-        site = self._calls % self.n_sites
+    def __call__(self, site: int, sources: Sequence[Tensor], router=None) -> None:
         self._calls += 1
         if len(sources) < 2:
             return
@@ -112,9 +112,6 @@ class ProbeTrace:
         self.count += kl.numel()
         self.sites += 1
 
-    def extend(self, site_sources: Iterable[Sequence[Tensor]]) -> None:
-        for sources in site_sources:
-            self.append(sources)
 
 
 @torch.no_grad()
@@ -137,9 +134,10 @@ def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int =
     device = next(model.parameters()).device
     total = len(batches) if hasattr(batches, "__len__") else None
     tokens = 0
-    for x in progress(batches, total=total, desc="probe", unit="batch"):
-        model.hidden_states(x.to(device), trace=trace)
-        tokens += x.numel()
+    with model.observe_routing(trace):
+        for x in progress(batches, total=total, desc="probe", unit="batch"):
+            model.hidden_states(x.to(device))
+            tokens += x.numel()
     if trace.count == 0:
         raise ValueError("no routing site with two or more sources was probed (no batches?)")
     return ProbeResult(raw_kl=float(trace.sums[0]) / trace.count, random_kl=float(trace.sums[1]) / trace.count,

@@ -9,11 +9,12 @@ a[n, b, t, h] (``route_reference(..., return_weights=True)``) are reduced over t
 * entropy ``E_s = mean_{b,t,h} -sum_n a[n,b,t,h] log a[n,b,t,h]`` in nats (log N_s when uniform);
 * effective number of sources ``exp(E_s)`` (N_s when uniform, 1 when one source takes all).
 
-``RoutingRecorder`` is the ``trace`` argument of ``Transformer.hidden_states`` /
-``Transformer.forward``: the model hands it each site's source list in order and the recorder
-reduces that site's weights at once, reading the site's pseudo-query and key-norm weight while
-the forward runs. Under FSDP that is where the root's parameters are unsharded anyway, so the
-training metric ``routing_entropy`` needs no explicit unshard.
+``RoutingRecorder`` is an observer of the model's routing (``Transformer.observe_routing``): the
+model's Router hands it each site's source list in order, and the recorder takes that site's
+weights from the Router (the reference implementation, ``route_reference(...,
+return_weights=True)``) and reduces them at once, while the forward runs. Under FSDP that is
+where the root's parameters are unsharded anyway, so the training metric ``routing_entropy``
+needs no explicit unshard.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from mhar_titan.models.routing import route_reference
 from mhar_titan.progress import progress
 
 
@@ -64,7 +64,7 @@ def token_entropy(weights: Tensor) -> Tensor:
 
 
 class RoutingRecorder:
-    """A ``trace`` for the model's forward that reduces every site's routing weights as it goes.
+    """An observer of the model's routing that reduces every site's weights as the forward goes.
 
     Args:
         model: a ``Transformer`` with ``residual = "attn_res"`` (plain or FSDP-wrapped).
@@ -81,24 +81,21 @@ class RoutingRecorder:
     def __init__(self, model: torch.nn.Module, keep_weights: bool = False):
         if getattr(model, "routing", None) is None:
             raise ValueError("the model has no depth routing (residual = 'standard'): nothing to record")
-        args = model.args
-        self.routing = model.routing
-        self.plan = getattr(model, "plan", None)
-        self.heads, self.eps, self.n_sites = args.resolved_routing_heads, args.routing_eps, args.n_routing_sites
-        self.permutation = args.routing_permutation
+        self.plan = model.plan
+        self.heads, self.n_sites = model.args.resolved_routing_heads, self.plan.n_sites
         self.sites: list[Optional[SiteStats]] = [None] * self.n_sites
         self.keep_weights = keep_weights
         self.weights: list[Optional[Tensor]] = [None] * self.n_sites
         self._calls = 0
 
     @torch.no_grad()
-    def append(self, sources: Sequence[Tensor]) -> None:
-        """Reduce the next site's weights over ``sources`` (its source list, in routing order)."""
-        index = self._calls % self.n_sites
+    def __call__(self, index: int, sources: Sequence[Tensor], router) -> None:
+        """Reduce site ``index``'s weights over ``sources`` (its source list, in routing order),
+        read from ``router.weights`` (the model's ``router.Router``)."""
+        if index != self._calls % self.n_sites:
+            raise RuntimeError(f"routing site {index} observed where site {self._calls % self.n_sites} was expected")
         self._calls += 1
-        _, weights = route_reference([s.detach() for s in sources], self.routing.query[index].detach(),
-                                     self.routing.key_norm[index].detach(), self.heads, self.eps,
-                                     return_weights=True, permutation=self.permutation)
+        weights = router.weights(index, sources)
         token_dims = tuple(range(1, weights.dim() - 1))
         w_sum = weights.double().sum(token_dims).T  # (H, N)
         e_sum = token_entropy(weights).double().sum(tuple(d - 1 for d in token_dims))  # (H,)
@@ -113,10 +110,6 @@ class RoutingRecorder:
         if self.keep_weights:
             self.weights[index] = weights
 
-    def extend(self, site_sources: Iterable[Sequence[Tensor]]) -> None:
-        for sources in site_sources:
-            self.append(sources)
-
     def __len__(self) -> int:
         return self._calls
 
@@ -128,7 +121,7 @@ class RoutingRecorder:
         """
         if self._calls == 0 or self._calls % self.n_sites or any(s is None for s in self.sites):
             raise RuntimeError(f"recorded {self._calls} routing sites, not a whole number of forwards of "
-                               f"{self.n_sites} sites: pass the recorder as trace= to the model's forward")
+                               f"{self.n_sites} sites: run the model's forward within model.observe_routing(recorder)")
         return RoutingSummary(sites=list(self.sites), heads=self.heads, plan=self.plan)
 
 
@@ -228,7 +221,8 @@ def routing_summary(model: torch.nn.Module, batches: Iterable[Tensor], desc: str
     device = next(model.parameters()).device
     total = len(batches) if hasattr(batches, "__len__") else None
     for tokens in progress(batches, total=total, desc=desc, unit="batch"):
-        model.hidden_states(tokens.to(device), trace=recorder)
+        with model.observe_routing(recorder):
+            model.hidden_states(tokens.to(device))
     if len(recorder) == 0:
         raise ValueError("no batches to record routing over")
     return recorder.summary()
@@ -238,7 +232,7 @@ def routing_summary(model: torch.nn.Module, batches: Iterable[Tensor], desc: str
 def routing_entropy(model: torch.nn.Module, tokens: Tensor) -> Optional[float]:
     """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for the baseline.
 
-    Runs the model's own forward (``model(tokens, trace=...)``), so an FSDP-sharded model
+    Runs the model's own forward (within ``model.observe_routing``), so an FSDP-sharded model
     gathers its parameters as in any forward; the per-block compiled graphs are bypassed
     (eager) so that this no-grad call does not compile a second set. Uniform routing over N
     sources at every site gives mean_s log N_s.
@@ -246,6 +240,6 @@ def routing_entropy(model: torch.nn.Module, tokens: Tensor) -> Optional[float]:
     if getattr(model, "routing", None) is None:
         return None
     recorder = RoutingRecorder(model)
-    with torch.compiler.set_stance("force_eager"):
-        model(tokens, trace=recorder)
+    with torch.compiler.set_stance("force_eager"), model.observe_routing(recorder):
+        model(tokens)
     return recorder.summary().mean_entropy()

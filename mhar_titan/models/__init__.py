@@ -1,11 +1,18 @@
-"""Model zoo: baseline, single-head AttnRes and MHAR decoders (see args.py for the families)."""
-from .args import FAMILIES, FLAVORS, ModelArgs, ParamCounts, count_parameters, pad_vocab
-from .model import BlockOutput, DepthRouting, Transformer, TransformerBlock
-from .plan import RoutingPlan
-from .routing import route, route_reference, routing_logits
+"""Model zoo: baseline, single-head AttnRes and MHAR decoders (see args.py for the families).
 
-__all__ = [
-    "FAMILIES", "FLAVORS", "ModelArgs", "ParamCounts", "count_parameters", "pad_vocab",
-    "BlockOutput", "DepthRouting", "Transformer", "TransformerBlock", "RoutingPlan",
-    "route", "route_reference", "routing_logits",
-]
+The names below are exported lazily (`mhar_titan.lazy`), so importing `mhar_titan.models.args`
+or `mhar_titan.models.plan` (the job config's checks do) imports neither torch nor the kernels.
+"""
+from __future__ import annotations
+
+from mhar_titan.lazy import lazy_exports
+
+_EXPORTS = {
+    "FAMILIES": "args", "FLAVORS": "args", "ModelArgs": "args", "ParamCounts": "args", "count_parameters": "args",
+    "pad_vocab": "args", "RoutingPlan": "plan", "BlockOutput": "model", "Transformer": "model",
+    "TransformerBlock": "model", "AttentionContext": "model", "DepthRouting": "router", "Router": "router",
+    "BlockRouting": "router", "resolve_model_args": "build",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

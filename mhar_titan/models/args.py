@@ -12,7 +12,7 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
 `routing_group_size` (g, or "auto") cuts the routing sites into groups of g consecutive sites
-routed in two phases (plan.py "Groups", grouped.py); it changes how routing is computed, not
+routed in two phases (plan.py "Groups", router.py); it changes how routing is computed, not
 the function or the weights.
 
 Flavors and families are data: `FLAVORS[name]` holds the shape fields that differ from the
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .plan import RoutingPlan
-from .routing import ROUTING_KERNELS, head_permutation
 
 RESIDUALS = ("standard", "attn_res")
 GRANULARITIES = ("sublayer", "block")
@@ -36,6 +35,7 @@ ROUTING_MODES = ("replace", "delta")
 ROUTING_LAYOUTS = ("clean", "paper")
 HEAD_LAYOUTS = ("contiguous", "permuted")
 ROPE_SCALINGS = (None, "llama3")
+ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # mhar_kernels.dispatch.KERNELS (a test checks)
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
               "rope_original_max_seq_len", "routing_block_layers")
 REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -195,14 +195,6 @@ class ModelArgs:
     def resolved_routing_heads(self) -> int:
         """Routing heads H as an integer ("kv" resolves to n_kv_heads)."""
         return self.n_kv_heads if self.routing_heads == "kv" else int(self.routing_heads)
-
-    @property
-    def routing_permutation(self):
-        """The permuted head layout's int64 (d,) permutation (`routing.head_permutation` of
-        routing_head_layout_seed); None for the contiguous layout."""
-        if self.routing_head_layout != "permuted":
-            return None
-        return head_permutation(self.dim, self.routing_head_layout_seed)
 
     @property
     def n_routing_sites(self) -> int:

@@ -10,15 +10,13 @@ Residual paths (MHAR_SPEC sections 1, 2; names in args.py):
 Which sources each routing site reads, and which entries each sublayer adds to the one growing
 source list (sublayer outputs, block partial sums), is the routing plan (plan.py): the forward
 below follows it and re-derives nothing. Blocks hold no routing parameters: `Transformer.routing`
-holds all of them and the model passes each block its two sites' slices as tensor arguments.
-
-Grouped routing (`routing_group_size` g > 1, grouped.py): the block holding a group's first site
-runs its phase 1 (it gets the group's (g, d) query and key-norm rows) and merges the phase-1
-states of its own sites; the states of sites in later blocks leave it in `BlockOutput.states`
-and enter those blocks as inputs (under activation checkpointing, inputs the checkpoint keeps).
+(router.py's `DepthRouting`) holds all of them, and the forward's `Router` gives each block one
+`BlockRouting` argument (its two sites' rows and, for grouped routing, the phase-1 states carried
+to it) and takes the block's new states back (router.py).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Sequence
 
@@ -27,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
-from . import grouped
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
-from .routing import route, share_gradient
+from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSettings, State, carried_sites,
+                     leaving_sites, shared_entries, sublayer_input)
 
 
 class RMSNorm(nn.Module):
@@ -139,32 +137,13 @@ class BlockOutput(NamedTuple):
     h: the residual stream after the block (B, T, d); None in replace mode, where routing
     replaces it. sources: the entries its two sublayers added to the source list, in plan order
     (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
-    states: grouped routing only, {site index: phase-1 `grouped.State`} of later blocks' sites.
+    states: grouped routing only, the phase-1 `router.State`s of later blocks' sites, in site
+    order (`router.leaving_sites`); empty otherwise.
     """
 
     h: Tensor | None
-    sources: list[Tensor]
-    states: dict | None = None
-
-
-def routed_sources(site: Site, sources: Sequence[Tensor], like: Tensor) -> list[Tensor]:
-    """The entries `site` routes over. A site that reads only its (d,) null source (paper layout,
-    layer 0's attention) gets it broadcast to the shape of `like` (B, T, d), so its mix is the null."""
-    picked = [sources[j] for j in site.reads]
-    if all(s.dim() == 1 for s in picked):
-        picked = [s.to(like.dtype).expand_as(like).contiguous() for s in picked]
-    return picked
-
-
-def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
-               alpha: Tensor | None, args: ModelArgs) -> Tensor:
-    """Input of a routed sublayer: route over the entries `site.reads` of `sources`; a delta-gated
-    site returns h + alpha * mix (MHAR_SPEC 1.4). query, key_norm (d,), alpha (1,): the site's rows."""
-    return route(
-        routed_sources(site, sources, h), query, key_norm, args.resolved_routing_heads, args.routing_eps,
-        args.routing_kernel, partial=h if site.gated else None, alpha=alpha if site.gated else None,
-        permutation=args.routing_permutation,
-    )
+    sources: tuple[Tensor, ...]
+    states: tuple[State, ...] = ()
 
 
 def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Tensor | None) -> list[Tensor]:
@@ -188,102 +167,42 @@ def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Ten
 class TransformerBlock(nn.Module):
     """One decoder layer (attention sublayer, then MLP sublayer); self-contained for AC/compile/FSDP.
 
-    forward(h, attention_context, sources=(), query=None, key_norm=None, alpha=None, states=None,
-            group_query=None, group_key_norm=None) -> BlockOutput
+    forward(h, attention_context, sources, routing) -> BlockOutput
       h: residual stream (B, T, d), None in replace mode. attention_context: `AttentionContext`
-      (RoPE tables). sources: the source list so far.
-      query, key_norm: (2, d) rows of this layer's two sites (attention, MLP); alpha: (2, 1), delta only.
-      Grouped routing: states, the phase-1 states of this layer's sites computed in earlier blocks;
-      group_query, group_key_norm: (g, d) rows of the group whose first site is in this layer.
+      (RoPE tables). sources: the source list so far (tensors, None for entries no later site
+      reads). routing: the layer's `router.BlockRouting` (None for the standard residual).
     `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs, plan: RoutingPlan | None = None):
+    def __init__(self, layer_id: int, args: ModelArgs, plan: RoutingPlan | None = None,
+                 settings: RoutingSettings | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.args = args
         self.plan = plan if plan is not None else RoutingPlan.from_args(args)
+        self.settings = settings if settings is not None else RoutingSettings.from_args(args)
         self.sites = self.plan.layer_sites(layer_id)
+        self.carried = carried_sites(self.plan, layer_id)  # sites whose states enter / leave the block
+        self.leaving = leaving_sites(self.plan, layer_id)
 
-    def forward(self, h, attention_context, sources=(), query=None, key_norm=None, alpha=None, states=None,
-                group_query=None, group_key_norm=None) -> BlockOutput:
+    def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: Sequence[Tensor | None],
+                routing: BlockRouting | None) -> BlockOutput:
         sources, start = list(sources), len(sources)
-        states = dict(states or {})  # never mutate the input: checkpointing re-runs the block with it
-        routing = (query, key_norm, alpha, states, group_query, group_key_norm)
+        # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
+        states = dict(zip(self.carried, routing.states)) if routing is not None else {}
         attention_site, mlp_site = self.sites
-        a = self.attention(self.attention_norm(self._input(0, h, sources, *routing)), attention_context)
+        x = sublayer_input(self.plan, self.settings, self.layer_id, 0, h, sources, routing, states)
+        a = self.attention(self.attention_norm(x), attention_context)
         h = None if h is None else h + a
-        sources += self._shared(new_sources(attention_site, sources, a, h))
-        m = self.feed_forward(self.ffn_norm(self._input(1, h, sources, *routing)))
+        sources += shared_entries(new_sources(attention_site, sources, a, h), self.settings)
+        x = sublayer_input(self.plan, self.settings, self.layer_id, 1, h, sources, routing, states)
+        m = self.feed_forward(self.ffn_norm(x))
         h = None if h is None else h + m
-        sources += self._shared(new_sources(mlp_site, sources, m, h))
-        return BlockOutput(h, sources[start:], states or None)
-
-    def _shared(self, entries: list[Tensor]) -> list[Tensor]:
-        """New source-list entries as the routing sites read them (`routing.share_gradient`)."""
-        return [share_gradient(e, self.args.routing_kernel, self.args.resolved_routing_heads) for e in entries]
-
-    def _input(self, row: int, h, sources, query, key_norm, alpha, states, group_query, group_key_norm) -> Tensor:
-        """Input of sublayer `row` (0 attention, 1 MLP): h for the standard residual, else its site's
-        routing: per call, or (grouped) phase 1 when its group starts here, then its merge."""
-        site = self.sites[row]
-        if site is None:
-            return h
-        alpha = None if alpha is None else alpha[row]
-        group, position = self.plan.group_of(site.index)
-        if group.size == 1:
-            return site_input(site, sources, h, query[row], key_norm[row], alpha, self.args)
-        heads, eps = self.args.resolved_routing_heads, self.args.routing_eps
-        if position == 0:
-            states.update(grouped.phase1(group, sources, group_query, group_key_norm, heads, eps,
-                                         self.args.routing_kernel))
-        late = [sources[j] for j in group.late[position]]
-        return grouped.merge(site, late, states.pop(site.index), h, query[row], key_norm[row], alpha, heads, eps)
-
-
-class DepthRouting(nn.Module):
-    """All routing parameters of the model (MHAR_SPEC section 2; DESIGN.md "Placement").
-
-    query (S, d): pseudo-queries, row 2i / 2i+1 = layer i's attention / MLP site, row 2L = final.
-    key_norm (S, d): key RMSNorm weights. alpha (S, 1): delta gates (delta mode only; shape (1,)
-    per site because FSDP rejects 0-dim parameters). null_source: when enabled, (d,), or (2L, d)
-    in the paper layout (row k = the null of site k; plan.py).
-    """
-
-    def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
-        super().__init__()
-        plan = plan or RoutingPlan.from_args(args)
-        S, d, nulls = plan.n_sites, args.dim, plan.n_nulls
-        self.query = nn.Parameter(torch.empty(S, d))
-        self.key_norm = nn.Parameter(torch.empty(S, d))
-        self.alpha = nn.Parameter(torch.empty(S, 1)) if args.routing_mode == "delta" else None
-        self.null_source = nn.Parameter(torch.empty((nulls, d) if nulls > 1 else (d,))) if nulls else None
-
-    def reset_parameters(self) -> None:
-        """Pseudo-queries exactly 0 (uniform depth softmax, MHAR_SPEC pitfall 2), key norms 1, gates 0, null 0."""
-        nn.init.zeros_(self.query)
-        nn.init.ones_(self.key_norm)
-        if self.alpha is not None:
-            nn.init.zeros_(self.alpha)
-        if self.null_source is not None:
-            nn.init.zeros_(self.null_source)
-
-    def null_sources(self) -> list[Tensor]:
-        """The (d,) null sources in the order of the plan's null entries (empty when disabled)."""
-        if self.null_source is None:
-            return []
-        return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
-
-    def site(self, index: int) -> dict:
-        """Parameters of one site (for the final routing and analysis)."""
-        return dict(
-            query=self.query[index], norm_weight=self.key_norm[index],
-            alpha=None if self.alpha is None else self.alpha[index],
-        )
+        sources += shared_entries(new_sources(mlp_site, sources, m, h), self.settings)
+        return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in self.leaving))
 
 
 class Transformer(nn.Module):
@@ -296,8 +215,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.plan = RoutingPlan.from_args(args)
+        self.routing_settings = RoutingSettings.from_args(args)
+        self.routing_observer: Observer | None = None  # set by `observe_routing`
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan, self.routing_settings)
+                                    for i in range(args.n_layers))
         self.routing = DepthRouting(args, self.plan) if args.residual == "attn_res" else None
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -321,62 +243,40 @@ class Transformer(nn.Module):
             elif isinstance(module, (RMSNorm, DepthRouting)):
                 module.reset_parameters()
 
-    def hidden_states(self, tokens: Tensor, trace: list | None = None) -> Tensor:
-        """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d).
+    @contextlib.contextmanager
+    def observe_routing(self, observer: Observer):
+        """Within the block, every forward calls `observer(site index, sources, router)` for each
+        routing site in order (the attention and MLP sites of every layer, then the final one):
+        the entries that site routes over (as `router.routed_sources`) while the forward runs, and
+        the `router.Router`, whose `weights(site, sources)` gives the reference's depth-softmax
+        weights (analysis; under FSDP the root's parameters are unsharded then)."""
+        previous, self.routing_observer = self.routing_observer, observer
+        try:
+            yield
+        finally:
+            self.routing_observer = previous
 
-        With `trace` (a list), appends for each routing site, in order, the list of sources that
-        site routes over (the attention and MLP sites of every layer, then the final one).
-        """
+    def hidden_states(self, tokens: Tensor) -> Tensor:
+        """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d)."""
         self._check_tokens(tokens)
         T = tokens.shape[1]
         context = AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
         h = self.tok_embeddings(tokens)
-        nulls = iter(self.routing.null_sources() if self.routing is not None else ())
-        shared = share_gradient(h, self.args.routing_kernel, self.args.resolved_routing_heads) \
-            if self.plan.initial and self.routing is not None else h
-        sources = [next(nulls) if entry.kind == "null" else shared for entry in self.plan.initial]
+        if self.routing is None:
+            for layer in self.layers:
+                h = layer(h, context, (), None).h
+            return h
+        router = Router(self.plan, self.routing, self.routing_settings, self.routing_observer)
+        sources = router.initial_sources(h)
         h = h if self.plan.stream else None
-        states: dict = {}  # grouped routing: phase-1 states of sites in later blocks
         for i, layer in enumerate(self.layers):
-            h, new, created = layer(h, context, sources, *self._layer_routing(i), **self._group_inputs(i, states))
-            states.update(created or {})
-            sources = sources + new
-            if trace is not None:
-                trace.extend(routed_sources(site, sources, h) for site in self.plan.sites[2 * i: 2 * i + 2])
+            h, new, states = layer(h, context, tuple(sources), router.block_routing(i))
+            sources = sources + list(new)
+            router.block_done(i, states, sources, h)
             # Drop the entries no later site uses (block-delta partial sums are never routed over),
             # so that they are freed once autograd is done with them.
             sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
-        final = self.plan.final
-        if final is None:
-            return h
-        if trace is not None:
-            trace.append([sources[j] for j in final.reads])
-        p = self.routing.site(final.index)
-        if final.index in states:
-            late = [sources[j] for j in self.plan.group_of(final.index)[0].late[-1]]
-            return grouped.merge(final, late, states.pop(final.index), h, p["query"], p["norm_weight"], p["alpha"],
-                                 self.args.resolved_routing_heads, self.args.routing_eps)
-        return site_input(final, sources, h, p["query"], p["norm_weight"], p["alpha"], self.args)
-
-    def _layer_routing(self, i: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """query, key_norm (2, d) and alpha (2, 1) rows of layer i's two sites (None where absent)."""
-        r, rows = self.routing, slice(2 * i, 2 * i + 2)
-        if r is None:
-            return None, None, None
-        return r.query[rows], r.key_norm[rows], None if r.alpha is None else r.alpha[rows]
-
-    def _group_inputs(self, i: int, states: dict) -> dict:
-        """Grouped routing's keyword arguments of layer i (none at g = 1): the phase-1 states of its
-        sites (taken out of `states`) and the (g, d) rows of a group of more than one site starting in it."""
-        if self.plan.group_size == 1:
-            return {}
-        inputs = {"states": {s: states.pop(s) for s in (2 * i, 2 * i + 1) if s in states}}
-        for site in (2 * i, 2 * i + 1):
-            group, position = self.plan.group_of(site)
-            if position == 0 and group.size > 1:
-                rows = slice(site, site + group.size)
-                inputs.update(group_query=self.routing.query[rows], group_key_norm=self.routing.key_norm[rows])
-        return inputs
+        return router.final(h, sources)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
@@ -398,10 +298,9 @@ class Transformer(nn.Module):
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
 
-    def forward(self, tokens: Tensor, trace: list | None = None) -> Tensor:
-        """Logits (B, T, vocab_size); `trace` as in `hidden_states` (through the module call, so
-        FSDP gathers the parameters as for any forward)."""
-        h = self.norm(self.hidden_states(tokens, trace=trace))
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits (B, T, vocab_size)."""
+        h = self.norm(self.hidden_states(tokens))
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)

@@ -1,20 +1,20 @@
 """Grouped two-phase depth routing, eager reference (docs/DESIGN.md "Grouped routing").
 
-`phase1` runs the fused phase 1 (`mhar_kernels.route_phase1`, the same contract as `_Phase1`)
-for routing_kernel "triton" / "auto" where it can run, and `_Phase1` otherwise; the merge is
-always `_Merge`.
+`phase1` is the eager phase 1 (the fused one, `triton_grouped.route_phase1`, has the same
+contract) and `merge` the eager phase 2; `mhar_kernels.dispatch` picks between them. The
+models' Router maps the routing plan's groups onto these calls. Imports torch only.
 
 The pseudo-queries do not depend on the input, so for a group of g consecutive routing sites
-(`RoutingPlan.groups`) the part of every site's depth softmax over the entries that exist when
+(the models' `RoutingPlan.groups`) the part of every site's depth softmax over the entries that exist when
 the group starts can be computed at once:
 
 - phase 1 (`phase1`, when the group starts): one pass over the group's start entries
-  s_1..s_n0 (`Group.reads`), each read once, computes for every site i of the group and every
-  routing head h the online-softmax state over the entries site i reads (`Group.early[i]`)
+  s_1..s_n0, each read once, computes for every site i of the group and every routing head h
+  the online-softmax state over the entries site i reads (`reads[i]`)
       lse_i      = logsumexp_n l_{n,i}            l_{n,i,h} = <q_i[h], RMSNorm_{g_i}(s_n)[h]>
       mix_i      = sum_n exp(l_{n,i} - lse_i) s_n   (normalised partial mix, (B, T, d) fp32)
       norm_i     = sum_n exp(l_{n,i} - lse_i)       (= 1; its gradient carries the softmax term)
-- phase 2 (`merge`, at site i): the in-group entries t_1..t_m it reads (`Group.late[i]`) are
+- phase 2 (`merge`, at site i): the in-group entries t_1..t_m it reads are
   merged by log-sum-exp: lse = logaddexp(lse_i, logsumexp_t l_t), and
       out = (w mix_i + sum_t a_t t) / (w norm_i + sum_t a_t),  w = exp(lse_i - lse), a_t = exp(l_t - lse)
   which is MHAR_SPEC section 2's depth softmax over all of site i's sources (exact in real
@@ -36,26 +36,14 @@ and its gradient from site i's merge backward until phase 1's backward.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mhar_kernels import contract
-
-from .plan import Group, Site
-from .routing import _inv_rms, _logits_and_inv_rms, _normalised_key, depth_mix, rms_norm_input_grad
-
-
-class State(NamedTuple):
-    """Phase-1 routing state of one site: mix (B, T, d) and norm (B, T, H) in the compute
-    dtype (differentiable), lse (B, T, H) (not differentiable), dtype: the sources' storage dtype."""
-
-    mix: Tensor
-    norm: Tensor
-    lse: Tensor
-    dtype: torch.dtype
+from . import contract
+from .reference import _inv_rms, _logits_and_inv_rms, _normalised_key, depth_mix, rms_norm_input_grad
 
 
 def _site_logits(source: Tensor, qg: Tensor, eps: float, cdt: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -201,55 +189,20 @@ class _Merge(torch.autograd.Function):
         return (dmix, dnorm, None, dquery, dnorm_weight, None, None, None, *grads)
 
 
-def _fused_phase1(kernel: str, full: Tensor, heads: int):
-    """`mhar_kernels.route_phase1` where `kernel` selects the fused kernels and they can run here,
-    else None (the eager `_Phase1`), with the rules of `routing.route`: "triton" runs them where
-    `mhar_kernels.can_run_phase1` is True, "auto" on CUDA sources only (inside torch.compile the
-    fused phase 1 is the opaque custom op `mhar::phase1`)."""
-    if kernel not in ("triton", "auto") or (kernel == "auto" and not full.is_cuda):
-        return None
-    try:
-        import mhar_kernels
-        runs = mhar_kernels.can_run_phase1(full.device, full.shape[-1], heads)
-    except ImportError:  # triton not installed
-        return None
-    return mhar_kernels.route_phase1 if runs else None
+def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, *sources: Tensor) -> tuple:
+    """Eager phase 1 of one group of g sites over its n start sources.
+
+    queries, norm_weights: (g, d) rows of the group's sites; reads: per site, n bools (does the
+    site read source j); sources: the n entries (a leading (d,) null source already cast to the
+    others' dtype, as `contract.with_null_source` gives it), each (B, T, d), heads already checked.
+    Returns (mix_1..mix_g (B, T, d), norm_1..norm_g (B, T, H), lse (B, T, g, H)), compute dtype;
+    lse is not differentiable. Same contract as `triton_grouped.route_phase1`."""
+    return _Phase1.apply(queries, norm_weights, reads, heads, float(eps), *sources)
 
 
-def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_norm: Tensor, heads: int,
-           eps: float, kernel: str = "eager") -> dict[int, State]:
-    """Phase 1 of `group` over the model's source list `sources` (entries `group.reads`; a
-    leading (d,) entry is the null source). query, key_norm: the group's rows (g, d).
-    kernel: the `routing_kernel` field; "triton" / "auto" run the fused phase 1
-    (`mhar_kernels.route_phase1`) where it can run (`_fused_phase1`), else the eager `_Phase1`.
-
-    Returns {site index: State} for every site of the group.
-    Raises:
-        ValueError: a site reads no entry that exists when its group starts, or bad arguments
-            as `mhar_kernels.contract.check_route_args`.
-    """
-    if not all(group.early):
-        raise ValueError(f"group {group.index}: every site must read an entry that exists when the group starts "
-                         f"(early reads {group.early})")
-    null, full = contract.split_null_source([sources[j] for j in group.reads])
-    heads = contract.check_route_args(full, query[0], key_norm[0], heads, null_source=null)
-    reads = tuple(tuple(j in early for j in group.reads) for early in group.early)
-    fused = _fused_phase1(kernel, full[0], heads)
-    apply = _Phase1.apply if fused is None else fused
-    out = apply(query, key_norm, reads, heads, float(eps), *contract.with_null_source(null, full))
-    g = group.size
-    # each site's lse is its own tensor, not a view of the group's (a block output must not be a view)
-    return {site: State(out[i], out[g + i], out[2 * g][..., i, :].contiguous(), full[0].dtype)
-            for i, site in enumerate(group.sites)}
-
-
-def merge(site: Site, late: Sequence[Tensor], state: State, h: Tensor | None, query: Tensor, key_norm: Tensor,
-          alpha: Tensor | None, heads: int, eps: float) -> Tensor:
-    """Phase 2 at `site`: its phase-1 `state` merged with its in-group sources `late` (each
-    (B, T, d)). query, key_norm (d,), alpha (1,): the site's rows. Returns the mix (B, T, d) in
-    the sources' dtype, or h + alpha * mix for a delta-gated site (MHAR_SPEC 1.4).
-    Raises ValueError for bad arguments as `mhar_kernels.contract.check_route_args`."""
-    if late:
-        heads = contract.check_route_args(list(late), query, key_norm, heads)
-    mix = _Merge.apply(state.mix, state.norm, state.lse, query, key_norm, int(heads), float(eps), state.dtype, *late)
-    return h + alpha.to(mix.dtype) * mix if site.gated else mix
+def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
+          dtype: torch.dtype, *late: Tensor) -> Tensor:
+    """Eager phase 2 at one site: its phase-1 state (mix (B, T, d), norm and lse (B, T, H)) merged
+    with its in-group sources `late` (each (B, T, d), checked); query, norm_weight (d,).
+    Returns the site's mix (B, T, d) in `dtype` (module docstring)."""
+    return _Merge.apply(mix, norm, lse, query, norm_weight, int(heads), float(eps), dtype, *late)

@@ -1,4 +1,5 @@
-"""Depth routing: the softmax-over-depth mix of AttnRes / MHAR (MHAR_SPEC sections 1.1, 2, 4).
+"""The readable eager reference of depth routing (MHAR_SPEC sections 1.1, 2, 4), and the oracle
+the fused kernels are tested against.
 
 For sources s_1..s_N (each (B, T, d)), one pseudo-query q (d,) split into H contiguous
 heads of K = d/H dims, and a key-norm weight g (d,):
@@ -9,12 +10,12 @@ heads of K = d/H dims, and a key-norm weight g (d,):
     a_{n,h}      = softmax over n (the depth softmax) of logit_{n,h}
     out[h]       = sum_n a_{n,h} * s_n[h]                     un-normalised sources
 
-H = 1 is single-head AttnRes. `route_reference` is the readable eager oracle (also the one
-the Triton kernels are tested against); `route` picks the implementation (`routing_kernel`):
-eager, torch.compile, or the fused kernels of `mhar_kernels` (imported lazily), and runs the
-eager reference itself where the kernels cannot run. The op's contract (argument checks,
-compute dtype, null-source handling) is `mhar_kernels.contract`; `route` checks each call's
-arguments there once.
+H = 1 is single-head AttnRes. `route_reference` is the eager implementation with the closed-form
+backward (and, with return_weights, the depth-softmax weights analysis reads); `route_stacked`
+is the same function with plain autograd, the body `routing_kernel="compile"` compiles
+(`route_compiled`). Which implementation a call runs is `mhar_kernels.dispatch`'s decision.
+The op's contract (argument checks, compute dtype, null-source handling) is
+`mhar_kernels.contract`. Imports torch only.
 """
 from __future__ import annotations
 
@@ -25,10 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mhar_kernels import contract
-
-ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # values of ModelArgs.routing_kernel
-
+from . import contract
 
 @functools.lru_cache(maxsize=8)
 def head_permutation(dim: int, seed: int) -> Tensor:
@@ -36,7 +34,7 @@ def head_permutation(dim: int, seed: int) -> Tensor:
     head h reads coordinates perm[h K : (h + 1) K] instead of the contiguous slice (the paper's
     random-subspace ablation). Drawn from a private CPU generator seeded with `seed`, so it is
     the same on every rank and after a resume, whatever the global RNG did. Not trained."""
-    return torch.randperm(dim, generator=torch.Generator().manual_seed(seed))
+    return torch.randperm(dim, generator=torch.Generator().manual_seed(seed), device="cpu")
 
 
 def _permute_features(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, permutation: Tensor):
@@ -212,13 +210,13 @@ def route_reference(
     """
     null_source, full = contract.split_null_source(sources)
     heads = contract.check_route_args(full, query, norm_weight, heads, null_source=null_source)
-    out, weights = _reference_mix(contract.with_null_source(null_source, full), query, norm_weight, heads, eps,
+    out, weights = route_checked(contract.with_null_source(null_source, full), query, norm_weight, heads, eps,
                                   permutation)
     return (out, weights) if return_weights else out
 
 
-def _reference_mix(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float,
-                   permutation: Tensor | None) -> tuple[Tensor, Tensor]:
+def route_checked(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float,
+                  permutation: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`route_reference` on arguments already checked (null source first, heads an int): the mix
     and the weights, in the permuted head layout when `permutation` is given."""
     if permutation is not None:
@@ -243,91 +241,11 @@ def route_stacked(stacked: Tensor, query: Tensor, norm_weight: Tensor, heads: in
 _compiled_route_stacked = None
 
 
-def _route_compiled(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+def route_compiled(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> Tensor:
+    """`route_stacked` under torch.compile (dynamic=True, compiled on first use) over the checked
+    sources (null source first, broadcast to the others' shape before stacking)."""
     global _compiled_route_stacked
     if _compiled_route_stacked is None:
         _compiled_route_stacked = torch.compile(route_stacked, dynamic=True)
     stacked = torch.stack([s.expand(sources[-1].shape) for s in sources])
     return _compiled_route_stacked(stacked, query, norm_weight, heads, eps)
-
-
-def _fused_op():
-    """The fused kernels' op module (`mhar_kernels.op`), imported on first use."""
-    try:
-        from mhar_kernels import op
-    except ImportError as exc:
-        raise RuntimeError(
-            "routing_kernel='triton' needs the fused kernels (`mhar_kernels`, the repo's kernels/ folder), but "
-            f"importing them failed: {exc}. Use routing_kernel='eager' or 'compile'."
-        ) from exc
-    return op
-
-
-def share_gradient(source: Tensor, kernel: str, heads: int) -> Tensor:
-    """The entry the routing sites read for a new (B, T, d) source: where `route` will run the
-    fused kernels (`kernel` "triton", or "auto" on CUDA, `mhar_kernels.can_run`, outside
-    torch.compile), a view whose gradient the kernels of every site that reads it accumulate
-    in one buffer (`mhar_kernels.op.share_gradient`: no per-site gradient tensors, no autograd
-    additions); otherwise `source` itself. (d,) null sources are returned as they are."""
-    if source.dim() == 1 or torch.compiler.is_compiling() or kernel not in ("triton", "auto"):
-        return source
-    if kernel == "auto" and not source.is_cuda:
-        return source
-    op = _fused_op()
-    if not op.can_run(source.device, source.shape[-1], heads):
-        return source
-    return op.share_gradient(source)
-
-
-def route(
-    sources: Sequence[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
-    kernel: str = "eager",
-    *,
-    partial: Tensor | None = None,
-    alpha: Tensor | None = None,
-    permutation: Tensor | None = None,
-) -> Tensor:
-    """Depth routing with the implementation chosen by `kernel` (the `routing_kernel` field).
-
-    kernel: "eager" (`route_reference`), "compile" (`route_stacked` under torch.compile,
-    dynamic=True), "triton" (`mhar_kernels.route`, fused; the eager reference where
-    `mhar_kernels.can_run` is False: no triton, CPU without TRITON_INTERPRET=1, or a tile over
-    the register budget), "auto" (triton for CUDA sources, eager otherwise). A leading (d,)
-    source is the null source. The arguments are checked once per call.
-
-    Replacement mode returns the mix (B, T, d). Delta mode (MHAR_SPEC section 1.4) passes the
-    residual `partial` (B, T, d, the sources' dtype) and the gate `alpha` (1,) and returns
-    partial + alpha * mix; with alpha = 0 the result equals `partial` bit for bit.
-    `permutation` (the permuted head layout, see `route_reference`) runs on the eager path only.
-
-    Raises:
-        ValueError: unknown kernel, a permutation with a kernel other than "eager", or bad arguments as
-            `mhar_kernels.contract.check_route_args` (including only one of partial/alpha, or their shapes).
-        RuntimeError: kernel="triton" when the kernel package cannot be imported.
-    """
-    if kernel not in ROUTING_KERNELS:
-        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {ROUTING_KERNELS}")
-    null_source, full = contract.split_null_source(sources)
-    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
-    if permutation is not None and kernel != "eager":
-        raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
-                         "set routing_kernel='eager'")
-    if kernel == "auto":
-        kernel = "triton" if full[0].is_cuda else "eager"
-    if kernel == "triton":
-        op = _fused_op()
-        if op.can_run(full[0].device, full[0].shape[-1], heads):
-            return op.route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                                      null_source=null_source)
-    sources = contract.with_null_source(null_source, full)
-    if kernel == "compile":
-        mix = _route_compiled(sources, query, norm_weight, heads, eps)
-    else:
-        mix, _ = _reference_mix(sources, query, norm_weight, heads, eps, permutation)
-    if partial is None:
-        return mix
-    return partial + alpha.to(mix.dtype) * mix

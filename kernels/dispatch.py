@@ -1,0 +1,133 @@
+"""The dispatcher: which implementation computes a routing call, decided by one rule (`backend`).
+
+Every caller (the models' Router, the dry run's memory model, the benchmarks, and through the
+model the analysis) asks `backend` and calls the functions below, never an implementation
+directly. Implementations (MHAR_SPEC sections 2 and 4, docs/DESIGN.md "Grouped routing"):
+
+| backend   | per-call routing (`route`)                 | grouped phase 1 (`phase1`)        | merge (`merge`)           |
+|-----------|--------------------------------------------|-----------------------------------|---------------------------|
+| "eager"   | `reference.route_reference`                | `grouped_reference.phase1`        | `grouped_reference.merge` |
+| "compile" | `reference.route_compiled`                 | `grouped_reference.phase1`        | `grouped_reference.merge` |
+| "triton"  | `op.route_unchecked` (fused custom op)     | `triton_grouped.route_phase1`     | `grouped_reference.merge` |
+
+The rule: the kernel names "eager" and "compile" are taken as they are; "triton" runs the fused
+kernels where they can run (`op.can_run`: triton installed, CUDA or CPU under
+TRITON_INTERPRET=1, one token's tile within the register budget), else eager; "auto" is
+"triton" on CUDA and "eager" elsewhere. The Triton modules are imported on first use, so
+importing this module (torch only) does not run any @triton.jit decorator.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from . import contract, grouped_reference, reference
+
+KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routing_kernel field
+BACKENDS = ("eager", "compile", "triton")
+
+
+def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> str:
+    """The implementation that computes routing of (..., dim) sources on `device` with `heads`
+    routing heads for the configured `kernel` (one of KERNELS): "eager", "compile" or "triton"
+    (module docstring). `device` may be a string ("cuda", "cpu").
+
+    Raises:
+        ValueError: an unknown kernel name, listing the valid ones.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel in ("eager", "compile"):
+        return kernel
+    device = torch.device(device)
+    if kernel == "auto" and device.type != "cuda":
+        return "eager"
+    from . import op
+
+    return "triton" if op.can_run(device, dim, heads) else "eager"
+
+
+def route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    kernel: str = "eager",
+    *,
+    partial: Tensor | None = None,
+    alpha: Tensor | None = None,
+    permutation: Tensor | None = None,
+) -> Tensor:
+    """Depth routing over `sources` by the implementation `backend(kernel, ...)` picks.
+
+    sources: N tensors (B, T, d) of one dtype; a leading (d,) tensor is the null source.
+    query, norm_weight: (d,). Replacement mode returns the mix (B, T, d). Delta mode
+    (MHAR_SPEC section 1.4) passes the residual `partial` (B, T, d, the sources' dtype) and the
+    gate `alpha` (1,) and returns partial + alpha * mix; with alpha = 0 the result equals
+    `partial` bit for bit. `permutation` (the permuted head layout, `reference.route_reference`)
+    runs on the eager backend only. The arguments are checked once per call.
+
+    Raises:
+        ValueError: unknown kernel, a permutation with a kernel other than "eager", or bad
+            arguments as `contract.check_route_args`.
+    """
+    null_source, full = contract.split_null_source(sources)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
+    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
+    if permutation is not None and kernel != "eager":
+        raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
+                         "set routing_kernel='eager'")
+    chosen = backend(kernel, full[0].device, full[0].shape[-1], heads)
+    if chosen == "triton":
+        from . import op
+
+        return op.route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                  null_source=null_source)
+    sources = contract.with_null_source(null_source, full)
+    if chosen == "compile":
+        mix = reference.route_compiled(sources, query, norm_weight, heads, eps)
+    else:
+        mix, _ = reference.route_checked(sources, query, norm_weight, heads, eps, permutation)
+    if partial is None:
+        return mix
+    return partial + alpha.to(mix.dtype) * mix
+
+
+def share_gradient(source: Tensor, kernel: str, heads: int) -> Tensor:
+    """The entry the routing sites read for a new (B, T, d) source: where the backend is "triton"
+    (outside torch.compile), a view whose gradient the kernels of every site that reads it
+    accumulate in one buffer (`op.share_gradient`: no per-site gradient tensors, no autograd
+    additions); otherwise `source` itself. (d,) null sources are returned as they are."""
+    if source.dim() == 1 or torch.compiler.is_compiling():
+        return source
+    if backend(kernel, source.device, source.shape[-1], heads) != "triton":
+        return source
+    from . import op
+
+    return op.share_gradient(source)
+
+
+def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,
+           *sources: Tensor) -> tuple:
+    """Phase 1 of one grouped-routing group (`grouped_reference.phase1`'s contract: (g, d) rows,
+    per site one bool per source, sources with a leading (d,) null source cast to their dtype;
+    returns (mix_1..g, norm_1..g, lse)) by the implementation `backend` picks: the fused
+    `triton_grouped.route_phase1` for "triton" (an opaque custom op inside torch.compile),
+    else the eager reference."""
+    full = sources[-1]
+    if backend(kernel, full.device, full.shape[-1], heads) == "triton":
+        from .triton_grouped import route_phase1
+
+        return route_phase1(queries, norm_weights, reads, heads, float(eps), *sources)
+    return grouped_reference.phase1(queries, norm_weights, reads, heads, eps, *sources)
+
+
+def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
+          dtype: torch.dtype, kernel: str, *late: Tensor) -> Tensor:
+    """Phase 2 at one grouped site (`grouped_reference.merge`'s contract); eager on every backend
+    today (`kernel` is the configured routing_kernel, for a backend that fuses it)."""
+    return grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
