@@ -24,7 +24,7 @@ Names are exported lazily (`__getattr__`): importing the package, `contract`, `r
 still be set afterwards.
 """
 _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
-         "route_phase1": "triton_grouped", "can_run_phase1": "triton_grouped",
+         "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
                "traffic", "compile_report")

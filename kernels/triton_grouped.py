@@ -57,10 +57,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import contract
-from .op import gradient_buffers, sinks_of
+from .op import can_run, gradient_buffers, sinks_of
 from .triton_routing import (
     _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _source_base, _source_table,
-    _to_storage, aligned, fits_tile, reduce_programs,
+    _to_storage, aligned, reduce_programs,
 )
 
 # Register budget: elements of one program's [BLOCK_T, SB, HB, KB] tile (fp32). The forward
@@ -387,13 +387,6 @@ class Phase1(torch.autograd.Function):
         return (dq.to(queries.dtype), dg.to(norm_weights.dtype), None, None, None, *out)
 
 
-def can_run_phase1(device: torch.device, dim: int, heads: int) -> bool:
-    """True where the phase-1 kernels run (as `mhar_kernels.can_run`: CUDA, or CPU under
-    TRITON_INTERPRET=1, and one token's [HB, KB] tile within the per-call kernels' budget)."""
-    on_device = device.type == "cuda" or (device.type == "cpu" and INTERPRET)
-    return on_device and fits_tile(heads, dim // heads)
-
-
 # ---------------------------------------------------------------------------- custom ops
 # Inside torch.compile the phase 1 is two registered custom ops (opaque graph nodes: fake tensors
 # have no data pointer), as the per-call kernels are (op.py); reads are flattened, site-major.
@@ -473,14 +466,15 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
         dtype (fp32, fp64 for fp64 sources).
 
     Raises:
-        RuntimeError: where the kernels cannot run (`can_run_phase1` is False).
+        RuntimeError: where the kernels cannot run (`op.can_run` is False: the per-call kernels' rule).
         ValueError: reads not g tuples of n bools.
     """
     full = sources[-1]
-    if not torch.compiler.is_compiling() and not can_run_phase1(full.device, full.shape[-1], heads):
+    if not torch.compiler.is_compiling() and not can_run(full.device, full.shape[-1], heads):
         raise RuntimeError(f"the phase-1 kernels cannot run on {full.device} at d={full.shape[-1]}, H={heads} "
                            "(CUDA, or CPU with TRITON_INTERPRET=1, within the register budget); check "
-                           "can_run_phase1() first and use the eager phase 1 where it is False")
+                           "mhar_kernels.can_run() first and use the eager phase 1 where it is False, or call "
+                           "mhar_kernels.dispatch.phase1, which does")
     if len(reads) != queries.shape[0] or any(len(r) != len(sources) for r in reads):
         raise ValueError(f"reads must be {queries.shape[0]} tuples of {len(sources)} bools (one per site and "
                          f"source), got {[len(r) for r in reads]}")

@@ -37,7 +37,7 @@ def main(out):
             import mhar_kernels
 
             margs = trainer.model.args
-            assert mhar_kernels.can_run_phase1(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
+            assert mhar_kernels.can_run(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
         loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
         grads = {name.replace("._checkpoint_wrapped_module", ""): grad
                  for name, grad in full_grads(trainer.model).items()}
