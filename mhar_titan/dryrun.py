@@ -51,8 +51,7 @@ from mhar_kernels import dispatch
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
-from mhar_titan.models.args import ModelArgs, count_parameters
-from mhar_titan.models.build import resolve_model_args
+from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
 
@@ -76,7 +75,7 @@ class MemoryEstimate:
 
 
 def build_model_args(cfg: JobConfig) -> ModelArgs:
-    """The ``ModelArgs`` the trainer would build (``models.build.resolve_model_args``), with the
+    """The ``ModelArgs`` the trainer would build (``models.args.resolve_model_args``), with the
     tokenizer's vocabulary size from ``data.tokenizer.N_VOCAB`` (no file is read).
 
     Raises:

@@ -18,3 +18,8 @@ class UserError(Exception):
     The message names what is wrong and how to fix it; ``train.main()`` prints it and
     exits with code 2.
     """
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration file or command-line override is invalid (raised by the job config's
+    parser, and by the model's argument resolution, which the parser runs)."""

@@ -58,7 +58,7 @@ from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
-from mhar_titan.models.build import resolve_model_args
+from mhar_titan.models.args import ModelArgs, resolve_model_args
 from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
 from mhar_titan.parallel import build_model, init_distributed
@@ -68,10 +68,15 @@ logger = logging.getLogger("mhar_titan")
 
 
 class Trainer:
-    """Builds everything from a validated ``JobConfig`` and runs the loop (``train()``)."""
+    """Builds everything from a validated ``JobConfig`` and runs the loop (``train()``).
 
-    def __init__(self, cfg: JobConfig):
+    ``model_args``: the job's ``ModelArgs`` when the caller has already resolved them for the
+    tokenizer (``main()`` does, to refuse a bad ``[model]`` before anything starts); else they
+    are resolved here once."""
+
+    def __init__(self, cfg: JobConfig, model_args: Optional[ModelArgs] = None):
         self.cfg = cfg
+        self.model_args = model_args
         self.env = env = init_distributed(cfg)
         self.device = env.device
         seed_global_rngs(cfg.debug.seed, cfg.debug.deterministic, env.device)
@@ -95,8 +100,9 @@ class Trainer:
         # Inputs first, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
-        self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
-                                             cfg.data.tokenizer)
+        if self.model_args is None:
+            self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
+                                                 cfg.data.tokenizer)
         self.model = build_model(Transformer, self.model_args, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -346,12 +352,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(None, argv)
         batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-        resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer), cfg.data.tokenizer)
+        model_args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+                                        cfg.data.tokenizer)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
         return _record_exit(cfg, "bad_input", 2)
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, model_args)
     except UserError as e:
         print(f"cannot start training: {type(e).__name__}: {e}", file=sys.stderr)
         if dist.is_initialized():

@@ -119,6 +119,45 @@ def test_shipped_train_configs_validate():
         load_config(str(f))
 
 
+_LOADED = """
+import glob, json, sys
+from mhar_titan.config import load_config
+for path in sorted(glob.glob("train_configs/*.toml")):
+    load_config(path)  # parsed and validated, [model] checked against ModelArgs
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_loading_every_committed_config_loads_no_model_kernel_loader_or_manager():
+    """Issue 20, acceptance 3, in a fresh interpreter: loading and validating every committed
+    config loads no torch (so no module defining a torch.nn.Module), no kernel module, neither the
+    data loader nor the checkpoint manager; `import mhar_titan.models.args` loads no kernel module
+    (nor torch). The project modules loaded are printed."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    def loaded(code: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def heavy(modules: list[str]) -> list[str]:
+        return [m for m in modules if m.split(".")[0] in ("torch", "triton", "mhar_kernels", "torchdata", "tiktoken")
+                or m in ("mhar_titan.data.loader", "mhar_titan.checkpoint.manager", "mhar_titan.models.model",
+                         "mhar_titan.models.router")]
+
+    by_configs = loaded(_LOADED)
+    print("loading the configs loaded:", [m for m in by_configs if m.startswith("mhar_titan")])
+    assert "mhar_titan.models.args" in by_configs  # the [model] keys were really checked
+    assert heavy(by_configs) == []
+    by_args = loaded("import json, sys, mhar_titan.models.args; print(json.dumps(sorted(sys.modules)))")
+    print("import mhar_titan.models.args loaded:", [m for m in by_args if m.startswith("mhar_titan")])
+    assert heavy(by_args) == []
+    assert heavy(loaded("import json, sys, torch; print(json.dumps(sorted(sys.modules)))"))  # the check can fail
+
+
 def test_importing_config_loads_no_heavy_module():
     """The schema and parser import no checkpoint, data or model code (a fresh interpreter)."""
     import subprocess

@@ -132,7 +132,7 @@ def test_relaunch_initial_load_and_rng_states(tmp_path):
 
 def test_retention_deletes_the_marker_first_and_a_folder_missing_a_file_is_incomplete(tmp_path, monkeypatch):
     from mhar_titan.checkpoint import manager as manager_module
-    from mhar_titan.checkpoint.config import CheckpointConfig
+    from mhar_titan.config.checkpoint import CheckpointConfig
 
     mgr = manager_module.CheckpointManager(CheckpointConfig(enable=True, keep_latest_k=1), tmp_path,
                                            model=torch.nn.Linear(2, 2))

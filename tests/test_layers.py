@@ -1,52 +1,120 @@
-"""Imports flow one way (docs/ARCHITECTURE.md): config -> builders -> trainer and tools.
+"""Imports flow one way (docs/ARCHITECTURE.md, "Import direction"), checked on the sources.
 
-Read from the source (no import runs): the modules below the trainer import nothing
-of the trainer, its components or the tools built on them, and the config layer imports
-nothing but itself, the errors and the section dataclasses its builders own (the
-``[model]`` checks import the model package when a config is loaded, inside functions).
+Read from the source (no import runs): every import statement of every module, at module level
+or inside a function, absolute or relative (resolved against the module's package), is an edge;
+each documented direction is one rule below.
 """
 import ast
+import pathlib
 
 import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "mhar_titan"
-BELOW_TRAINER = ["errors.py", "lazy.py", "config", "models", "data", "checkpoint", "optim.py", "metrics.py", "parallel.py",
-                 "launch_env.py", "preemption.py", "progress.py", "exit_status.py"]
-ABOVE = ("mhar_titan.train", "mhar_titan.components", "mhar_titan.dryrun", "mhar_titan.eval", "mhar_titan.analysis",
-         "mhar_titan.experiments", "mhar_titan.convert", "mhar_titan.generate")
+KERNELS = ROOT / "kernels"
+
+LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status")
+MODEL_ARGUMENTS = ("mhar_titan.models.args", "mhar_titan.models.plan")  # the model's argument leaf
+CONFIG = ("mhar_titan.config",)
+BUILDERS = ("mhar_titan.models", "mhar_titan.data", "mhar_titan.checkpoint", "mhar_titan.optim",
+            "mhar_titan.metrics", "mhar_titan.parallel", "mhar_titan.launch_env", "mhar_titan.preemption")
+TRAINER = ("mhar_titan.train", "mhar_titan.components", "mhar_titan.dryrun")
+TOOLS = ("mhar_titan.convert", "mhar_titan.analysis", "mhar_titan.eval", "mhar_titan.generate")
+EXPERIMENTS = ("mhar_titan.experiments",)
 
 
-def imports(path, top_level_only=False):
-    """Absolute module names ``path`` imports (with ``top_level_only``: outside functions)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
+def module_name(path: pathlib.Path) -> str:
+    """Dotted name of a source file: mhar_titan.x.y, or mhar_kernels.x for kernels/x.py."""
+    if path.is_relative_to(KERNELS):
+        parts = ("mhar_kernels", *path.relative_to(KERNELS).with_suffix("").parts)
+    else:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: pathlib.Path) -> list[str]:
+    """Absolute names of every module ``path`` imports (module level and inside functions; a
+    relative import is resolved against the file's package; ``from x import y`` gives x and x.y)."""
+    own = module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
     names = []
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            names.append(module)
+            names += [f"{module}.{a.name}" for a in node.names]
     return names
 
 
-def modules(part):
-    path = PACKAGE / part
-    return [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+def sources(*prefixes: str) -> list[pathlib.Path]:
+    files = sorted(PACKAGE.rglob("*.py")) + sorted(KERNELS.rglob("*.py"))
+    return [p for p in files if module_name(p).startswith(prefixes)]
 
 
-@pytest.mark.parametrize("part", BELOW_TRAINER)
-def test_lower_layers_import_nothing_above_them(part):
-    found = [(p.relative_to(ROOT).as_posix(), name) for p in modules(part) for name in imports(p)
-             if name.startswith(ABOVE)]
+def within(name: str, prefixes: tuple) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def violations(importers: tuple, forbidden: tuple, allowed: tuple = ()) -> list[tuple[str, str]]:
+    """(module, imported name) where a module under ``importers`` imports one under ``forbidden``
+    that is not under ``allowed``."""
+    found = []
+    for path in sources(*importers):
+        for name in imports(path):
+            if within(name, forbidden) and not within(name, allowed):
+                found.append((module_name(path), name))
+    return sorted(set(found))
+
+
+OURS = ("mhar_titan", "mhar_kernels")
+
+RULES = {
+    # the bottom: imported by anyone, they import nothing of ours (lazy only resolves names it is given)
+    "leaves import nothing of ours": (LEAVES, OURS, LEAVES),
+    "kernels import nothing of mhar_titan": (("mhar_kernels",), ("mhar_titan",)),
+    "the model's arguments import only the leaves": (MODEL_ARGUMENTS, OURS, LEAVES + MODEL_ARGUMENTS),
+    "config imports no builder, trainer or tool": (CONFIG, OURS, LEAVES + CONFIG + MODEL_ARGUMENTS),
+    "builders import no trainer, tool or experiment": (BUILDERS, TRAINER + TOOLS + EXPERIMENTS),
+    # eval scores with the trainer's token loss, its one definition (components/loss.py)
+    "analysis and eval import no trainer": (("mhar_titan.analysis", "mhar_titan.eval"), TRAINER + EXPERIMENTS,
+                                            ("mhar_titan.components.loss",)),
+    "the trainer and the tools import no experiment": (TRAINER + TOOLS, EXPERIMENTS),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_imports_follow_the_documented_direction(rule):
+    importers, forbidden, *allowed = RULES[rule]
+    assert violations(importers, forbidden, *allowed) == []
+
+
+def test_builders_import_no_other_builders_internals():
+    """A builder reads another builder only through the leaves (config, the model's arguments)
+    and through what the documented contracts name (the model for parallel, optim and metrics; the
+    launch environment for parallel)."""
+    shared = {  # importer -> builders it may read (docs/ARCHITECTURE.md)
+        "mhar_titan.parallel": ("mhar_titan.models", "mhar_titan.launch_env"), "mhar_titan.metrics": ("mhar_titan.models",),
+        "mhar_titan.optim": ("mhar_titan.models",),
+    }
+    found = []
+    for builder in BUILDERS:
+        others = tuple(b for b in BUILDERS if b != builder and b not in shared.get(builder, ()))
+        found += violations((builder,), others, MODEL_ARGUMENTS)
     assert found == []
 
 
-def test_config_layer_imports_only_its_own_layer_at_module_level():
-    allowed = ("mhar_titan.config", "mhar_titan.errors", "mhar_titan.data.config", "mhar_titan.checkpoint.config")
-    found = [(p.name, name) for p in modules("config") + modules("errors.py") for name in imports(p, True)
-             if name.startswith("mhar_titan") and not name.startswith(allowed)]
-    assert found == []
-    # the section dataclasses the config layer borrows import nothing of the project but the errors
-    for owned in ("data/config.py", "checkpoint/config.py"):
-        assert [n for n in imports(PACKAGE / owned) if n.startswith("mhar_titan")] in ([], ["mhar_titan.errors"])
+def test_the_scan_sees_relative_and_function_level_imports():
+    """The scan can fail: a relative import, a function-level import and a `from . import x`
+    inside a package are all edges."""
+    assert "mhar_titan.models.plan" in imports(PACKAGE / "models" / "args.py")  # `from .plan import RoutingPlan`
+    assert "mhar_kernels.op" in imports(KERNELS / "dispatch.py")  # `from . import op` inside a function
+    parser = PACKAGE / "config" / "parser.py"
+    assert "mhar_titan.models.args" in imports(parser)  # inside validate()
+    assert violations(("mhar_titan.dryrun",), ("mhar_kernels",)) != []  # a real edge is reported
+    assert violations(("mhar_titan.models.router",), ("mhar_titan.models.plan",)) != []  # `from .plan import`

@@ -1,7 +1,6 @@
 """Checkpoints of the whole train state with DCP, and exact resume.
 
 ==================  ============================================================
-``config``          ``[checkpoint]`` settings, ``CheckpointError`` (no torch import)
 ``layout``          ``step-N`` folders and the ``complete.json`` marker
 ``fingerprint``     what must match between a checkpoint and the resuming run
 ``checks``          key and shape checks, ``load_step`` ordering
@@ -9,18 +8,20 @@
 ``manager``         ``CheckpointManager``: save, retention, async, load
 ==================  ============================================================
 
-The names below are exported lazily, so ``from mhar_titan.checkpoint import
-CheckpointConfig`` (the job config parser does) does not import DCP.
+The names below are exported lazily (``mhar_titan.lazy``), so importing the package does not
+import DCP; ``CheckpointConfig`` and the checkpoint errors are owned by the job config
+(``mhar_titan.config.checkpoint``), which raises them when it validates ``[checkpoint]``.
 """
 from __future__ import annotations
 
 from mhar_titan.lazy import lazy_exports
 
+_SECTION = "mhar_titan.config.checkpoint"  # the [checkpoint] section and the checkpoint errors
 _EXPORTS = {
-    "ASYNC_MODES": "config", "COMPONENTS": "config", "EXPORT_DTYPES": "config", "CheckpointConfig": "config",
-    "CheckpointError": "config", "CheckpointMismatchError": "config",
+    "ASYNC_MODES": _SECTION, "COMPONENTS": _SECTION, "EXPORT_DTYPES": _SECTION, "CheckpointConfig": _SECTION,
+    "CheckpointError": _SECTION, "CheckpointMismatchError": _SECTION,
     "MARKER": "layout", "is_complete": "layout", "read_marker": "layout", "step_folders": "layout",
-    "LEGACY_MODEL_DEFAULTS": "fingerprint", "RESUMABLE_MODEL_FIELDS": "fingerprint", "checkpoint_fingerprint": "fingerprint",
+    "LEGACY_MODEL_DEFAULTS": "fingerprint", "checkpoint_fingerprint": "fingerprint",
     "CheckpointManager": "manager",
 }
 

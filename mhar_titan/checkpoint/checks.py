@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from mhar_titan.checkpoint.config import CheckpointError, CheckpointMismatchError
+from mhar_titan.config.checkpoint import CheckpointError, CheckpointMismatchError
 from mhar_titan.checkpoint.layout import is_complete, step_folders, step_of
 
 

@@ -10,11 +10,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mhar_titan.checkpoint.config import CheckpointMismatchError
-
-RESUMABLE_MODEL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
-"""Fields of ``ModelArgs`` that do not change the weights: a checkpoint resumes across them."""
-
+from mhar_titan.config.checkpoint import CheckpointMismatchError
+from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS
 
 LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean", "routing_head_layout": "contiguous", "routing_head_layout_seed": 0}
 """Fields of ``ModelArgs`` added after checkpoints existed, with the value that gives the older
@@ -24,10 +21,10 @@ models: left out of the fingerprint at that value, so those checkpoints still re
 def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:
     """What must match between a checkpoint and the run resuming it: the fields of
     ``model_args`` (a ``ModelArgs``) that shape or define the weights (not
-    ``RESUMABLE_MODEL_FIELDS``, nor ``LEGACY_MODEL_DEFAULTS`` fields at their legacy value)
+    ``WEIGHT_NEUTRAL_FIELDS``, nor ``LEGACY_MODEL_DEFAULTS`` fields at their legacy value)
     and the tokenizer name."""
     args = {k: v for k, v in dataclasses.asdict(model_args).items()
-            if k not in RESUMABLE_MODEL_FIELDS and not (k in LEGACY_MODEL_DEFAULTS and v == LEGACY_MODEL_DEFAULTS[k])}
+            if k not in WEIGHT_NEUTRAL_FIELDS and not (k in LEGACY_MODEL_DEFAULTS and v == LEGACY_MODEL_DEFAULTS[k])}
     return {"model_args": args, "tokenizer": tokenizer_name}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mhar_titan.checkpoint.config import CheckpointError
+from mhar_titan.config.checkpoint import CheckpointError
 
 
 def encode(obj: Any) -> bytes:

@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mhar_titan.checkpoint.checks import check_keys, check_no_newer, unreadable_error
-from mhar_titan.checkpoint.config import COMPONENTS, CheckpointConfig, CheckpointError
+from mhar_titan.config.checkpoint import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
 from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
 from mhar_titan.checkpoint.layout import (

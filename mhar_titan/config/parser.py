@@ -8,8 +8,8 @@ ones. ``to_toml`` writes a resolved config back (read again by ``load_config``).
 ``[model]`` holds ``flavor`` plus any field of ``mhar_titan.models.ModelArgs`` as an
 override of the flavor (for example ``routing_heads = 8``); those keys are checked
 against ``ModelArgs`` itself, and the resulting arguments by
-``mhar_titan.models.build.resolve_model_args``; both are imported when a config is
-loaded, not when this module is.
+``mhar_titan.models.args.resolve_model_args`` (the model's argument leaf: no torch, no
+builder); both are imported when a config is loaded, not when this module is.
 """
 from __future__ import annotations
 
@@ -26,11 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mhar_titan.config.sections import NO_DECAY_GROUPS, SECTIONS, JobConfig
-from mhar_titan.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration file or command-line override is invalid."""
+from mhar_titan.errors import ConfigError
 
 
 class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
@@ -278,7 +274,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"'optimizer.eps' must be > 0, got {o.eps}")
     if not o.weight_decay >= 0:
         raise ConfigError(f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
-    from mhar_titan.models.build import resolve_model_args  # the tokenizer's vocabulary is checked at build
+    from mhar_titan.models.args import resolve_model_args  # the tokenizer's vocabulary is checked at build
 
     resolve_model_args(cfg.model, cfg.training.seq_len)
     t = cfg.training

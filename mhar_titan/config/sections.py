@@ -1,9 +1,10 @@
 """The job config schema: one dataclass per TOML section, plain types and defaults only.
 
-Section and key names follow TorchTitan v0.2.2 where they overlap. ``[data]`` is owned
-by ``mhar_titan.data.config`` (``DataConfig``) and ``[checkpoint]`` by
-``mhar_titan.checkpoint.config`` (``CheckpointConfig``); they are imported, not
-redefined. Nothing here imports torch, the data stack or the model: the parser
+Section and key names follow TorchTitan v0.2.2 where they overlap. ``[data]`` is
+``mhar_titan.config.data`` (``DataConfig``) and ``[checkpoint]``
+``mhar_titan.config.checkpoint`` (``CheckpointConfig``, with the checkpoint errors): the
+config package owns every section; the builders import them. Nothing here imports torch,
+the data stack, the model or any builder: the parser
 (``mhar_titan.config.parser``) type-checks TOML values against these annotations.
 """
 from __future__ import annotations
@@ -12,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mhar_titan.checkpoint.config import CheckpointConfig
-from mhar_titan.data.config import DataConfig
+from mhar_titan.config.checkpoint import CheckpointConfig
+from mhar_titan.config.data import DataConfig
 
 PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
 """Parameter groups of the optimizer (``mhar_titan.optim.param_groups`` assigns them)."""
@@ -42,7 +43,7 @@ class Model:
 
     There is one decoder; its ``residual`` field picks the family (baseline, AttnRes,
     MHAR). Any extra key must be a ``ModelArgs`` field; it replaces that field of the
-    flavor (``mhar_titan.models.build.resolve_model_args``).
+    flavor (``mhar_titan.models.args.resolve_model_args``).
     """
 
     flavor: str = "debug"

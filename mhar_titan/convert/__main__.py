@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mhar_titan.checkpoint.config import EXPORT_DTYPES
+from mhar_titan.config.checkpoint import EXPORT_DTYPES
 
 from .dcp_io import load_model_dcp, save_model_dcp
 from .delta import delta_fields

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS, ModelArgs
 from mhar_titan.models.model import Transformer
 
 from .hf_config import ConversionError, read_json
@@ -31,10 +31,6 @@ from .safetensors_io import ShardedWriter
 
 MODEL_TYPE = "mhar_titan"
 FORMAT_VERSION = 1
-WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
-"""ModelArgs fields that do not change the weights: a folder loads into a model that differs in them."""
-
-
 def mhar_args(folder: str | os.PathLike, **overrides) -> ModelArgs:
     """The ``ModelArgs`` saved in ``folder/config.json``, with ``overrides``.
 

@@ -13,15 +13,15 @@ Commands:
 - ``python -m mhar_titan.data.pretokenize``: tokenize a source once into
   memory-mapped token shards with a manifest (read back by ``manifest.py``).
 
-The names below are exported lazily, so importing ``mhar_titan.data.config`` (the job
-config parser does) imports neither torchdata nor tiktoken.
+The names below are exported lazily (``mhar_titan.lazy``), so importing the package imports
+neither torchdata nor tiktoken; ``DataConfig`` is the job config's (``mhar_titan.config.data``).
 """
 from __future__ import annotations
 
 from mhar_titan.lazy import lazy_exports
 
 _EXPORTS = {
-    "DataConfig": "config", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
+    "DataConfig": "mhar_titan.config.data", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
     "Tokenizer": "tokenizer", "TokenizerFileError": "tokenizer", "TrainLoader": "loader",
     "ValidationLoader": "loader", "build_tokenizer": "tokenizer", "build_train_loader": "loader",
     "build_validation_loader": "loader",

@@ -20,7 +20,7 @@ row in the middle of a file) are reported when met, by the stream, with the file
 
 import numpy as np
 
-from mhar_titan.data.config import DataConfig
+from mhar_titan.config.data import DataConfig
 from mhar_titan.data.sources import DataError, JsonlShard, ParquetShard, train_shards, validation_shards
 from mhar_titan.data.stream import epoch_parts
 

@@ -57,7 +57,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mhar_titan.data.balance import epoch_batches_per_rank
-from mhar_titan.data.config import DataConfig
+from mhar_titan.config.data import DataConfig
 from mhar_titan.data.dataset import DataFault, PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards

@@ -91,7 +91,7 @@ def split_acts(text: str) -> list[str]:
 
 
 def _encode_gpt2():
-    from mhar_titan.data.config import DataConfig
+    from mhar_titan.config.data import DataConfig
     from mhar_titan.data.prepare_tokenizer import prepare_encoding
     from mhar_titan.data.tokenizer import build_tokenizer, default_cache_dir
 

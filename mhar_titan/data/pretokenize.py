@@ -99,7 +99,7 @@ def _text_shards(patterns: list[str], field: str) -> list:
 
 def main(argv=None) -> None:
     """The command line (usage in the module docstring). Bad input: message on stderr, exit status 2."""
-    from mhar_titan.data.config import DataConfig
+    from mhar_titan.config.data import DataConfig
     from mhar_titan.data.sources import DataError
     from mhar_titan.data.tokenizer import TokenizerFileError, build_tokenizer
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
-from mhar_titan.data.config import DataConfig
+from mhar_titan.config.data import DataConfig
 from mhar_titan.data.manifest import load_pretokenized
 from mhar_titan.errors import UserError
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import tiktoken
 
 from mhar_titan.config import ConfigError
-from mhar_titan.data.config import DataConfig
+from mhar_titan.config.data import DataConfig
 from mhar_titan.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -21,8 +21,7 @@ from mhar_titan.config import JobConfig, load_config
 from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
 from mhar_titan.errors import UserError
-from mhar_titan.models.args import ModelArgs
-from mhar_titan.models.build import resolve_model_args
+from mhar_titan.models.args import ModelArgs, resolve_model_args
 from mhar_titan.models.model import Transformer
 
 DEFAULT_MAX_SEQ_LEN = 4096

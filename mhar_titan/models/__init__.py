@@ -11,7 +11,7 @@ _EXPORTS = {
     "FAMILIES": "args", "FLAVORS": "args", "ModelArgs": "args", "ParamCounts": "args", "count_parameters": "args",
     "pad_vocab": "args", "RoutingPlan": "plan", "BlockOutput": "model", "Transformer": "model",
     "TransformerBlock": "model", "AttentionContext": "model", "DepthRouting": "router", "Router": "router",
-    "BlockRouting": "router", "resolve_model_args": "build",
+    "BlockRouting": "router", "resolve_model_args": "args",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,7 +17,13 @@ the function or the weights.
 
 Flavors and families are data: `FLAVORS[name]` holds the shape fields that differ from the
 defaults, `FAMILIES[name]` the residual-path fields, and
-`ModelArgs.from_flavor(name, **FAMILIES[family], **overrides)` builds one.
+`ModelArgs.from_flavor(name, **FAMILIES[family], **overrides)` builds one, and
+`resolve_model_args` the one a job trains (`[model]` flavor + overrides, sized for the tokenizer
+and the sequence length): the trainer, the dry run and the job config's validation all resolve
+here, so they agree on the defaults and on which `[model]` key an error blames.
+
+A leaf: imports nothing but the plan and the errors (no torch), so the job config checks its
+`[model]` section here without loading the model.
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
+
+from mhar_titan.errors import ConfigError
 
 from .plan import RoutingPlan
 
@@ -41,6 +49,9 @@ INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size
 REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "routing_eps")
 BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source")
+WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
+"""Fields that change how the model is computed, not its weights: a checkpoint resumes, and a
+converted folder loads, across them."""
 
 
 def pad_vocab(n_vocab: int, multiple: int = 128) -> int:
@@ -276,3 +287,59 @@ def count_parameters(args: ModelArgs) -> ParamCounts:
     routing += RoutingPlan.from_args(args).n_nulls * d
     non_embedding = args.n_layers * per_layer + d + routing  # + final norm
     return ParamCounts(total=non_embedding + embedding, non_embedding=non_embedding, routing=routing)
+
+
+def _blamed_model_key(m, overrides: dict) -> str:
+    """Which ``[model]`` key makes ``ModelArgs`` fail: the first override (in config order)
+    whose addition to the flavor breaks it; the flavor itself if nothing does alone."""
+    try:
+        ModelArgs.from_flavor(m.flavor)
+    except (ValueError, TypeError):
+        return f"'model.flavor' = {m.flavor!r}"
+    applied = {}
+    for key, value in overrides.items():
+        applied[key] = value
+        try:
+            ModelArgs.from_flavor(m.flavor, **applied)
+        except (ValueError, TypeError):
+            return f"'model.{key}' = {value!r} (flavor {m.flavor!r})"
+    return f"[model] flavor={m.flavor!r} overrides={m.overrides}"
+
+
+def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
+                       tokenizer: str = "") -> ModelArgs:
+    """Flavor ``m.flavor`` with the ``[model]`` overrides ``m.overrides``, and the defaults
+    ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128) and
+    ``max_seq_len = max(flavor's, seq_len)`` unless the config sets them.
+
+    Args:
+        m: the ``[model]`` section (``mhar_titan.config.Model``: ``flavor``, ``overrides``).
+        seq_len: ``training.seq_len`` (tokens per sequence).
+        n_vocab: the tokenizer's vocabulary size (special tokens included); None checks
+            the rest with the flavor's ``vocab_size`` (the config parser does, without a tokenizer).
+        tokenizer: the tokenizer's name, for the error message.
+
+    Raises:
+        ConfigError: unknown flavor or field, arguments ``ModelArgs`` rejects, a vocab_size
+            below ``n_vocab``, or ``seq_len`` above an explicit max_seq_len.
+    """
+    overrides = dict(m.overrides)
+    try:
+        if n_vocab is not None:
+            overrides.setdefault("vocab_size", pad_vocab(n_vocab))
+        overrides.setdefault("max_seq_len", max(ModelArgs.from_flavor(m.flavor).max_seq_len, seq_len))
+        args = ModelArgs.from_flavor(m.flavor, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{_blamed_model_key(m, overrides)}: {e}") from e
+    if n_vocab is not None and args.vocab_size < n_vocab:
+        raise ConfigError(
+            f"'model.vocab_size' ({args.vocab_size}) is smaller than tokenizer {tokenizer!r} "
+            f"({n_vocab} tokens); set --model.vocab_size to at least {n_vocab} (a multiple of 128 is faster) "
+            "or leave it unset"
+        )
+    if seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"'training.seq_len' ({seq_len}) exceeds 'model.max_seq_len' ({args.max_seq_len}); "
+            f"lower it or set --model.max_seq_len={seq_len}"
+        )
+    return args
