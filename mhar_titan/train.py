@@ -227,8 +227,7 @@ class Trainer:
                            f"(or delete or move {self.run_dir} first)",
             }, console_only=True)
             return self.state
-        if self.env.rank == 0:
-            self.run_folder.save_config()
+        on_rank0(self.env.rank, self.env.world_size, self.run_folder.save_config)
         throughput = Throughput()
         it = iter(self.train_loader)
         gc.disable()  # collected every training.gc_freq steps instead

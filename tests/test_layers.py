@@ -12,7 +12,7 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "mhar_titan"
 BELOW_TRAINER = ["errors.py", "lazy.py", "config", "models", "data", "checkpoint", "optim.py", "metrics.py", "parallel.py",
-                 "launch_env.py", "preemption.py", "progress.py", "exit_status.py"]
+                 "launch_env.py", "preemption.py", "progress.py", "exit_status.py", "files.py"]
 ABOVE = ("mhar_titan.train", "mhar_titan.components", "mhar_titan.dryrun", "mhar_titan.eval", "mhar_titan.analysis",
          "mhar_titan.experiments", "mhar_titan.convert", "mhar_titan.generate")
 
@@ -50,3 +50,8 @@ def test_config_layer_imports_only_its_own_layer_at_module_level():
     # the section dataclasses the config layer borrows import nothing of the project but the errors
     for owned in ("data/config.py", "checkpoint/config.py"):
         assert [n for n in imports(PACKAGE / owned) if n.startswith("mhar_titan")] in ([], ["mhar_titan.errors"])
+
+
+def test_the_file_writer_imports_nothing_of_the_project_but_the_errors():
+    # every layer writes its files through mhar_titan.files, so it must sit below all of them
+    assert [n for n in imports(PACKAGE / "files.py") if n.startswith("mhar_titan")] == ["mhar_titan.errors"]
