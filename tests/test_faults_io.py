@@ -142,3 +142,161 @@ def test_a_nonfinite_state_is_never_saved_and_the_previous_checkpoint_stays_newe
     with pytest.raises(CheckpointSaveError, match="exp_avg"):
         ckpt.save(3)
     assert sorted(step_folders(tmp_path / "checkpoints")) == [1]
+
+
+# --- files others can read, written all-or-nothing ------------------------------------------------------
+
+@contextmanager
+def umask(mask):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(folder):
+    return {p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in Path(folder).rglob("*")}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_convert_outputs_have_the_umask_mode(tmp_path, mask):
+    pytest.importorskip("safetensors")
+    from helpers import tiny_model
+
+    from mhar_titan.convert.__main__ import main as convert_main
+    from mhar_titan.convert.dcp_io import save_model_dcp
+
+    ckpt = save_model_dcp(tiny_model(vocab_size=320), tmp_path / "ckpt")
+    with umask(mask):
+        assert convert_main(["export", str(ckpt), str(tmp_path / "mhar"), "--format", "mhar"]) == 0
+        assert convert_main(["export", str(ckpt), str(tmp_path / "sharded"), "--format", "mhar",
+                             "--max-shard-gb", "0.0001"]) == 0
+        assert convert_main(["import", str(tmp_path / "mhar"), str(tmp_path / "back")]) == 0
+    for out in ("mhar", "sharded", "back"):
+        found = modes(tmp_path / out)
+        assert found == {name: 0o666 & ~mask for name in found}, (out, found)  # model.safetensors was 0600
+        assert stat.S_IMODE((tmp_path / out).stat().st_mode) == 0o777 & ~mask
+    assert "model.safetensors" in modes(tmp_path / "mhar") and "model.safetensors.index.json" in modes(tmp_path / "sharded")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_written_files_have_the_umask_mode_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    from mhar_titan.exit_status import write_exit_status
+    from mhar_titan.files import WriteError, write_text
+
+    with umask(0o027):
+        write_exit_status(tmp_path, "completed", 0, 3)
+        write_text(tmp_path / "config.toml", "[training]\n")
+    assert modes(tmp_path) == {"exit_status": 0o640, "config.toml": 0o640}
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)  # the data does not reach the disk
+    with pytest.raises(WriteError, match=r"cannot write .*config\.toml: the disk is full .*ENOSPC"):
+        write_text(tmp_path / "config.toml", "[job]\n")
+    assert (tmp_path / "config.toml").read_text() == "[training]\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", "exit_status"]  # no temporary left
+
+
+def test_an_interrupted_data_preparation_leaves_no_folder_and_keeps_an_earlier_one(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from mhar_titan.data import prepare_shakespeare, pretokenize
+
+    rows = {"hamlet": [{"text": "To be.", "token_count": 2}], "lear": [{"text": "Nothing.", "token_count": 1}],
+            **{name: [{"text": "Sooth.", "token_count": 1}] for name in prepare_shakespeare.VALIDATION_WORKS}}
+    real_write = pq.write_table
+    calls = []
+
+    def interrupted(table, where, *a, **k):
+        calls.append(where)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C after the validation shard
+        return real_write(table, where, *a, **k)
+
+    monkeypatch.setattr(prepare_shakespeare.pq, "write_table", interrupted)
+    out = tmp_path / "shakespeare"
+    with pytest.raises(KeyboardInterrupt):
+        prepare_shakespeare.write_shards(rows, out, 2)
+    assert list(tmp_path.iterdir()) == []  # not the validation shard alone (make's target)
+    monkeypatch.setattr(prepare_shakespeare.pq, "write_table", real_write)
+    files = prepare_shakespeare.write_shards(rows, out, 2)
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls.clear()
+    monkeypatch.setattr(prepare_shakespeare.pq, "write_table", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_shakespeare.write_shards(rows, out, 2)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and len(list(tmp_path.iterdir())) == 1
+
+    class Tok:
+        name, n_vocab, eos_id = "bytes", 260, 256
+
+    def shards(fail_at=None):
+        for k in range(2):
+            if k == fail_at:
+                raise KeyboardInterrupt
+            yield f"src{k}", "0" * 64, [torch.arange(5).numpy()]
+
+    tokens = tmp_path / "tokens"
+    with pytest.raises(KeyboardInterrupt):
+        pretokenize.write_pretokenized(tokens, shards(fail_at=1), Tok())
+    assert not tokens.exists()
+    assert pretokenize.write_pretokenized(tokens, shards(), Tok())["shards"][1]["n_tokens"] == 5
+
+
+# --- run configs that are empty or unreadable ---------------------------------------------------------
+
+def test_readers_refuse_an_empty_or_broken_run_config_instead_of_defaults(tmp_path, capsys):
+    from mhar_titan.analysis.__main__ import main as analysis_main
+    from mhar_titan.eval.__main__ import main as eval_main
+    from mhar_titan.generate import main as generate_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for text, needle in (("", "is empty (0 bytes"), ("[job]\nname = 'run'\n", "no [training] table"),
+                         ("[training\n", "not valid TOML")):
+        (run / "config.toml").write_text(text)
+        for command in (lambda: eval_main(["perplexity", str(run)]), lambda: generate_main([str(run)]),
+                        lambda: analysis_main(["heatmap", str(run)])):
+            assert command() == 2
+            err = err_lines(capsys)
+            assert len(err) == 1 and needle in err[0] and str(run / "config.toml") in err[0], err
+
+
+# --- output folders that cannot be written ------------------------------------------------------------
+
+@needs_sample
+def test_unwritable_output_folders_are_refused_in_one_line_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    import mhar_titan.train as train_module
+    from mhar_titan.analysis.__main__ import main as analysis_main
+    from mhar_titan.convert.__main__ import main as convert_main
+    from mhar_titan.experiments.__main__ import main as experiments_main
+
+    built = []
+    monkeypatch.setattr(train_module, "Trainer", lambda *a, **k: built.append(1))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    under = blocker / "runs"
+
+    assert main(debug_argv(under, "r")) == 2
+    err = err_lines(capsys)
+    assert len(err) == 1 and f"{under / 'r'} is under the regular file {blocker}" in err[0], err
+    assert convert_main(["export", str(tmp_path / "missing"), str(under / "out")]) == 2
+    assert f"is under the regular file {blocker}" in err_lines(capsys)[0]
+    assert analysis_main(["compare", str(tmp_path), "--out", str(under)]) == 2
+    assert f"is under the regular file {blocker}" in err_lines(capsys)[0]
+    sweep = Path(__file__).resolve().parents[1] / "train_configs" / "sweeps" / "study_bytes.toml"
+    assert experiments_main(["run", str(sweep), "--dump-folder", str(under)]) == 2
+    assert f"is under the regular file {blocker}" in err_lines(capsys)[0]
+
+    with tmpfs(tmp_path / "ro", 1 << 20) as ro:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        assert main(debug_argv(ro, "r")) == 2
+        err = err_lines(capsys)
+        assert len(err) == 1 and str(ro / "r") in err[0] and "read-only (EROFS)" in err[0], err
+        assert convert_main(["export", str(tmp_path / "missing"), str(ro / "out")]) == 2
+        assert "read-only (EROFS)" in err_lines(capsys)[0]
+    assert built == []
