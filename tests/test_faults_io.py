@@ -159,7 +159,7 @@ def modes(folder):
     return {p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in Path(folder).rglob("*")}
 
 
-@pytest.mark.parametrize("mask", [0o022, 0o027])
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
 def test_convert_outputs_have_the_umask_mode(tmp_path, mask):
     pytest.importorskip("safetensors")
     from helpers import tiny_model

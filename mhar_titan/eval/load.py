@@ -101,7 +101,11 @@ def read_run_config(run_dir: pathlib.Path) -> Optional[JobConfig]:
     if not text.strip():
         raise ConfigError(f"run config {path} is empty ({path.stat().st_size} bytes; a full disk while it was "
                           f"written?); {fix}")
-    if "training" not in read_toml(path, "run config"):
+    try:
+        tables = read_toml(path, "run config")
+    except ConfigError as e:
+        raise ConfigError(f"run config {e}; {fix}") from None
+    if "training" not in tables:
         raise ConfigError(f"run config {path} is not a resolved config (no [training] table); {fix}")
     return load_config(str(path))
 
