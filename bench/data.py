@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
 from mhar_titan.data.pretokenize import main as pretokenize_main
+from mhar_titan.files import write_text
 
 
 def rate(cfg: DataConfig, tok, args) -> float:
@@ -100,7 +101,7 @@ def append_section(path: Path, text: str, title: str) -> None:
     nxt = content.find("\n## ", start + len(SECTION))
     end = len(content) if nxt == -1 else nxt
     content = content[:end].rstrip("\n") + f"\n\n### {title}\n\n{text}\n" + content[end:]
-    path.write_text(content)
+    write_text(path, content)
 
 
 def main(argv=None) -> None:
@@ -137,10 +138,11 @@ def main(argv=None) -> None:
         if args.long_chars > 0:
             rows += long_document_rows(texts, corpus, Path(tmp), tok, args)
         t0 = time.perf_counter()
-        pretokenize_main(["--files", *files, "--out", tmp, "--tokenizer", "gpt2"])
+        tokens = str(Path(tmp) / "pretokenized")  # its own folder: pretokenize writes it whole or not at all
+        pretokenize_main(["--files", *files, "--out", tokens, "--tokenizer", "gpt2"])
         pretokenize_rate = n_raw / (time.perf_counter() - t0)
         rows.append(("pretokenized (`python -m mhar_titan.data.pretokenize`), window sharding, 0 workers",
-                     rate(DataConfig(source="pretokenized", files=[tmp], sharding="window"), tok, args)))
+                     rate(DataConfig(source="pretokenized", files=[tokens], sharding="window"), tok, args)))
         rows.append(("`pretokenize` command itself (tokenize + write)", pretokenize_rate))
 
     table = "\n".join(["| loader | tokens/s | vs corpus |", "|---|---:|---:|"] + [

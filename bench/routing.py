@@ -42,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mhar_kernels.traffic import H200_PROGRAMS, Traffic, grouped_traffic, routing_traffic  # noqa: E402
+from mhar_titan.files import write_text  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
 from mhar_kernels.dispatch import merge, phase1, route as model_route, share_gradient  # noqa: E402
@@ -397,7 +398,7 @@ def table(rows: list[dict], bandwidth: float, heads: int, dtype, device, missing
 def write_table(path: pathlib.Path, text: str) -> None:
     """Write a table file (the GPU suite's OUT_DIR), replacing an earlier version."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    write_text(path, text + "\n")
 
 
 def append_section(path: pathlib.Path, text: str, title: str) -> None:
@@ -410,7 +411,7 @@ def append_section(path: pathlib.Path, text: str, title: str) -> None:
     nxt = content.find("\n## ", start + len(SECTION))
     end = len(content) if nxt == -1 else nxt
     content = content[:end].rstrip("\n") + "\n" + block + content[end:]
-    path.write_text(content)
+    write_text(path, content)
 
 
 def main(argv=None) -> None:

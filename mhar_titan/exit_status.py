@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from mhar_titan.files import write_text
+
 ENV_VAR = "MHAR_EXIT_STATUS_FILE"
 FILE_NAME = "exit_status"
 
@@ -47,9 +49,7 @@ def write_exit_status(run_dir: Optional[Path], status: str, exit_code: int, step
         targets.append(Path(os.environ[ENV_VAR]))
     for path in targets:
         try:
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            tmp.write_text(text)
-            tmp.replace(path)
+            write_text(path, text)
         except OSError:
             pass
 

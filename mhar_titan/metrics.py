@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from mhar_titan.files import write_text
 from mhar_titan.models.plan import RoutingPlan
 
 # --------------------------------------------------------------------------- FLOPs
@@ -180,7 +181,7 @@ class JSONLSink:
             rows = [line for line in path.read_text().splitlines() if line.strip()]
             kept = [line for line in rows if json.loads(line).get("step", 0) <= resume_step]
             if len(kept) != len(rows):
-                path.write_text("".join(line + "\n" for line in kept))
+                write_text(path, "".join(line + "\n" for line in kept))
         self.f = open(path, "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:

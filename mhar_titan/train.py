@@ -57,6 +57,7 @@ from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
+from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.args import ModelArgs, resolve_model_args
 from mhar_titan.models.model import Transformer
@@ -233,8 +234,7 @@ class Trainer:
                            f"(or delete or move {self.run_dir} first)",
             }, console_only=True)
             return self.state
-        if self.env.rank == 0:
-            self.run_folder.save_config()
+        on_rank0(self.env.rank, self.env.world_size, self.run_folder.save_config)
         throughput = Throughput()
         it = iter(self.train_loader)
         gc.disable()  # collected every training.gc_freq steps instead
@@ -313,17 +313,19 @@ class Trainer:
         ``destroy_process_group`` avoids an intermittent SIGABRT at exit of 2-rank gloo runs
         (gloo worker threads still holding tensors at interpreter shutdown).
         """
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        self.metrics.close()
-        if self.preemption is not None:
-            self.preemption.restore()
-        self.run_folder.unlock()
-        self._release()
-        if dist.is_initialized():
-            dist.barrier()
-            if destroy_process_group:
-                dist.destroy_process_group()
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # raises CheckpointSaveError when an async save failed
+        finally:
+            self.metrics.close()
+            if self.preemption is not None:
+                self.preemption.restore()
+            self.run_folder.unlock()
+            self._release()
+            if dist.is_initialized():
+                dist.barrier()
+                if destroy_process_group:
+                    dist.destroy_process_group()
 
 
 def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optional[int] = None) -> int:
@@ -338,7 +340,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
 
     Returns the exit code, the same on every rank: 0 on success (also after a preemption);
-    2 for any ``UserError``: a bad config (nothing is built), launch environment, run folder,
+    2 for any ``UserError``: a bad config or an unwritable run folder (nothing is built), launch
+    environment, run folder in use, a checkpoint save that failed (disk full) or a non-finite state,
     checkpoint (e.g. made for another model) or data, found at start-up or, for a bad row met
     while reading, at any step on any rank (one line on stderr; every rank stops within the
     step); 1 when the run stops for training health. Rank 0 records the outcome as the exit
@@ -351,6 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = None
     try:
         cfg = load_config(None, argv)
+        # the run folder can be created and written (not read-only, not under a file): before anything is built
+        check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
         batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
         model_args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
                                         cfg.data.tokenizer)
@@ -377,5 +382,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr)
         status, code = "bad_input", 2
     finally:
-        trainer.close()
+        try:
+            trainer.close()
+        except UserError as e:  # an async checkpoint save that failed (disk full) is reported at close
+            print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+            status, code = "bad_input", 2
     return _record_exit(cfg, status, code, trainer.state.step)

@@ -168,3 +168,43 @@ def test_importing_config_loads_no_heavy_module():
     code = f"import sys, mhar_titan.config; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Every control character (C0, DEL, C1), quotes, backslash, TOML syntax, and text outside the BMP.
+_ALPHABET = ([chr(c) for c in range(0x20)] + ["\x7f", "\x85", "\x9f", '"', "'", "\\", "\"\"\"", "'''", "=", "#", "[",
+             "]", "{", "}", ",", " ", "a", "Z", "0", ".", "é", "\u2028", "\ufeff", "\U0001F600"])
+
+
+def _random_text(rng, max_len=24):
+    return "".join(rng.choice(_ALPHABET) for _ in range(rng.randrange(max_len + 1)))
+
+
+def _random_float(rng):
+    return rng.choice([0.0, 5e-324, 1.7976931348623157e308, rng.random(), 10 ** rng.uniform(-300, 300),
+                       rng.uniform(0, 1e-3), float(rng.randrange(1, 10 ** 6))])
+
+
+def test_every_resolved_config_reloads_to_an_equal_config(tmp_path):
+    """Seeded property test: random strings (every control character), numbers and lists in
+    the resolved config (``to_toml``) load back (``load_config``) to an equal config."""
+    import random
+
+    rng = random.Random(20261201)
+    path = tmp_path / "resolved.toml"
+    for case in range(400):
+        cfg = load_config(None, [])
+        cfg.job.description = _random_text(rng, 60)
+        cfg.data.hub_path = _random_text(rng)
+        cfg.data.files = [_random_text(rng) for _ in range(rng.randrange(4))]
+        cfg.data.hub_data_files = [_random_text(rng) for _ in range(rng.randrange(3))]
+        cfg.checkpoint.initial_load_path = rng.choice([None, _random_text(rng) or "x"])
+        cfg.metrics.wandb_project = _random_text(rng)
+        cfg.optimizer.lr = _random_float(rng) or 1e-3
+        cfg.optimizer.weight_decay = _random_float(rng)
+        cfg.optimizer.eps = _random_float(rng) or 1e-8
+        cfg.training.steps = rng.randrange(1, 2 ** 62)
+        cfg.debug.seed = rng.randrange(-2 ** 63, 2 ** 63)
+        cfg.debug.force_nonfinite_loss_steps = [rng.randrange(1, 2 ** 40) for _ in range(rng.randrange(5))]
+        path.write_text(to_toml(cfg), encoding="utf-8")
+        again = load_config(str(path))
+        assert again.to_dict() == cfg.to_dict(), case

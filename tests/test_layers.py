@@ -13,7 +13,8 @@ from helpers import ROOT
 PACKAGE = ROOT / "mhar_titan"
 KERNELS = ROOT / "kernels"
 
-LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status")
+LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status",
+          "mhar_titan.files")
 MODEL_ARGUMENTS = ("mhar_titan.models.args", "mhar_titan.models.plan")  # the model's argument leaf
 CONFIG = ("mhar_titan.config",)
 BUILDERS = ("mhar_titan.models", "mhar_titan.data", "mhar_titan.checkpoint", "mhar_titan.optim",
@@ -118,3 +119,9 @@ def test_the_scan_sees_relative_and_function_level_imports():
     assert "mhar_titan.models.args" in imports(parser)  # inside validate()
     assert violations(("mhar_titan.dryrun",), ("mhar_kernels",)) != []  # a real edge is reported
     assert violations(("mhar_titan.models.router",), ("mhar_titan.models.plan",)) != []  # `from .plan import`
+
+
+def test_the_file_writer_imports_nothing_of_the_project_but_the_errors():
+    """Every layer writes its files through mhar_titan.files, so it sits with the leaves."""
+    assert [n for n in imports(PACKAGE / "files.py") if n.startswith("mhar_titan")]
+    assert violations(("mhar_titan.files",), OURS, ("mhar_titan.errors",)) == []

@@ -15,7 +15,8 @@ import json
 import pathlib
 import sys
 
-from mhar_titan.eval.load import USER_ERRORS, LoadedModel, load_run
+from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
+from mhar_titan.files import check_output_folder, write_text
 
 
 def _validation_tokens(loaded: LoadedModel, args) -> list:
@@ -23,10 +24,17 @@ def _validation_tokens(loaded: LoadedModel, args) -> list:
     return [x for x, _ in loaded.validation_batches(None, args.batch_size, args.seq_len, args.batches)]
 
 
+def _check_out(args) -> None:
+    """The output folder (``--out``, default ``<run>/analysis``) can be written: checked before the model loads."""
+    out = args.out or find_checkpoint(args.run, args.step)[0] / "analysis"
+    check_output_folder(out, "--out")
+
+
 def _heatmap(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
     from mhar_titan.analysis.routing import routing_summary
 
+    _check_out(args)
     loaded = load_run(args.run, args.step, args.device)
     if loaded.model.routing is None:
         raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
@@ -35,9 +43,9 @@ def _heatmap(args) -> list[pathlib.Path]:
     title = f"{loaded.run_dir.name}, step {loaded.step}: mean routing weight per site and source"
     png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
     md = out / f"routing_step{loaded.step}.md"
-    md.write_text(routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
+    write_text(md, routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
     js = out / f"routing_step{loaded.step}.json"
-    js.write_text(json.dumps(summary.to_dict(), indent=1))
+    write_text(js, json.dumps(summary.to_dict(), indent=1))
     print(md.read_text())
     return [png, md, js]
 
@@ -45,13 +53,14 @@ def _heatmap(args) -> list[pathlib.Path]:
 def _probe(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.probe import query_probe
 
+    _check_out(args)
     loaded = load_run(args.run, args.step, args.device)
     result = query_probe(loaded.model, _validation_tokens(loaded, args),
                          slices=args.slices, draws=args.draws, seed=args.seed)
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"probe_step{loaded.step}.md"
-    md.write_text(result.report(f"Query probe of {loaded.run_dir.name} at step {loaded.step}"))
+    write_text(md, result.report(f"Query probe of {loaded.run_dir.name} at step {loaded.step}"))
     print(md.read_text())
     return [md]
 
@@ -60,16 +69,17 @@ def _compare(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.compare import comparison_table, plot_comparison, read_run, table_markdown
 
     paths = [pathlib.Path(p) for p in args.runs]
+    out = pathlib.Path(args.out or paths[0].resolve().parent / "comparison")
+    check_output_folder(out, "--out")
     names = [p.name for p in paths]
     if len(set(names)) < len(names):  # same folder names in different parents: use the paths
         names = [str(p) for p in paths]
     runs = [read_run(p, n) for p, n in zip(paths, names)]
     rows = comparison_table(runs, args.baseline, args.k)
-    out = pathlib.Path(args.out or paths[0].resolve().parent / "comparison")
     png = out / "loss_vs_tokens.png"
     plot_comparison(runs, rows, png, dpi=args.dpi)
     md = out / "comparison.md"
-    md.write_text(f"# Run comparison\n\n![loss against tokens]({png.name})\n\n" + table_markdown(rows, args.k))
+    write_text(md, f"# Run comparison\n\n![loss against tokens]({png.name})\n\n" + table_markdown(rows, args.k))
     print(table_markdown(rows, args.k))
     return [png, md]
 

@@ -21,6 +21,7 @@ import pathlib
 from typing import Optional, Sequence
 
 from mhar_titan.analysis.plots import new_figure
+from mhar_titan.files import atomic_path
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
@@ -177,5 +178,6 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
         ax.legend(fontsize=7)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, metadata={"Software": None})
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": None}, format=path.suffix.lstrip(".") or "png")
     return fig

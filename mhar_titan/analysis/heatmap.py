@@ -18,6 +18,7 @@ import numpy as np
 
 from mhar_titan.analysis.plots import new_figure, pyplot
 from mhar_titan.analysis.routing import RoutingSummary, site_names
+from mhar_titan.files import atomic_path
 
 
 @dataclasses.dataclass
@@ -84,7 +85,8 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
         fig.suptitle(title, fontsize=10)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
     return Heatmaps(path=path, panels=panels, vmax=vmax, cmap=cmap, figure=fig, axes=axes)
 
 

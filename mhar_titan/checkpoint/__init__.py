@@ -5,6 +5,7 @@
 ``fingerprint``     what must match between a checkpoint and the resuming run
 ``checks``          key and shape checks, ``load_step`` ordering
 ``items``           non-tensor items: safe encoding, RNG states, export casting
+``guards``          checks around a save: non-finite state, free space, a failed write
 ``manager``         ``CheckpointManager``: save, retention, async, load
 ==================  ============================================================
 
@@ -22,7 +23,7 @@ _EXPORTS = {
     "CheckpointError": _SECTION, "CheckpointMismatchError": _SECTION,
     "MARKER": "layout", "is_complete": "layout", "read_marker": "layout", "step_folders": "layout",
     "LEGACY_MODEL_DEFAULTS": "fingerprint", "checkpoint_fingerprint": "fingerprint",
-    "CheckpointManager": "manager",
+    "CheckpointManager": "manager", "CheckpointSaveError": "guards",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,7 +6,10 @@ checkpoint (``__<rank>_0.distcp`` files plus DCP's ``.metadata``) and our marker
 (temporary file + rename); it lists the folder's files. A folder without the
 marker, or missing a file it lists, is incomplete (a save that was killed or is
 still in flight, a deletion cut short): it is never loaded, and ``load()`` warns
-naming it. Retention deletes a folder's marker before its files.
+naming it. Retention deletes a folder's marker before its files. A save that fails (disk
+full, any OS error) removes what it wrote and raises ``CheckpointSaveError``; a state holding
+NaN or infinity is never saved (``guards``), so the newest complete checkpoint is always one
+to resume from.
 
 What one checkpoint holds (DCP keys):
 
@@ -72,11 +75,13 @@ from torch.distributed.checkpoint.state_dict import (
 from mhar_titan.checkpoint.checks import check_keys, check_no_newer, unreadable_error
 from mhar_titan.config.checkpoint import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
+from mhar_titan.checkpoint.guards import nonfinite_entries, nonfinite_error, save_failure, space_warning, state_bytes
 from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
 from mhar_titan.checkpoint.layout import (
     MARKER, apply_retention, incomplete_reason, is_complete, read_marker, step_folders,
 )
 from mhar_titan.errors import UserError
+from mhar_titan.files import write_text
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +163,8 @@ class CheckpointManager:
         self.rank, self.world_size = _rank_world()
         self._distributed = dist.is_available() and dist.is_initialized()
         self._last_saved_step: Optional[int] = None
-        self._in_flight: Optional[tuple[int, Path, bool, Any, float]] = None
+        self._in_flight: Optional[tuple[int, Path, bool, Any, float, int]] = None
+        self._space_checked = False  # the free-space warning runs before the first save
         # Async saves run their collectives in a background thread: they need their own
         # (gloo) group so they never interleave with FSDP's collectives on the default one.
         self._async_group = None
@@ -173,6 +179,15 @@ class CheckpointManager:
         Due when ``force`` (preemption), ``last`` (final step) or ``step`` is a multiple of
         ``interval``. A step already saved is not saved again. The last and forced saves
         are synchronous; others are async when ``async_mode = "async"``. Call on every rank.
+        Before the first save, rank 0 warns when the free space cannot hold the checkpoints
+        retention keeps plus this one (``guards.space_warning``).
+
+        Raises:
+            CheckpointSaveError: on every rank, when the model, optimizer or EMA state holds NaN or
+                infinity (nothing is written), or when the write failed on an OS error (disk full,
+                read-only folder; for an async save: at the next save or ``close()``): the message
+                names the folder, the error and the bytes needed; the partly written folder is
+                removed and the last complete checkpoint stays the newest.
         """
         if not self.cfg.enable:
             return False
@@ -183,31 +198,71 @@ class CheckpointManager:
         self._wait_async()
         model_only = last and self.cfg.last_save_model_only
         path = self.folder / f"step-{step}"
-        self._clear_folder(path)
         state = self._state_for_save(model_only)
+        self._refuse_nonfinite(state, path)
+        size = state_bytes(state) * self.world_size
+        if not self._space_checked and self.rank == 0:
+            self._space_checked = True
+            complete = sum(1 for p in step_folders(self.folder).values() if is_complete(p))
+            warning = space_warning(self.folder, size, self.cfg.keep_latest_k, complete)
+            if warning:
+                logger.warning(warning)
+        self._clear_folder(path)
         writer = self._writer_factory(str(path))
         started = time.perf_counter()
-        if self.cfg.async_mode == "async" and not (last or force):
-            with _quiet_single_process():
-                response = dcp.async_save(
-                    state, checkpoint_id=str(path), storage_writer=writer, process_group=self._async_group,
-                    no_dist=not self._distributed,
-                )
-            future = getattr(response, "upload_completion", response)
-            self._in_flight = (step, path, model_only, future, started)
-            if self.rank == 0:
-                logger.info("checkpoint step-%d: async save started (staging took %.2f s)", step,
-                            time.perf_counter() - started)
-        else:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not self._distributed)
-            self._finish(step, path, model_only, started)
+        try:
+            if self.cfg.async_mode == "async" and not (last or force):
+                with _quiet_single_process():
+                    response = dcp.async_save(
+                        state, checkpoint_id=str(path), storage_writer=writer, process_group=self._async_group,
+                        no_dist=not self._distributed,
+                    )
+                future = getattr(response, "upload_completion", response)
+                self._in_flight = (step, path, model_only, future, started, size)
+                if self.rank == 0:
+                    logger.info("checkpoint step-%d: async save started (staging took %.2f s)", step,
+                                time.perf_counter() - started)
+            else:
+                with _quiet_single_process():
+                    dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not self._distributed)
+                self._finish(step, path, model_only, started)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._failed(e, path, size)
         self._last_saved_step = step
         return True
 
     def close(self) -> None:
-        """Wait for an in-flight async save and mark it complete."""
+        """Wait for an in-flight async save and mark it complete.
+
+        Raises:
+            CheckpointSaveError: that save failed (see ``save``).
+        """
         self._wait_async()
+
+    def _refuse_nonfinite(self, state: dict, path: Path) -> None:
+        """Raise ``CheckpointSaveError`` on every rank when any rank's state holds NaN or infinity."""
+        names = nonfinite_entries(state)
+        count = len(names)
+        if self._distributed:
+            device = next(self.model.parameters()).device
+            total = torch.tensor([count], device=device)
+            dist.all_reduce(total)
+            count = int(total.item())
+        if count:
+            complete = [s for s, p in step_folders(self.folder).items() if is_complete(p)]
+            newest = self.folder / f"step-{max(complete)}" if complete else None
+            raise nonfinite_error(path, names, count, newest)
+
+    def _failed(self, e: BaseException, path: Path, size: int) -> None:
+        """A save of ``path`` failed with ``e``: remove what it wrote (rank 0) and raise the
+        ``CheckpointSaveError`` for an OS error (disk full...), else ``e`` itself."""
+        error = save_failure(e, path, size)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.error("checkpoint %s: save failed, removed the partly written folder", path)
+        if error is None:
+            raise e
+        raise error from None
 
     def _state_for_save(self, model_only: bool) -> dict:
         if model_only:  # the export: the weight EMA when the run keeps one
@@ -251,14 +306,9 @@ class CheckpointManager:
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "files": sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MARKER + ".tmp"),
+            "files": sorted(p.name for p in path.iterdir() if p.is_file()),
         }
-        tmp = path / (MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / MARKER)
+        write_text(path / MARKER, json.dumps(marker, indent=1))  # atomic: the marker is whole or absent
         logger.info("checkpoint step-%d saved to %s in %.2f s%s", step, path, time.perf_counter() - started,
                     " (model only)" if model_only else "")
         for doomed in apply_retention(self.folder, self.cfg.keep_latest_k):
@@ -271,10 +321,13 @@ class CheckpointManager:
     def _wait_async(self) -> None:
         if self._in_flight is None:
             return
-        step, path, model_only, future, started = self._in_flight
+        step, path, model_only, future, started, size = self._in_flight
         self._in_flight = None
-        future.result()  # re-raises a failed save
-        self._finish(step, path, model_only, started)
+        try:
+            future.result()  # re-raises a failed save
+            self._finish(step, path, model_only, started)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._failed(e, path, size)
 
     # ------------------------------------------------------------------ loading
 

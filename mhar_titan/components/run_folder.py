@@ -23,6 +23,7 @@ from typing import Callable, Optional
 from mhar_titan.checkpoint.layout import step_folders
 from mhar_titan.config import JobConfig, to_toml
 from mhar_titan.errors import UserError
+from mhar_titan.files import WriteError, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +133,23 @@ class RunFolder:
 
     def save_config(self) -> None:
         """Write the resolved config to ``job.save_config_file``; a differing one from an earlier
-        start of this run (a resume with changed settings) is kept as ``<stem>.prev.toml``."""
+        start of this run (a resume with changed settings) is kept as ``<stem>.prev.toml``.
+
+        Both files are written all-or-nothing (``mhar_titan.files``): a full disk leaves the
+        earlier config in place, never an empty or cut file.
+
+        Raises:
+            RunFolderError: a file cannot be written (disk full, read-only); nothing is lost.
+        """
         path = self.path / self.cfg.job.save_config_file
         text = to_toml(self.cfg)
-        if path.is_file() and path.read_text() != text:
-            path.replace(path.with_name(f"{path.stem}.prev{path.suffix}"))
-        path.write_text(text)
+        try:
+            earlier = path.read_text() if path.is_file() else None
+            if earlier and earlier.strip() and earlier != text:  # an empty file is not kept over .prev
+                write_text(path.with_name(f"{path.stem}.prev{path.suffix}"), earlier)
+            if earlier != text:
+                write_text(path, text)
+        except WriteError as e:
+            raise RunFolderError(f"cannot save the resolved config: {e}") from None
         if self.cfg.job.print_config:
             print(text, flush=True)

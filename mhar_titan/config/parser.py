@@ -3,7 +3,8 @@
 Precedence: command line > TOML > dataclass defaults (``mhar_titan.config.sections``).
 Everything is validated before anything is built: an unknown section or key, or a
 value of the wrong type, raises ``ConfigError`` naming the key and listing the valid
-ones. ``to_toml`` writes a resolved config back (read again by ``load_config``).
+ones. ``to_toml`` writes a resolved config back with ``tomli_w`` (read again by ``load_config`` to an
+equal config, whatever its strings hold).
 
 ``[model]`` holds ``flavor`` plus any field of ``mhar_titan.models.ModelArgs`` as an
 override of the flavor (for example ``routing_heads = 8``); those keys are checked
@@ -333,25 +334,37 @@ def validate(cfg: JobConfig) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def toml_value(v: Any) -> str:
+    """One value as a one-line TOML literal: scalars (bool, int, float, str) written by ``tomli_w``
+    (strings with every control character, newline and quote escaped), lists and tuples as arrays,
+    dicts as inline tables of such values.
+
+    Raises:
+        TypeError: a value TOML cannot hold (None, an object).
+    """
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if not isinstance(v, (bool, int, float, str)):
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+    import tomli_w
+
+    return tomli_w.dumps({"v": v})[len("v = "):-1]
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML text; keys that are unset (None) are written as comments."""
+    """The resolved config as TOML text (``tomli_w``), read back by ``load_config`` to an equal
+    config; keys that are unset (None) are written as comments."""
     lines = ["# Resolved configuration (defaults < TOML < command line), written by mhar_titan"]
     for section, values in cfg.to_dict().items():
         lines.append(f"\n[{section}]")
         for key, value in values.items():
-            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+            lines.append(f"# {key} = (unset)" if value is None else f"{_toml_key(key)} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_key(key: str) -> str:
+    import tomli_w
+
+    return tomli_w.dumps({key: 0})[: -len(" = 0\n")]

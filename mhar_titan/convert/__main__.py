@@ -12,7 +12,9 @@ delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the sam
 ``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and writes a Hugging
 Face Llama folder (standard models), a ``mhar_titan`` folder (routing models) or the authors'
 format. Errors exit with status 2 and one message; both refuse an output folder that exists and
-is not empty before reading anything, so an earlier conversion is never overwritten.
+is not empty, is read-only or lies under a regular file before reading anything, so an earlier
+conversion is never overwritten. The output is written into a temporary sibling folder renamed
+to the output folder at the end: it exists only complete, its files with the umask's mode.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from pathlib import Path
 import torch
 
 from mhar_titan.config.checkpoint import EXPORT_DTYPES
+from mhar_titan.errors import UserError
+from mhar_titan.files import atomic_folder, check_output_folder
 
 from .dcp_io import load_model_dcp, save_model_dcp
 from .delta import delta_fields
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConversionError(f"{out} exists and is not empty; choose a new folder for the {opts.command}ed "
                                   "model (nothing was read or written)")
+        check_output_folder(out, "output folder")  # read-only or under a file: refused before the model is read
         if opts.command == "import":
             overrides = {} if opts.max_seq_len is None else {"max_seq_len": opts.max_seq_len}
             if opts.to_delta:
@@ -69,14 +74,16 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConversionError("--to-delta converts a Hugging Face Llama folder (model_type llama)")
                 overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta))
             model = load_pretrained(opts.folder, getattr(torch, opts.dtype), **overrides)
-            path = save_model_dcp(model, opts.out, source=str(opts.folder))
-            print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
+            with atomic_folder(out) as tmp:  # out appears only when complete
+                save_model_dcp(model, tmp, source=str(opts.folder))
+            print(f"wrote {out} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
             model = load_model_dcp(opts.checkpoint, ema=not opts.no_ema)
-            paths = export_pretrained(model, opts.out, opts.format, getattr(torch, opts.dtype) if opts.dtype else None,
-                                      int(opts.max_shard_gb * 2**30))
+            with atomic_folder(out) as tmp:
+                paths = export_pretrained(model, tmp, opts.format, getattr(torch, opts.dtype) if opts.dtype else None,
+                                          int(opts.max_shard_gb * 2**30))
             print(f"wrote {opts.out} ({len(paths)} shard(s))")
-    except ConversionError as e:
+    except UserError as e:  # ConversionError, an unwritable output folder, a full disk (WriteError)
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -22,7 +22,6 @@ gates with shape (1,) (what their Llama code creates).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -34,7 +33,7 @@ import torch
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 
-from .hf_config import ConversionError, args_from_hf_config, hf_config_from_args, read_json
+from .hf_config import ConversionError, args_from_hf_config, hf_config_from_args, read_json, write_json
 from .hf_llama import CONFIG, empty_model
 from .loading import _full, load_streamed
 from .names import Target, backbone_hf_name, backbone_target
@@ -179,6 +178,5 @@ def export_authors(model: Transformer, folder: str | os.PathLike, dtype: torch.d
         "attnres_gate_type": "learnable_alpha" if args.routing_mode == "delta" else "bias",
         "attnres_use_null_source": args.routing_null_source,
     }
-    with open(Path(folder) / CONFIG, "w") as f:
-        json.dump(config, f, indent=2)
+    write_json(Path(folder) / CONFIG, config)
     return paths

@@ -9,7 +9,6 @@ under ``fingerprint.model_args``) so the export command can rebuild the model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -25,7 +24,7 @@ from mhar_titan.checkpoint.checks import unreadable_error
 from mhar_titan.checkpoint.layout import step_folders
 from mhar_titan.models.args import ModelArgs
 
-from .hf_config import ConversionError, read_json
+from .hf_config import ConversionError, read_json, write_json
 from .hf_llama import empty_model
 
 
@@ -49,8 +48,7 @@ def save_model_dcp(model, path: str | os.PathLike, **marker_extra) -> Path:
         "model_args": dataclasses.asdict(model.args), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **marker_extra,
     }
-    with open(path / MARKER, "w") as f:
-        json.dump(marker, f, indent=1)
+    write_json(path / MARKER, marker, indent=1)
     return path
 
 

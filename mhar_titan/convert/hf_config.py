@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from mhar_titan.errors import UserError
+from mhar_titan.files import write_text
 from mhar_titan.models.args import ModelArgs
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -32,6 +33,15 @@ def read_json(path: str | os.PathLike) -> dict:
         raise ConversionError(f"{path} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConversionError(f"{path} is not valid JSON: {e}") from None
+
+
+def write_json(path: str | os.PathLike, data: dict, indent: int = 2) -> None:
+    """Write ``data`` as JSON to ``path`` all-or-nothing with the umask's mode (``mhar_titan.files``).
+
+    Raises:
+        WriteError: the file cannot be written (disk full, read-only); ``path`` is unchanged.
+    """
+    write_text(path, json.dumps(data, indent=indent))
 
 
 def _rope_settings(config: dict) -> dict:

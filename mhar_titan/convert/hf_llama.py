@@ -10,7 +10,6 @@ routing (gates 0, MHAR_SPEC section 1.4).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from torch import nn
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer, rope_cos_sin
 
-from .hf_config import ConversionError, args_from_hf_config, hf_config_from_args, read_json
+from .hf_config import ConversionError, args_from_hf_config, hf_config_from_args, read_json, write_json
 from .loading import _full, load_streamed
 from .names import backbone_hf_name, backbone_target
 from .safetensors_io import ShardedWriter
@@ -127,11 +126,6 @@ def export_hf(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype 
             raise ConversionError(f"parameter {key} has no Hugging Face Llama name")
         writer.add(name, _full(value).to(out_dtype))
     paths = writer.close()
-    _write_json(Path(folder) / CONFIG, config)
+    write_json(Path(folder) / CONFIG, config)
     return paths
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
 

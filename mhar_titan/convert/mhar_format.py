@@ -15,7 +15,6 @@ Reload with ``load_mhar(folder)`` (a ``Transformer`` with the saved arguments) o
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS, ModelArgs
 from mhar_titan.models.model import Transformer
 
-from .hf_config import ConversionError, read_json
+from .hf_config import ConversionError, read_json, write_json
 from .hf_llama import CONFIG, empty_model
 from .loading import _full, load_streamed
 from .safetensors_io import ShardedWriter
@@ -68,8 +67,7 @@ def export_mhar(model: Transformer, folder: str | os.PathLike, dtype: torch.dtyp
         "model_type": MODEL_TYPE, "architectures": ["MharTitanTransformer"], "format_version": FORMAT_VERSION,
         "torch_dtype": str(out_dtype).removeprefix("torch."), "model_args": dataclasses.asdict(model.args),
     }
-    with open(Path(folder) / CONFIG, "w") as f:
-        json.dump(config, f, indent=2)
+    write_json(Path(folder) / CONFIG, config)
     return paths
 
 

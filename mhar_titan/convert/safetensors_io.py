@@ -8,14 +8,15 @@ one is opened, so at most one shard is mapped at any time.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .hf_config import ConversionError, read_json
+from mhar_titan.files import atomic_path
+
+from .hf_config import ConversionError, read_json, write_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -123,7 +124,8 @@ class ShardedWriter:
         from safetensors.torch import save_file
 
         path = self.folder / f"shard-{len(self._written):05d}.tmp"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
+        with atomic_path(path) as tmp:  # the umask's mode (a bare save_file keeps what the OS gives; 0600 seen)
+            save_file(self._pending, str(tmp), metadata={"format": "pt"})
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
@@ -142,6 +144,5 @@ class ShardedWriter:
             os.replace(tmp, final)
             paths.append(final)
             weight_map.update({name: final.name for name in names})
-        with open(self.folder / INDEX, "w") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        write_json(self.folder / INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
         return paths

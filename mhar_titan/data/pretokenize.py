@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from mhar_titan.data.manifest import FORMAT, MANIFEST, ManifestError
+from mhar_titan.files import WriteError, atomic_folder
 from mhar_titan.progress import progress
 
 
@@ -40,8 +41,19 @@ def write_pretokenized(out: Path, shards: Iterable[tuple[str, str, Iterable[np.n
         shards: per shard ``(source path, source sha256, rows)``, rows being 1-D int arrays.
         tokenizer: anything with ``name``, ``n_vocab``, ``eos_id``.
     Returns the manifest dict.
+
+    All or nothing: written into a temporary sibling folder renamed to ``out`` at the end
+    (``mhar_titan.files.atomic_folder``); an earlier pretokenized ``out`` (with a manifest) is
+    replaced only then, and an interrupted run leaves ``out`` as it was.
+
+    Raises:
+        WriteError: ``out`` is a non-empty folder without a manifest, or the disk is full.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    with atomic_folder(out, replace=(out / MANIFEST).is_file()) as tmp:
+        return _write_into(tmp, shards, tokenizer)
+
+
+def _write_into(out: Path, shards, tokenizer) -> dict:
     dtype = "uint16" if tokenizer.n_vocab <= 2 ** 16 else "uint32"
     entries = []
     for k, (source, digest, rows) in enumerate(shards):
@@ -127,7 +139,7 @@ def main(argv=None) -> None:
 
     try:
         m = write_pretokenized(args.out, each(), tok)
-    except DataError as e:
+    except (DataError, WriteError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     n = sum(s["n_tokens"] for s in m["shards"])
     dt = time.perf_counter() - t0

@@ -21,6 +21,7 @@ import tiktoken
 from mhar_titan.config import ConfigError
 from mhar_titan.config.data import DataConfig
 from mhar_titan.errors import UserError
+from mhar_titan.files import write_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_COMMAND = "python -m mhar_titan.data.prepare_tokenizer"
@@ -166,9 +167,7 @@ def _seed_from_local_file(name: str, files: tuple[EncodingFile, ...], local: Pat
         cache_dir.mkdir(parents=True, exist_ok=True)
         dst = f.cache_path(cache_dir)
         if not dst.exists() or sha256_bytes(dst.read_bytes()) != f.sha256:
-            tmp = dst.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, dst)
+            write_bytes(dst, data)
 
 
 def check_cache(name: str, cache_dir: Path) -> None:

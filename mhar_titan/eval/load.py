@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from mhar_titan.checkpoint import CheckpointMismatchError, is_complete, read_marker, step_folders
-from mhar_titan.config import JobConfig, load_config
+from mhar_titan.config import ConfigError, JobConfig, load_config
+from mhar_titan.config.parser import read_toml
 from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
 from mhar_titan.errors import UserError
@@ -80,9 +81,32 @@ def _is_checkpoint(path: pathlib.Path) -> bool:
 
 
 def read_run_config(run_dir: pathlib.Path) -> Optional[JobConfig]:
-    """The resolved ``config.toml`` of a run folder, or None when it has none."""
+    """The resolved ``config.toml`` of a run folder, or None when it has none.
+
+    Raises:
+        ConfigError: the file exists but is empty, cannot be read, is not valid TOML or holds no
+            ``[training]`` table: never replaced by defaults (they would evaluate at another
+            sequence length, on other files).
+    """
     path = pathlib.Path(run_dir) / "config.toml"
-    return load_config(str(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    fix = (f"restore it (an earlier version may be in {path.with_name('config.prev.toml').name}), or move it "
+           "away to use the checkpoint's model with default data settings")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"run config {path} cannot be read ({e}); {fix}") from None
+    if not text.strip():
+        raise ConfigError(f"run config {path} is empty ({path.stat().st_size} bytes; a full disk while it was "
+                          f"written?); {fix}")
+    try:
+        tables = read_toml(path, "run config")
+    except ConfigError as e:
+        raise ConfigError(f"run config {e}; {fix}") from None
+    if "training" not in tables:
+        raise ConfigError(f"run config {path} is not a resolved config (no [training] table); {fix}")
+    return load_config(str(path))
 
 
 def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tuple[pathlib.Path, pathlib.Path]:

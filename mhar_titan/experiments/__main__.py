@@ -27,9 +27,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mhar_titan.config import ConfigError
+from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
                                           world_size_of)
 from mhar_titan.experiments.sweep import load_sweep
+from mhar_titan.files import check_output_folder, write_text
 
 
 def _select(sweep, only):
@@ -97,12 +99,15 @@ def main(argv=None) -> int:
                   f" (grid points x seeds {list(sweep.seeds)})")
             return 0
         if args.command == "run":
+            check_output_folder(sweep.dump_folder, "--dump-folder (the sweep's dump_folder)")
             report = run_local(sweep, _select(sweep, args.only), dry_run=args.dry_run)
             print(f"sweep {sweep.name}: {len(report.completed)} completed, {len(report.skipped)} already done, "
                   f"{len(report.failed)} failed {report.failed}, {len(report.unsaved)} unsaved {report.unsaved}"
                   + (f", stopped at {report.stopped}" if report.stopped else ""))
             return 0 if report.ok else 1
         if args.command == "slurm":
+            if args.out:
+                check_output_folder(pathlib.Path(args.out).parent, "--out's folder")
             runs = _select(sweep, args.only)
             if args.check:
                 world = world_size_of([*sweep.slurm_args, *args.sbatch_args])
@@ -110,17 +115,18 @@ def main(argv=None) -> int:
                     print(line, file=sys.stderr)
             text = slurm_script(sweep, runs, args.sbatch_args)
             if args.out:
-                pathlib.Path(args.out).write_text(text)
+                write_text(args.out, text)
                 print(f"wrote {args.out}", file=sys.stderr)
             else:
                 print(text, end="")
             return 0
         from mhar_titan.experiments.results import write_results
 
+        check_output_folder(args.out or sweep.dump_folder / "results", "--out")
         for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi):
             print(f"wrote {path}")
         return 0
-    except (ConfigError, FileNotFoundError, ImportError) as e:
+    except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
 

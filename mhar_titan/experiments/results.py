@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 from mhar_titan.analysis.compare import RunCurves, comparison_table, plot_comparison, read_run
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline
+from mhar_titan.files import write_text
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
@@ -181,5 +182,5 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 100) -> list
     fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi)
     pyplot().close(fig)
     md = out / "RESULTS.md"
-    md.write_text(results_markdown(sweep, results, groups, png.name))
+    write_text(md, results_markdown(sweep, results, groups, png.name))
     return [md, png]

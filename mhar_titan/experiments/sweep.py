@@ -112,9 +112,9 @@ def _tag(key: str, value: Any) -> str:
 
 def _cli_value(value: Any) -> str:
     """A TOML value as the command line writes it (strings raw, the rest as TOML literals)."""
-    from mhar_titan.config.parser import _toml_value
+    from mhar_titan.config.parser import toml_value
 
-    return value if isinstance(value, str) else _toml_value(value)
+    return value if isinstance(value, str) else toml_value(value)
 
 
 def _override(key: str, value: Any) -> str:

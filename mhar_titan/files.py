@@ -1,0 +1,252 @@
+"""Writing files and folders all-or-nothing, with the mode the umask gives.
+
+Every file the project writes (resolved config, metrics rotation, exit status, exports,
+prepared data, sweep and analysis outputs) goes through this module:
+
+* ``atomic_path(path)`` yields a temporary name in ``path``'s folder for a library that
+  writes to a path (``safetensors.save_file``, ``pyarrow.parquet.write_table``,
+  ``savefig``); on success the file is flushed to disk (``fsync``), given the mode
+  ``0o666 & ~umask`` (a ``mkstemp`` file is 0600) and renamed over ``path``
+  (``os.replace``); on any error the temporary file is removed and ``path`` is untouched.
+* ``atomic_open``, ``write_text``, ``write_bytes`` are the same for a file handle or a
+  whole text / byte string.
+* ``atomic_folder(path)`` is the same for a folder filled file by file (prepared data):
+  the files are written into a temporary sibling folder that is renamed to ``path`` at
+  the end, so ``path`` exists only when it is complete.
+* ``check_output_folder(path, setting)`` tells, before anything expensive runs, whether
+  a folder can be created and written (not read-only, not under a regular file).
+
+A failed write raises ``WriteError`` (a ``UserError`` and an ``OSError``) naming the file,
+the OS error and, when the disk is full, the free space left. This module imports nothing
+of the project but the errors, so every layer can use it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Iterator, Optional
+
+from mhar_titan.errors import UserError
+
+__all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text", "atomic_path",
+           "atomic_open", "write_text", "write_bytes", "atomic_folder", "check_output_folder"]
+
+
+class WriteError(UserError, OSError):
+    """A file or folder could not be written (disk full, read-only, permissions); nothing half-written is left."""
+
+
+class OutputFolderError(UserError, OSError):
+    """An output folder cannot be created or written (read-only, under a regular file, no permission)."""
+
+
+_umask_lock = threading.Lock()
+
+
+def umask() -> int:
+    """The process's umask (read from ``/proc/self/status`` on Linux, else set and restored under a lock)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _umask_lock:
+        old = os.umask(0o022)
+        os.umask(old)
+    return old
+
+
+def file_mode() -> int:
+    """``0o666 & ~umask``: the mode ``open(path, "w")`` would give a new file."""
+    return 0o666 & ~umask()
+
+
+def folder_mode() -> int:
+    """``0o777 & ~umask``: the mode ``mkdir`` would give a new folder."""
+    return 0o777 & ~umask()
+
+
+def free_bytes(path: str | os.PathLike) -> Optional[int]:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent); None when unknown."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def os_error_text(e: OSError, path: Path, needed: Optional[int] = None) -> str:
+    """One phrase for an OS error met writing under ``path``: the disk-full case names the free space
+    (and ``needed`` bytes when known), the others the OS's own words and errno name."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(path)
+        need = f"; it needed about {needed:,} bytes" if needed is not None else ""
+        left = f" ({free:,} bytes free)" if free is not None else ""
+        return (f"the disk is full{left}{need} ({errno.errorcode.get(e.errno, e.errno)}): free space there, "
+                f"or write to another filesystem")
+    if e.errno == errno.EROFS:
+        return "the filesystem is read-only (EROFS): write to a writable folder"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({errno.errorcode[e.errno]}): write to a folder you may write, or fix its mode"
+    name = errno.errorcode.get(e.errno, "no errno") if e.errno is not None else "no errno"
+    return f"{e.strerror or e} ({name})"
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on leaving without error it replaces ``path`` atomically.
+
+    The caller (or the library it calls) creates and writes the yielded file; this then
+    ``fsync``s it, sets its mode to ``0o666 & ~umask`` and ``os.replace``s it over ``path``.
+
+    Raises:
+        WriteError: an ``OSError`` while writing, syncing or renaming (the temporary file is
+            removed, ``path`` keeps its earlier content). Other errors propagate unchanged,
+            also after removing the temporary file.
+    """
+    path = Path(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, file_mode())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after the rename
+    _fsync_folder(path.parent)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """``open(path, mode)`` ("w" or "wb") on a temporary file that replaces ``path`` when the block
+    ends without error (``atomic_path``). Raises ``WriteError`` like ``atomic_path``."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
+    with atomic_path(path) as tmp:
+        try:
+            f = open(tmp, mode, **kwargs)
+        except OSError as e:
+            raise WriteError(f"cannot write {path}: {os_error_text(e, Path(path).parent)}") from None
+        with f:
+            yield f
+            f.flush()
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` all-or-nothing (``atomic_path``). Raises ``WriteError``."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` all-or-nothing (``atomic_path``). Raises ``WriteError``."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_folder(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary sibling folder of ``path``; when the block ends without error it is
+    renamed to ``path`` (mode ``0o777 & ~umask``, its files ``0o666 & ~umask``, all ``fsync``ed).
+
+    ``path`` must not exist, or be an empty folder, unless ``replace``: then a complete earlier
+    folder is swapped out only after the new one is complete. On any error (also Ctrl-C) the
+    temporary folder is removed and ``path`` is as before.
+
+    Raises:
+        WriteError: ``path`` exists (not empty, without ``replace``), or an ``OSError`` while writing.
+    """
+    path = Path(path)
+    if path.exists() and not replace and (not path.is_dir() or any(path.iterdir())):
+        raise WriteError(f"{path} already exists and is not empty; delete or move it first, or choose another "
+                         "output folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+    old = None
+    try:
+        try:
+            yield tmp
+            for child in tmp.rglob("*"):
+                if child.is_file():
+                    os.chmod(child, file_mode())
+                    with open(child, "rb") as f:
+                        os.fsync(f.fileno())
+                elif child.is_dir():
+                    os.chmod(child, folder_mode())
+            os.chmod(tmp, folder_mode())
+            _fsync_folder(tmp)
+            if path.is_dir() and any(path.iterdir()):
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                os.replace(path, old)
+            elif path.is_dir():
+                path.rmdir()
+            os.replace(tmp, path)
+        except OSError as e:
+            if old is not None and not path.exists():
+                os.replace(old, path)
+                old = None
+            raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _fsync_folder(path.parent)
+
+
+def check_output_folder(path: str | os.PathLike, setting: str) -> None:
+    """Check that folder ``path`` (named by ``setting`` in messages) exists or can be created, and can be
+    written: a probe file is created and removed in it, or in its nearest existing parent when it
+    does not exist yet (nothing is left behind).
+
+    Raises:
+        OutputFolderError: ``path`` or a parent is a regular file, or the folder is read-only or
+            not writable (the message names the folder, the problem and the fix).
+    """
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "is a regular file" if existing == path else f"is under the regular file {existing}"
+        raise OutputFolderError(f"{setting}: {path} {where}, not a folder; choose a folder path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        verb = "cannot be written" if existing == path else f"cannot be created in {existing}"
+        raise OutputFolderError(f"{setting}: {path} {verb}: {os_error_text(e, existing)}") from None
