@@ -136,12 +136,14 @@ def check(seen: dict, ours: dict, site: Path) -> None:
         assert case["greedy"] == greedy, name
 
 
+@pytest.mark.slow  # about 50 s of child process on 2 loaded cores
 def test_exported_folders_load_in_the_installed_transformers(exported):
     tmp, site, spec, ours = exported
     seen = run_child(tmp, site, spec, [])
     check(seen, ours, site)
 
 
+@pytest.mark.slow
 def test_exported_folders_load_in_the_oldest_supported_transformers(exported):
     if not (OLDEST_DIR / "transformers").is_dir():
         pytest.skip(f"transformers {OLDEST} is not installed in {OLDEST_DIR}: run `make transformers-oldest`")
@@ -149,3 +151,26 @@ def test_exported_folders_load_in_the_oldest_supported_transformers(exported):
     seen = run_child(tmp, site, spec, [str(OLDEST_DIR)])
     assert seen["transformers"] == OLDEST
     check(seen, ours, site)
+
+
+@pytest.mark.parametrize("family", ["baseline", "delta block H=8 +null"])
+def test_export_honours_the_umask_and_imports_back(tmp_path, family):
+    """Every file an export writes gets the umask's mode, and import reads the folder back to the
+    same logits (a Qwen3 folder for the standard model, a mhar_titan one for delta MHAR)."""
+    from mhar_titan.convert import load_pretrained
+
+    model = trained_like_debug(dict(FAMILIES[family]), 384)
+    old = os.umask(0o027)
+    try:
+        export_pretrained(model, tmp_path / "out", tokenizer=build_tokenizer(DataConfig(tokenizer="bytes")))
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert len(files) >= 5 and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o640)}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == ("qwen3" if family == "baseline" else "mhar_titan") and config["eos_token_id"] == 256
+    back = load_pretrained(tmp_path / "out")
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(tokens), model(tokens))
+    assert load_hf_tokenizer(tmp_path / "out").encode(TEXT) == list(TEXT.encode())

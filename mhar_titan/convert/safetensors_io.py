@@ -91,6 +91,13 @@ def tensor_names(folder: str | os.PathLike) -> set[str]:
     return names
 
 
+def _umask_mode() -> int:
+    """The mode ``open`` gives a new file under the process umask (0o666 minus the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class ShardedWriter:
     """Write tensors into shards of at most ``max_shard_bytes`` (a larger tensor gets its own
     shard) plus the index; one shard is held in memory at a time.
@@ -124,6 +131,7 @@ class ShardedWriter:
 
         path = self.folder / f"shard-{len(self._written):05d}.tmp"
         save_file(self._pending, str(path), metadata={"format": "pt"})
+        os.chmod(path, _umask_mode())  # safetensors creates its files 0600 whatever the umask
         self._written.append((path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
