@@ -93,3 +93,22 @@ def test_data_tokenizer_names_a_hugging_face_folder(folder):
     tok = build_tokenizer(DataConfig(tokenizer=f"hf:{folder}"))
     assert tok.n_vocab == 320 + len(SPECIALS) and tok.encode("Hello world") == load_hf_tokenizer(folder).encode("Hello world")
     assert tokenizer_n_vocab(f"hf:{folder}") is None  # sized from the files only when they are read
+
+
+def test_a_folder_with_only_tokenizer_model_is_exported_as_tokenizer_json(folder, tmp_path):
+    """An export of a Llama-3-style tokenizer read from tokenizer.model alone writes a tokenizer.json
+    that transformers encodes with the same ids (and that reads back here the same way)."""
+    from mhar_titan.convert.tokenizer_files import write_tokenizer_files
+
+    source = tmp_path / "model_only"
+    (source / "original").mkdir(parents=True)
+    for name in ("original/tokenizer.model", "tokenizer_config.json"):
+        (source / name).write_bytes((folder / name).read_bytes())
+    ours = load_hf_tokenizer(source)
+    (tmp_path / "out").mkdir()
+    write_tokenizer_files(ours, tmp_path / "out", 256)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (theirs.eos_token, theirs.bos_token) == ("<|end_of_text|>", "<|begin_of_text|>")
+    for text in TEXTS:
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode_with_special(text), text
+        assert load_hf_tokenizer(tmp_path / "out").encode(text) == ours.encode(text), text
