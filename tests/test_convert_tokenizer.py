@@ -2,17 +2,14 @@
 transformers' tokenizer for the same files (issue 14, acceptance 8)."""
 from __future__ import annotations
 
-import base64
 import json
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
-from tiktoken._educational import bpe_train  # noqa: E402
-from transformers.convert_slow_tokenizer import TikTokenConverter  # noqa: E402
-
+from helpers import llama3_tokenizer_folder  # noqa: E402
 from mhar_titan.data.hf_tokenizer import (  # noqa: E402
-    LLAMA3_PATTERN, HFTokenizerError, byte_to_unicode, is_hf_tokenizer_folder, load_hf_tokenizer,
+    HFTokenizerError, byte_to_unicode, is_hf_tokenizer_folder, load_hf_tokenizer,
 )
 
 CORPUS = (
@@ -36,25 +33,7 @@ TEXTS = [
 def folder(tmp_path_factory):
     """A model folder with original/tokenizer.model (tiktoken BPE trained on CORPUS), the
     tokenizer.json transformers converts it to, and tokenizer_config.json with the special tokens."""
-    root = tmp_path_factory.mktemp("llama3_tokenizer")
-    ranks = bpe_train(CORPUS, vocab_size=320, pat_str=LLAMA3_PATTERN, visualise=None)
-    (root / "original").mkdir()
-    (root / "original" / "tokenizer.model").write_text(
-        "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda x: x[1]))
-    )
-    specials = {text: len(ranks) + i for i, text in enumerate(SPECIALS)}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken would otherwise cache a copy of the file
-        backend = TikTokenConverter(vocab_file=str(root / "original" / "tokenizer.model"), pattern=LLAMA3_PATTERN,
-                                    extra_special_tokens=specials).converted()
-    backend.save(str(root / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False} for t, i in specials.items()},
-    }
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return root
+    return llama3_tokenizer_folder(tmp_path_factory.mktemp("llama3_tokenizer"), CORPUS, SPECIALS)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +93,22 @@ def test_data_tokenizer_names_a_hugging_face_folder(folder):
     tok = build_tokenizer(DataConfig(tokenizer=f"hf:{folder}"))
     assert tok.n_vocab == 320 + len(SPECIALS) and tok.encode("Hello world") == load_hf_tokenizer(folder).encode("Hello world")
     assert tokenizer_n_vocab(f"hf:{folder}") is None  # sized from the files only when they are read
+
+
+def test_a_folder_with_only_tokenizer_model_is_exported_as_tokenizer_json(folder, tmp_path):
+    """An export of a Llama-3-style tokenizer read from tokenizer.model alone writes a tokenizer.json
+    that transformers encodes with the same ids (and that reads back here the same way)."""
+    from mhar_titan.convert.tokenizer_files import write_tokenizer_files
+
+    source = tmp_path / "model_only"
+    (source / "original").mkdir(parents=True)
+    for name in ("original/tokenizer.model", "tokenizer_config.json"):
+        (source / name).write_bytes((folder / name).read_bytes())
+    ours = load_hf_tokenizer(source)
+    (tmp_path / "out").mkdir()
+    write_tokenizer_files(ours, tmp_path / "out", 256)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (theirs.eos_token, theirs.bos_token) == ("<|end_of_text|>", "<|begin_of_text|>")
+    for text in TEXTS:
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode_with_special(text), text
+        assert load_hf_tokenizer(tmp_path / "out").encode(text) == ours.encode(text), text

@@ -169,9 +169,10 @@ def test_convert_outputs_have_the_umask_mode(tmp_path, mask):
 
     ckpt = save_model_dcp(tiny_model(vocab_size=320), tmp_path / "ckpt")
     with umask(mask):
-        assert convert_main(["export", str(ckpt), str(tmp_path / "mhar"), "--format", "mhar"]) == 0
+        assert convert_main(["export", str(ckpt), str(tmp_path / "mhar"), "--format", "mhar",
+                             "--tokenizer", "bytes"]) == 0
         assert convert_main(["export", str(ckpt), str(tmp_path / "sharded"), "--format", "mhar",
-                             "--max-shard-gb", "0.0001"]) == 0
+                             "--max-shard-gb", "0.0001", "--tokenizer", "bytes"]) == 0
         assert convert_main(["import", str(tmp_path / "mhar"), str(tmp_path / "back")]) == 0
     for out in ("mhar", "sharded", "back"):
         found = modes(tmp_path / out)

@@ -3,6 +3,7 @@
     python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--to-delta paper|clean] [--dtype bfloat16]
                                       [--max-seq-len 8192]
     python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--format auto|hf|mhar|authors] [--dtype bfloat16]
+                                      [--tokenizer NAME]
 
 ``import`` reads a pretrained folder (a Hugging Face Llama folder, one of our ``mhar_titan``
 folders or the authors' ``llama_attnres`` ones; streamed shard by shard) and writes a model-only
@@ -10,28 +11,37 @@ DCP checkpoint for ``checkpoint.initial_load_path``; ``--to-delta`` converts a L
 delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the same logits).
 ``export`` rebuilds the model of a DCP checkpoint (converted or trained; arguments from its
 ``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and writes a Hugging
-Face Llama folder (standard models), a ``mhar_titan`` folder (routing models) or the authors'
-format. Errors exit with status 2 and one message; both refuse an output folder that exists and
-is not empty, is read-only or lies under a regular file before reading anything, so an earlier
-conversion is never overwritten. The output is written into a temporary sibling folder renamed
-to the output folder at the end: it exists only complete, its files with the umask's mode.
+Face Llama or Qwen3 folder (standard models), a ``mhar_titan`` folder (routing models, loaded by
+transformers with ``trust_remote_code=True``) or the authors' format, always with the tokenizer
+files of the tokenizer the checkpoint records (a training checkpoint's ``data.tokenizer``, an
+imported folder's own tokenizer) or ``--tokenizer``. Errors exit with status 2 and one message;
+both refuse an output folder that exists and is not empty, is read-only or lies under a regular
+file before reading anything, so an earlier conversion is never overwritten. The output is
+written into a temporary sibling folder renamed to the output folder at the end: it exists only
+complete, its files with the umask's mode.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
+from mhar_titan.checkpoint import MARKER
 from mhar_titan.config.checkpoint import EXPORT_DTYPES
+from mhar_titan.config import load_config
+from mhar_titan.data import DataConfig, build_tokenizer
+from mhar_titan.data.hf_tokenizer import is_hf_tokenizer_folder
+from mhar_titan.data.tokenizer import HF_PREFIX, N_VOCAB, Tokenizer
 from mhar_titan.errors import UserError
 from mhar_titan.files import atomic_folder, check_output_folder
 
 from .dcp_io import load_model_dcp, save_model_dcp
 from .delta import delta_fields
 from .folders import FORMATS, export_pretrained, folder_model_type, load_pretrained
-from .hf_config import ConversionError
+from .hf_config import ConversionError, read_json
 from .hf_llama import hf_args
 
 
@@ -54,9 +64,33 @@ def _parser() -> argparse.ArgumentParser:
                           "names (routing models); auto: hf when possible, else mhar")
     exp.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="dtype of the exported weights (default: float32)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--tokenizer", default=None,
+                     help=f"the tokenizer whose files the folder gets ({', '.join(N_VOCAB)} or {HF_PREFIX}<folder>); "
+                          "default: the one the checkpoint records")
     exp.add_argument("--no-ema", action="store_true",
                      help="export the trained weights even when the checkpoint holds a weight EMA (the default exports the EMA)")
     return parser
+
+
+def export_tokenizer(checkpoint: str | Path, name: str | None) -> Tokenizer:
+    """The tokenizer an export writes: ``name``, else the one the checkpoint's ``complete.json``
+    records (``fingerprint.tokenizer`` of a training checkpoint, ``tokenizer`` of an imported
+    model), built with the run's ``[data]`` settings (tokenizer cache) when its config.toml is there.
+
+    Raises:
+        ConversionError: no tokenizer named anywhere (the message says to pass --tokenizer).
+        TokenizerFileError / HFTokenizerError: its files cannot be found or read.
+    """
+    checkpoint = Path(checkpoint)
+    marker = read_json(checkpoint / MARKER) if (checkpoint / MARKER).is_file() else {}
+    name = name or (marker.get("fingerprint") or {}).get("tokenizer") or marker.get("tokenizer")
+    if not name:
+        raise ConversionError(f"{checkpoint / MARKER} records no tokenizer; pass the one the model was trained "
+                              f"with: --tokenizer {' | '.join(N_VOCAB)} | {HF_PREFIX}<folder>")
+    run_config = checkpoint.parent.parent / "config.toml"
+    data = load_config(str(run_config)).data if run_config.is_file() else DataConfig()
+    return build_tokenizer(dataclasses.replace(data, tokenizer=name,
+                                               tokenizer_file=data.tokenizer_file if name == data.tokenizer else None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,18 +104,22 @@ def main(argv: list[str] | None = None) -> int:
         if opts.command == "import":
             overrides = {} if opts.max_seq_len is None else {"max_seq_len": opts.max_seq_len}
             if opts.to_delta:
-                if folder_model_type(opts.folder) != "llama":
-                    raise ConversionError("--to-delta converts a Hugging Face Llama folder (model_type llama)")
+                if folder_model_type(opts.folder) not in ("llama", "qwen3"):
+                    raise ConversionError("--to-delta converts a Hugging Face Llama or Qwen3 folder "
+                                          "(model_type llama or qwen3)")
                 overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta))
             model = load_pretrained(opts.folder, getattr(torch, opts.dtype), **overrides)
+            tokenizer = {"tokenizer": f"{HF_PREFIX}{Path(opts.folder).resolve()}"} \
+                if is_hf_tokenizer_folder(opts.folder) else {}
             with atomic_folder(out) as tmp:  # out appears only when complete
-                save_model_dcp(model, tmp, source=str(opts.folder))
+                save_model_dcp(model, tmp, source=str(opts.folder), **tokenizer)
             print(f"wrote {out} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
+            tokenizer = export_tokenizer(opts.checkpoint, opts.tokenizer)
             model = load_model_dcp(opts.checkpoint, ema=not opts.no_ema)
             with atomic_folder(out) as tmp:
                 paths = export_pretrained(model, tmp, opts.format, getattr(torch, opts.dtype) if opts.dtype else None,
-                                          int(opts.max_shard_gb * 2**30))
+                                          int(opts.max_shard_gb * 2**30), tokenizer)
             print(f"wrote {opts.out} ({len(paths)} shard(s))")
     except UserError as e:  # ConversionError, an unwritable output folder, a full disk (WriteError)
         print(f"error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 | model_type    | what it is                                        | reader / writer             |
 |---------------|---------------------------------------------------|-----------------------------|
 | ``llama``     | Hugging Face Llama (``standard`` decoder)         | ``hf_llama``                |
+| ``qwen3``     | Hugging Face Qwen3 (``standard``, q/k norm)       | ``hf_llama``                |
 | ``mhar_titan``| any of our models, our parameter names            | ``mhar_format``             |
 | ``llama_attnres`` | the MHAR authors' Llama modeling code         | ``authors``                 |
 """
@@ -13,17 +14,19 @@ from pathlib import Path
 
 import torch
 
+from mhar_titan.data.tokenizer import Tokenizer
 from mhar_titan.models.model import Transformer
 
 from . import authors
-from .hf_config import ConversionError, read_json
+from .hf_config import ConversionError, read_json, write_json
 from .hf_llama import CONFIG, export_hf, import_hf, load_hf_weights
 from .mhar_format import MODEL_TYPE, export_mhar, load_mhar, load_mhar_weights
+from .tokenizer_files import write_tokenizer_files
 
 FORMATS = ("auto", "hf", "mhar", "authors")
-"""Export formats: "hf" (Llama folder, standard models), "mhar" (our model type), "authors"
-(the authors' names and config, routing models), "auto" (hf for standard models without
-qk-norm, mhar otherwise)."""
+"""Export formats: "hf" (a Llama folder, or Qwen3 with q/k norm: standard models), "mhar" (our
+model type, loaded by transformers with trust_remote_code=True), "authors" (the authors' names
+and config, routing models), "auto" (hf for standard models, mhar otherwise)."""
 
 
 def folder_model_type(folder: str | os.PathLike) -> str:
@@ -60,11 +63,32 @@ def load_pretrained_weights(model: Transformer, folder: str | os.PathLike, args=
 
 
 def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = "auto",
-                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write ``model`` as a pretrained folder in ``fmt`` (see ``FORMATS``); returns the shard paths."""
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+                      tokenizer: Tokenizer | None = None) -> list[Path]:
+    """Write ``model`` as a pretrained folder in ``fmt`` (see ``FORMATS``); returns the shard paths.
+
+    With ``tokenizer`` (the one training used) the folder also gets its tokenizer files
+    (``tokenizer_files``) and ``config.json`` its ``eos_token_id`` (and ``bos_token_id``), so
+    ``AutoTokenizer`` encodes as training did and ``generate()`` stops at the end of text.
+
+    Raises:
+        ConversionError: an unknown format, a model the format cannot hold, or a tokenizer with
+            more ids than the model's vocab_size (checked before anything is written).
+    """
     if fmt not in FORMATS:
         raise ConversionError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
+    if tokenizer is not None and tokenizer.n_vocab > model.args.vocab_size:
+        raise ConversionError(f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the model's vocab_size "
+                              f"is {model.args.vocab_size}: it is not the tokenizer this model was trained with")
     if fmt == "auto":
-        fmt = "hf" if model.args.residual == "standard" and not model.args.qk_norm else "mhar"
+        fmt = "hf" if model.args.residual == "standard" else "mhar"
     writer = {"hf": export_hf, "mhar": export_mhar, "authors": authors.export_authors}[fmt]
-    return writer(model, folder, dtype, max_shard_bytes)
+    paths = writer(model, folder, dtype, max_shard_bytes)
+    if tokenizer is not None:
+        write_tokenizer_files(tokenizer, folder, model.args.max_seq_len)
+        config = read_json(Path(folder) / CONFIG)
+        config["eos_token_id"] = tokenizer.eos_id
+        if getattr(tokenizer, "bos_id", None) is not None:
+            config["bos_token_id"] = tokenizer.bos_id
+        write_json(Path(folder) / CONFIG, config)
+    return paths

@@ -1,8 +1,10 @@
-"""Hugging Face Llama ``config.json`` <-> ``ModelArgs`` (the decoder shape only).
+"""Hugging Face Llama / Qwen3 ``config.json`` <-> ``ModelArgs`` (the decoder shape only).
 
 A Llama-architecture checkpoint (Llama 3/3.1, Marin-8B, ...) is our ``standard`` decoder with
 ``qk_norm = False``: pre-norm RMSNorm, GQA attention with rotate-half RoPE (optionally the
-Llama 3.1 "llama3" frequency scaling), SwiGLU MLP, no biases. Both spellings of the RoPE
+Llama 3.1 "llama3" frequency scaling), SwiGLU MLP, no biases. A Qwen3 checkpoint is the same
+decoder with ``qk_norm = True`` (per-head RMSNorm of q and k before RoPE, eps = rms_norm_eps;
+no sliding window). Both spellings of the RoPE
 settings are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
 (``rope_parameters`` holding ``rope_theta`` and the scaling fields).
 """
@@ -16,7 +18,9 @@ from mhar_titan.errors import UserError
 from mhar_titan.files import write_text
 from mhar_titan.models.args import ModelArgs
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+QK_NORM_MODEL_TYPE = "qwen3"
+"""The transformers architecture of a standard decoder with per-head q/k RMSNorm."""
 
 
 class ConversionError(UserError, ValueError):
@@ -68,15 +72,16 @@ def _rope_settings(config: dict) -> dict:
 
 
 def args_from_hf_config(config: dict, **overrides) -> ModelArgs:
-    """``ModelArgs`` of the ``standard`` decoder described by a HF Llama ``config.json``.
+    """``ModelArgs`` of the ``standard`` decoder described by a HF Llama or Qwen3 ``config.json``.
 
     Derived: dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, norm_eps, rope_theta and
-    llama3 rope scaling, tie_embeddings, max_seq_len (= max_position_embeddings); qk_norm False.
+    llama3 rope scaling, tie_embeddings, max_seq_len (= max_position_embeddings); qk_norm False
+    for Llama, True for Qwen3.
     ``overrides`` replace any field afterwards (e.g. ``max_seq_len=4096`` for a smaller RoPE
     table, or ``residual="attn_res"`` for a routing model built on this backbone).
 
     Raises:
-        ConversionError: a model type other than llama, an activation other than silu,
+        ConversionError: a model type other than llama / qwen3, a Qwen3 sliding window, an activation other than silu,
             attention or MLP biases, a head_dim other than hidden_size / num_attention_heads,
             an unsupported RoPE type, or a missing shape field.
     """
@@ -86,6 +91,8 @@ def args_from_hf_config(config: dict, **overrides) -> ModelArgs:
             f"config.json model_type={model_type!r} is not supported; only Llama-architecture checkpoints "
             f"({', '.join(SUPPORTED_MODEL_TYPES)}) can be imported"
         )
+    if config.get("use_sliding_window"):
+        raise ConversionError("config.json use_sliding_window=true: sliding-window attention is not supported")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
@@ -102,7 +109,7 @@ def args_from_hf_config(config: dict, **overrides) -> ModelArgs:
             ffn_dim=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            qk_norm=False,
+            qk_norm=model_type == QK_NORM_MODEL_TYPE,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_seq_len=int(config.get("max_position_embeddings", 2048)),
             residual="standard",
@@ -124,18 +131,15 @@ def args_from_hf_config(config: dict, **overrides) -> ModelArgs:
 
 
 def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict:
-    """A transformers ``LlamaConfig`` dict (``config.json``) for the backbone of ``args``.
+    """A transformers ``LlamaConfig`` dict (``config.json``) for the backbone of ``args``, or a
+    ``Qwen3Config`` one when ``args.qk_norm`` (Qwen3 is Llama plus the per-head q/k norms).
 
     Written in the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``), which 5.x reads too.
-
-    Raises:
-        ConversionError: ``args`` has qk-norm (not a Llama layer).
     """
-    if args.qk_norm:
-        raise ConversionError("a model with qk_norm=True has no Llama equivalent (Llama has no q/k norms)")
+    qwen3 = args.qk_norm
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": QK_NORM_MODEL_TYPE if qwen3 else "llama",
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -153,6 +157,9 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict:
         "mlp_bias": False,
         "torch_dtype": dtype,
     }
+    if qwen3:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers,
+                      attention_dropout=0.0)
     if args.rope_scaling == "llama3":
         config["rope_scaling"] = {
             "rope_type": "llama3",

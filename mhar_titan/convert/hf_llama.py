@@ -1,4 +1,5 @@
-"""Hugging Face Llama folders: import into our decoder, export a ``standard`` decoder back.
+"""Hugging Face Llama and Qwen3 folders: import into our decoder, export a ``standard`` decoder back
+(as Llama, or as Qwen3 when it has per-head q/k norm).
 
 A folder holds ``config.json`` and ``model.safetensors`` or shards with an index (see
 ``safetensors_io``). Import reads the config into ``ModelArgs`` (``hf_config``), builds the
@@ -103,19 +104,20 @@ def import_hf(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
 
 def export_hf(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write a ``standard`` decoder as a Hugging Face Llama folder (``config.json`` and
-    safetensors shards of at most ``max_shard_bytes``) that ``LlamaForCausalLM.from_pretrained``
-    loads. Tensors are gathered and written one at a time (FSDP2 shards are gathered with
-    ``full_tensor``; call on every rank, only rank 0 should pass a folder it writes to).
+    """Write a ``standard`` decoder as a Hugging Face Llama folder, or a Qwen3 one when it has
+    q/k norm (``config.json`` and safetensors shards of at most ``max_shard_bytes``), that
+    ``AutoModelForCausalLM.from_pretrained`` loads with the stock architecture. Tensors are
+    gathered and written one at a time (FSDP2 shards are gathered with ``full_tensor``; call on
+    every rank, only rank 0 should pass a folder it writes to).
 
     Raises:
-        ConversionError: a routing model (use ``mhar_format.export_mhar``) or one with qk-norm.
+        ConversionError: a routing model (use ``mhar_format.export_mhar``).
     """
     args = model.args
     if args.residual != "standard":
         raise ConversionError(
-            f"a {args.residual!r} model has no Llama equivalent; export it with "
-            "mhar_titan.convert.export_mhar (our own model type) instead"
+            f"a {args.residual!r} model has no stock transformers architecture; export it with "
+            "mhar_titan.convert.export_mhar (our own model type, loaded with trust_remote_code=True) instead"
         )
     out_dtype = dtype or next(model.parameters()).dtype
     config = hf_config_from_args(args, dtype=str(out_dtype).removeprefix("torch."))
@@ -123,7 +125,7 @@ def export_hf(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype 
     for key, value in model.state_dict().items():
         name = backbone_hf_name(key)
         if name is None:
-            raise ConversionError(f"parameter {key} has no Hugging Face Llama name")
+            raise ConversionError(f"parameter {key} has no Hugging Face Llama/Qwen3 name")
         writer.add(name, _full(value).to(out_dtype))
     paths = writer.close()
     write_json(Path(folder) / CONFIG, config)

@@ -1,13 +1,20 @@
 """Our own Hugging-Face-style folder for routing models (``model_type = "mhar_titan"``).
 
-Routing models (AttnRes, MHAR, delta-MHAR) have no transformers architecture, so they are
-exported as a folder that any safetensors reader can open and this package reloads:
+Routing models (AttnRes, MHAR, delta-MHAR) have no stock transformers architecture, so they are
+exported as a folder that transformers loads with ``trust_remote_code=True`` (through the
+classes of ``hf_remote``, which wrap this package's model), any safetensors reader opens, and
+this package reloads:
 
-- ``config.json``: ``{"model_type": "mhar_titan", "architectures": ["MharTitanTransformer"],
-  "format_version": 1, "torch_dtype": ..., "model_args": {every ModelArgs field}}``;
+- ``config.json``: ``{"model_type": "mhar_titan", "architectures": ["MharTitanForCausalLM"],
+  "auto_map": {AutoConfig, AutoModelForCausalLM -> the two files below}, "format_version": 2,
+  "torch_dtype": ..., "model_args": {every ModelArgs field}}``;
+- ``configuration_mhar_titan.py`` and ``modeling_mhar_titan.py`` (``REMOTE_FILES``): one import
+  each, from the installed package;
 - ``model.safetensors`` or shards + ``model.safetensors.index.json``, tensors named by our state
-  dict keys (``tok_embeddings.weight``, ``layers.{i}.attention.wq.weight``, ``routing.query``
-  (S, d), ``routing.key_norm`` (S, d), ``routing.alpha`` (S, 1), ``routing.null_source``...).
+  dict keys under ``model.`` (``model.tok_embeddings.weight``, ``model.layers.{i}.attention.wq.weight``,
+  ``model.routing.query`` (S, d), ``model.routing.key_norm`` (S, d), ``model.routing.alpha``
+  (S, 1), ``model.routing.null_source``...). Format version 1 (no ``auto_map``) stored the keys
+  without the prefix; it still loads here.
 
 Reload with ``load_mhar(folder)`` (a ``Transformer`` with the saved arguments) or
 ``python -m mhar_titan.convert import FOLDER OUT`` (a DCP checkpoint for training).
@@ -23,13 +30,32 @@ import torch
 from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS, ModelArgs
 from mhar_titan.models.model import Transformer
 
+from mhar_titan.files import write_text
+
 from .hf_config import ConversionError, read_json, write_json
 from .hf_llama import CONFIG, empty_model
 from .loading import _full, load_streamed
 from .safetensors_io import ShardedWriter
 
 MODEL_TYPE = "mhar_titan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+PREFIX = "model."
+"""Tensor names of format 2 are the state dict keys of ``MharTitanForCausalLM``: ours under ``model.``."""
+REMOTE_FILES = {
+    "configuration_mhar_titan.py": (
+        '"""Configuration of an exported mhar-titan model (needs the mhar-titan package: pip install '
+        '\'mhar-titan[hf]\')."""\nfrom mhar_titan.convert.hf_remote import MharTitanConfig\n\n'
+        '__all__ = ["MharTitanConfig"]\n'),
+    "modeling_mhar_titan.py": (
+        '"""An exported mhar-titan model: this package\'s Transformer behind transformers\' interface '
+        '(needs the mhar-titan package: pip install \'mhar-titan[hf]\')."""\n'
+        'from mhar_titan.convert.hf_remote import MharTitanConfig, MharTitanForCausalLM\n\n'
+        '__all__ = ["MharTitanConfig", "MharTitanForCausalLM"]\n'),
+}
+AUTO_MAP = {"AutoConfig": "configuration_mhar_titan.MharTitanConfig",
+            "AutoModelForCausalLM": "modeling_mhar_titan.MharTitanForCausalLM"}
+
+
 def mhar_args(folder: str | os.PathLike, **overrides) -> ModelArgs:
     """The ``ModelArgs`` saved in ``folder/config.json``, with ``overrides``.
 
@@ -55,19 +81,23 @@ def mhar_args(folder: str | os.PathLike, **overrides) -> ModelArgs:
 
 def export_mhar(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype | None = None,
                 max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write any of our models (routing or not) as a ``mhar_titan`` folder (module docstring).
+    """Write any of our models (routing or not) as a ``mhar_titan`` folder (module docstring),
+    with the two files that let transformers load it (``trust_remote_code=True``).
 
     Tensors are gathered (FSDP2 ``full_tensor``) and written one shard at a time."""
     out_dtype = dtype or next(model.parameters()).dtype
     writer = ShardedWriter(folder, max_shard_bytes)
     for key, value in model.state_dict().items():
-        writer.add(key, _full(value).to(out_dtype))
+        writer.add(PREFIX + key, _full(value).to(out_dtype))
     paths = writer.close()
     config = {
-        "model_type": MODEL_TYPE, "architectures": ["MharTitanTransformer"], "format_version": FORMAT_VERSION,
-        "torch_dtype": str(out_dtype).removeprefix("torch."), "model_args": dataclasses.asdict(model.args),
+        "model_type": MODEL_TYPE, "architectures": ["MharTitanForCausalLM"], "auto_map": AUTO_MAP,
+        "format_version": FORMAT_VERSION, "torch_dtype": str(out_dtype).removeprefix("torch."),
+        "model_args": dataclasses.asdict(model.args),
     }
     write_json(Path(folder) / CONFIG, config)
+    for name, text in REMOTE_FILES.items():
+        write_text(Path(folder) / name, text)
     return paths
 
 
@@ -85,7 +115,9 @@ def load_mhar_weights(model, folder: str | os.PathLike, args: ModelArgs | None =
              if k not in WEIGHT_NEUTRAL_FIELDS and saved[k] != ours[k]]
     if diffs:
         raise ConversionError(f"{folder} was saved from a different model:\n  " + "\n  ".join(diffs))
-    return load_streamed(model, folder, lambda name: (name, None), required=lambda key: True)
+    prefix = PREFIX if read_json(Path(folder) / CONFIG).get("format_version", 1) >= 2 else ""
+    return load_streamed(model, folder, lambda name: (name.removeprefix(prefix), None) if name.startswith(prefix)
+                         else None, required=lambda key: True)
 
 
 def load_mhar(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu", **overrides) -> Transformer:

@@ -1,4 +1,4 @@
-"""Parameter names: Hugging Face Llama (and the authors' routing names) <-> our state dict.
+"""Parameter names: Hugging Face Llama / Qwen3 (and the authors' routing names) <-> our state dict.
 
 Our state dict keys are the plain model's (``layers.3.attention.wq.weight``, ``routing.query``).
 Routing parameters are stacked per site in ``DepthRouting`` (``routing.query`` is (S, d), row
@@ -6,12 +6,14 @@ Routing parameters are stacked per site in ``DepthRouting`` (``routing.query`` i
 modeling code store one tensor per site instead. A name therefore maps to a *target*:
 ``(our key, row)`` with ``row = None`` for a whole tensor.
 
-Backbone names (transformers ``LlamaForCausalLM``, weights in the rotate-half RoPE layout that
-our attention uses too, so no permutation is needed):
+Backbone names (transformers ``LlamaForCausalLM`` and ``Qwen3ForCausalLM``, which is Llama plus
+per-head q/k RMSNorm; weights in the rotate-half RoPE layout that our attention uses too, so no
+permutation is needed):
 
 ====================================================  ===================================
 ``model.embed_tokens.weight``                         ``tok_embeddings.weight``
 ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``  ``layers.{i}.attention.w{q,k,v,o}.weight``
+``model.layers.{i}.self_attn.{q,k}_norm.weight``      ``layers.{i}.attention.{q,k}_norm.weight`` (Qwen3)
 ``model.layers.{i}.mlp.gate_proj.weight``             ``layers.{i}.feed_forward.w1.weight``
 ``model.layers.{i}.mlp.up_proj.weight``               ``layers.{i}.feed_forward.w3.weight``
 ``model.layers.{i}.mlp.down_proj.weight``             ``layers.{i}.feed_forward.w2.weight``
@@ -33,6 +35,8 @@ LAYER_NAMES = {
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",

@@ -56,6 +56,8 @@ class HFTokenizer(Tokenizer):
     special_tokens: dict[str, int] = field(default_factory=dict)
     encode_with_special: Optional[Callable[[str], list[int]]] = None
     """Encoding that maps special-token text to its id (transformers' default behaviour)."""
+    folder: Optional[Path] = None
+    """The folder the tokenizer was read from (an export copies its tokenizer files)."""
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -215,4 +217,5 @@ def load_hf_tokenizer(path, prefer: str = "tiktoken") -> HFTokenizer:
         name=f"hf:{folder.name}", n_vocab=enc.n_vocab, eos_id=eos, encode=enc.encode_ordinary, decode=enc.decode,
         bos_id=_named_id(config, "bos_token", specials), special_tokens=specials,
         encode_with_special=lambda text: enc.encode(text, allowed_special="all"),
+        bpe=dict(pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials), folder=folder.resolve(),
     )

@@ -121,6 +121,10 @@ class Tokenizer:
     eos_id: int
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
+    bpe: Optional[dict] = None
+    """The ``tiktoken.Encoding`` arguments of a BPE tokenizer (``pat_str``, ``mergeable_ranks``:
+    token bytes -> id, ``special_tokens``: text -> id), from which an export writes the same
+    tokenizer in Hugging Face's format (``convert.tokenizer_files``); None for the byte tokenizer."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -207,9 +211,11 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.tokenizer_file:
         _seed_from_local_file(name, ENCODING_FILES[name], Path(cfg.tokenizer_file), cache_dir)
     check_cache(name, cache_dir)
-    enc = _load_encoding(name, cache_dir)
+    bpe = _encoding_arguments(name, cache_dir)
+    enc = tiktoken.Encoding(**bpe)
     return Tokenizer(name=name, n_vocab=enc.n_vocab, eos_id=enc.eot_token,
-                     encode=enc.encode_ordinary, decode=enc.decode)
+                     encode=enc.encode_ordinary, decode=enc.decode,
+                     bpe={key: bpe[key] for key in ("pat_str", "mergeable_ranks", "special_tokens")})
 
 
 def _utf8_bytes(text: str) -> list[int]:
@@ -221,14 +227,15 @@ def _from_bytes(ids: list[int]) -> str:
     return bytes(i for i in ids if 0 <= i < BYTE_EOS).decode("utf-8", errors="replace")
 
 
-def _load_encoding(name: str, cache_dir: Path) -> tiktoken.Encoding:
-    """Build the encoding with tiktoken's own constructor, reading only the verified cache."""
+def _encoding_arguments(name: str, cache_dir: Path) -> dict:
+    """tiktoken's own constructor arguments of the encoding (name, pat_str, mergeable_ranks,
+    special_tokens), reading only the verified cache."""
     from tiktoken_ext.openai_public import ENCODING_CONSTRUCTORS
 
     saved = os.environ.get("TIKTOKEN_CACHE_DIR")
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
     try:
-        return tiktoken.Encoding(**ENCODING_CONSTRUCTORS[name]())
+        return ENCODING_CONSTRUCTORS[name]()
     finally:
         if saved is None:
             del os.environ["TIKTOKEN_CACHE_DIR"]

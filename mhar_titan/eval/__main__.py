@@ -2,13 +2,17 @@
 
 perplexity: validation loss and perplexity on held-out files (default: the run's
 ``data.validation_files``, at its ``training.seq_len``, its ``validation.sequences``).
-lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install lm-eval`` and its task data).
+lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install 'mhar-titan[lm-eval]'``; stock
+tasks download their data from the hub, local YAML tasks in an ``--include-path`` folder run
+offline) and print lm-eval's results table; ``--output-path`` saves lm-eval's results file (and,
+with ``--log-samples``, every sample's requests and answers) as lm-eval's own command does.
 Bad input: a message on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from mhar_titan.eval.load import USER_ERRORS, load_run
@@ -24,18 +28,47 @@ def _perplexity(args) -> dict:
             "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}
 
 
-def _lm_eval(args) -> dict:
+def _lm_eval(args) -> str:
+    """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
     try:
         import lm_eval
+        from lm_eval.loggers import EvaluationTracker
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
     except ImportError:
-        raise ValueError("the lm-eval command needs lm-eval: pip install lm-eval") from None
+        raise ValueError("the lm-eval command needs lm-eval: pip install 'mhar-titan[lm-eval]'") from None
     from mhar_titan.eval.lm_eval_adapter import MharLM
 
+    if args.log_samples and not args.output_path:
+        raise ValueError("--log-samples writes the samples under --output-path; pass one")
+    for folder in args.include_path or ():
+        if not pathlib.Path(folder).is_dir():
+            raise FileNotFoundError(f"--include-path {folder} is not a folder of lm-eval task YAML files")
+    tasks = args.tasks.split(",")
+    # Indexing lm-eval's thousands of built-in task files takes a while: local tasks alone first.
+    task_manager = TaskManager(include_path=args.include_path, include_defaults=False) if args.include_path else None
+    if task_manager is None or not all(task_manager.match_tasks([t]) for t in tasks):
+        task_manager = TaskManager(include_path=args.include_path or None)
+    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
+    if unknown:
+        where = f" (nor in {', '.join(args.include_path)})" if args.include_path else " (local tasks: --include-path FOLDER)"
+        raise ValueError(f"lm-eval knows no task {', '.join(unknown)}{where}")
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
     lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8)
-    results = lm_eval.simple_evaluate(model=lm, tasks=args.tasks.split(","), limit=args.limit,
-                                      num_fewshot=args.num_fewshot)
-    return {"run": str(loaded.run_dir), "step": loaded.step, "results": results["results"]}
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                                      log_samples=args.log_samples, evaluation_tracker=tracker,
+                                      task_manager=task_manager)
+    samples = results.pop("samples", None)
+    if tracker is not None:
+        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
+        if args.log_samples:
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+    header = f"mhar_titan ({loaded.checkpoint}, step {loaded.step}), limit: {args.limit}, " \
+             f"num_fewshot: {args.num_fewshot}, batch_size: {lm.batch_size}"
+    tables = [make_table(results)] + ([make_table(results, "groups")] if "groups" in results else [])
+    return "\n".join([header, *tables])
 
 
 def main(argv=None) -> int:
@@ -55,13 +88,18 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--limit", type=int, default=None, help="examples per task")
     p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--output-path", default=None,
+                   help="folder for lm-eval's results file (and samples), laid out as lm-eval --output_path does")
+    p.add_argument("--log-samples", action="store_true", help="also save every sample (needs --output-path)")
+    p.add_argument("--include-path", action="append", default=None,
+                   help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")
     args = parser.parse_args(argv)
     try:
-        out = _perplexity(args) if args.command == "perplexity" else _lm_eval(args)
+        out = json.dumps(_perplexity(args), indent=1, default=str) if args.command == "perplexity" else _lm_eval(args)
     except USER_ERRORS as e:
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(out, indent=1, default=str))
+    print(out)
     return 0
 
 

@@ -171,4 +171,8 @@ class MharLM(_Base):
 
 
 if _register is not None:  # pragma: no cover - needs lm-eval
+    # lm-eval fills its model registry with its own models (hf, vllm, ...) only while the registry
+    # is empty: register them first, or model="hf" would be unknown after this import.
+    import lm_eval.models  # noqa: F401
+
     _register("mhar_titan")(MharLM)

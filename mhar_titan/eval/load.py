@@ -164,7 +164,8 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
     run_dir, checkpoint = find_checkpoint(path, step)
     cfg = read_run_config(run_dir)
     marker = read_marker(checkpoint) if (checkpoint / "complete.json").is_file() else {}
-    tokenizer_name = (marker.get("fingerprint") or {}).get("tokenizer") or (cfg.data.tokenizer if cfg else "gpt2")
+    tokenizer_name = ((marker.get("fingerprint") or {}).get("tokenizer") or marker.get("tokenizer")
+                      or (cfg.data.tokenizer if cfg else "gpt2"))
     data_cfg = cfg.data if cfg is not None else DataConfig(tokenizer=tokenizer_name)
     if data_cfg.tokenizer != tokenizer_name:
         raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
