@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="debug")
     p.add_argument("--families", default="mhar H=8", help=f"comma list of {', '.join(FAMILIES)}")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     p.add_argument("--tokens", type=int, default=40, help="new tokens")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cpu")
