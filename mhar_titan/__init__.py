@@ -5,4 +5,21 @@ heavy; the names a package offers are exported lazily through ``mhar_titan.lazy.
 so importing a package, or a light module in it, never imports torch, the data stack or a
 builder it does not need. ``mhar_kernels`` (a leaf that imports nothing of ours) follows the
 same rule with its own module ``__getattr__``.
+
+The public API (lazy, as above): the model (``Transformer``, ``ModelArgs``, ``FLAVORS`` shapes,
+``FAMILIES`` residual paths); the config (``JobConfig``, ``load_config(file, overrides)``);
+training (``run_training(cfg)``: check, build, train, close; ``Trainer``, the loop itself);
+using a run (``load_run(folder)``: model and tokenizer of a checkpoint; ``generate`` and
+``generate_batch``: KV-cache decoding).
 """
+from mhar_titan.lazy import lazy_exports
+
+_EXPORTS = {
+    "Transformer": "models", "ModelArgs": "models", "FLAVORS": "models", "FAMILIES": "models",
+    "JobConfig": "config", "load_config": "config",
+    "Trainer": "train", "run_training": "train",
+    "load_run": "eval.load", "generate": "eval.generation", "generate_batch": "eval.generation",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

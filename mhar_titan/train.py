@@ -349,6 +349,38 @@ def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optiona
     return code
 
 
+def quiet_known_warnings() -> None:
+    """Silence warnings known to be harmless: torchdata 0.11 calls a torch API that torch 2.13
+    deprecated (``set_vital``), printed once per loader worker."""
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def check_config(cfg: JobConfig) -> ModelArgs:
+    """The checks that need only the config, before anything is built: batch geometry for the
+    launch's WORLD_SIZE and the model arguments for the tokenizer, which it returns.
+    Raises UserError (ConfigError)."""
+    batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
+    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+                              cfg.data.tokenizer)
+
+
+def run_training(cfg: JobConfig) -> TrainState:
+    """Train one run from Python (a notebook or script): check ``cfg``, build the `Trainer`, run
+    it to ``training.steps`` and close it (checkpoints waited for, sinks closed, the summary
+    printed). Returns the final train state (``step``, ``tokens_seen``, ...).
+
+    Raises:
+        UserError: a bad config, data, checkpoint or run folder (``main`` turns it into exit 2).
+        TrainingHealthError: too many consecutive non-finite steps.
+    """
+    quiet_known_warnings()
+    trainer = Trainer(cfg, check_config(cfg))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
 
@@ -360,15 +392,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     status the launch scripts read (``mhar_titan.exit_status``); a crash records nothing.
     """
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    # torchdata 0.11 calls a torch API that torch 2.13 deprecated; harmless, and printed once per worker.
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    quiet_known_warnings()
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
         cfg = load_config(None, argv)
-        batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-        model_args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
-                                        cfg.data.tokenizer)
+        model_args = check_config(cfg)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
         return _record_exit(cfg, "bad_input", 2)
