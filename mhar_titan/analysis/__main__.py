@@ -32,7 +32,7 @@ def _heatmap(args) -> list[pathlib.Path]:
         raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
     summary = routing_summary(loaded.model, _validation_tokens(loaded, args))
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
-    title = f"{loaded.run_dir.name}, step {loaded.step}: mean routing weight per site and source"
+    title = f"{loaded.run_dir.name}, step {loaded.step}: routing weight vs uniform"
     png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
     md = out / f"routing_step{loaded.step}.md"
     md.write_text(routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
         p.add_argument("--device", default="cpu")
         p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
-    sub.choices["heatmap"].add_argument("--dpi", type=int, default=100)
+    sub.choices["heatmap"].add_argument("--dpi", type=int, default=200, help="pixels per inch (3.5 in wide)")
     p = sub.choices["probe"]
     p.add_argument("--slices", type=int, default=4, help="contiguous query slices S")
     p.add_argument("--draws", type=int, default=4, help="random-query draws in the reference")
