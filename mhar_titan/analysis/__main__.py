@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=None, help="name (folder name) of the baseline run; default: the first")
     p.add_argument("-k", type=int, default=11, help="evaluations in the tail mean")
     p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
-    p.add_argument("--dpi", type=int, default=100)
+    p.add_argument("--dpi", type=int, default=200)
     args = parser.parse_args(argv)
     command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
     try:
