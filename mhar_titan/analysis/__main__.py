@@ -2,7 +2,7 @@
 
 heatmap RUN   routing heatmaps (PNG), per-site entropy / effective sources (Markdown, JSON)
               on validation batches of the run's newest (or --step) checkpoint
-probe RUN     the query probe of a single-head model (Markdown)
+probe RUN     the query probe of a single-head model (Markdown, and a per-site PNG)
 compare RUN RUN ...  loss against tokens (PNG) and a tail-mean validation-loss table (Markdown)
 
 Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
@@ -43,7 +43,8 @@ def _heatmap(args) -> list[pathlib.Path]:
 
 
 def _probe(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.probe import query_probe
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.analysis.probe import plot_probe, query_probe
 
     loaded = load_run(args.run, args.step, args.device)
     result = query_probe(loaded.model, _validation_tokens(loaded, args),
@@ -52,8 +53,11 @@ def _probe(args) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"probe_step{loaded.step}.md"
     md.write_text(result.report(f"Query probe of {loaded.run_dir.name} at step {loaded.step}"))
+    png = out / f"probe_step{loaded.step}.png"
+    pyplot().close(plot_probe(result, loaded.model.args.n_routing_sites, png,
+                              title=f"{loaded.run_dir.name}, step {loaded.step}: query probe, S = {result.slices}"))
     print(md.read_text())
-    return [md]
+    return [md, png]
 
 
 def _compare(args) -> list[pathlib.Path]:
