@@ -126,6 +126,16 @@ def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys
     assert capsys.readouterr().out == first
     assert generate_main([str(runs / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # the KV cache changes nothing; a stop string cuts the sample before it
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--no-cache"]) == 0
+    assert capsys.readouterr().out == first
+    text = first.split("\nROMEO:", 1)[1][:-1]  # the sample without print's newline
+    assert text
+    stop = text[-2:]
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--stop", stop]) == 0
+    assert capsys.readouterr().out.split("\nROMEO:", 1)[1] == text[:text.index(stop)] + "\n"
+    assert generate_main([str(run), "--tokens", "3", "--temperature", "0.8", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def test_runs_with_another_seed_are_not_paired(runs, tmp_path):
