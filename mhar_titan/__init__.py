@@ -9,8 +9,9 @@ same rule with its own module ``__getattr__``.
 The public API (lazy, as above): the model (``Transformer``, ``ModelArgs``, ``FLAVORS`` shapes,
 ``FAMILIES`` residual paths); the config (``JobConfig``, ``load_config(file, overrides)``);
 training (``run_training(cfg)``: check, build, train, close; ``Trainer``, the loop itself);
-using a run (``load_run(folder)``: model and tokenizer of a checkpoint; ``generate`` and
-``generate_batch``: KV-cache decoding).
+using a run (``load_run(folder)``: model and tokenizer of a checkpoint; ``generate_batch``:
+KV-cache decoding; ``mhar_titan.generate`` is the sampling command's module, so the name is
+not an export).
 """
 from mhar_titan.lazy import lazy_exports
 
@@ -18,7 +19,7 @@ _EXPORTS = {
     "Transformer": "models", "ModelArgs": "models", "FLAVORS": "models", "FAMILIES": "models",
     "JobConfig": "config", "load_config": "config",
     "Trainer": "train", "run_training": "train",
-    "load_run": "eval.load", "generate": "eval.generation", "generate_batch": "eval.generation",
+    "load_run": "mhar_titan.eval.load", "generate_batch": "mhar_titan.eval.generation",
 }
 
 __all__ = sorted(_EXPORTS)

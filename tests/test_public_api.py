@@ -17,14 +17,14 @@ def test_the_package_exports_lazily_and_imports_nothing_heavy():
             "'mhar_titan.config') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"
-    from mhar_titan.eval.generation import generate
+    from mhar_titan.eval.generation import generate_batch
     from mhar_titan.models import FAMILIES, Transformer
     from mhar_titan.train import run_training
 
     assert mhar_titan.Transformer is Transformer and mhar_titan.FAMILIES is FAMILIES
-    assert mhar_titan.run_training is run_training and mhar_titan.generate is generate
+    assert mhar_titan.run_training is run_training and mhar_titan.generate_batch is generate_batch
     assert set(mhar_titan.__all__) >= {"Transformer", "ModelArgs", "FLAVORS", "FAMILIES", "load_config",
-                                       "JobConfig", "run_training", "Trainer", "load_run", "generate"}
+                                       "JobConfig", "run_training", "Trainer", "load_run", "generate_batch"}
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mhar_titan.nope  # noqa: B018
 

@@ -120,7 +120,6 @@ class ProbeTrace:
         self.sites += 1
 
 
-
 @torch.no_grad()
 def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int = 4, draws: int = 4,
                 seed: int = 0) -> ProbeResult:
