@@ -1,9 +1,11 @@
-"""``python -m mhar_titan.generate RUN [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]``.
+"""``python -m mhar_titan.generate RUN [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--top-p P]``.
 
 Prints a continuation of the prompt from a run folder's newest checkpoint (or ``--step``, or a
 ``step-N`` folder). Instead of RUN, ``--config FILE [--section.key=value ...]`` (the training
 command line) names the run folder ``<job.dump_folder>/<job.name>`` that training wrote. Temperature 0 (the default) is greedy and deterministic; otherwise tokens are
-sampled (``--seed`` fixes the draw). Bad input: a message on stderr and exit status 2.
+sampled (``--seed`` fixes the draw). Generation stops early at the tokenizer's end-of-text token
+or a ``--stop`` string (cut from the output). Decoding uses a KV cache (``--no-cache``: re-run
+the prefix at every step, the slow reference). Bad input: a message on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import argparse
 import pathlib
 import sys
 
-from mhar_titan.eval.generation import generate
+from mhar_titan.eval.generation import generate_batch
 from mhar_titan.eval.load import USER_ERRORS, load_run
 
 DEFAULT_PROMPT = "ROMEO:"
@@ -38,6 +40,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=40, help="new tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens whose "
+                        "probability reaches p (nucleus)")
+    parser.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable; not printed)")
+    parser.add_argument("--no-cache", action="store_true", help="re-run the prefix at every step (no KV cache)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu")
     args, overrides = parser.parse_known_args(argv) if by_config else (parser.parse_args(argv), [])
@@ -46,14 +52,18 @@ def main(argv=None) -> int:
         loaded = load_run(run, args.step, args.device, routing_kernel="auto")
         tok = loaded.tokenizer
         prompt = tok.encode(args.prompt) or [tok.eos_id]
-        new = generate(loaded.model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                       n_vocab=tok.n_vocab, seed=args.seed)
+        new = generate_batch(loaded.model, [prompt], args.tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, n_vocab=tok.n_vocab, stop_ids=[tok.eos_id], stop_strings=args.stop,
+                             decode=tok.decode, seed=args.seed, use_cache=not args.no_cache)[0]
     except USER_ERRORS as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-k {args.top_k}"
+    how = "greedy" if args.temperature == 0 else \
+        f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}"
+    text = tok.decode([t for t in new if t != tok.eos_id])
+    cuts = [text.index(s) for s in args.stop if s and s in text]
     print(f"--- sample from {loaded.checkpoint} (step {loaded.step}, {how}) ---")
-    print(args.prompt + tok.decode(new.tolist()))
+    print(args.prompt + (text[:min(cuts)] if cuts else text))
     return 0
 
 

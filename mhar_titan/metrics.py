@@ -1,4 +1,5 @@
-"""FLOPs, MFU, memory and the metric sinks (console, JSONL, TensorBoard, wandb).
+"""FLOPs, MFU, memory and the metric sinks (console, JSONL, TensorBoard with grouped tags and the
+run's hyperparameters, wandb).
 
 FLOPs per token (PaLM convention, as TorchTitan; no causal discount), for
 ``ModelArgs`` with d = dim, L = n_layers, H = n_heads, KV = n_kv_heads,
@@ -30,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from mhar_titan import console
 from mhar_titan.files import write_text
 from mhar_titan.models.plan import RoutingPlan
 
@@ -146,21 +148,40 @@ class Throughput:
 
 
 class ConsoleSink:
-    def __init__(self, color: bool = True):
+    """The console (`mhar_titan.console` formats): one line per logged step with the ETA (the
+    mean time per step since the sink started, times the steps left), a line per validation
+    with the best loss so far, and event lines (`event`). Colour only on a terminal."""
+
+    def __init__(self, color: bool = True, total_steps: Optional[int] = None, start_step: int = 0):
         self.color = color and sys.stdout.isatty()
+        self.total, self.start_step = total_steps, start_step
+        self.t0 = time.perf_counter()
+        self.best: Optional[float] = None
+
+    def eta(self, step: int) -> Optional[float]:
+        """Seconds left at `step` (None without a total or before a step ran)."""
+        if not self.total or step <= self.start_step:
+            return None
+        return (time.perf_counter() - self.t0) / (step - self.start_step) * (self.total - step)
 
     def log(self, step: int, metrics: dict) -> None:
-        parts = []
-        for k, v in metrics.items():
-            if v is None:
-                continue
-            if isinstance(v, float):
-                v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
-            parts.append(f"{k}={v}")
-        head = f"step {step:>6}"
-        if self.color:
-            head = f"\033[36m{head}\033[0m"
-        print(f"{head}  " + "  ".join(parts), flush=True)
+        tag = console.step_tag(step, self.total)
+        if "loss" in metrics:
+            self._print(console.line(tag, console.step_fields(metrics, self.eta(step)), "step", self.color))
+        if "val_loss" in metrics:
+            value = metrics["val_loss"]
+            if math.isfinite(value) and (self.best is None or value < self.best):
+                self.best = value
+            best = [] if self.best is None else [f"best {console.loss_text(self.best)}"]
+            self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best], "val", self.color))
+
+    def event(self, step: int, fields: list[str], kind: str = "event") -> None:
+        """A line of the run that is not a metrics row (start, preemption, summary)."""
+        self._print(console.line(console.step_tag(step, self.total), fields, kind, self.color))
+
+    @staticmethod
+    def _print(text: str) -> None:
+        print(text, flush=True)
 
     def flush(self) -> None:
         pass
@@ -202,6 +223,36 @@ class JSONLSink:
         self.f.close()
 
 
+PERF_KEYS = ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "routing_flops_share",
+             "peak_mem_gib")
+
+
+def tensorboard_tag(key: str) -> str:
+    """The grouped TensorBoard tag of a metrics key: ``val_loss`` -> ``val/loss``, throughput and
+    memory under ``perf/``, ``routing_entropy`` -> ``routing/entropy``, the rest under ``train/``
+    (``loss`` -> ``train/loss``, ``grad_norm/routing`` -> ``train/grad_norm/routing``)."""
+    if key.startswith("val_"):
+        return "val/" + key[4:]
+    if key in PERF_KEYS:
+        return "perf/" + key
+    if key.startswith("routing_"):
+        return "routing/" + key[8:]
+    return "train/" + key
+
+
+def flat_hparams(config: dict, prefix: str = "") -> dict:
+    """A nested config dict as TensorBoard hyperparameters ``{"section.key": value}``: numbers,
+    strings and booleans as they are, anything else (lists, None) as its text."""
+    flat = {}
+    for k, v in config.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flat_hparams(v, name + "."))
+        else:
+            flat[name] = v if isinstance(v, (bool, int, float, str)) else str(v)
+    return flat
+
+
 class TensorBoardSink:
     """Scalars in a TensorBoard event file under ``folder``, flushed after every log call.
 
@@ -209,16 +260,21 @@ class TensorBoardSink:
     discards the events an interrupted run wrote after the checkpoint it resumed from.
     """
 
-    def __init__(self, folder: pathlib.Path, resume_step: Optional[int] = None):
+    def __init__(self, folder: pathlib.Path, resume_step: Optional[int] = None, hparams: Optional[dict] = None):
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         purge = resume_step + 1 if resume_step is not None else None
         self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+        if hparams and resume_step is None:  # the run's hyperparameters, once, in this run's own event file
+            for summary in hparams_summary(flat_hparams(hparams), {"val/loss": 0.0, "train/loss": 0.0}):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.flush()
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                self.writer.add_scalar(k, v, step)
+                self.writer.add_scalar(tensorboard_tag(k), v, step)
         self.writer.flush()
 
     def flush(self) -> None:
@@ -291,24 +347,43 @@ class MetricsLogger:
 
     def __init__(self, cfg, run_dir: pathlib.Path, rank: int, run_name: str = "run",
                  config: Optional[dict] = None, wandb_id: Optional[str] = None,
-                 resume_step: Optional[int] = None):
+                 resume_step: Optional[int] = None, total_steps: Optional[int] = None):
         self.sinks = []
         self.wandb_id = None
+        self.console: Optional[ConsoleSink] = None
+        self.locations: list[str] = []
         if rank != 0:
             return
         run_dir = pathlib.Path(run_dir)
-        self.sinks.append(ConsoleSink(color=not cfg.disable_color_printing))
-        self.sinks.append(JSONLSink(run_dir / cfg.jsonl_file, resume_step))
+        self.jsonl_path = run_dir / cfg.jsonl_file
+        self.console = ConsoleSink(not cfg.disable_color_printing, total_steps, resume_step or 0)
+        self.sinks += [self.console, JSONLSink(self.jsonl_path, resume_step)]
+        self.locations.append(cfg.jsonl_file)  # inside the run folder
         if cfg.enable_tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir / cfg.save_tb_folder, resume_step))
+            self.sinks.append(TensorBoardSink(run_dir / cfg.save_tb_folder, resume_step, config))
+            self.locations.append(f"tensorboard {cfg.save_tb_folder}/")
         if cfg.enable_wandb:
             sink = WandbSink(cfg.wandb_project, run_name, run_dir, config or {}, wandb_id, resume_step)
             self.wandb_id = sink.id
             self.sinks.append(sink)
+            self.locations.append("wandb wandb/")
 
     def log(self, step: int, metrics: dict) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def event(self, step: int, *fields: str, kind: str = "event") -> None:
+        """A console-only line (`ConsoleSink.event`); nothing on ranks other than 0."""
+        if self.console is not None:
+            self.console.event(step, list(fields), kind)
+
+    def validation_losses(self) -> list[tuple[int, float]]:
+        """(step, val_loss) of every validation in the JSONL file (a resumed run's earlier ones
+        included), in step order; [] on ranks other than 0."""
+        if self.console is None or not self.jsonl_path.exists():
+            return []
+        rows = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        return sorted((r["step"], float(r["val_loss"])) for r in rows if "val_loss" in r)
 
     def flush(self) -> None:
         """Every sink hands what it holds to its file (see each sink); call it when a checkpoint is saved."""

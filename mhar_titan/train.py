@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import sys
+import time
 import warnings
 from typing import Optional
 
@@ -45,11 +46,12 @@ from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
-from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_row
+from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_fields
 from mhar_titan.components.ranks import agree_on_data_error, agree_on_setup, seed_global_rngs
 from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
+from mhar_titan.console import LOG_FORMAT, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
@@ -128,13 +130,16 @@ class Trainer:
             on_rank0(env.rank, env.world_size, self.run_folder.refuse_existing_run)
         self.metrics = MetricsLogger(cfg.metrics, self.run_dir, env.rank, run_name=cfg.job.name,
                                      config=cfg.to_dict(), wandb_id=self.state.wandb_id,
-                                     resume_step=self.state.step if self.state.step > 0 else None)
+                                     resume_step=self.state.step if self.state.step > 0 else None,
+                                     total_steps=t.steps)
         self.state.wandb_id = self.metrics.wandb_id or self.state.wandb_id
         self.state.sync_from_rank0(env.world_size)
         self.preemption = PreemptionHandler()
-        self._log(self.state.step, startup_row(
+        self.started = (time.perf_counter(), self.state.step)  # for the end-of-run summary
+        self.metrics.event(self.state.step, *startup_fields(
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
-            self.grad_accum, self.flops, self.run_dir), console_only=True)
+            self.grad_accum, self.flops))
+        self.metrics.event(self.state.step, "run folder", str(self.run_dir))
 
     def _build_inputs(self) -> None:
         """Tokenizer, data checks (``check_data_files``), train loader and validation set.
@@ -169,12 +174,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
-    def _log(self, step: int, row: dict, console_only: bool = False) -> None:
-        if self.env.rank != 0:
-            return
-        if console_only:
-            print(f"[mhar_titan] step {step}: " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-        else:
+    def _log(self, step: int, row: dict) -> None:
+        if self.env.rank == 0:
             self.metrics.log(step, row)
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -227,12 +228,10 @@ class Trainer:
         snapshots.start()
         tokens_per_step = self.global_batch_size * t.seq_len
         if self.state.step >= t.steps:
-            self._log(self.state.step, {
-                "event": "nothing_to_do",
-                "message": f"resumed at step {self.state.step} and training.steps = {t.steps}: raise "
-                           "--training.steps to continue, or start a fresh run with another --job.name "
-                           f"(or delete or move {self.run_dir} first)",
-            }, console_only=True)
+            self.metrics.event(
+                self.state.step, "nothing to do",
+                f"resumed at step {self.state.step} and training.steps = {t.steps}: raise --training.steps to "
+                f"continue, or start a fresh run with another --job.name (or delete or move {self.run_dir} first)")
             return self.state
         on_rank0(self.env.rank, self.env.world_size, self.run_folder.save_config)
         throughput = Throughput()
@@ -284,8 +283,9 @@ class Trainer:
                             self.checkpointer.save(step, force=True)
                         self.metrics.flush()
                         self.preempted = True
-                        self._log(step, {"event": "preempted", "signal": str(self.preemption.received)},
-                                  console_only=True)
+                        self.metrics.event(step, "preempted", f"signal {self.preemption.received}",
+                                           "checkpoint saved" if self.checkpointer is not None else "no checkpoint",
+                                           kind="warn")
                         break
         finally:
             gc.enable()
@@ -306,6 +306,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ exit
 
+    def _summary(self) -> None:
+        """The end-of-run summary on the console (rank 0): steps and tokens of this run, wall time,
+        final and best validation loss, the newest checkpoint, where the full metrics are."""
+        began, start_step = self.started
+        if self.env.rank != 0 or self.state.step <= start_step:
+            return
+        saved = self.checkpointer.last_saved if self.checkpointer is not None else None
+        lines = summary_fields(self.state.step, start_step, self.state.tokens_seen, time.perf_counter() - began,
+                               self.state.nonfinite_skipped, self.metrics.validation_losses(),
+                               str(self.run_dir), None if saved is None else str(saved.relative_to(self.run_dir)),
+                               self.metrics.locations)
+        for fields in lines:
+            self.metrics.event(self.state.step, *fields)
+
     def close(self, destroy_process_group: bool = True) -> None:
         """Wait for checkpoints, close sinks, free FSDP state, then destroy the process group.
 
@@ -316,6 +330,7 @@ class Trainer:
         try:
             if self.checkpointer is not None:
                 self.checkpointer.close()  # raises CheckpointSaveError when an async save failed
+            self._summary()
         finally:
             self.metrics.close()
             if self.preemption is not None:
@@ -336,6 +351,40 @@ def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optiona
     return code
 
 
+def quiet_known_warnings() -> None:
+    """Silence warnings known to be harmless: torchdata 0.11 calls a torch API that torch 2.13
+    deprecated (``set_vital``), printed once per loader worker."""
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def check_config(cfg: JobConfig) -> ModelArgs:
+    """The checks that need only the config, before anything is built: batch geometry for the
+    launch's WORLD_SIZE and the model arguments for the tokenizer, which it returns.
+    Raises UserError (ConfigError, or WriteError for a run folder that cannot be written)."""
+    # the run folder can be created and written (not read-only, not under a file)
+    check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
+    batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
+    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+                              cfg.data.tokenizer)
+
+
+def run_training(cfg: JobConfig) -> TrainState:
+    """Train one run from Python (a notebook or script): check ``cfg``, build the `Trainer`, run
+    it to ``training.steps`` and close it (checkpoints waited for, sinks closed, the summary
+    printed). Returns the final train state (``step``, ``tokens_seen``, ...).
+
+    Raises:
+        UserError: a bad config, data, checkpoint or run folder (``main`` turns it into exit 2).
+        TrainingHealthError: too many consecutive non-finite steps.
+    """
+    quiet_known_warnings()
+    trainer = Trainer(cfg, check_config(cfg))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
 
@@ -347,18 +396,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     step); 1 when the run stops for training health. Rank 0 records the outcome as the exit
     status the launch scripts read (``mhar_titan.exit_status``); a crash records nothing.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # torchdata 0.11 calls a torch API that torch 2.13 deprecated; harmless, and printed once per worker.
-    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    quiet_known_warnings()
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
         cfg = load_config(None, argv)
-        # the run folder can be created and written (not read-only, not under a file): before anything is built
-        check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
-        batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-        model_args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
-                                        cfg.data.tokenizer)
+        model_args = check_config(cfg)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
         return _record_exit(cfg, "bad_input", 2)

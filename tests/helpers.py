@@ -90,7 +90,7 @@ def decode_heatmap_cell(pixels, heat, name: str, row: int, col: int) -> float:
     rgb = pixels[int(round(pixels.shape[0] - y)), int(round(x))]
     cmap = pyplot().get_cmap(heat.cmap)
     table = cmap(np.linspace(0, 1, cmap.N))[:, :3]
-    return int(np.argmin(((table - rgb) ** 2).sum(1))) / (cmap.N - 1) * heat.vmax
+    return heat.vmin + int(np.argmin(((table - rgb) ** 2).sum(1))) / (cmap.N - 1) * (heat.vmax - heat.vmin)
 
 
 def site_sources(model, tokens) -> list:

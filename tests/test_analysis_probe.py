@@ -79,6 +79,11 @@ def test_model_probe_learned_vs_random_reference():
         kls = [slice_kl(src, model.routing.query[s], model.routing.key_norm[s], S) for s, src in enumerate(trace)
                if len(src) > 1]
     assert result.raw_kl == pytest.approx(torch.stack(kls).double().mean().item(), rel=1e-6)
+    probed = [s for s, src in enumerate(trace) if len(src) > 1]
+    assert [site for site, _, _ in result.per_site] == probed
+    for (site, learned, _), kl in zip(result.per_site, kls):
+        assert learned == pytest.approx(kl.double().mean().item(), rel=1e-6)
+    assert sum(r for _, _, r in result.per_site) / len(probed) == pytest.approx(result.random_kl, rel=1e-6)
     # fresh zero queries: every slice gives the uniform distribution, and so does the random
     # reference (queries of norm 0)
     fresh = query_probe(tiny_model(residual="attn_res", routing_heads=1), batches)
@@ -91,3 +96,23 @@ def test_probe_refuses_multi_head_and_baseline_models():
         model = tiny_model(**kwargs)
         with pytest.raises(ValueError, match="single-head"):
             query_probe(model, [random_tokens()])
+
+
+def test_probe_figure_shows_learned_against_random_per_site_at_column_width(tmp_path):
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.analysis.probe import plot_probe
+
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=1)
+    result = query_probe(model, [random_tokens(seed=3)], slices=S, draws=2, seed=1)
+    fig = plot_probe(result, model.args.n_routing_sites, tmp_path / "probe.png")
+    ax, = fig.axes
+    learned, random = ax.lines
+    assert list(learned.get_ydata()) == [kl for _, kl, _ in result.per_site]
+    assert list(random.get_ydata()) == [kl for _, _, kl in result.per_site]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["L0.mlp", "L1.attn", "L1.mlp", "final"]
+    width = fig.get_size_inches()[0]
+    texts = [t for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title, ax.yaxis.label,
+                         *ax.get_legend().get_texts()) if t.get_text()]
+    assert width <= 3.5 + 1e-9 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
+    assert (tmp_path / "probe.png").stat().st_size > 10_000
+    pyplot().close(fig)

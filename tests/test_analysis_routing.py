@@ -52,8 +52,26 @@ def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, t
     for name, array in heat.panels.items():
         filled = ~np.isnan(array)
         assert (filled.sum(1) == n_of_site[:, 0]).all()
-        assert np.abs(np.where(filled, array - 1.0 / n_of_site, 0.0)).max() < 1e-6, name
-    assert len(heat.panels) == 1 + (model.args.resolved_routing_heads if model.args.resolved_routing_heads > 1 else 0)
+        assert np.abs(np.where(filled, array, 0.0)).max() < 1e-6, name  # log2(w N) = 0: uniform
+    assert heat.heads_agree and len(heat.panels) == 1  # identical heads are collapsed into one panel
+    # uniform routing is drawn in the colour map's neutral middle colour
+    pixels = read_png(heat.path)
+    neutral = np.array(pyplot().get_cmap(heat.cmap)(0.5)[:3])
+    name = next(iter(heat.panels))
+    x, y = heat.axes[name].transData.transform((0, len(summary.sites) - 1))
+    assert np.abs(pixels[int(round(pixels.shape[0] - y)), int(round(x))] - neutral).max() < 2 / 255
+    pyplot().close(heat.figure)
+
+
+def test_heatmap_fonts_are_readable_at_column_width(tmp_path):
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=4, n_layers=6)
+    heat = plot_routing_heatmaps(routing_summary(model, [random_tokens()]), tmp_path / "h.png", title="t")
+    width = heat.figure.get_size_inches()[0]
+    assert width <= 3.5 + 1e-9 and not heat.heads_agree and len(heat.panels) == 5
+    texts = [t for ax in heat.figure.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title,
+                                                     ax.xaxis.label, ax.yaxis.label) if t.get_text()]
+    texts += [t for ax in heat.figure.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert len(texts) > 40 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
     pyplot().close(heat.figure)
 
 
@@ -95,16 +113,18 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
     assert_not_blank(heat.path)
     pixels = read_png(heat.path)
     weights = model_weights(model, x)
-    step = heat.vmax / (pyplot().get_cmap(heat.cmap).N - 1)
+    step = (heat.vmax - heat.vmin) / (pyplot().get_cmap(heat.cmap).N - 1)
+    assert not heat.heads_agree and set(heat.panels) == {"mean over heads", "head 0", "head 1"}
     for name in heat.panels:
         for row, w in enumerate(weights):
             per_head = w.double().mean((1, 2)).T.numpy()  # (H, N)
-            expected = per_head.mean(0) if name.startswith("mean") else per_head[int(name.split()[-1])]
-            assert np.allclose(heat.panels[name][row, :w.shape[0]], expected, rtol=0, atol=1e-12)
+            mean = per_head.mean(0) if name.startswith("mean") else per_head[int(name.split()[-1])]
+            expected = np.log2(mean * w.shape[0])  # relative to uniform 1/N
+            assert np.allclose(heat.panels[name][row, :w.shape[0]], expected, rtol=0, atol=1e-9)
             assert np.isnan(heat.panels[name][row, w.shape[0]:]).all()
             for col, value in enumerate(expected):
                 got = decode_heatmap_cell(pixels, heat, name, row, col)
-                assert abs(got - min(value, heat.vmax)) <= 3 * step, (name, row, col, got, value)  # 8-bit colours
+                assert abs(got - np.clip(value, heat.vmin, heat.vmax)) <= 3 * step, (name, row, col, got, value)
     pyplot().close(heat.figure)
 
 

@@ -89,16 +89,17 @@ def test_heatmap_command_on_the_checkpoint_plots_the_models_mean_weights(runs, t
         assert np.allclose(data["sites"][s]["mean_weights"], expected, rtol=0, atol=1e-12)
     assert "| final | 9 |" in (out / f"routing_step{STEPS}.md").read_text()
     # the PNG itself: the same figure drawn here has the same pixels, and its cells decode to the means
-    title = f"debug_mhar, step {STEPS}: mean routing weight per site and source"
-    heat = plot_routing_heatmaps(routing_summary(loaded.model, [x]), tmp_path / "again.png", title=title)
+    title = f"debug_mhar, step {STEPS}: routing weight vs uniform"
+    heat = plot_routing_heatmaps(routing_summary(loaded.model, [x]), tmp_path / "again.png", title=title, dpi=200)
     pixels = read_png(out / f"routing_step{STEPS}.png")
     assert np.array_equal(pixels, read_png(heat.path))
-    step = heat.vmax / (pyplot().get_cmap(heat.cmap).N - 1)
+    step = (heat.vmax - heat.vmin) / (pyplot().get_cmap(heat.cmap).N - 1)
+    first = next(iter(heat.panels))  # the mean over heads (all heads when they agree)
     for s, site in enumerate(data["sites"]):
-        for head, weights in enumerate(site["mean_weights"]):
-            for col, value in enumerate(weights):
-                got = decode_heatmap_cell(pixels, heat, f"head {head}", s, col)
-                assert abs(got - min(value, heat.vmax)) <= 3 * step
+        mean = np.mean(site["mean_weights"], axis=0)
+        for col, value in enumerate(np.log2(mean * len(mean))):
+            got = decode_heatmap_cell(pixels, heat, first, s, col)
+            assert abs(got - np.clip(value, heat.vmin, heat.vmax)) <= 3 * step
     pyplot().close(heat.figure)
 
 
@@ -125,6 +126,16 @@ def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys
     assert capsys.readouterr().out == first
     assert generate_main([str(runs / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # the KV cache changes nothing; a stop string cuts the sample before it
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--no-cache"]) == 0
+    assert capsys.readouterr().out == first
+    text = first.split("\nROMEO:", 1)[1][:-1]  # the sample without print's newline
+    assert text
+    stop = text[-2:]
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--stop", stop]) == 0
+    assert capsys.readouterr().out.split("\nROMEO:", 1)[1] == text[:text.index(stop)] + "\n"
+    assert generate_main([str(run), "--tokens", "3", "--temperature", "0.8", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def test_runs_with_another_seed_are_not_paired(runs, tmp_path):

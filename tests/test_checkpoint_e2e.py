@@ -196,7 +196,7 @@ def test_sigterm_single_process_saves_and_exits_0(e2e):
     rc, log = e2e["sig1"]
     assert rc == 0, log[-3000:]
     stopped = e2e["sig1_rows_before"][-1]["step"]  # the step it was in when the signal came
-    assert stopped >= 3 and "event=preempted" in log
+    assert stopped >= 3 and "| preempted |" in log
     assert e2e["sig1_restart"] == {"start": stopped, "end": stopped + 1}
     assert (e2e["out"] / "sig1" / "checkpoints" / f"step-{stopped}" / "complete.json").is_file()
 
@@ -206,5 +206,5 @@ def test_sigterm_to_torchrun_every_worker_saves_and_exits_0(e2e):
     assert e2e["sig2_exit"] == {"rank0.rc": "0", "rank1.rc": "0"}, log[-3000:]
     start = e2e["sig2_rows_before"][-1]["step"]
     assert start >= 3 and e2e["sig2_restart"] == {"start": start, "end": start + 1}
-    assert "event=preempted" in log
+    assert "| preempted |" in log
     assert (e2e["out"] / "sig2" / "checkpoints" / f"step-{start}" / "complete.json").is_file()

@@ -1,5 +1,6 @@
 """Sweep results on constructed run folders with known values: tail means, paired differences,
 their mean and standard error over seeds, tokens, throughput; byte-for-byte reruns."""
+import dataclasses
 import json
 import math
 
@@ -106,3 +107,35 @@ def test_results_without_runs_names_the_run_command_for_that_folder(tmp_path, ca
     assert f"no run of sweep known has metrics under {empty}" in err and "\n" not in err
     assert err.endswith(f"run it first: python -m mhar_titan.experiments run {sweep.path} --dump-folder {empty}")
     assert not out.exists()  # nothing written
+
+
+def test_the_study_plot_draws_the_seed_mean_with_a_standard_error_band_at_column_width(tmp_path):
+    from mhar_titan.analysis.compare import comparison_table, plot_comparison
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.experiments.results import group_curves
+
+    results, _ = collect(constructed_sweep(tmp_path))
+    curves = {c.name: c for c in group_curves(results)}
+    mhar = curves["mhar_h4"]
+    assert mhar.seeds == 3 and mhar.tokenizer == "gpt2"
+    step4 = [VAL[f"mhar_h4_s{s}"][3] for s in (1, 2, 3)]  # 2.0, 2.2, 1.5
+    mean, se = mean_and_se(step4)
+    assert dict(mhar.val)[4] == pytest.approx(mean)
+    assert [b for b in mhar.val_band if b[0] == 4] == [(4, pytest.approx(mean - se), pytest.approx(mean + se))]
+    fig = plot_comparison(list(curves.values()), comparison_table(list(curves.values()), "baseline", 3),
+                          tmp_path / "p.png")
+    train_ax, val_ax = fig.axes
+    assert len(val_ax.collections) == 2  # one band per family (both have 3 seeds)
+    assert val_ax.get_ylabel() == "loss (nats per token)"
+    width = fig.get_size_inches()[0]
+    texts = [t for ax in fig.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title, ax.xaxis.label,
+                                            ax.yaxis.label) if t.get_text()] + list(val_ax.get_legend().get_texts())
+    assert width <= 3.5 + 1e-9 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
+    pyplot().close(fig)
+    # a single run has no band; the byte tokenizer's losses are drawn in bits per byte
+    one = dataclasses.replace(results[0].curves, tokenizer="bytes")
+    fig = plot_comparison([one], comparison_table([one]), tmp_path / "b.png")
+    val_ax = fig.axes[1]
+    assert val_ax.get_ylabel() == "loss (bits per byte)" and not val_ax.collections
+    assert val_ax.lines[0].get_ydata()[-1] == pytest.approx(one.val[-1][1] / math.log(2))
+    pyplot().close(fig)

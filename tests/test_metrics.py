@@ -138,8 +138,8 @@ def test_sinks_write_what_was_logged(tmp_path):
 
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")][:2] == [(1, 5.5), (2, 4.25)]
-    assert [e.step for e in acc.Scalars("lr")] == [1, 2, 3]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")][:2] == [(1, 5.5), (2, 4.25)]
+    assert [e.step for e in acc.Scalars("train/lr")] == [1, 2, 3]
 
     history = read_wandb_history(str(tmp_path))
     by_step = {r["_step"]: r for r in history}
@@ -196,7 +196,7 @@ def test_after_a_crash_and_resume_every_sink_shows_each_step_once(tmp_path):
 
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == expected
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == expected
 
     # wandb: the crashed run's record holds at least every step up to the checkpoint; the resumed
     # run's record rewinds to step 10 (branch_point) and holds 11-15. wandb sync applies the rewind.

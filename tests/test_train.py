@@ -278,7 +278,7 @@ def test_noop_resume_and_missing_data_keep_the_runs_config(saved_at_8, capsys):
     config_before = (run_dir / "config.toml").read_text()
     assert main(debug_argv(saved_at_8, "r", "--training.steps=4", "--checkpoint.enable=true")) == 0
     out = capsys.readouterr().out
-    assert "nothing_to_do" in out and "--job.name" in out and str(run_dir) in out
+    assert "| nothing to do |" in out and "--job.name" in out and str(run_dir) in out
     assert "checkpoint.enable" not in out
     code = main(debug_argv(saved_at_8, "r", "--training.steps=24", "--checkpoint.enable=true",
                            f"--data.files=[\"{saved_at_8}/none-*.parquet\"]"))

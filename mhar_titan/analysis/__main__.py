@@ -2,7 +2,7 @@
 
 heatmap RUN   routing heatmaps (PNG), per-site entropy / effective sources (Markdown, JSON)
               on validation batches of the run's newest (or --step) checkpoint
-probe RUN     the query probe of a single-head model (Markdown)
+probe RUN     the query probe of a single-head model (Markdown, and a per-site PNG)
 compare RUN RUN ...  loss against tokens (PNG) and a tail-mean validation-loss table (Markdown)
 
 Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
@@ -40,7 +40,7 @@ def _heatmap(args) -> list[pathlib.Path]:
         raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
     summary = routing_summary(loaded.model, _validation_tokens(loaded, args))
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
-    title = f"{loaded.run_dir.name}, step {loaded.step}: mean routing weight per site and source"
+    title = f"{loaded.run_dir.name}, step {loaded.step}: routing weight vs uniform"
     png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
     md = out / f"routing_step{loaded.step}.md"
     write_text(md, routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
@@ -51,7 +51,8 @@ def _heatmap(args) -> list[pathlib.Path]:
 
 
 def _probe(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.probe import query_probe
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.analysis.probe import plot_probe, query_probe
 
     _check_out(args)
     loaded = load_run(args.run, args.step, args.device)
@@ -61,8 +62,11 @@ def _probe(args) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"probe_step{loaded.step}.md"
     write_text(md, result.report(f"Query probe of {loaded.run_dir.name} at step {loaded.step}"))
+    png = out / f"probe_step{loaded.step}.png"
+    pyplot().close(plot_probe(result, loaded.model.args.n_routing_sites, png,
+                              title=f"{loaded.run_dir.name}, step {loaded.step}: query probe, S = {result.slices}"))
     print(md.read_text())
-    return [md]
+    return [md, png]
 
 
 def _compare(args) -> list[pathlib.Path]:
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
         p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
         p.add_argument("--device", default="cpu")
         p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
-    sub.choices["heatmap"].add_argument("--dpi", type=int, default=100)
+    sub.choices["heatmap"].add_argument("--dpi", type=int, default=200, help="pixels per inch (3.5 in wide)")
     p = sub.choices["probe"]
     p.add_argument("--slices", type=int, default=4, help="contiguous query slices S")
     p.add_argument("--draws", type=int, default=4, help="random-query draws in the reference")
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=None, help="name (folder name) of the baseline run; default: the first")
     p.add_argument("-k", type=int, default=11, help="evaluations in the tail mean")
     p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
-    p.add_argument("--dpi", type=int, default=100)
+    p.add_argument("--dpi", type=int, default=200)
     args = parser.parse_args(argv)
     command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
     try:

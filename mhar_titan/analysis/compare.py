@@ -45,6 +45,13 @@ class RunCurves:
     """``tokens_seen`` of the last training row."""
     tokens_per_s: tuple[float, ...] = ()
     """``tokens_per_s`` of the logged training rows after step 1 (step 1 includes start-up), in step order."""
+    tokenizer: Optional[str] = None
+    """``data.tokenizer`` of the run (None without a config.toml): decides the loss unit."""
+    seeds: int = 1
+    """Runs averaged into these curves (a sweep's family over its seeds)."""
+    train_band: Optional[list[tuple[int, float, float]]] = None
+    """(step, low, high): mean -/+ one standard error over the seeds (None for a single run)."""
+    val_band: Optional[list[tuple[int, float, float]]] = None
 
     def tokens(self, step: int) -> float:
         return step * self.tokens_per_step
@@ -102,7 +109,20 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
         order = {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": rates[-1]}
     return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
-                     data_order=order, tokens_seen=seen, tokens_per_s=tuple(speeds))
+                     data_order=order, tokens_seen=seen, tokens_per_s=tuple(speeds),
+                     tokenizer=cfg.data.tokenizer if cfg is not None else None)
+
+
+BYTE_TOKENIZER = "bytes"
+"""``data.tokenizer`` of the byte-level tokenizer: one target token per byte."""
+
+
+def loss_unit(runs: Sequence[RunCurves]) -> tuple[str, float]:
+    """(axis label, factor from nats per token) of the runs' losses: bits per byte when every
+    run uses the byte tokenizer (a token is a byte: nats / ln 2), else nats per token."""
+    if runs and all(r.tokenizer == BYTE_TOKENIZER for r in runs):
+        return "bits per byte", 1.0 / math.log(2.0)
+    return "nats per token", 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,24 +178,39 @@ def table_markdown(rows: Sequence[TableRow], k: int) -> str:
 
 
 def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,
-                    dpi: int = 100):
-    """Training and validation loss against tokens on shared axes, one colour per run; the
-    legend marks the baseline and the runs paired with it. Saves a PNG without version metadata
-    (the same runs give the same bytes); returns the figure."""
-    fig, (train_ax, val_ax) = new_figure(1, 2, panel_size=(5.0, 3.6), dpi=dpi)
+                    dpi: int = 200):
+    """Training (top) and validation (bottom) loss against tokens on shared axes, one colour per
+    run, drawn at a paper's column width (`heatmap.COLUMN_WIDTH_IN`, fonts `heatmap.FONT_PT`).
+    Curves averaged over seeds get a band of -/+ one standard error; the legend marks the
+    baseline, the runs paired with it and the seed counts. Loss unit: `loss_unit` (bits per byte
+    for the byte tokenizer). Saves a PNG without version metadata (the same runs give the same
+    bytes); returns the figure."""
+    from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
+
+    unit, scale = loss_unit(runs)
+    fig, (train_ax, val_ax) = new_figure(2, 1, panel_size=(COLUMN_WIDTH_IN, 2.4), dpi=dpi)
     train_ax.sharex(val_ax)
-    train_ax.sharey(val_ax)
     for run, row in zip(runs, rows):
         label = run.name + (" (baseline)" if row.baseline else " (paired)" if row.paired else "")
-        line, = train_ax.plot([run.tokens(s) for s, _ in run.train], [v for _, v in run.train], lw=1, label=label)
-        val_ax.plot([run.tokens(s) for s, _ in run.val], [v for _, v in run.val], "o-", color=line.get_color(),
-                    lw=1, ms=3, label=label)
+        label += f", {run.seeds} seeds" if run.seeds > 1 else ""
+        line, = train_ax.plot([run.tokens(s) for s, _ in run.train], [v * scale for _, v in run.train], lw=1,
+                              label=label)
+        val_ax.plot([run.tokens(s) for s, _ in run.val], [v * scale for _, v in run.val], "o-",
+                    color=line.get_color(), lw=1, ms=2.5, label=label)
+        for ax, band in ((train_ax, run.train_band), (val_ax, run.val_band)):
+            if band:
+                ax.fill_between([run.tokens(s) for s, _, _ in band], [lo * scale for _, lo, _ in band],
+                                [hi * scale for _, _, hi in band], color=line.get_color(), alpha=0.25, lw=0)
+    banded = any(r.train_band or r.val_band for r in runs)
     for ax, title in ((train_ax, "training loss"), (val_ax, "validation loss")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(title + (" (mean, band = +/- 1 SE over seeds)" if banded else ""), fontsize=FONT_PT)
+        ax.set_ylabel(f"loss ({unit})", fontsize=FONT_PT)
+        ax.tick_params(labelsize=FONT_PT)
+        ax.xaxis.get_offset_text().set_fontsize(FONT_PT)
+        ax.yaxis.get_offset_text().set_fontsize(FONT_PT)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    val_ax.set_xlabel("tokens", fontsize=FONT_PT)
+    val_ax.legend(fontsize=FONT_PT, frameon=False)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

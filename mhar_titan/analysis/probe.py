@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from mhar_kernels.reference import routing_logits
+from mhar_titan.files import atomic_path
 from mhar_titan.progress import progress
 
 
@@ -69,6 +70,8 @@ class ProbeResult:
     draws: int
     sites: int
     tokens: int
+    per_site: tuple = ()
+    """(site index, learned KL, random-query KL) per probed site: means over its slices and tokens."""
 
     @property
     def excess_kl(self) -> float:
@@ -95,6 +98,7 @@ class ProbeTrace:
         # draws x sites random queries, fixed once (the same for every batch)
         self.random = [[random_query_like(q[s], generator) for s in range(self.n_sites)] for _ in range(draws)]
         self.sums = torch.zeros(2, dtype=torch.float64)  # learned, random (summed over draws)
+        self.by_site: dict[int, list[float]] = {}  # site -> [learned sum, random sum, count]
         self.count = 0
         self.sites = 0
         self._calls = 0
@@ -106,12 +110,15 @@ class ProbeTrace:
             return
         q, g = self.routing.query[site].detach(), self.routing.key_norm[site].detach()
         kl = slice_kl(sources, q, g, self.slices, self.eps)
-        self.sums[0] += kl.double().sum().item()
-        for draw in self.random:
-            self.sums[1] += slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item() / self.draws
+        learned = kl.double().sum().item()
+        random = sum(slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item()
+                     for draw in self.random) / self.draws
+        self.sums[0] += learned
+        self.sums[1] += random
+        entry = self.by_site.setdefault(site, [0.0, 0.0, 0])
+        entry[0], entry[1], entry[2] = entry[0] + learned, entry[1] + random, entry[2] + kl.numel()
         self.count += kl.numel()
         self.sites += 1
-
 
 
 @torch.no_grad()
@@ -141,4 +148,37 @@ def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int =
     if trace.count == 0:
         raise ValueError("no routing site with two or more sources was probed (no batches?)")
     return ProbeResult(raw_kl=float(trace.sums[0]) / trace.count, random_kl=float(trace.sums[1]) / trace.count,
-                       slices=slices, draws=draws, sites=trace.sites // (trace._calls // trace.n_sites), tokens=tokens)
+                       slices=slices, draws=draws, sites=trace.sites // (trace._calls // trace.n_sites), tokens=tokens,
+                       per_site=tuple((site, lo / n, ra / n) for site, (lo, ra, n) in sorted(trace.by_site.items())))
+
+
+def plot_probe(result: ProbeResult, n_sites: int, path, title: str = "", dpi: int = 200):
+    """Per-site mean KL(p || p_j) of the learned pseudo-queries against the random-query
+    reference of equal norm (nats), one point per probed site (rows of the routing heatmaps,
+    ``routing.site_names(n_sites)``), drawn at a paper's column width; saves a PNG at ``path``
+    and returns the figure. A learned curve above the reference: the slices disagree more than
+    chance (the quantity MHAR_SPEC 3.3 tracks)."""
+    import pathlib
+
+    from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
+    from mhar_titan.analysis.plots import new_figure
+    from mhar_titan.analysis.routing import site_names
+
+    names = site_names(n_sites)
+    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.6), dpi=dpi)
+    x = list(range(len(result.per_site)))
+    ax.plot(x, [kl for _, kl, _ in result.per_site], "o-", ms=3, lw=1, label="learned query")
+    ax.plot(x, [kl for _, _, kl in result.per_site], "s--", ms=3, lw=1, color="0.5",
+            label=f"random query, same norm ({result.draws} draws)")
+    ax.set_xticks(x, [names[site] for site, _, _ in result.per_site], rotation=90, fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)
+    ax.set_ylabel("KL(p || p_j), nats", fontsize=FONT_PT)
+    ax.set_title(title or f"query probe, S = {result.slices} slices: excess {result.excess_kl:.4f} nats",
+                 fontsize=FONT_PT)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=FONT_PT, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=1)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:  # all-or-nothing, the umask's mode
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": None}, format=path.suffix.lstrip(".") or "png")
+    return fig

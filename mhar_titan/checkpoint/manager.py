@@ -231,6 +231,12 @@ class CheckpointManager:
         self._last_saved_step = step
         return True
 
+    @property
+    def last_saved(self) -> Optional[Path]:
+        """The ``step-N`` folder of the newest save of this run (or the checkpoint it resumed
+        from); None when nothing was saved or loaded."""
+        return None if self._last_saved_step is None else self.folder / f"step-{self._last_saved_step}"
+
     def close(self) -> None:
         """Wait for an in-flight async save and mark it complete.
 

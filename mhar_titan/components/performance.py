@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from mhar_titan.config import Profiling
+from mhar_titan.console import count
 from mhar_titan.metrics import FlopsPerToken, mfu, peak_memory_gib
 
 
@@ -28,18 +29,22 @@ def performance_row(tokens_per_s: float, world_size: int, flops: FlopsPerToken, 
     }
 
 
-def startup_row(cfg, model_args, model: torch.nn.Module, world_size: int, device: torch.device,
-                global_batch: int, grad_accum: int, flops: FlopsPerToken, run_dir: pathlib.Path) -> dict:
-    """The console line a run starts with: flavor, family, parameter count, ranks, device, batch
-    geometry, training FLOPs per token (total and routing) and the run folder."""
-    return {
-        "event": "start", "flavor": cfg.model.flavor, "residual": model_args.residual,
-        "routing_heads": model_args.resolved_routing_heads if model_args.residual == "attn_res" else 0,
-        "params": sum(p.numel() for p in model.parameters()), "ranks": world_size,
-        "device": str(device), "global_batch": global_batch, "grad_accum": grad_accum,
-        "flops_per_token": flops.total, "routing_flops_per_token": flops.routing,
-        "run_dir": str(run_dir),
-    }
+def startup_fields(cfg, model_args, model: torch.nn.Module, world_size: int, device: torch.device,
+                   global_batch: int, grad_accum: int, flops: FlopsPerToken) -> list[str]:
+    """The console line a run starts with (`mhar_titan.console` fields): flavor and family,
+    parameter count, ranks and device, batch geometry (sequences x tokens, accumulation),
+    training FLOPs per token with the routing share (the run folder gets a line of its own)."""
+    family = model_args.residual
+    if model_args.residual == "attn_res":
+        family += f" H={model_args.resolved_routing_heads} {model_args.routing_granularity} {model_args.routing_mode}"
+    params = sum(p.numel() for p in model.parameters())
+    accum = f" x {grad_accum} accum" if grad_accum > 1 else ""
+    return [
+        "start", f"{cfg.model.flavor} {family}", f"{count(params)} params",
+        f"{world_size} rank{'s' if world_size > 1 else ''} {device}",
+        f"batch {global_batch} x {cfg.training.seq_len}{accum}",
+        f"{count(flops.total)} FLOP/token ({100 * flops.routing / flops.total:.1f}% routing)",
+    ]
 
 
 def build_profiler(cfg: Profiling, run_dir: pathlib.Path, rank: int, device: torch.device,

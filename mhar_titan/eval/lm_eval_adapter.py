@@ -9,8 +9,8 @@
   in windows of ``max_length`` tokens: each window predicts the next up-to-``max_length`` tokens
   with as much preceding text as fits (no token is scored twice).
 * ``generate_until``: ``args = (context, gen_kwargs)`` with lm-eval's keys ``until`` (str or
-  list), ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_k`` -> the generated text, cut
-  before the first stop string.
+  list), ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` -> the generated
+  text, cut before the first stop string (decoding with the KV cache stops once one appears).
 
 Tokenization: the context's trailing spaces move to the continuation; the pair is encoded as
 one text and split after the context's own tokens, so the continuation tokens are the ones the
@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from mhar_titan.eval.generation import generate
+from mhar_titan.eval.generation import generate_batch
 from mhar_titan.progress import progress
 
 try:  # optional dependency
@@ -161,10 +161,11 @@ class MharLM(_Base):
             sample = kwargs.get("do_sample", False)
             temperature = float(kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
             prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-self.max_length:]
-            new = generate(self.model, prompt, int(kwargs.get("max_gen_toks", 256)), temperature=temperature,
-                           top_k=kwargs.get("top_k"), n_vocab=self.tokenizer.n_vocab,
-                           stop_ids=[self.tokenizer.eos_id])
-            text = self.tokenizer.decode([t for t in new.tolist() if t != self.tokenizer.eos_id])
+            new = generate_batch(self.model, [prompt], int(kwargs.get("max_gen_toks", 256)), temperature=temperature,
+                                 top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), n_vocab=self.tokenizer.n_vocab,
+                                 stop_ids=[self.tokenizer.eos_id], stop_strings=[s for s in until if s],
+                                 decode=self.tokenizer.decode)[0]
+            text = self.tokenizer.decode([t for t in new if t != self.tokenizer.eos_id])
             cuts = [text.index(s) for s in until if s and s in text]
             outputs.append(text[:min(cuts)] if cuts else text)
         return outputs

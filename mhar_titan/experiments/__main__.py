@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("sbatch_args", nargs="*", help="extra sbatch options, after --")
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
-    p.add_argument("--dpi", type=int, default=100)
+    p.add_argument("--dpi", type=int, default=200)
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, _settings(args.set), args.dump_folder)

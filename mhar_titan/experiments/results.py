@@ -14,8 +14,9 @@ k = ``sweep.tail_evals``:
 * tokens seen (the last training row) and the measured throughput: the median ``tokens_per_s``
   of the logged training rows after step 1.
 
-The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged),
-through ``mhar_titan.analysis.compare.plot_comparison``. Nothing in either file depends on the
+The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged)
+with a band of -/+ one standard error, in the tokenizer's unit (bits per byte for the byte
+tokenizer), through ``mhar_titan.analysis.compare.plot_comparison``. Nothing in either file depends on the
 time or the software version: rerunning on the same run folders rewrites the same bytes.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pathlib
 import statistics
 from typing import Optional, Sequence
 
-from mhar_titan.analysis.compare import RunCurves, comparison_table, plot_comparison, read_run
+from mhar_titan.analysis.compare import RunCurves, comparison_table, loss_unit, plot_comparison, read_run
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline
 from mhar_titan.files import write_text
@@ -114,13 +115,15 @@ def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequenc
                      plot_name: Optional[str] = None) -> str:
     """The results file: how it was made, the per-family table of paired differences, the per-run table."""
     k = sweep.tail_evals
+    unit = loss_unit([r.curves for r in results if r.curves is not None])[0]
     lines = [f"# Sweep {sweep.name}", "",
              f"Made by `python -m mhar_titan.experiments results {sweep.path}` from the run folders under "
-             f"`{sweep.dump_folder}`. Tail mean: the mean of the last {k} validation losses (nats/token). "
+             f"`{sweep.dump_folder}`. Tail mean: the mean of the last {k} validation losses (nats per token). "
              f"Paired difference: a run's tail mean minus that of the `{sweep.baseline}` run with the same seed "
              "(same tokens in the same order); mean and standard error over seeds (negative = lower loss).", ""]
     if plot_name:
-        lines += [f"![loss against tokens, mean over seeds]({plot_name})", ""]
+        lines += [f"![loss against tokens, mean over seeds]({plot_name})", "",
+                  f"(The plot's losses are in {unit}; the tables' in nats per token.)", ""]
     lines += [f"| family | grid | seeds | tail-mean val loss (mean) | paired diff vs {sweep.baseline} | SE | "
               "paired seeds |", "|---|---|---:|---:|---:|---:|---:|"]
     for g in groups:
@@ -142,26 +145,33 @@ def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequenc
     return "\n".join(lines) + "\n"
 
 
-def _mean_curve(points: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
-    """(step, mean value) at the steps every curve has."""
+def _mean_curve(points: Sequence[Sequence[tuple[int, float]]]) -> tuple[list, Optional[list]]:
+    """(step, mean value) at the steps every curve has, and the band (step, mean - SE, mean + SE)
+    there (`mean_and_se`; None for a single curve)."""
     common = set.intersection(*(set(s for s, _ in p) for p in points))
     values = [dict(p) for p in points]
-    return [(s, math.fsum(v[s] for v in values) / len(values)) for s in sorted(common)]
+    stats = [(s, *mean_and_se([v[s] for v in values])) for s in sorted(common)]
+    band = [(s, m - se, m + se) for s, m, se in stats] if len(points) > 1 else None
+    return [(s, m) for s, m, _ in stats], band
 
 
 def group_curves(results: Sequence[RunResult]) -> list[RunCurves]:
-    """One curve per family and grid point: training and validation loss averaged over its seeds."""
+    """One curve per family and grid point: training and validation loss averaged over its seeds,
+    with a band of -/+ one standard error when it has several."""
     out = []
     for group in dict.fromkeys(r.run.group for r in results):
         members = [r.curves for r in results if r.run.group == group and r.curves is not None]
         if members:
-            out.append(RunCurves(name=group, path=members[0].path, train=_mean_curve([m.train for m in members]),
-                                 val=_mean_curve([m.val for m in members]),
-                                 tokens_per_step=members[0].tokens_per_step, data_order=None))
+            train, train_band = _mean_curve([m.train for m in members])
+            val, val_band = _mean_curve([m.val for m in members])
+            out.append(RunCurves(name=group, path=members[0].path, train=train, val=val,
+                                 tokens_per_step=members[0].tokens_per_step, data_order=None,
+                                 tokenizer=members[0].tokenizer, seeds=len(members), train_band=train_band,
+                                 val_band=val_band))
     return out
 
 
-def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 100) -> list[pathlib.Path]:
+def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200) -> list[pathlib.Path]:
     """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png``; returns the paths written.
 
     Raises:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from .args import ModelArgs
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
 from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSettings, State, carried_sites,
                      leaving_sites, shared_entries, sublayer_input)
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +76,8 @@ def rope_cos_sin(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE on x (B, heads, T, head_dim) with cos/sin (T, head_dim)."""
+    """Rotate-half RoPE on x (B, heads, T, head_dim) with cos/sin (T, head_dim), or (B, 1, T, head_dim)
+    for per-row positions."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -84,18 +88,23 @@ class AttentionContext(NamedTuple):
     to every block as one argument (so a feature of attention adds a field here, not a block
     parameter; activation checkpointing keeps it as a block input).
 
-    cos, sin: RoPE tables (T, head_dim) for the batch's T positions (`rope_cos_sin`).
+    cos, sin: RoPE tables (T, head_dim) for the batch's T positions (`rope_cos_sin`); when
+    decoding with a cache, (B, 1, T, head_dim): each row's own positions (left padding).
+    cache: decoding only, the `kv_cache.KVCache` the attention layers append their keys and
+    values to and read the earlier ones (and the padding/causal mask) from; None in training.
     """
 
     cos: Tensor
     sin: Tensor
+    cache: "KVCache | None" = None
 
 
 class Attention(nn.Module):
     """GQA causal self-attention through scaled_dot_product_attention; optional per-head q/k RMSNorm."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # its slot in a decoding `KVCache`
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -105,7 +114,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: Tensor, context: AttentionContext) -> Tensor:
-        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions."""
+        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions and, when
+        decoding, the cache: the T new keys/values are appended to it and the queries attend to
+        every cached position the cache's mask allows (earlier tokens of the row, no padding)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -114,7 +125,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, context.cos, context.sin), apply_rope(k, context.cos, context.sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if context.cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v, mask = context.cache.update(self.layer_id, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -178,7 +194,7 @@ class TransformerBlock(nn.Module):
                  settings: RoutingSettings | None = None):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -256,11 +272,20 @@ class Transformer(nn.Module):
         finally:
             self.routing_observer = previous
 
-    def hidden_states(self, tokens: Tensor) -> Tensor:
-        """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d)."""
+    def hidden_states(self, tokens: Tensor, cache: "KVCache | None" = None) -> Tensor:
+        """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d).
+
+        With `cache` (decoding, `kv_cache.KVCache`), `tokens` continue the sequences it holds:
+        attention reads the cached keys/values; routing needs no cache, since each token routes
+        over its own depth history. Raises ValueError (from the cache) past its capacity or max_seq_len.
+        """
         self._check_tokens(tokens)
         T = tokens.shape[1]
-        context = AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
+        if cache is None:
+            context = AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
+        else:
+            positions = cache.extend(T).unsqueeze(1)  # (B, 1, T)
+            context = AttentionContext(self.rope_cos[positions], self.rope_sin[positions], cache)
         h = self.tok_embeddings(tokens)
         if self.routing is None:
             for layer in self.layers:
@@ -298,9 +323,10 @@ class Transformer(nn.Module):
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits (B, T, vocab_size)."""
-        h = self.norm(self.hidden_states(tokens))
+    def forward(self, tokens: Tensor, cache: "KVCache | None" = None) -> Tensor:
+        """Logits (B, T, vocab_size); `cache` (decoding) as in `hidden_states` (through the module
+        call, so FSDP gathers the parameters as for any forward)."""
+        h = self.norm(self.hidden_states(tokens, cache=cache))
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)

@@ -1,0 +1,105 @@
+"""The training console's line format (imports nothing of ours; `metrics.ConsoleSink` prints).
+
+Every line is ``TAG | field | field ...``: the tag is ``step    S/TOTAL`` for the run's lines
+(start, each logged step, validation, events, the end-of-run summary) and the level for log
+records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged step reads
+
+    step   20/200 | loss 5.1234 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
+
+with MFU only where the device's peak is known (`metrics.peak_flops`). Full metrics go to the
+JSONL / TensorBoard / wandb sinks; the console shows these few. Colour (the tag) only when the
+output is a terminal.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+LOG_FORMAT = "%(levelname)s | %(message)s"
+"""`logging` format of the trainer's log records, in the console's ``TAG | message`` shape."""
+
+COLORS = {"step": "\033[36m", "val": "\033[32m", "event": "\033[35m", "warn": "\033[33m"}
+RESET = "\033[0m"
+
+
+def duration(seconds: float) -> str:
+    """``'45s'``, ``'3m07s'``, ``'2h05m'`` (seconds rounded; '?' for a non-finite value)."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def count(n: float) -> str:
+    """``'950'``, ``'12.3k'``, ``'4.56M'``, ``'1.20B'`` (three significant digits above 1000)."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.3g}{suffix}" if value < 100 else f"{value:.0f}{suffix}"
+    return f"{n:.0f}"
+
+
+def step_tag(step: int, total: Optional[int]) -> str:
+    """``'step   20/200'``: the step right-aligned to the width of the total."""
+    if not total:
+        return f"step {step}"
+    return f"step {step:>{len(str(total))}}/{total}"
+
+
+def loss_text(value: float) -> str:
+    return f"{value:.4f}" if math.isfinite(value) else str(value)
+
+
+def step_fields(metrics: dict, eta_s: Optional[float]) -> list[str]:
+    """The fields of a logged step's line from its metrics row (keys as the trainer logs them:
+    loss, lr, grad_norm, tokens_per_s, mfu, peak_mem_gib, nonfinite_skipped)."""
+    fields = [f"loss {loss_text(metrics['loss'])}"]
+    if metrics.get("lr") is not None:
+        fields.append(f"lr {metrics['lr']:.1e}")
+    if metrics.get("grad_norm") is not None:
+        fields.append(f"gnorm {metrics['grad_norm']:.3g}")
+    if metrics.get("tokens_per_s") is not None:
+        fields.append(f"{count(metrics['tokens_per_s'])} tok/s")
+    if metrics.get("mfu") is not None:
+        fields.append(f"mfu {metrics['mfu']:.1f}%")
+    if metrics.get("peak_mem_gib") is not None:
+        fields.append(f"mem {metrics['peak_mem_gib']:.2f} GiB")
+    if metrics.get("nonfinite_skipped"):
+        fields.append(f"skipped {metrics['nonfinite_skipped']}")
+    if eta_s is not None:
+        fields.append(f"eta {duration(eta_s)}")
+    return fields
+
+
+def line(tag: str, fields: Iterable[str], kind: str = "step", color: bool = False) -> str:
+    """``TAG | field | ...``; the tag coloured by ``kind`` (step, val, event, warn) when ``color``."""
+    head = f"{COLORS[kind]}{tag}{RESET}" if color else tag
+    return " | ".join([head, *fields])
+
+
+def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skipped: int,
+                   val_losses: list[tuple[int, float]], run_dir: str, checkpoint: Optional[str],
+                   metrics: list[str]) -> list[list[str]]:
+    """The end-of-run summary as lines of fields: what ran, validation, the run folder, the
+    checkpoint and the metrics files in it.
+
+    val_losses: (step, loss) of every validation of the run in step order (may be empty);
+    checkpoint: the newest checkpoint folder, relative to the run folder (None: none);
+    metrics: where the full metrics are in the run folder (JSONL file, TensorBoard, wandb)."""
+    ran = steps - start_step
+    lines = [["done", f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
+              f"{count(tokens)} tokens", f"wall {duration(wall_s)}"] + ([f"skipped {skipped}"] if skipped else [])]
+    if val_losses:
+        best_step, best = min(val_losses, key=lambda sv: (sv[1] if math.isfinite(sv[1]) else math.inf, sv[0]))
+        lines.append(["val loss", f"final {loss_text(val_losses[-1][1])}",
+                      f"best {loss_text(best)} (step {best_step})"])
+    else:
+        lines.append(["val loss", "none (validation.enable = false)"])
+    lines.append(["run folder", run_dir])
+    lines.append(["checkpoint", checkpoint or "none written (checkpoint.enable = false)"])
+    lines.append(["metrics", *metrics])
+    return lines

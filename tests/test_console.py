@@ -1,0 +1,91 @@
+"""The training console on a short debug run: one `TAG | field | ...` format for every line,
+a compact line per logged step (step/total, loss, LR, tokens/s, memory, ETA; MFU only where the
+peak is known), validation lines, an end-of-run summary; every line under 160 characters, no
+colour codes off a terminal. TensorBoard: grouped tags and the run's hyperparameters."""
+import math
+import re
+
+import pytest
+
+from helpers import read_metrics
+from train_common import SAMPLE, debug_argv
+
+from mhar_titan import console
+from mhar_titan.metrics import ConsoleSink, tensorboard_tag
+from mhar_titan.train import main as train_main
+
+pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                                reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+
+STEP = re.compile(r"^step (\s*\d+)/4 \| loss (\d+\.\d{4}) \| lr (\S+) \| gnorm \S+ \| (\S+) tok/s \| "
+                  r"mem (\d+\.\d\d) GiB \| eta (\S+)$")
+
+
+def test_a_short_run_prints_one_compact_line_per_step_and_a_summary(tmp_path, capsys):
+    argv = debug_argv(tmp_path, "console", "--training.steps=4", "--training.local_batch_size=2",
+                      "--validation.enable=true", "--validation.freq=2", "--validation.sequences=2",
+                      "--checkpoint.enable=true", "--checkpoint.interval=4", "--metrics.enable_tensorboard=true")
+    assert train_main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    rows = read_metrics(tmp_path / "console")
+    assert all(len(line) < 160 for line in lines), max(lines, key=len)
+    assert not any("\033[" in line for line in lines)  # not a terminal: no colour
+    steps = [STEP.match(line) for line in lines if " | loss " in line]
+    assert all(steps) and [int(m.group(1)) for m in steps] == [1, 2, 3, 4]
+    for m, row in zip(steps, [r for r in rows if "loss" in r]):
+        assert float(m.group(2)) == pytest.approx(row["loss"], abs=5e-5)
+        assert float(m.group(3)) == pytest.approx(row["lr"], rel=0.05)
+    assert steps[-1].group(6) == "0s"  # nothing left at the last step
+    vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [line for line in lines if "val loss" in line and "best" in line and "final" not in line] == [
+        f"step {s}/4 | val loss {v:.4f} | best {min(x for _, x in vals[:i + 1]):.4f}" for i, (s, v) in enumerate(vals)]
+    start = next(line for line in lines if " | start | " in line)
+    assert start.startswith("step 0/4 | start | debug attn_res H=8 sublayer replace") and "batch 2 x 32" in start
+    best_step, best = min(vals, key=lambda sv: sv[1])
+    run = tmp_path / "console"
+    assert lines[-5:] == [
+        f"step 4/4 | done | 4 steps | {console.count(4 * 2 * 32)} tokens | " + lines[-5].split(" | ")[-1],
+        f"step 4/4 | val loss | final {vals[-1][1]:.4f} | best {best:.4f} (step {best_step})",
+        f"step 4/4 | run folder | {run}",
+        "step 4/4 | checkpoint | checkpoints/step-4",
+        "step 4/4 | metrics | metrics.jsonl | tensorboard tb/",
+    ]
+    assert lines[-5].split(" | ")[-1].startswith("wall ") and f"step 0/4 | run folder | {run}" in lines
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss", "perf/tokens_per_s", "perf/peak_mem_gib",
+            "routing/entropy"} <= tags
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
+    plugin = acc.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugin and "_hparams_/session_start_info" in plugin
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    start_info = plugin_data_pb2.HParamsPluginData.FromString(plugin["_hparams_/session_start_info"])
+    hp = start_info.session_start_info.hparams
+    assert hp["optimizer.lr"].number_value == pytest.approx(3e-3) and hp["model.flavor"].string_value == "debug"
+
+
+def test_console_fields_eta_and_units():
+    assert [console.duration(s) for s in (0.4, 59.6, 187, 7500, math.inf)] == ["0s", "1m00s", "3m07s", "2h05m", "?"]
+    assert [console.count(n) for n in (950, 12_345, 4_560_000, 1.2e9, 250_000)] == ["950", "12.3k", "4.56M", "1.2B",
+                                                                                     "250k"]
+    row = {"loss": 5.12345, "lr": 3e-3, "grad_norm": 0.5, "tokens_per_s": 12_300.0, "mfu": 41.23,
+           "peak_mem_gib": 1.5, "nonfinite_skipped": 0}
+    assert console.line(console.step_tag(20, 200), console.step_fields(row, 83.0)) == (
+        "step  20/200 | loss 5.1235 | lr 3.0e-03 | gnorm 0.5 | 12.3k tok/s | mfu 41.2% | mem 1.50 GiB | eta 1m23s")
+    assert console.step_fields({"loss": math.nan, "nonfinite_skipped": 2}, None) == ["loss nan", "skipped 2"]
+    assert console.line("step 1/2", ["x"], "val", color=True) == "\033[32mstep 1/2\033[0m | x"
+    sink = ConsoleSink(color=True, total_steps=10, start_step=4)
+    assert sink.color is False  # pytest's stdout is not a terminal
+    assert sink.eta(4) is None and sink.eta(6) >= 0
+    assert sink.eta(10) == 0.0
+
+
+def test_tensorboard_tags_are_grouped():
+    assert [tensorboard_tag(k) for k in ("loss", "grad_norm/routing", "val_loss", "mfu", "routing_entropy",
+                                         "tokens_seen")] == [
+        "train/loss", "train/grad_norm/routing", "val/loss", "perf/mfu", "routing/entropy", "train/tokens_seen"]
