@@ -14,13 +14,23 @@ with torch.autograd.grad (nothing accumulates into the leaves' .grad between cal
     python bench/routing.py --append BENCHMARKS.md
     python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
     python bench/routing.py --bytes                # counted bytes per step vs the floor, no timing
+    python bench/routing.py --host                 # host time of one call, launches stubbed
     python bench/routing.py --group 11             # also the step with its sites in groups of 11
+    python bench/routing.py --scales 1b --impls triton --group auto   # one shape, g = "auto" for it
+    python bench/routing.py --isolated --scales 1b --group auto      # do_bench: step per call vs grouped
 
 `--bytes` prints, for 100m / 350m / 1b (MHAR, H = 8, sublayer, replace, bf16, the paper's
 micro-batches), the bytes the kernels move per training step as counted by
 `mhar_kernels.traffic` from the model's routing plan, beside the floor (N + 1 rows forward and
 2N + 1 backward per site), with activation checkpointing off and on, then the same for grouped routing at the group size
-`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`).
+`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`). It does no
+timing, so its run time does not depend on the machine's load; `--host` is the host timing.
+
+`--isolated` times, for each shape, one whole step of per-call routing and of grouped routing
+(Triton, forward + backward) with `triton.testing.do_bench` (which empties the L2 cache before
+every run) beside a device copy timed the same way in the same process, and reports the achieved
+bandwidth as a fraction of that copy bandwidth. On CPU (no do_bench) it falls back to the host
+clock and says so.
 """
 from __future__ import annotations
 
@@ -56,6 +66,17 @@ IMPLS = ("eager", "compile", "triton")
 # The paper's micro-batches (batch, sequence length) per scale; bench/throughput.py uses them too.
 MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
 SECTION = "## Kernels: depth routing"
+
+
+def auto_group(shape: str) -> int:
+    """The group size `routing_group_size="auto"` picks for the model flavor `shape` names (MHAR,
+    H = 8); shapes that name no flavor (toy) get 2."""
+    from mhar_titan.models.args import FLAVORS
+
+    if shape not in FLAVORS:
+        return 2
+    args = ModelArgs.from_flavor(shape, residual="attn_res", routing_heads=8, routing_group_size="auto")
+    return RoutingPlan.from_args(args).group_size
 
 
 def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, device) -> int:
@@ -259,12 +280,13 @@ def median_ms(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(measure(fn) for _ in range(iters))
 
 
-def copy_bandwidth(device: torch.device, dtype: torch.dtype) -> float:
-    """Measured device copy bandwidth in GB/s (read + write of a 1 GiB tensor; 64 MiB on CPU)."""
+def copy_bandwidth(device: torch.device, dtype: torch.dtype, time_ms=None) -> float:
+    """Measured device copy bandwidth in GB/s (read + write of a 1 GiB tensor; 64 MiB on CPU);
+    time_ms(fn) -> milliseconds of one fn() (default: `median_ms`, 2 warm-ups, 10 runs)."""
     numel = (2**30 if device.type == "cuda" else 2**26) // torch.finfo(dtype).bits * 8
     src = torch.empty(numel, dtype=dtype, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, warmup=2, iters=10)
+    ms = (time_ms or (lambda fn: median_ms(fn, device, warmup=2, iters=10)))(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
@@ -321,9 +343,10 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
 
 
 def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool,
-          budget_s: float | None = None, progress=None, group: int = 0) -> tuple[list[dict], float, list[str]]:
+          budget_s: float | None = None, progress=None, group: int | str = 0) -> tuple[list[dict], float, list[str]]:
     """Time every (shape, scope, impl); returns (rows, copy bandwidth GB/s, names not run or failed).
-    group > 1 adds the scope "step g=<group>" (`one_grouped_step`, eager and triton only).
+    group > 1 adds the scope "step g=<group>" (`one_grouped_step`, eager and triton only); group
+    "auto": g = `auto_group` of each shape.
 
     With budget_s, no new measurement starts after that many seconds; a failing implementation
     (for example a compile error) is reported and the others still run. progress(rows, bandwidth)
@@ -336,10 +359,11 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
     for name, (b, t, d, n) in shapes.items():
         sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
         scopes = ("call", "step") if step else ("call",)
-        for scope in scopes + ((f"step g={group}",) if step and group > 1 else ()):
+        g = auto_group(name) if group == "auto" else int(group)
+        for scope in scopes + ((f"step g={g}",) if step and g > 1 else ()):
             grouped_scope = scope.startswith("step g=")
             if grouped_scope:
-                moved = grouped_moved_bytes(b, t, d, n, heads, dtype, device, group)
+                moved = grouped_moved_bytes(b, t, d, n, heads, dtype, device, g)
             else:
                 moved = moved_bytes(scope, b, t, d, n, heads, dtype, device)
             for impl in impls:
@@ -350,7 +374,7 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
                     missing.append(f"{label} (time budget spent)")
                     continue
                 if grouped_scope:
-                    run = one_grouped_step(impl, sources, query, norm_weight, heads, group)
+                    run = one_grouped_step(impl, sources, query, norm_weight, heads, g)
                 else:
                     run = (one_call if scope == "call" else one_step)(impl, sources, query, norm_weight, heads)
                 try:
@@ -365,6 +389,64 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
                 if progress is not None:
                     progress(rows, bandwidth)
     return rows, bandwidth, missing
+
+
+def bench_ms(fn, device: torch.device, iters: int) -> tuple[float, str]:
+    """Median milliseconds of fn() and how they were taken: `triton.testing.do_bench` on a GPU
+    (the L2 cache emptied before every run), the host clock (`median_ms`, 1 warm-up) on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), "triton.testing.do_bench"
+    return median_ms(fn, device, warmup=1, iters=iters), "host clock (no GPU: not a bandwidth measurement)"
+
+
+def isolated(shapes: dict, heads: int, dtype, device, group: str, iters: int, progress=None) -> tuple[list[dict], float, str]:
+    """One whole step of per-call and of grouped routing (Triton, forward + backward; group:
+    sites per group, an int or "auto" for `auto_group` of the shape) per shape, timed in
+    isolation by `bench_ms`, beside the copy bandwidth timed the same way in the same process.
+    Returns (rows, copy bandwidth GB/s, how the times were taken); progress(rows, bandwidth, how)
+    after every row."""
+    how = bench_ms(lambda: None, device, 1)[1]
+    bandwidth = copy_bandwidth(device, dtype, lambda fn: bench_ms(fn, device, iters)[0])
+    rows: list[dict] = []
+    if progress is not None:
+        progress(rows, bandwidth, how)
+    for name, (b, t, d, n) in shapes.items():
+        g = auto_group(name) if group == "auto" else int(group)
+        sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
+        for family, run, moved in (
+                ("mhar", one_step("triton", sources, query, norm_weight, heads),
+                 moved_bytes("step", b, t, d, n, heads, dtype, device)),
+                ("mhar-grouped", one_grouped_step("triton", sources, query, norm_weight, heads, g),
+                 grouped_moved_bytes(b, t, d, n, heads, dtype, device, g))):
+            ms, how = bench_ms(run, device, iters)
+            gbps = moved / (ms * 1e-3) / 1e9
+            rows.append(dict(shape=name, family=family, g=g if family == "mhar-grouped" else 1, B=b, T=t, d=d, N=n,
+                             ms=ms, gb=moved / 1e9, gbps=gbps, frac=gbps / bandwidth))
+            if progress is not None:
+                progress(rows, bandwidth, how)
+    return rows, bandwidth, how
+
+
+def isolated_table(rows: list[dict], bandwidth: float, how: str, heads: int, dtype, device) -> str:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    import triton
+
+    lines = [
+        f"One step's routing in isolation (every site, forward + backward, Triton kernels), timed by {how}; "
+        f"{where}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{datetime.date.today().isoformat()}; {dtype}, H = {heads}; copy bandwidth timed the same way in this "
+        f"run: {bandwidth:.0f} GB/s. GB: `mhar_kernels.traffic`'s model of the kernels' bytes (the grouped "
+        "merge counted as one fused pass).",
+        "",
+        "| shape | family | g | B | T | d | N | ms | GB (model) | GB/s | of copy BW |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['family']} | {r['g']} | {r['B']} | {r['T']} | {r['d']} | {r['N']} | "
+                     f"{r['ms']:.3f} | {r['gb']:.4g} | {r['gbps']:.4g} | {100 * r['frac']:.3g}% |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], bandwidth: float, heads: int, dtype, device, missing=()) -> str:
@@ -423,27 +505,43 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-step", action="store_true", help="skip the full-step rows")
-    p.add_argument("--group", type=int, default=0,
-                   help="also time the step with its sites in groups of this many (grouped routing; eager, triton)")
+    p.add_argument("--scales", help="comma list of the shapes' names to run (default: all of --shapes)")
+    p.add_argument("--group", default="0", help="also time the step with its sites in groups of this many "
+                   "(grouped routing; eager, triton); auto: the group size routing_group_size='auto' picks per shape")
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
-    p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor and the "
-                   "host time of one call with launches stubbed, then stop")
+    p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor, then stop")
+    p.add_argument("--host", action="store_true", help="print the host time of one call with launches stubbed "
+                   "(--iters calls), then stop")
+    p.add_argument("--isolated", action="store_true", help="time one step per call and grouped (Triton) with "
+                   "triton.testing.do_bench beside the copy bandwidth, then stop")
     a = p.parse_args(argv)
-    if a.bytes:
-        where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-        host = host_ms()
-        text = bytes_table() + "\n\n" + grouped_bytes_table() + (
-            f"\n\nHost time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
-            f"stubbed, 200 calls, sources shared as the models share them): median {host['call']:.3f} ms "
-            f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its gradient "
-            f"(once per source and step): {host['total']:.3f} ms per call on {where}.")
+    if a.group != "auto" and not a.group.isdigit():
+        p.error(f"--group must be a number of sites or auto, got {a.group!r}")
+    shapes = SHAPES[a.shapes]
+    if a.scales:
+        unknown = sorted(set(a.scales.split(",")) - set(shapes))
+        if unknown:
+            p.error(f"unknown --scales {', '.join(unknown)} for --shapes {a.shapes}; choose from {', '.join(shapes)}")
+        shapes = {name: shapes[name] for name in a.scales.split(",")}
+    if a.bytes or a.host:
+        if a.bytes:
+            text, title = bytes_table() + "\n\n" + grouped_bytes_table(), "Routing bytes per step (counted, no GPU needed)"
+        else:
+            where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+            host = host_ms(iters=a.iters)
+            text, title = (
+                f"Host time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
+                f"stubbed, {a.iters} calls, sources shared as the models share them): median {host['call']:.3f} ms "
+                f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
+                f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
+                f"{os.getloadavg()[0]:.2f}."), "Routing host time"
         print(text)
         if a.out:
             write_table(a.out, text)
         if a.append:
-            append_section(a.append, text, "Routing bytes per step (counted, no GPU needed)")
+            append_section(a.append, text, title)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -452,12 +550,24 @@ def main(argv=None) -> None:
         if i not in IMPLS:
             p.error(f"unknown impl {i!r}; choose from {IMPLS}")
     heads = a.heads if a.shapes == "paper" else min(a.heads, 4)
+    if a.isolated:
+        def write(rows, bandwidth, how):
+            if a.out:
+                write_table(a.out, isolated_table(rows, bandwidth, how, heads, dtype, device))
+
+        rows, bandwidth, how = isolated(shapes, heads, dtype, device, a.group, a.iters, write)
+        text = isolated_table(rows, bandwidth, how, heads, dtype, device)
+        print(text)
+        write(rows, bandwidth, how)
+        if a.append:
+            append_section(a.append, text, "Routing step in isolation (do_bench)")
+        return
 
     def progress(rows, bandwidth):
         if a.out:
             write_table(a.out, table(rows, bandwidth, heads, dtype, device))
 
-    rows, bandwidth, missing = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters,
+    rows, bandwidth, missing = bench(shapes, impls, heads, dtype, device, a.warmup, a.iters,
                                      not a.no_step, a.budget_s, progress, a.group)
     text = table(rows, bandwidth, heads, dtype, device, missing)
     print(text)

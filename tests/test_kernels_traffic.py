@@ -131,12 +131,21 @@ def test_traffic_floor_and_rows_by_hand():
         traffic.routing_traffic([[0], []], dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 
 
+def test_host_row_is_its_own_mode(tmp_path):
+    """`bench/routing.py --host`: the host time of one call with launches stubbed (a benchmark row,
+    its value is not asserted), with the machine's load stated."""
+    routing_bench.main(["--host", "--iters", "2", "--out", str(tmp_path / "host.md")])
+    text = (tmp_path / "host.md").read_text()
+    assert text.startswith("Host time of one forward+backward routing call (N = 73") and "2 calls" in text
+    assert "load average" in text and "Grouped" not in text
+
+
 def test_bytes_table_reports_every_scale(tmp_path):
-    """`bench/routing.py --bytes`: the table for 100m / 350m / 1b (AC off and on) and the host-time
-    row (launches stubbed; a benchmark row, its value is not asserted)."""
+    """`bench/routing.py --bytes`: the table for 100m / 350m / 1b (AC off and on), with no timing in
+    it (the host time is `--host`'s row, see test_host_row_is_its_own_mode)."""
     routing_bench.main(["--bytes", "--out", str(tmp_path / "bytes.md")])
     text = (tmp_path / "bytes.md").read_text()
-    assert "Host time of one forward+backward routing call (N = 73" in text
+    assert "Host time" not in text
     per_call, grouped = text.split("Grouped routing at the group size")
     rows = [line for line in per_call.splitlines() if line.startswith("| 1") or line.startswith("| 3")]
     assert [r.split("|")[1].strip() for r in rows] == ["100m", "100m", "350m", "350m", "1b", "1b"]
