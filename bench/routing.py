@@ -51,7 +51,8 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mhar_kernels.traffic import H200_PROGRAMS, Traffic, grouped_traffic, routing_traffic  # noqa: E402
+from mhar_kernels.traffic import (H200_PROGRAMS, Launch, Traffic, element_bytes, grouped_traffic,  # noqa: E402
+                                  routing_traffic)
 from mhar_titan.files import write_text  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
@@ -114,14 +115,33 @@ def plan_sources(args: ModelArgs) -> list[list[int]]:
     return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
 
 
+def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
+    """Bytes autograd moves to assemble the gradients of the routing parameters of one step
+    (kind "parameters"; independent of the tokens), as models/model.py lays them out: the
+    pseudo-queries and key-norm weights are (S, d) parameters, layer i's blocks get the (2, d)
+    slice of its two sites and each site selects its row, the final site selects its row of the
+    whole parameter. Per parameter, backward then runs: per layer site a select backward ((d,)
+    read, (2, d) written) and per layer one (2, d) addition of its two sites and a slice backward
+    ((2, d) read, (S, d) written); for the final site a select backward ((d,) read, (S, d)
+    written); and L additions of (S, d) summing the L + 1 contributions. Per-call routing
+    (routing_group_size 1), the null source and delta gates not included."""
+    el, d, layers, s = element_bytes(dtype), args.dim, args.n_layers, args.n_routing_sites
+    row, pair, whole = d * el, 2 * d * el, s * d * el
+    read = 2 * layers * row + layers * 2 * pair + layers * pair + row + layers * 2 * whole
+    written = 2 * layers * pair + layers * pair + layers * whole + whole + layers * whole
+    return Launch(None, "parameters", read=2 * read, written=2 * written)
+
+
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
                  programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
     """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
-    (shared: the sources' gradient buffers shared between sites, as the models run)."""
+    (shared: the sources' gradient buffers shared between sites, as the models run), with the
+    routing parameters' gradient assembly (`parameter_gradients`)."""
     sites = plan_sources(args)
-    return routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
-                           delta=args.routing_mode == "delta", null_source=args.routing_null_source,
-                           programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+    t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
+                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
 
 
 def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
