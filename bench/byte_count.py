@@ -244,6 +244,36 @@ def routing_count(args, batch: int, seq: int, ac: str = "none", baseline: ByteCo
                 baseline=baseline.total(), residual=residual, launches=routed.total("launch"))
 
 
+def _cheap_end(outs_dtype: torch.dtype, b: int, t: int, d: int) -> int:
+    """Counted bytes of the harness's stand-in for what follows a routing site (`out.float().sum()`
+    and its backward) on one (b, t, d) output."""
+    x = torch.zeros(b, t, d, dtype=outs_dtype, requires_grad=True)
+    with ByteCounter() as c:
+        torch.autograd.grad(x.float().sum(), [x])
+    return c.total()
+
+
+def count_harness(d: int, n: int, family: str, tokens: int, group: int = 1, heads: int = 8,
+                  dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Counted bytes of one step of the routing-only harness over n (1, tokens, d) sources: every
+    site of the step routes over the sources before it (the real per-call plan of sublayer
+    routing; `routing.one_step`), or, for family "mhar-grouped", in groups of `group` consecutive
+    sites (`routing.one_grouped_step`), Triton kernels, forward and backward. What stands in for
+    the sublayers (each site's output summed in fp32, `_cheap_end`) is counted alone and
+    subtracted. Returns {'bytes' (the routing's), 'launches' (inside Triton launches), 'end'}."""
+    import routing
+
+    sources, query, norm_weight = routing.make_inputs(1, tokens, d, n, dtype, torch.device("cpu"))
+    if family == "mhar":
+        run = routing.one_step("triton", sources, query, norm_weight, heads)
+    else:
+        run = routing.one_grouped_step("triton", sources, query, norm_weight, heads, group)
+    with ByteCounter() as c:
+        run()
+    end = n * _cheap_end(dtype, 1, tokens, d)
+    return dict(bytes=c.total() - end, launches=c.total("launch"), end=end)
+
+
 def main(argv=None) -> None:
     from mhar_titan.models.args import FAMILIES, ModelArgs
 

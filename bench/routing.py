@@ -23,8 +23,11 @@ with torch.autograd.grad (nothing accumulates into the leaves' .grad between cal
 micro-batches), the bytes the kernels move per training step as counted by
 `mhar_kernels.traffic` from the model's routing plan, beside the floor (N + 1 rows forward and
 2N + 1 backward per site), with activation checkpointing off and on, then the same for grouped routing at the group size
-`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`). It does no
-timing, so its run time does not depend on the machine's load; `--host` is the host timing.
+`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`; the merge
+modelled as if fused). It does no timing, so its run time does not depend on the machine's
+load; `--host` is the host timing. `--bytes --measure 100m,...` counts what really runs
+(`measured_bytes`: the routing-only harness through `bench/byte_count.py`, minutes per scale on
+CPU) and prints it beside the model and the floor (`--json`: the same as an object).
 
 `--isolated` times, for each shape, one whole step of per-call routing and of grouped routing
 (Triton, forward + backward) with `triton.testing.do_bench` (which empties the L2 cache before
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import pathlib
 import statistics
@@ -172,13 +176,14 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
 def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
     """Per scale and AC mode: per-call routing beside grouped routing at the group size `auto` picks."""
     lines = [
-        f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing "
-        f"(`mhar_kernels.traffic.grouped_traffic`: fused phase 1, merges counted as one fused pass; MHAR H = 8, "
-        f"sublayer, replace, {dtype}, {H200_PROGRAMS} backward programs), GB per training step; source rows = "
-        "(B, T, d) sources read per token by one forward.",
+        f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing, as "
+        f"modelled (`mhar_kernels.traffic.grouped_traffic`: fused phase 1, each merge modelled as one fused pass, "
+        f"which the eager merge is not: `--bytes --measure` counts what runs; MHAR H = 8, sublayer, replace, "
+        f"{dtype}, {H200_PROGRAMS} backward programs), GB per training step; source rows = (B, T, d) sources read "
+        "per token by one forward.",
         "",
-        "| scale | AC | g | backward site chunks | source rows, per call | source rows, grouped | counted, per call | "
-        "counted, grouped | floor, per call | floor, grouped | grouped / per call |",
+        "| scale | AC | g | backward site chunks | source rows, per call | source rows, grouped | modelled, per call | "
+        "modelled, grouped (fused merge) | floor, per call | floor, grouped | grouped / per call |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     from mhar_kernels.triton_grouped import launch_config
@@ -220,6 +225,74 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
                 f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
                 f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | "
                 f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x | {unshared.ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def measured_bytes(scales=("100m", "350m", "1b"), families=("mhar", "mhar-grouped"), tokens=(4, 8, 12),
+                   dtype=torch.bfloat16, progress=None, shapes=SHAPES["paper"], micro_batch=MICRO_BATCH) -> dict:
+    """Measured routing bytes per step at the paper micro-batch: the routing-only harness
+    (`byte_count.count_harness`, SHAPES["paper"]'s d and N, H = 8, Triton kernels through the
+    interpreter) counted at each of `tokens` (batch 1), checked linear in tokens (every count
+    within 1% of the line through the first and last), and extrapolated to MICRO_BATCH's tokens.
+    Returns {scale: {family: {'modelled', 'measured', 'floor', 'counts'}}} in bytes ('modelled',
+    'floor': `moved_bytes` / `grouped_moved_bytes` at the micro-batch; 'counts': tokens -> bytes).
+    progress(result) after every scale and family. shapes, micro_batch: name -> (B, T, d, N) and
+    (batch, sequence length) of the scales named.
+
+    Raises:
+        RuntimeError: a count off the line by more than 1% (not linear in tokens)."""
+    import byte_count
+
+    device = torch.device("cpu")
+    result: dict = {}
+    for scale in scales:
+        _, _, d, n = shapes[scale]
+        b, t = micro_batch[scale]
+        g = auto_group(scale)
+        for family in families:
+            counts = {k: byte_count.count_harness(d, n, family, k, g, dtype=dtype)["bytes"] for k in tokens}
+            lo, hi = tokens[0], tokens[-1]
+            slope = (counts[hi] - counts[lo]) / (hi - lo)
+            line = lambda k: counts[lo] + slope * (k - lo)  # noqa: E731
+            off = {k: c / line(k) - 1 for k, c in counts.items()}
+            if any(abs(v) > 0.01 for v in off.values()):
+                raise RuntimeError(f"{scale} {family}: bytes not linear in tokens: {counts} (off the line by {off})")
+            if family == "mhar":
+                modelled = moved_bytes("step", b, t, d, n, 8, dtype, device)
+                floor = routing_traffic([list(range(s)) for s in range(1, n + 1)], dim=d, tokens=b * t, dtype=dtype,
+                                        heads=8).floor
+            else:
+                modelled = grouped_moved_bytes(b, t, d, n, 8, dtype, device, g)
+                groups = step_groups(n, g)
+                floor = grouped_traffic(groups, dim=d, tokens=b * t, dtype=dtype, heads=8).floor
+            result.setdefault(scale, {})[family] = dict(modelled=modelled, measured=round(line(b * t)), floor=floor,
+                                                        counts=counts)
+            if progress is not None:
+                progress(result)
+    return result
+
+
+def measured_table(result: dict) -> str:
+    lines = [
+        "Routing bytes per training step, measured (`bench/byte_count.py`: every aten op outside the kernels and "
+        "every Triton launch's distinct loaded and stored bytes, counted on CPU through the interpreter) in the "
+        "routing-only harness (each site over the sources before it, H = 8, bf16; the stand-in for the sublayers "
+        "counted alone and subtracted) at a few tokens, linear in tokens, extrapolated to the paper's micro-batch; "
+        "beside the model (`mhar_kernels.traffic`) and the floor, GB.",
+        "",
+        "| scale | family | micro-batch | tokens counted | modelled | measured | floor | measured / floor | "
+        "measured / per call |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for scale, families in result.items():
+        b, t = MICRO_BATCH.get(scale, ("?", "?"))
+        per_call = families.get("mhar", {}).get("measured")
+        for family, r in families.items():
+            vs = f"{r['measured'] / per_call:.2f}" if per_call else "-"
+            name = family if family == "mhar" else f"{family} (g={auto_group(scale)})"
+            lines.append(f"| {scale} | {name} | {b}x{t} | {', '.join(map(str, r['counts']))} | "
+                         f"{r['modelled'] / 1e9:.2f} | {r['measured'] / 1e9:.2f} | {r['floor'] / 1e9:.2f} | "
+                         f"{r['measured'] / r['floor']:.2f}x | {vs} |")
     return "\n".join(lines)
 
 
@@ -273,6 +346,36 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
         return result
     finally:
         triton_routing._route_fwd_kernel, triton_routing._route_bwd_kernel = saved
+
+
+def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters: int = 5) -> dict:
+    """Host time (ms) of one whole step's routing with every kernel launch stubbed out (the
+    per-call and phase-1 kernels do nothing): `one_step` (family "mhar") or `one_grouped_step` at
+    `auto_group(shape)` ("mhar-grouped") over SHAPES["paper"][shape]'s N sources of d, 4 tokens,
+    bf16, forward and backward, AC none. CUDA tensors where there is a GPU, else CPU tensors
+    (TRITON_INTERPRET=1). Returns {'median', 'min'} over `iters` steps after one warm-up."""
+    from mhar_kernels import triton_grouped, triton_routing
+
+    _, _, d, n = SHAPES["paper"][shape]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    if family == "mhar":
+        run = one_step("triton", sources, query, norm_weight, heads)
+    else:
+        run = one_grouped_step("triton", sources, query, norm_weight, heads, auto_group(shape))
+    kernels = [(triton_routing, "_route_fwd_kernel"), (triton_routing, "_route_bwd_kernel"),
+               (triton_grouped, "_phase1_fwd_kernel"), (triton_grouped, "_phase1_bwd_kernel")]
+    saved = [getattr(module, name) for module, name in kernels]
+    for module, name in kernels:
+        setattr(module, name, _NoLaunch())
+    try:
+        run()
+        measure = timer(torch.device("cpu"))  # the host clock: there is no device work
+        times = [measure(run) for _ in range(iters)]
+        return dict(median=statistics.median(times), min=min(times))
+    finally:
+        for (module, name), kernel in zip(kernels, saved):
+            setattr(module, name, kernel)
 
 
 def timer(device: torch.device):
@@ -532,6 +635,12 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
     p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor, then stop")
+    p.add_argument("--measure", help="with --bytes: count the routing-only harness at these scales (comma list; "
+                   "minutes per scale on CPU) and print measured beside modelled")
+    p.add_argument("--families", default="mhar,mhar-grouped", help="with --measure: mhar, mhar-grouped")
+    p.add_argument("--tokens", default="4,8,12", help="with --measure: the token counts counted (batch 1)")
+    p.add_argument("--json", action="store_true", help="with --bytes --measure: print the result as JSON "
+                   "(scale -> family -> {modelled, measured, floor} in bytes)")
     p.add_argument("--host", action="store_true", help="print the host time of one call with launches stubbed "
                    "(--iters calls), then stop")
     p.add_argument("--isolated", action="store_true", help="time one step per call and grouped (Triton) with "
@@ -545,6 +654,19 @@ def main(argv=None) -> None:
         if unknown:
             p.error(f"unknown --scales {', '.join(unknown)} for --shapes {a.shapes}; choose from {', '.join(shapes)}")
         shapes = {name: shapes[name] for name in a.scales.split(",")}
+    if a.bytes and a.measure:
+        def write(result):
+            if a.out:
+                write_table(a.out, json.dumps(result, indent=1) if a.json else measured_table(result))
+
+        result = measured_bytes(a.measure.split(","), a.families.split(","), tuple(map(int, a.tokens.split(","))),
+                                progress=write)
+        text = json.dumps(result, indent=1) if a.json else measured_table(result)
+        print(text)
+        write(result)
+        if a.append and not a.json:
+            append_section(a.append, text, "Routing bytes per step (measured, no GPU needed)")
+        return
     if a.bytes or a.host:
         if a.bytes:
             text, title = bytes_table() + "\n\n" + grouped_bytes_table(), "Routing bytes per step (counted, no GPU needed)"
@@ -557,6 +679,12 @@ def main(argv=None) -> None:
                 f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
                 f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"
+            steps = {family: host_step_ms("1b", family, iters=max(1, a.iters // 40)) for family in ("mhar", "mhar-grouped")}
+            text += "\n\n" + " ".join(
+                f"Host time of one whole 1b step's routing, {family} ({'73 calls' if family == 'mhar' else 'g = 11'}; "
+                f"every site, forward + backward, launches stubbed, AC none, {max(1, a.iters // 40)} steps): "
+                f"median {r['median']:.1f} ms (minimum {r['min']:.1f} ms)." for family, r in steps.items()) + (
+                f" Load average {os.getloadavg()[0]:.2f} on {where}.")
         print(text)
         if a.out:
             write_table(a.out, text)
