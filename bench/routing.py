@@ -560,8 +560,10 @@ def isolated_table(rows: list[dict], bandwidth: float, how: str, heads: int, dty
         f"One step's routing in isolation (every site, forward + backward, Triton kernels), timed by {how}; "
         f"{where}; torch {torch.__version__}, triton {triton.__version__}; "
         f"{datetime.date.today().isoformat()}; {dtype}, H = {heads}; copy bandwidth timed the same way in this "
-        f"run: {bandwidth:.0f} GB/s. GB: `mhar_kernels.traffic`'s model of the kernels' bytes (the grouped "
-        "merge counted as one fused pass).",
+        f"run: {bandwidth:.0f} GB/s. GB: `mhar_kernels.traffic`'s model of the kernels' bytes; for per-call "
+        "routing it equals the complete count (`--bytes --measure`), for grouped routing it counts the merge as "
+        "one fused pass, while the eager merge moves about 7x the model in all (counted at 1b on CPU), so the "
+        "grouped GB/s is not an achieved bandwidth.",
         "",
         "| shape | family | g | B | T | d | N | ms | GB (model) | GB/s | of copy BW |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
