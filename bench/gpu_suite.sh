@@ -69,8 +69,8 @@ routing 350m mhar,mhar-grouped eager none 8
 routing 100m mhar,mhar-grouped eager none 8
 compile sm_90 - triton - 15
 host 1b mhar stubbed none 8
-bytes 100m,350m,1b mhar,mhar-grouped model none,full 5
-routing 1b mhar compile none 20"
+bytes 100m,350m,1b mhar,mhar-grouped model none,full 10
+routing 1b mhar compile none 15"
 fi
 
 # row_cmd SECTION SCALE FAMILY IMPL AC BUDGET TABLE: sets CMD to the row's command; it writes TABLE.
