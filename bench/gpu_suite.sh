@@ -68,7 +68,7 @@ routing 1b mhar,mhar-grouped eager none 12
 routing 350m mhar,mhar-grouped eager none 8
 routing 100m mhar,mhar-grouped eager none 8
 compile sm_90 - triton - 15
-host 1b mhar stubbed none 8
+host 1b mhar,mhar-grouped stubbed none 12
 bytes 100m,350m,1b mhar,mhar-grouped model none,full 10
 routing 1b mhar compile none 15"
 fi
