@@ -49,7 +49,7 @@ routing toy mhar,mhar-grouped triton none 30
 tests - - triton - 60
 routing toy mhar,mhar-grouped eager none 20
 compile sm_90 - triton - 30
-host 1b mhar stubbed none 30
+host 1b mhar,mhar-grouped stubbed none 30
 bytes 100m,350m,1b mhar,mhar-grouped model none,full 20"
 else
   PLAN="env - - - - 8
