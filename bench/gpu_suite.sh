@@ -1,85 +1,154 @@
 #!/usr/bin/env bash
 # The GPU suite: everything worth measuring in one short window on one GPU, from a plain checkout.
 #
-#   bench/gpu_suite.sh OUT_DIR [--tiny]
+#   bench/gpu_suite.sh OUT_DIR [--tiny]     # run the plan
+#   bench/gpu_suite.sh --plan [--tiny]      # print the plan only
 #
 # Needs only python with torch, triton, numpy and pytest: no install step (`mhar_kernels` comes
-# from the checkout through the root shim), and every section runs through bench/plain_python.py,
+# from the checkout through the root shim), and every row runs through bench/plain_python.py,
 # which blocks datasets / torchdata / tiktoken / wandb and ignores an editable install.
-# Every section runs even when an earlier one fails; each has its own time budget (`timeout`),
-# and the budgets add up to under 4 minutes, so the whole suite ends in time by construction.
-# Each section writes OUT_DIR/<name>.md (its table) and OUT_DIR/<name>.log; OUT_DIR/summary.json
-# lists every section's status, exit code, seconds and budget. --tiny: the same sections at toy
-# sizes (the CI test runs it on CPU through the Triton interpreter).
+#
+# The plan is a list of rows (section, scale, family, impl, AC, budget), printed row by row before
+# anything runs and run in that order, most valuable first: the isolated 1b routing timing, then
+# per scale 1b before 350m before 100m the throughput rows (AC none and full side by side) and the
+# Triton routing rows, then the kernel tests, the eager routing rows, the sm_90 compile report, the
+# host-time and byte rows, and torch.compile last at one shape (1b). Each row is its own process
+# under its own `timeout`, writes OUT_DIR/NN-<row>.md (its table, rewritten as its measurements
+# finish) and OUT_DIR/NN-<row>.log, and is appended to OUT_DIR/rows.tsv as soon as it ends, so a
+# cut-off window keeps every finished row. Every row runs even when an earlier one fails. The
+# budgets add up to at most 360 s (the machine takes minutes to start: a rerun must fit in a
+# 15-minute window); OUT_DIR/summary.json lists every row's status, exit code, seconds and budget.
+# --tiny: the same sections at toy sizes (the CI test runs it on CPU through the Triton
+# interpreter; no row of it times anything against a deadline, so it passes on a loaded machine).
 set -uo pipefail
-OUT=${1:?usage: bench/gpu_suite.sh OUT_DIR [--tiny]}
-TINY=0
-[[ "${2:-}" == "--tiny" ]] && TINY=1
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+OUT="" TINY=0 PLAN_ONLY=0
+for arg in "$@"; do
+  case $arg in
+    --tiny) TINY=1 ;;
+    --plan) PLAN_ONLY=1 ;;
+    -*) echo "unknown option $arg; usage: bench/gpu_suite.sh OUT_DIR [--tiny] | --plan [--tiny]" >&2; exit 2 ;;
+    *) OUT=$arg ;;
+  esac
+done
+if (( ! PLAN_ONLY )) && [[ -z $OUT ]]; then
+  echo "usage: bench/gpu_suite.sh OUT_DIR [--tiny] | --plan [--tiny]" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 RUN=("$PY" bench/plain_python.py)
+FAMILIES=baseline,mhar,mhar-grouped
 
+# section scale family impl ac budget_s   (one row per line; "-": not applicable)
 if (( TINY )); then
-  COMPILE=(--shapes 512x8 --variants aligned)
-  TESTS=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
-  ROUTING=(--shapes toy --impls triton,eager --warmup 1 --iters 1 --group 2)
-  THROUGHPUT=(--scales debug --batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0 --ac none
-              --families mhar,mhar-grouped --kernel triton)
+  PLAN="env - - - - 10
+isolated toy mhar,mhar-grouped triton none 30
+throughput debug $FAMILIES triton none 40
+throughput debug $FAMILIES triton full 40
+routing toy mhar,mhar-grouped triton none 30
+tests - - triton - 60
+routing toy mhar,mhar-grouped eager none 20
+compile sm_90 - triton - 30
+host 1b mhar,mhar-grouped stubbed none 30
+bytes 100m,350m,1b mhar,mhar-grouped model none,full 20"
 else
-  COMPILE=()  # every paper shape, both variants
-  # The kernel tests on CUDA tensors (the FSDP test is CPU/gloo and needs torchrun: left to CI).
-  TESTS=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py tests/test_kernels_shared_grad.py
-         tests/test_kernels_model.py -m "not distributed")
-  # the step also with its sites in groups of 11 (grouped routing, the fused phase 1), last per shape
-  ROUTING=(--shapes paper --impls triton,eager,compile --warmup 3 --iters 10 --group 11)
-  # MHAR per call and grouped (g = "auto") against the baseline; AC none first at every scale.
-  THROUGHPUT=(--steps 3 --warmup 1 --ac none,full --families mhar,mhar-grouped --kernel triton)
+  PLAN="env - - - - 8
+isolated 1b mhar,mhar-grouped triton none 35
+throughput 1b $FAMILIES triton none 35
+throughput 1b $FAMILIES triton full 30
+routing 1b mhar,mhar-grouped triton none 15
+throughput 350m $FAMILIES triton none 22
+throughput 350m $FAMILIES triton full 20
+routing 350m mhar,mhar-grouped triton none 12
+throughput 100m $FAMILIES triton none 22
+throughput 100m $FAMILIES triton full 20
+routing 100m mhar,mhar-grouped triton none 12
+tests - - triton - 40
+routing 1b mhar,mhar-grouped eager none 12
+routing 350m mhar,mhar-grouped eager none 8
+routing 100m mhar,mhar-grouped eager none 8
+compile sm_90 - triton - 15
+host 1b mhar,mhar-grouped stubbed none 12
+bytes 100m,350m,1b mhar,mhar-grouped model none,full 10
+routing 1b mhar compile none 15"
 fi
 
-# Sections in order, each with its budget in seconds (the sum stays under 240).
-SECTIONS=(env bytes compile tests routing throughput)
-declare -A BUDGET=([env]=20 [bytes]=15 [compile]=25 [tests]=70 [routing]=45 [throughput]=60)
-
-# section_cmd NAME: sets CMD to the section's command; it writes OUT/NAME.md.
-section_cmd() {
-  local stop_s=$(( BUDGET[$1] - 10 ))  # the benchmarks start no new work 10 s before the kill
-  case $1 in
-    env) CMD=("${RUN[@]}" bench/suite_report.py env "$OUT/env.md") ;;
-    bytes) CMD=("${RUN[@]}" bench/routing.py --bytes --out "$OUT/bytes.md") ;;
-    compile) CMD=(env -u TRITON_INTERPRET "${RUN[@]}" -m mhar_kernels.compile_report "${COMPILE[@]}"
-                  --out "$OUT/compile.md") ;;
-    tests) CMD=(env MHAR_SUITE_TESTS_TABLE="$OUT/tests.md" "${RUN[@]}" -m pytest -v -p no:cacheprovider
-                -p bench.suite_report --continue-on-collection-errors "${TESTS[@]}") ;;
-    routing) CMD=("${RUN[@]}" bench/routing.py "${ROUTING[@]}" --out "$OUT/routing.md" --budget-s "$stop_s") ;;
-    throughput) CMD=("${RUN[@]}" bench/throughput.py "${THROUGHPUT[@]}" --out "$OUT/throughput.md"
-                     --budget-s "$stop_s") ;;
+# row_cmd SECTION SCALE FAMILY IMPL AC BUDGET TABLE: sets CMD to the row's command; it writes TABLE.
+row_cmd() {
+  local section=$1 scale=$2 family=$3 impl=$4 ac=$5 budget=$6 table=$7
+  local stop_s=$(( budget * 3 / 4 ))  # the benchmarks start no new measurement after this
+  local shapes=(--shapes paper) sizes=(--warmup 3 --iters 10)
+  (( TINY )) && shapes=(--shapes toy) && sizes=(--warmup 1 --iters 1)
+  case $section in
+    env) CMD=("${RUN[@]}" bench/suite_report.py env "$table") ;;
+    isolated) CMD=("${RUN[@]}" bench/routing.py --isolated "${shapes[@]}" --scales "$scale" --group auto
+                   "${sizes[@]}" --out "$table") ;;
+    throughput)
+      local sizes_t=(--steps 3 --warmup 1)
+      (( TINY )) && sizes_t=(--batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0)
+      CMD=("${RUN[@]}" bench/throughput.py --scales "$scale" --ac "$ac" --families "$family" --kernel "$impl"
+           "${sizes_t[@]}" --out "$table" --budget-s "$stop_s") ;;
+    routing)
+      local scope=(--group auto)
+      [[ $impl == compile ]] && scope=(--no-step)  # one call at one shape: compiling 73 site shapes is minutes
+      CMD=("${RUN[@]}" bench/routing.py "${shapes[@]}" --scales "$scale" --impls "$impl" "${scope[@]}" "${sizes[@]}"
+           --out "$table" --budget-s "$stop_s") ;;
+    tests)
+      local tests=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py
+                   tests/test_kernels_shared_grad.py tests/test_kernels_model.py -m "not distributed")
+      (( TINY )) && tests=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
+      CMD=(env MHAR_SUITE_TESTS_TABLE="$table" "${RUN[@]}" -m pytest -v -p no:cacheprovider
+           -p bench.suite_report --continue-on-collection-errors "${tests[@]}") ;;
+    compile)
+      local kernels=()
+      (( TINY )) && kernels=(--shapes 512x8 --variants aligned)
+      CMD=(env -u TRITON_INTERPRET "${RUN[@]}" -m mhar_kernels.compile_report "${kernels[@]}" --out "$table") ;;
+    host)
+      local iters=200
+      (( TINY )) && iters=3
+      CMD=("${RUN[@]}" bench/routing.py --host --iters "$iters" --out "$table") ;;
+    bytes) CMD=("${RUN[@]}" bench/routing.py --bytes --out "$table") ;;
+    *) echo "unknown section $section" >&2; return 1 ;;
   esac
 }
 
-total=0
-for name in "${SECTIONS[@]}"; do total=$(( total + BUDGET[$name] )); done
-{
-  echo "GPU suite plan ($(date -u +%FT%TZ), tiny=$TINY): ${#SECTIONS[@]} sections, at most ${total} s in all"
-  for name in "${SECTIONS[@]}"; do printf '  %-11s budget %3d s\n' "$name" "${BUDGET[$name]}"; done
-  echo "  compile: sm_90 registers/spills/vector width ${COMPILE[*]}"
-  echo "  tests: ${TESTS[*]}"
-  echo "  routing: ${ROUTING[*]}"
-  echo "  throughput: ${THROUGHPUT[*]}"
-} | tee "$OUT/plan.txt"
+total=0 rows=0
+while read -r _ _ _ _ _ budget; do total=$(( total + budget )); rows=$(( rows + 1 )); done <<< "$PLAN"
+print_plan() {
+  echo "GPU suite plan ($(date -u +%FT%TZ), tiny=$TINY): $rows rows, at most ${total} s in all"
+  printf '  %-3s %-10s %-12s %-26s %-8s %-9s %s\n' row section scale family impl AC budget
+  local n=0
+  while read -r section scale family impl ac budget; do
+    n=$(( n + 1 ))
+    printf '  %-3s %-10s %-12s %-26s %-8s %-9s %3d s\n' "$n" "$section" "$scale" "$family" "$impl" "$ac" "$budget"
+  done <<< "$PLAN"
+}
+if (( PLAN_ONLY )); then
+  print_plan
+  exit 0
+fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+print_plan | tee "$OUT/plan.txt"
 
-: > "$OUT/sections.tsv"
-for name in "${SECTIONS[@]}"; do
-  echo "== $name (budget ${BUDGET[$name]} s)"
+: > "$OUT/rows.tsv"
+n=0
+while read -r section scale family impl ac budget; do
+  n=$(( n + 1 ))
+  id=$(printf '%02d-%s' "$n" "$section")
+  [[ $scale != - ]] && id+="-${scale//,/+}"
+  [[ $impl != - ]] && id+="-$impl"
+  [[ $ac != - ]] && id+="-${ac//,/+}"
+  echo "== row $n: $section $scale $family $impl AC $ac (budget $budget s)"
   start=$(date +%s)
-  section_cmd "$name"
-  timeout --kill-after=5 "${BUDGET[$name]}" "${CMD[@]}" > "$OUT/$name.log" 2>&1
+  row_cmd "$section" "$scale" "$family" "$impl" "$ac" "$budget" "$OUT/$id.md"
+  timeout --kill-after=5 "$budget" "${CMD[@]}" > "$OUT/$id.log" 2>&1 < /dev/null
   rc=$?
   seconds=$(( $(date +%s) - start ))
-  tail -n 3 "$OUT/$name.log"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" "${BUDGET[$name]}" >> "$OUT/sections.tsv"
-  echo "== $name: exit $rc after ${seconds} s"
-done
+  tail -n 3 "$OUT/$id.log"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$id" "$section" "$scale" "$family" "$impl" "$ac" "$rc" "$seconds" \
+    "$budget" >> "$OUT/rows.tsv"
+  echo "== row $n: exit $rc after ${seconds} s"
+done <<< "$PLAN"
 "$PY" bench/plain_python.py bench/suite_report.py summary "$OUT" "$TINY"
 echo "tables, logs and summary.json in $OUT"

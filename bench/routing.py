@@ -14,18 +14,32 @@ with torch.autograd.grad (nothing accumulates into the leaves' .grad between cal
     python bench/routing.py --append BENCHMARKS.md
     python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
     python bench/routing.py --bytes                # counted bytes per step vs the floor, no timing
+    python bench/routing.py --host                 # host time of one call, launches stubbed
     python bench/routing.py --group 11             # also the step with its sites in groups of 11
+    python bench/routing.py --scales 1b --impls triton --group auto   # one shape, g = "auto" for it
+    python bench/routing.py --isolated --scales 1b --group auto      # do_bench: step per call vs grouped
 
 `--bytes` prints, for 100m / 350m / 1b (MHAR, H = 8, sublayer, replace, bf16, the paper's
 micro-batches), the bytes the kernels move per training step as counted by
 `mhar_kernels.traffic` from the model's routing plan, beside the floor (N + 1 rows forward and
 2N + 1 backward per site), with activation checkpointing off and on, then the same for grouped routing at the group size
-`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`).
+`routing_group_size="auto"` picks beside per-call routing (`grouped_bytes_table`; the merge
+modelled as if fused). It does no timing, so its run time does not depend on the machine's
+load; `--host` is the host timing. `--bytes --measure 100m,...` counts what really runs
+(`measured_bytes`: the routing-only harness through `bench/byte_count.py`, minutes per scale on
+CPU) and prints it beside the model and the floor (`--json`: the same as an object).
+
+`--isolated` times, for each shape, one whole step of per-call routing and of grouped routing
+(Triton, forward + backward) with `triton.testing.do_bench` (which empties the L2 cache before
+every run) beside a device copy timed the same way in the same process, and reports the achieved
+bandwidth as a fraction of that copy bandwidth. On CPU (no do_bench) it falls back to the host
+clock and says so.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import pathlib
 import statistics
@@ -41,7 +55,8 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mhar_kernels.traffic import H200_PROGRAMS, Traffic, grouped_traffic, routing_traffic  # noqa: E402
+from mhar_kernels.traffic import (H200_PROGRAMS, Launch, Traffic, element_bytes, grouped_traffic,  # noqa: E402
+                                  routing_traffic)
 from mhar_titan.files import write_text  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
@@ -56,6 +71,17 @@ IMPLS = ("eager", "compile", "triton")
 # The paper's micro-batches (batch, sequence length) per scale; bench/throughput.py uses them too.
 MICRO_BATCH = {"100m": (8, 2048), "350m": (4, 1024), "1b": (2, 1024), "debug": (2, 64)}
 SECTION = "## Kernels: depth routing"
+
+
+def auto_group(shape: str) -> int:
+    """The group size `routing_group_size="auto"` picks for the model flavor `shape` names (MHAR,
+    H = 8); shapes that name no flavor (toy) get 2."""
+    from mhar_titan.models.args import FLAVORS
+
+    if shape not in FLAVORS:
+        return 2
+    args = ModelArgs.from_flavor(shape, residual="attn_res", routing_heads=8, routing_group_size="auto")
+    return RoutingPlan.from_args(args).group_size
 
 
 def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, device) -> int:
@@ -93,14 +119,33 @@ def plan_sources(args: ModelArgs) -> list[list[int]]:
     return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
 
 
+def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
+    """Bytes autograd moves to assemble the gradients of the routing parameters of one step
+    (kind "parameters"; independent of the tokens), as models/model.py lays them out: the
+    pseudo-queries and key-norm weights are (S, d) parameters, layer i's blocks get the (2, d)
+    slice of its two sites and each site selects its row, the final site selects its row of the
+    whole parameter. Per parameter, backward then runs: per layer site a select backward ((d,)
+    read, (2, d) written) and per layer one (2, d) addition of its two sites and a slice backward
+    ((2, d) read, (S, d) written); for the final site a select backward ((d,) read, (S, d)
+    written); and L additions of (S, d) summing the L + 1 contributions. Per-call routing
+    (routing_group_size 1), the null source and delta gates not included."""
+    el, d, layers, s = element_bytes(dtype), args.dim, args.n_layers, args.n_routing_sites
+    row, pair, whole = d * el, 2 * d * el, s * d * el
+    read = 2 * layers * row + layers * 2 * pair + layers * pair + row + layers * 2 * whole
+    written = 2 * layers * pair + layers * pair + layers * whole + whole + layers * whole
+    return Launch(None, "parameters", read=2 * read, written=2 * written)
+
+
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
                  programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
     """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
-    (shared: the sources' gradient buffers shared between sites, as the models run)."""
+    (shared: the sources' gradient buffers shared between sites, as the models run), with the
+    routing parameters' gradient assembly (`parameter_gradients`)."""
     sites = plan_sources(args)
-    return routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
-                           delta=args.routing_mode == "delta", null_source=args.routing_null_source,
-                           programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+    t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
+                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
 
 
 def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
@@ -131,13 +176,14 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
 def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
     """Per scale and AC mode: per-call routing beside grouped routing at the group size `auto` picks."""
     lines = [
-        f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing "
-        f"(`mhar_kernels.traffic.grouped_traffic`: fused phase 1, merges counted as one fused pass; MHAR H = 8, "
-        f"sublayer, replace, {dtype}, {H200_PROGRAMS} backward programs), GB per training step; source rows = "
-        "(B, T, d) sources read per token by one forward.",
+        f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing, as "
+        f"modelled (`mhar_kernels.traffic.grouped_traffic`: fused phase 1, each merge modelled as one fused pass, "
+        f"which the eager merge is not: `--bytes --measure` counts what runs; MHAR H = 8, sublayer, replace, "
+        f"{dtype}, {H200_PROGRAMS} backward programs), GB per training step; source rows = (B, T, d) sources read "
+        "per token by one forward.",
         "",
-        "| scale | AC | g | backward site chunks | source rows, per call | source rows, grouped | counted, per call | "
-        "counted, grouped | floor, per call | floor, grouped | grouped / per call |",
+        "| scale | AC | g | backward site chunks | source rows, per call | source rows, grouped | modelled, per call | "
+        "modelled, grouped (fused merge) | floor, per call | floor, grouped | grouped / per call |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     from mhar_kernels.triton_grouped import launch_config
@@ -179,6 +225,74 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
                 f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
                 f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | "
                 f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x | {unshared.ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def measured_bytes(scales=("100m", "350m", "1b"), families=("mhar", "mhar-grouped"), tokens=(4, 8, 12),
+                   dtype=torch.bfloat16, progress=None, shapes=SHAPES["paper"], micro_batch=MICRO_BATCH) -> dict:
+    """Measured routing bytes per step at the paper micro-batch: the routing-only harness
+    (`byte_count.count_harness`, SHAPES["paper"]'s d and N, H = 8, Triton kernels through the
+    interpreter) counted at each of `tokens` (batch 1), checked linear in tokens (every count
+    within 1% of the line through the first and last), and extrapolated to MICRO_BATCH's tokens.
+    Returns {scale: {family: {'modelled', 'measured', 'floor', 'counts'}}} in bytes ('modelled',
+    'floor': `moved_bytes` / `grouped_moved_bytes` at the micro-batch; 'counts': tokens -> bytes).
+    progress(result) after every scale and family. shapes, micro_batch: name -> (B, T, d, N) and
+    (batch, sequence length) of the scales named.
+
+    Raises:
+        RuntimeError: a count off the line by more than 1% (not linear in tokens)."""
+    import byte_count
+
+    device = torch.device("cpu")
+    result: dict = {}
+    for scale in scales:
+        _, _, d, n = shapes[scale]
+        b, t = micro_batch[scale]
+        g = auto_group(scale)
+        for family in families:
+            counts = {k: byte_count.count_harness(d, n, family, k, g, dtype=dtype)["bytes"] for k in tokens}
+            lo, hi = tokens[0], tokens[-1]
+            slope = (counts[hi] - counts[lo]) / (hi - lo)
+            line = lambda k: counts[lo] + slope * (k - lo)  # noqa: E731
+            off = {k: c / line(k) - 1 for k, c in counts.items()}
+            if any(abs(v) > 0.01 for v in off.values()):
+                raise RuntimeError(f"{scale} {family}: bytes not linear in tokens: {counts} (off the line by {off})")
+            if family == "mhar":
+                modelled = moved_bytes("step", b, t, d, n, 8, dtype, device)
+                floor = routing_traffic([list(range(s)) for s in range(1, n + 1)], dim=d, tokens=b * t, dtype=dtype,
+                                        heads=8).floor
+            else:
+                modelled = grouped_moved_bytes(b, t, d, n, 8, dtype, device, g)
+                groups = step_groups(n, g)
+                floor = grouped_traffic(groups, dim=d, tokens=b * t, dtype=dtype, heads=8).floor
+            result.setdefault(scale, {})[family] = dict(modelled=modelled, measured=round(line(b * t)), floor=floor,
+                                                        counts=counts)
+            if progress is not None:
+                progress(result)
+    return result
+
+
+def measured_table(result: dict) -> str:
+    lines = [
+        "Routing bytes per training step, measured (`bench/byte_count.py`: every aten op outside the kernels and "
+        "every Triton launch's distinct loaded and stored bytes, counted on CPU through the interpreter) in the "
+        "routing-only harness (each site over the sources before it, H = 8, bf16; the stand-in for the sublayers "
+        "counted alone and subtracted) at a few tokens, linear in tokens, extrapolated to the paper's micro-batch; "
+        "beside the model (`mhar_kernels.traffic`) and the floor, GB.",
+        "",
+        "| scale | family | micro-batch | tokens counted | modelled | measured | floor | measured / floor | "
+        "measured / per call |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for scale, families in result.items():
+        b, t = MICRO_BATCH.get(scale, ("?", "?"))
+        per_call = families.get("mhar", {}).get("measured")
+        for family, r in families.items():
+            vs = f"{r['measured'] / per_call:.2f}" if per_call else "-"
+            name = family if family == "mhar" else f"{family} (g={auto_group(scale)})"
+            lines.append(f"| {scale} | {name} | {b}x{t} | {', '.join(map(str, r['counts']))} | "
+                         f"{r['modelled'] / 1e9:.2f} | {r['measured'] / 1e9:.2f} | {r['floor'] / 1e9:.2f} | "
+                         f"{r['measured'] / r['floor']:.2f}x | {vs} |")
     return "\n".join(lines)
 
 
@@ -234,6 +348,36 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
         triton_routing._route_fwd_kernel, triton_routing._route_bwd_kernel = saved
 
 
+def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters: int = 5) -> dict:
+    """Host time (ms) of one whole step's routing with every kernel launch stubbed out (the
+    per-call and phase-1 kernels do nothing): `one_step` (family "mhar") or `one_grouped_step` at
+    `auto_group(shape)` ("mhar-grouped") over SHAPES["paper"][shape]'s N sources of d, 4 tokens,
+    bf16, forward and backward, AC none. CUDA tensors where there is a GPU, else CPU tensors
+    (TRITON_INTERPRET=1). Returns {'median', 'min'} over `iters` steps after one warm-up."""
+    from mhar_kernels import triton_grouped, triton_routing
+
+    _, _, d, n = SHAPES["paper"][shape]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    if family == "mhar":
+        run = one_step("triton", sources, query, norm_weight, heads)
+    else:
+        run = one_grouped_step("triton", sources, query, norm_weight, heads, auto_group(shape))
+    kernels = [(triton_routing, "_route_fwd_kernel"), (triton_routing, "_route_bwd_kernel"),
+               (triton_grouped, "_phase1_fwd_kernel"), (triton_grouped, "_phase1_bwd_kernel")]
+    saved = [getattr(module, name) for module, name in kernels]
+    for module, name in kernels:
+        setattr(module, name, _NoLaunch())
+    try:
+        run()
+        measure = timer(torch.device("cpu"))  # the host clock: there is no device work
+        times = [measure(run) for _ in range(iters)]
+        return dict(median=statistics.median(times), min=min(times))
+    finally:
+        for (module, name), kernel in zip(kernels, saved):
+            setattr(module, name, kernel)
+
+
 def timer(device: torch.device):
     """Returns f(fn) -> milliseconds of one fn() call."""
     if device.type == "cuda":
@@ -259,12 +403,13 @@ def median_ms(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(measure(fn) for _ in range(iters))
 
 
-def copy_bandwidth(device: torch.device, dtype: torch.dtype) -> float:
-    """Measured device copy bandwidth in GB/s (read + write of a 1 GiB tensor; 64 MiB on CPU)."""
+def copy_bandwidth(device: torch.device, dtype: torch.dtype, time_ms=None) -> float:
+    """Measured device copy bandwidth in GB/s (read + write of a 1 GiB tensor; 64 MiB on CPU);
+    time_ms(fn) -> milliseconds of one fn() (default: `median_ms`, 2 warm-ups, 10 runs)."""
     numel = (2**30 if device.type == "cuda" else 2**26) // torch.finfo(dtype).bits * 8
     src = torch.empty(numel, dtype=dtype, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, warmup=2, iters=10)
+    ms = (time_ms or (lambda fn: median_ms(fn, device, warmup=2, iters=10)))(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
@@ -321,9 +466,10 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
 
 
 def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: int, step: bool,
-          budget_s: float | None = None, progress=None, group: int = 0) -> tuple[list[dict], float, list[str]]:
+          budget_s: float | None = None, progress=None, group: int | str = 0) -> tuple[list[dict], float, list[str]]:
     """Time every (shape, scope, impl); returns (rows, copy bandwidth GB/s, names not run or failed).
-    group > 1 adds the scope "step g=<group>" (`one_grouped_step`, eager and triton only).
+    group > 1 adds the scope "step g=<group>" (`one_grouped_step`, eager and triton only); group
+    "auto": g = `auto_group` of each shape.
 
     With budget_s, no new measurement starts after that many seconds; a failing implementation
     (for example a compile error) is reported and the others still run. progress(rows, bandwidth)
@@ -336,10 +482,11 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
     for name, (b, t, d, n) in shapes.items():
         sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
         scopes = ("call", "step") if step else ("call",)
-        for scope in scopes + ((f"step g={group}",) if step and group > 1 else ()):
+        g = auto_group(name) if group == "auto" else int(group)
+        for scope in scopes + ((f"step g={g}",) if step and g > 1 else ()):
             grouped_scope = scope.startswith("step g=")
             if grouped_scope:
-                moved = grouped_moved_bytes(b, t, d, n, heads, dtype, device, group)
+                moved = grouped_moved_bytes(b, t, d, n, heads, dtype, device, g)
             else:
                 moved = moved_bytes(scope, b, t, d, n, heads, dtype, device)
             for impl in impls:
@@ -350,7 +497,7 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
                     missing.append(f"{label} (time budget spent)")
                     continue
                 if grouped_scope:
-                    run = one_grouped_step(impl, sources, query, norm_weight, heads, group)
+                    run = one_grouped_step(impl, sources, query, norm_weight, heads, g)
                 else:
                     run = (one_call if scope == "call" else one_step)(impl, sources, query, norm_weight, heads)
                 try:
@@ -365,6 +512,66 @@ def bench(shapes: dict, impls, heads: int, dtype, device, warmup: int, iters: in
                 if progress is not None:
                     progress(rows, bandwidth)
     return rows, bandwidth, missing
+
+
+def bench_ms(fn, device: torch.device, iters: int) -> tuple[float, str]:
+    """Median milliseconds of fn() and how they were taken: `triton.testing.do_bench` on a GPU
+    (the L2 cache emptied before every run), the host clock (`median_ms`, 1 warm-up) on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), "triton.testing.do_bench"
+    return median_ms(fn, device, warmup=1, iters=iters), "host clock (no GPU: not a bandwidth measurement)"
+
+
+def isolated(shapes: dict, heads: int, dtype, device, group: str, iters: int, progress=None) -> tuple[list[dict], float, str]:
+    """One whole step of per-call and of grouped routing (Triton, forward + backward; group:
+    sites per group, an int or "auto" for `auto_group` of the shape) per shape, timed in
+    isolation by `bench_ms`, beside the copy bandwidth timed the same way in the same process.
+    Returns (rows, copy bandwidth GB/s, how the times were taken); progress(rows, bandwidth, how)
+    after every row."""
+    how = bench_ms(lambda: None, device, 1)[1]
+    bandwidth = copy_bandwidth(device, dtype, lambda fn: bench_ms(fn, device, iters)[0])
+    rows: list[dict] = []
+    if progress is not None:
+        progress(rows, bandwidth, how)
+    for name, (b, t, d, n) in shapes.items():
+        g = auto_group(name) if group == "auto" else int(group)
+        sources, query, norm_weight = make_inputs(b, t, d, n, dtype, device)
+        for family, run, moved in (
+                ("mhar", one_step("triton", sources, query, norm_weight, heads),
+                 moved_bytes("step", b, t, d, n, heads, dtype, device)),
+                ("mhar-grouped", one_grouped_step("triton", sources, query, norm_weight, heads, g),
+                 grouped_moved_bytes(b, t, d, n, heads, dtype, device, g))):
+            ms, how = bench_ms(run, device, iters)
+            gbps = moved / (ms * 1e-3) / 1e9
+            rows.append(dict(shape=name, family=family, g=g if family == "mhar-grouped" else 1, B=b, T=t, d=d, N=n,
+                             ms=ms, gb=moved / 1e9, gbps=gbps, frac=gbps / bandwidth))
+            if progress is not None:
+                progress(rows, bandwidth, how)
+    return rows, bandwidth, how
+
+
+def isolated_table(rows: list[dict], bandwidth: float, how: str, heads: int, dtype, device) -> str:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    import triton
+
+    lines = [
+        f"One step's routing in isolation (every site, forward + backward, Triton kernels), timed by {how}; "
+        f"{where}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{datetime.date.today().isoformat()}; {dtype}, H = {heads}; copy bandwidth timed the same way in this "
+        f"run: {bandwidth:.0f} GB/s. GB: `mhar_kernels.traffic`'s model of the kernels' bytes; for per-call "
+        "routing it equals the complete count (`--bytes --measure`), for grouped routing it counts the merge as "
+        "one fused pass, while the eager merge moves about 7x the model in all (counted at 1b on CPU), so the "
+        "grouped GB/s is not an achieved bandwidth.",
+        "",
+        "| shape | family | g | B | T | d | N | ms | GB (model) | GB/s | of copy BW |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['family']} | {r['g']} | {r['B']} | {r['T']} | {r['d']} | {r['N']} | "
+                     f"{r['ms']:.3f} | {r['gb']:.4g} | {r['gbps']:.4g} | {100 * r['frac']:.3g}% |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], bandwidth: float, heads: int, dtype, device, missing=()) -> str:
@@ -423,27 +630,68 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-step", action="store_true", help="skip the full-step rows")
-    p.add_argument("--group", type=int, default=0,
-                   help="also time the step with its sites in groups of this many (grouped routing; eager, triton)")
+    p.add_argument("--scales", help="comma list of the shapes' names to run (default: all of --shapes)")
+    p.add_argument("--group", default="0", help="also time the step with its sites in groups of this many "
+                   "(grouped routing; eager, triton); auto: the group size routing_group_size='auto' picks per shape")
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
-    p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor and the "
-                   "host time of one call with launches stubbed, then stop")
+    p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor, then stop")
+    p.add_argument("--measure", help="with --bytes: count the routing-only harness at these scales (comma list; "
+                   "minutes per scale on CPU) and print measured beside modelled")
+    p.add_argument("--families", default="mhar,mhar-grouped", help="with --measure: mhar, mhar-grouped")
+    p.add_argument("--tokens", default="4,8,12", help="with --measure: the token counts counted (batch 1)")
+    p.add_argument("--json", action="store_true", help="with --bytes --measure: print the result as JSON "
+                   "(scale -> family -> {modelled, measured, floor} in bytes)")
+    p.add_argument("--host", action="store_true", help="print the host time of one call with launches stubbed "
+                   "(--iters calls), then stop")
+    p.add_argument("--isolated", action="store_true", help="time one step per call and grouped (Triton) with "
+                   "triton.testing.do_bench beside the copy bandwidth, then stop")
     a = p.parse_args(argv)
-    if a.bytes:
-        where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-        host = host_ms()
-        text = bytes_table() + "\n\n" + grouped_bytes_table() + (
-            f"\n\nHost time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
-            f"stubbed, 200 calls, sources shared as the models share them): median {host['call']:.3f} ms "
-            f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its gradient "
-            f"(once per source and step): {host['total']:.3f} ms per call on {where}.")
+    if a.group != "auto" and not a.group.isdigit():
+        p.error(f"--group must be a number of sites or auto, got {a.group!r}")
+    shapes = SHAPES[a.shapes]
+    if a.scales:
+        unknown = sorted(set(a.scales.split(",")) - set(shapes))
+        if unknown:
+            p.error(f"unknown --scales {', '.join(unknown)} for --shapes {a.shapes}; choose from {', '.join(shapes)}")
+        shapes = {name: shapes[name] for name in a.scales.split(",")}
+    if a.bytes and a.measure:
+        def write(result):
+            if a.out:
+                write_table(a.out, json.dumps(result, indent=1) if a.json else measured_table(result))
+
+        result = measured_bytes(a.measure.split(","), a.families.split(","), tuple(map(int, a.tokens.split(","))),
+                                progress=write)
+        text = json.dumps(result, indent=1) if a.json else measured_table(result)
+        print(text)
+        write(result)
+        if a.append and not a.json:
+            append_section(a.append, text, "Routing bytes per step (measured, no GPU needed)")
+        return
+    if a.bytes or a.host:
+        if a.bytes:
+            text, title = bytes_table() + "\n\n" + grouped_bytes_table(), "Routing bytes per step (counted, no GPU needed)"
+        else:
+            where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+            host = host_ms(iters=a.iters)
+            text, title = (
+                f"Host time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
+                f"stubbed, {a.iters} calls, sources shared as the models share them): median {host['call']:.3f} ms "
+                f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
+                f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
+                f"{os.getloadavg()[0]:.2f}."), "Routing host time"
+            steps = {family: host_step_ms("1b", family, iters=max(1, a.iters // 40)) for family in ("mhar", "mhar-grouped")}
+            text += "\n\n" + " ".join(
+                f"Host time of one whole 1b step's routing, {family} ({'73 calls' if family == 'mhar' else 'g = 11'}; "
+                f"every site, forward + backward, launches stubbed, AC none, {max(1, a.iters // 40)} steps): "
+                f"median {r['median']:.1f} ms (minimum {r['min']:.1f} ms)." for family, r in steps.items()) + (
+                f" Load average {os.getloadavg()[0]:.2f} on {where}.")
         print(text)
         if a.out:
             write_table(a.out, text)
         if a.append:
-            append_section(a.append, text, "Routing bytes per step (counted, no GPU needed)")
+            append_section(a.append, text, title)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -452,12 +700,24 @@ def main(argv=None) -> None:
         if i not in IMPLS:
             p.error(f"unknown impl {i!r}; choose from {IMPLS}")
     heads = a.heads if a.shapes == "paper" else min(a.heads, 4)
+    if a.isolated:
+        def write(rows, bandwidth, how):
+            if a.out:
+                write_table(a.out, isolated_table(rows, bandwidth, how, heads, dtype, device))
+
+        rows, bandwidth, how = isolated(shapes, heads, dtype, device, a.group, a.iters, write)
+        text = isolated_table(rows, bandwidth, how, heads, dtype, device)
+        print(text)
+        write(rows, bandwidth, how)
+        if a.append:
+            append_section(a.append, text, "Routing step in isolation (do_bench)")
+        return
 
     def progress(rows, bandwidth):
         if a.out:
             write_table(a.out, table(rows, bandwidth, heads, dtype, device))
 
-    rows, bandwidth, missing = bench(SHAPES[a.shapes], impls, heads, dtype, device, a.warmup, a.iters,
+    rows, bandwidth, missing = bench(shapes, impls, heads, dtype, device, a.warmup, a.iters,
                                      not a.no_step, a.budget_s, progress, a.group)
     text = table(rows, bandwidth, heads, dtype, device, missing)
     print(text)

@@ -1,7 +1,7 @@
 """Tables and summary of the GPU suite (bench/gpu_suite.sh); imports torch only where needed.
 
     python bench/suite_report.py env OUT/env.md          # versions and device
-    python bench/suite_report.py summary OUT TINY         # OUT/summary.json from OUT/sections.tsv
+    python bench/suite_report.py summary OUT TINY         # OUT/summary.json from OUT/rows.tsv
     pytest -p bench.suite_report ...                      # with MHAR_SUITE_TESTS_TABLE=OUT/tests.md:
                                                           # the test table, rewritten after every test
 """
@@ -73,17 +73,20 @@ def pytest_sessionstart(session):
 
 # ---------------------------------------------------------------------------- summary
 def summary(out: pathlib.Path, tiny: bool) -> dict:
-    sections = []
-    for line in (out / "sections.tsv").read_text().splitlines():
-        name, rc, seconds, budget = line.split("\t")
+    """OUT/summary.json from OUT/rows.tsv (one line per row the suite ran: id, section, scale,
+    family, impl, AC, exit code, seconds, budget in seconds, tab-separated)."""
+    rows = []
+    for line in (out / "rows.tsv").read_text().splitlines():
+        name, section, scale, family, impl, ac, rc, seconds, budget = line.split("\t")
         rc = int(rc)
         status = "ok" if rc == 0 else "timeout" if rc in TIMEOUT_CODES else "failed"
         table = out / f"{name}.md"
-        sections.append(dict(name=name, status=status, exit_code=rc, seconds=int(seconds), budget_s=int(budget),
-                             table=table.name if table.exists() else None, log=f"{name}.log"))
-    result = dict(tiny=tiny, versions=versions(), sections=sections,
-                  total_seconds=sum(s["seconds"] for s in sections),
-                  all_ok=all(s["status"] == "ok" for s in sections))
+        rows.append(dict(name=name, section=section, scale=scale, family=family, impl=impl, ac=ac, status=status,
+                         exit_code=rc, seconds=int(seconds), budget_s=int(budget),
+                         table=table.name if table.exists() else None, log=f"{name}.log"))
+    result = dict(tiny=tiny, versions=versions(), rows=rows,
+                  total_seconds=sum(r["seconds"] for r in rows),
+                  all_ok=all(r["status"] == "ok" for r in rows))
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -93,8 +96,8 @@ def main(argv: list[str]) -> None:
         write_env(pathlib.Path(argv[1]))
     elif argv[:1] == ["summary"] and len(argv) == 3:
         result = summary(pathlib.Path(argv[1]), argv[2] == "1")
-        for s in result["sections"]:
-            print(f"{s['name']:<11} {s['status']:<8} {s['seconds']:>4} s of {s['budget_s']:>3} s  table: {s['table']}")
+        for r in result["rows"]:
+            print(f"{r['name']:<44} {r['status']:<8} {r['seconds']:>4} s of {r['budget_s']:>3} s  table: {r['table']}")
     else:
         raise SystemExit(__doc__)
 

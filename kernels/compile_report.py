@@ -121,18 +121,25 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     counts = access_counts(ptx)
     return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, site_block=cfg.get("SB"),
                 block_t=cfg["BLOCK_T"], scalar_16bit_loads=counts["scalar_16bit"],
-                accesses_128bit=counts["128bit"], pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx,
+                accesses_128bit=counts["128bit"], async_copies_128bit=counts["async_128bit"],
+                async_copies_8byte=counts["async_8byte"], async_copies_4byte=counts["async_4byte"],
+                loads_128bit=counts["load_128bit"], stores_128bit=counts["store_128bit"], pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx,
                 ptxas=report.strip())
 
 
 def access_counts(ptx: str) -> dict:
     """Global accesses in the PTX: 'scalar_16bit' loads (ld.global.b16: one bf16 per thread),
-    '128bit' accesses (ld/st.global .v4.b32 and 16-byte cp.async) and 'async_128bit' copies alone."""
+    '128bit' accesses (ld/st.global .v4.b32 and 16-byte cp.async) and 'async_128bit' copies alone;
+    loads and stores apart: 'async_8byte' / 'async_4byte' copies (narrower cp.async, global to
+    shared: source tiles loaded in halves or quarters of 128 bits), 'load_128bit' (ld.global .v4)
+    and 'store_128bit' (st.global .v4)."""
     copies = [int(b, 0) for b in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
                                             r"(0x[0-9a-f]+|\d+)", ptx)]
-    vectors = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.b32", ptx))
+    loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx))
+    stores = len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx))
     return dict(scalar_16bit=len(re.findall(r"ld\.global(?:\.\w+)*\.b16\b", ptx)),
-                async_128bit=copies.count(16), **{"128bit": vectors + copies.count(16)})
+                async_128bit=copies.count(16), async_8byte=copies.count(8), async_4byte=copies.count(4),
+                load_128bit=loads, store_128bit=stores, **{"128bit": loads + stores + copies.count(16)})
 
 
 def report(shapes=SHAPES, variants=("aligned", "general"), kernels=("forward", "backward"),
@@ -174,11 +181,13 @@ def main(argv=None) -> None:
                  f"{group}",
                  "",
                  "| kernel | d | H | variant | sites per program | warps | registers | spill bytes | 16-bit loads "
-                 "| 128-bit accesses | pipelined |",
-                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+                 "| 128-bit accesses | async copies 16 / 8 / 4 bytes | 128-bit loads | 128-bit stores | pipelined |",
+                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
         lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
                   f"{r['num_warps']} | {r['registers']} | "
                   f"{r['spill_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
+                  f"{r['async_copies_128bit']} / {r['async_copies_8byte']} / {r['async_copies_4byte']} | "
+                  f"{r['loads_128bit']} | {r['stores_128bit']} | "
                   f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
         text = "\n".join(lines)
     print(text)

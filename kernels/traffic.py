@@ -10,7 +10,8 @@ depth softmax but not a row: it is d values, cache-resident), the kernels of thi
     backward launch    reads grad_out, the saved mix (+ its residual), N rows once, logits, lse, q, g, and the
                        gradient buffer of every source a later site already wrote (A rows);
                        writes N gradient rows and (P, d) fp32 partial sums of dq, dg (dnull)
-    reduce             the host sums the (P, d) partials (P = programs of the backward launch)
+    reduce             the host sums the (P, d) partials (P = programs of the backward launch) into
+                       fp32 (d,) vectors and, for bf16 / fp16, casts each to the storage dtype
 
 Sources shared between sites (`op.share_gradient`, as the models pass them) have one gradient
 buffer: backward runs the sites in reverse, so a source's last reader writes it and every
@@ -84,6 +85,13 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
+def storage_cast(vectors: int, dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(read, written) bytes of casting `vectors` fp32 (dim,) gradient sums to the storage dtype
+    (nothing for fp32 / fp64 storage: no cast runs)."""
+    el = element_bytes(dtype)
+    return (vectors * dim * FP32, vectors * dim * el) if el < FP32 else (0, 0)
+
+
 def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                   delta: bool = False, null_source: bool = False, programs: int = H200_PROGRAMS,
                   recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
@@ -110,7 +118,9 @@ def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: to
     partial_sums = programs * dim * FP32 * (2 + int(null_source)) + int(delta) * programs * FP32
     backward = Launch(site, "backward", read=(n_sources + 2 + residual + accumulated) * row + stats + params,
                       written=n_sources * row + partial_sums)
-    reduce = Launch(site, "reduce", read=partial_sums, written=dim * FP32 * (2 + int(null_source)) + int(delta) * FP32)
+    cast_read, cast_written = storage_cast(2 + int(null_source), dim, dtype)
+    reduce = Launch(site, "reduce", read=partial_sums + cast_read,
+                    written=dim * FP32 * (2 + int(null_source)) + int(delta) * FP32 + cast_written)
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
@@ -177,7 +187,8 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #                        launch) and (P, g, d) (+ null: (C P, d)) fp32 partial sums
 #     reduce             the host sums the partials and, for C > 1, each source's C chunk
 #                        gradients (reads C rows, writes one) and adds the A sums into their
-#                        shared buffers (two rows read, one written each)
+#                        shared buffers (two rows read, one written each); casts the g query
+#                        and key-norm gradient rows (+ null) to the storage dtype
 #
 # Sources are counted once per launch: the C forward chunk programs of one token tile are
 # adjacent, so their repeated reads come from L2. The merge runs eagerly (`grouped_reference.py`);
@@ -210,8 +221,9 @@ def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int
                       written=chunks * n_rows * row + partial_sums, phase="phase1")
     summed = n_rows * row if chunks > 1 else 0  # the chunk gradients of each source, summed over C
     added = accumulated * row if chunks > 1 else 0  # ... then added into the shared buffers on the host
-    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed + 2 * added,
-                    written=(sites + int(null_source)) * dim * FP32 + summed + added, phase="phase1")
+    cast_read, cast_written = storage_cast(2 * sites + int(null_source), dim, dtype)
+    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed + 2 * added + cast_read,
+                    written=(sites + int(null_source)) * dim * FP32 + summed + added + cast_written, phase="phase1")
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 

@@ -81,6 +81,9 @@ def test_grouped_phase1_kernels_fit_registers_at_1b():
         assert r["spill_bytes"] == 0, r
         assert r["registers"] <= 65536 // (32 * r["num_warps"]), r
         assert r["accesses_128bit"] > 0, r
+        # loads (async copies, ld.global.v4) and stores counted apart; they add up to the 128-bit total
+        assert r["async_copies_128bit"] + r["loads_128bit"] + r["stores_128bit"] == r["accesses_128bit"], r
+        assert r["stores_128bit"] > 0 and r["async_copies_8byte"] + r["async_copies_128bit"] > 0, r
 
 
 _PHASE1_VARIANTS = """

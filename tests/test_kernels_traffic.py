@@ -26,6 +26,11 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _cast_bf16(*tensors) -> int:
+    """Bytes of casting fp32 gradient sums to the bf16 parameters (read fp32, write bf16)."""
+    return sum(t.numel() * (FP32 + 2) for t in tensors if t is not None)
+
+
 def _bf16_training_step(args: ModelArgs, tokens: torch.Tensor) -> None:
     """Forward and backward of one bf16 step of a seeded model with non-uniform routing."""
     torch.manual_seed(0)
@@ -62,7 +67,7 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
         partials = _nbytes(dq, dg, dnull) + (FP32 if alpha is not None else 0)  # one program on CPU
         measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight) \
             + _nbytes(*read_back) + _nbytes(*got) + partials
-        measured["reduce"] += 2 * partials  # the host reads the partials and writes the sums
+        measured["reduce"] += 2 * partials + _cast_bf16(dq, dg, dnull)  # the host sums the partials, casts
         measured["returned"] += grads is None  # gradients not written into shared buffers
         measured["buffers"].update(g.data_ptr() for g in got)
         return got, dq, dg, dalpha, dnull
@@ -131,12 +136,21 @@ def test_traffic_floor_and_rows_by_hand():
         traffic.routing_traffic([[0], []], dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 
 
+def test_host_row_is_its_own_mode(tmp_path):
+    """`bench/routing.py --host`: the host time of one call with launches stubbed (a benchmark row,
+    its value is not asserted), with the machine's load stated."""
+    routing_bench.main(["--host", "--iters", "2", "--out", str(tmp_path / "host.md")])
+    text = (tmp_path / "host.md").read_text()
+    assert text.startswith("Host time of one forward+backward routing call (N = 73") and "2 calls" in text
+    assert "load average" in text and "Grouped" not in text
+
+
 def test_bytes_table_reports_every_scale(tmp_path):
-    """`bench/routing.py --bytes`: the table for 100m / 350m / 1b (AC off and on) and the host-time
-    row (launches stubbed; a benchmark row, its value is not asserted)."""
+    """`bench/routing.py --bytes`: the table for 100m / 350m / 1b (AC off and on), with no timing in
+    it (the host time is `--host`'s row, see test_host_row_is_its_own_mode)."""
     routing_bench.main(["--bytes", "--out", str(tmp_path / "bytes.md")])
     text = (tmp_path / "bytes.md").read_text()
-    assert "Host time of one forward+backward routing call (N = 73" in text
+    assert "Host time" not in text
     per_call, grouped = text.split("Grouped routing at the group size")
     rows = [line for line in per_call.splitlines() if line.startswith("| 1") or line.startswith("| 3")]
     assert [r.split("|")[1].strip() for r in rows] == ["100m", "100m", "350m", "350m", "1b", "1b"]
@@ -191,7 +205,7 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
         partials = _nbytes(dq, dg, dnull)
         add("call", "backward", _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight)
             + _nbytes(*read_back, *got) + partials)
-        add("call", "reduce", 2 * partials)
+        add("call", "reduce", 2 * partials + _cast_bf16(dq, dg, dnull))
         return got, dq, dg, dalpha, dnull
 
     def phase1_forward(sources, queries, norm_weights, reads_, heads, eps, site_block=None):
@@ -207,7 +221,7 @@ def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -
         partials = _nbytes(dq, dnull)  # (1, g, d) and (1, d) fp32: one program on CPU
         add("phase1", "backward", _nbytes(*dmixes, dnorm, *sources, queries, norm_weights, lse, *read_back, *got)
             + partials)
-        add("phase1", "reduce", 2 * partials)
+        add("phase1", "reduce", 2 * partials + _cast_bf16(dq, dg, dnull))
         return got, dq, dg, dnull
 
     def merge_forward(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late):
@@ -274,11 +288,13 @@ def test_grouped_traffic_by_hand():
     assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16, 2 * state + lse)
     assert p1["backward"].written == 2 * 3 * row + 2 * 8 * 4  # two chunks' gradient rows + (1, 2, 8) partials
     # partials, the two chunks' rows of 3 sources, and (the per-call site, later, wrote their shared
-    # buffers first) the 3 sums added into those buffers: two rows read, one written each
-    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row + 2 * 3 * row
+    # buffers first) the 3 sums added into those buffers: two rows read, one written each; the two
+    # sites' dq and dg (4 fp32 (8,) vectors) cast to bf16
+    cast = 4 * 8
+    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row + 2 * 3 * row + cast * 4
     accumulate = next(launch for launch in t.launches if launch.kind == "accumulate")
     assert accumulate.read == 0  # phase 1 and the per-call site share the buffers; no merge read is shared
-    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row + 3 * row  # dq / dg sums, the summed rows, the buffers
+    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row + 3 * row + cast * 2  # sums, rows, buffers, casts
     with pytest.raises(ValueError, match="at least two sites"):
         traffic.phase1_launches(0, 3, 1, dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 
