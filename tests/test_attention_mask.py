@@ -119,7 +119,7 @@ def test_flex_attention_forward_equals_the_cpu_path(seed):
     torch.testing.assert_close(flex, attend(q, k, v, dense_mask(ids)), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention's backward)")
+@pytest.mark.gpu
 def test_flex_attention_forward_and_backward_on_cuda():
     """CUDA (the GPU suite): the compiled FlexAttention path's output and q/k/v gradients equal SDPA
     with the dense mask, fp32, within 2e-3 relative (TF32-free tolerances of the fused kernels)."""
