@@ -11,8 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import ROOT, read_metrics  # noqa: E402
-from train_common import SAMPLE, debug_cfg  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from train_common import SAMPLE, debug_cfg, train  # noqa: E402
 
 from mhar_titan.components.ema import WeightEMA, plain_name  # noqa: E402
 from mhar_titan.components.loss import IGNORE_INDEX, build_loss_fn, token_loss_sum  # noqa: E402
@@ -62,26 +62,6 @@ def test_ema_equals_the_closed_form_of_the_trajectory():
         assert torch.equal(model.weight, ema.averages["weight"].double())
     assert torch.equal(model.weight, trajectory[-1])
     assert plain_name("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A plain copy of a (possibly FSDP-sharded) tensor, taken while the process group exists."""
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-
-
-def train(cfg):
-    from mhar_titan.train import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-        averages = {k: full(v) for k, v in trainer.ema.averages.items()} if trainer.ema is not None else None
-        weights = {k: full(v) for k, v in trainer.model.state_dict().items()}
-    finally:
-        trainer.close()
-    losses = {row["step"]: row["loss"] for row in read_metrics(trainer.run_dir) if "loss" in row}
-    return losses, weights, averages
 
 
 @needs_sample

@@ -213,7 +213,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size).
+    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size), or with labels the summed loss.
+    Under attn_mask_type "block_causal" attention stays inside each document of the packed window
+    (attention_mask.py).
 
     forward / hidden_states raise ValueError for an empty batch, T > max_seq_len, or token ids
     outside [0, vocab_size) (a tokenizer / vocab_size mismatch)."""
