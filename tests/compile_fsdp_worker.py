@@ -9,23 +9,23 @@ Writes OUT_DIR/ok_<family> on rank 0 for each family whose losses match (fp32, 1
 """
 from __future__ import annotations
 
+import gc
+import pathlib
 import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_compile_whole import build  # noqa: E402
+
+from mhar_titan.components.loss import build_loss_fn  # noqa: E402
+from mhar_titan.config import ActivationCheckpoint, Compile  # noqa: E402
+from mhar_titan.parallel import apply_ac, apply_fsdp, compile_whole_model  # noqa: E402
 
 
 def main(out_dir: str) -> None:
-    import gc
-    import pathlib
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from test_compile_whole import build
-    from mhar_titan.components.loss import build_loss_fn
-    from mhar_titan.config import ActivationCheckpoint, Compile
-    from mhar_titan.parallel import apply_ac, apply_fsdp, compile_whole_model
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -141,3 +141,19 @@ def test_rope_per_document_needs_block_causal():
         ModelArgs(**BASE, rope_per_document=True)
     with pytest.raises(ValueError, match="unknown attn_mask_type 'document'"):
         ModelArgs(**BASE, attn_mask_type="document")
+
+
+def test_generation_respects_the_document_mask():
+    """Generation re-runs the model's forward: under block_causal with positions restarting, the
+    next-token logits after "earlier document, EOS, prompt" are those of the prompt alone, and
+    under causal they are not."""
+    from mhar_titan.eval.generation import next_token_logits
+
+    prompt = torch.tensor([[7, 8, 9]])
+    packed = torch.cat([torch.tensor([[3, 4, 5, EOS]]), prompt], dim=1)
+    masked = model_of("mhar H=8", attn_mask_type="block_causal", rope_per_document=True)
+    with torch.no_grad():
+        torch.testing.assert_close(next_token_logits(masked, packed), next_token_logits(masked, prompt),
+                                   rtol=1e-10, atol=1e-10)
+        causal = model_of("mhar H=8")
+        assert not torch.allclose(next_token_logits(causal, packed), next_token_logits(causal, prompt), atol=1e-4)

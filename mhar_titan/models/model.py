@@ -286,22 +286,6 @@ class Transformer(nn.Module):
             sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
         return router.final(h, sources)
 
-    def attention_context(self, tokens: Tensor) -> AttentionContext:
-        """The `AttentionContext` of a (B, T) batch, built once per forward and shared by every layer:
-        the RoPE tables of positions 0..T-1 under "causal"; under "block_causal" also the document
-        mask from the EOS positions (a FlexAttention BlockMask on CUDA, a dense bool mask elsewhere)
-        and, with `rope_per_document`, per-token tables of the positions inside each document."""
-        T = tokens.shape[1]
-        if self.args.attn_mask_type == "causal":
-            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
-        if self.args.eos_id is None:
-            raise ValueError("attn_mask_type='block_causal' needs ModelArgs.eos_id (the tokenizer's EOS id)")
-        ids = document_ids(tokens, self.args.eos_id)
-        mask = flex_block_mask(ids) if tokens.device.type == "cuda" else dense_mask(ids)
-        if not self.args.rope_per_document:
-            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T], mask)
-        positions = document_positions(ids)
-        return AttentionContext(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1), mask)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
@@ -322,6 +306,23 @@ class Transformer(nn.Module):
                 f"token ids span [{low}, {high}] but vocab_size={self.args.vocab_size}: the tokenizer does not match "
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
+
+    def attention_context(self, tokens: Tensor) -> AttentionContext:
+        """The `AttentionContext` of a (B, T) batch, built once per forward and shared by every layer:
+        the RoPE tables of positions 0..T-1 under "causal"; under "block_causal" also the document
+        mask from the EOS positions (a FlexAttention BlockMask on CUDA, a dense bool mask elsewhere)
+        and, with `rope_per_document`, per-token tables of the positions inside each document."""
+        T = tokens.shape[1]
+        if self.args.attn_mask_type == "causal":
+            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
+        if self.args.eos_id is None:
+            raise ValueError("attn_mask_type='block_causal' needs ModelArgs.eos_id (the tokenizer's EOS id)")
+        ids = document_ids(tokens, self.args.eos_id)
+        mask = flex_block_mask(ids) if tokens.device.type == "cuda" else dense_mask(ids)
+        if not self.args.rope_per_document:
+            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T], mask)
+        positions = document_positions(ids)
+        return AttentionContext(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1), mask)
 
     def forward(self, tokens: Tensor, labels: Tensor | None = None, *, loss_fn=None) -> Tensor:
         """Logits (B, T, vocab_size) of tokens (B, T); with `labels` (B, T) the summed loss instead,
