@@ -9,6 +9,14 @@ off and on (the trainer's `apply_ac`), and reports tokens/s, MFU (model FLOPs, r
 not counted, mhar_titan.metrics), peak memory and the ratio to the baseline of the same scale
 and AC mode. Routing uses `routing_kernel` (default "auto": Triton on CUDA, eager on CPU).
 
+Every family runs with the same settings of the options the trainer has: --mask
+(`model.attn_mask_type`; "block_causal" packs synthetic documents of --doc-len tokens on average,
+with --rope-per-document restarting positions), --loss (`training.loss_path`, chunked by default,
+--loss-chunk tokens per chunk) and --compile (`[compile] components`: none, "blocks" = "model",
+"whole" = "whole_model"), so the baseline is measured in its best configuration beside MHAR:
+
+    python bench/throughput.py --mask block_causal --compile whole    # CUDA: the best baseline vs MHAR
+
     python bench/throughput.py                         # CUDA: 100m, 350m, 1b
     python bench/throughput.py --append BENCHMARKS.md
     python bench/throughput.py --scales debug --batch 1 --seq 16 --steps 2 --warmup 1   # CPU
@@ -40,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 
 from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
 from mhar_titan.models.args import FAMILIES as MODEL_FAMILIES, ModelArgs  # noqa: E402
+from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy, plain_linear_cross_entropy  # noqa: E402
 from mhar_titan.models.model import Transformer  # noqa: E402
-from mhar_titan.parallel import apply_ac  # noqa: E402
+from mhar_titan.parallel import apply_ac, apply_compile, compile_whole_model  # noqa: E402
 
 from routing import MICRO_BATCH, append_section, write_table  # noqa: E402  (bench/ is on sys.path as a script)
 
@@ -52,8 +61,14 @@ FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
 FAMILIES["mhar-grouped"] = dict(FAMILIES["mhar"], routing_group_size="auto")
 
 
-def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | None, device, compile_blocks: bool):
-    overrides = dict(FAMILIES[family], max_seq_len=max(seq, 64))
+EOS = 0
+"""The synthetic documents' EOS id under --mask block_causal."""
+
+
+def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | None, device, compile_mode: str,
+          mask: str = "causal", rope_per_document: bool = False):
+    overrides = dict(FAMILIES[family], max_seq_len=max(seq, 64), attn_mask_type=mask,
+                     rope_per_document=rope_per_document, eos_id=EOS if mask == "block_causal" else None)
     if family != "baseline":
         overrides["routing_kernel"] = kernel
     if vocab:
@@ -67,21 +82,37 @@ def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | 
     model.to(torch.bfloat16)
     # The [activation_checkpoint] fields apply_ac reads (the config module is not imported here).
     apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="1", preserve_rng_state=False))
-    if compile_blocks:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block)
+    if compile_mode == "blocks":
+        apply_compile(model, SimpleNamespace(backend="inductor"))
+    elif compile_mode == "whole":
+        compile_whole_model(model, "inductor")
     return model, args
 
 
-def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device, compile_blocks) -> dict:
-    model, args = build(scale, family, kernel, ac, seq, vocab, device, compile_blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+def synthetic_tokens(batch: int, seq: int, vocab: int, doc_len: int | None, device) -> torch.Tensor:
+    """(batch, seq + 1) random ids in [1, vocab); with `doc_len`, an EOS (id 0) ends each token's
+    document with probability 1 / doc_len (documents of doc_len tokens on average)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen).to(device)
+    tokens = torch.randint(1, vocab, (batch, seq + 1), generator=gen)
+    if doc_len:
+        tokens[torch.rand(batch, seq + 1, generator=gen) < 1 / doc_len] = EOS
+    return tokens.to(device)
+
+
+def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device, compile_mode="none",
+            mask="causal", rope_per_document=False, doc_len=512, loss="chunked", loss_chunk=1024) -> dict:
+    model, args = build(scale, family, kernel, ac, seq, vocab, device, compile_mode, mask, rope_per_document)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    tokens = synthetic_tokens(batch, seq, args.vocab_size, doc_len if mask == "block_causal" else None, device)
+    if loss == "plain":
+        def loss_fn(h, weight, labels):
+            return plain_linear_cross_entropy(h, weight, labels)
+    else:
+        def loss_fn(h, weight, labels):
+            return chunked_linear_cross_entropy(h, weight, labels, chunk=loss_chunk)
 
     def step():
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss = model(tokens[:, :-1], tokens[:, 1:], loss_fn=loss_fn) / tokens[:, 1:].numel()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -111,14 +142,14 @@ def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device,
     return result
 
 
-def table(rows: list[dict], device, kernel: str, compile_blocks: bool, skipped=(), failed=()) -> str:
+def table(rows: list[dict], device, kernel: str, settings: str, skipped=(), failed=()) -> str:
     import triton
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (debug flavor; a smoke run)"
     lines = [
         f"Device: {where}; torch {torch.__version__}, triton {triton.__version__}; "
         f"{datetime.date.today().isoformat()}; bf16 params and compute, AdamW, synthetic tokens; "
-        f"routing_kernel={kernel}; per-block compile {'on' if compile_blocks else 'off'}.",
+        f"routing_kernel={kernel}; every family with {settings}.",
         "",
         "| scale | AC | family | routing g | micro-batch | tokens/s | vs baseline | MFU (model FLOPs) | peak GiB |",
         "|---|---|---|---:|---|---:|---:|---:|---:|",
@@ -147,7 +178,14 @@ def main(argv=None) -> None:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--ac", default="none,full", help="comma list of AC modes (none, full)")
     p.add_argument("--kernel", default="auto", choices=["eager", "compile", "triton", "auto"])
-    p.add_argument("--compile", action="store_true", help="torch.compile every block (as the trainer does)")
+    p.add_argument("--compile", default="none", choices=["none", "blocks", "whole"],
+                   help="torch.compile (inductor): none, every block ([compile] components=['model']) or the "
+                        "whole model, embedding to loss (components=['whole_model'])")
+    p.add_argument("--mask", default="causal", choices=["causal", "block_causal"], help="model.attn_mask_type")
+    p.add_argument("--rope-per-document", action="store_true", help="model.rope_per_document (block_causal)")
+    p.add_argument("--doc-len", type=int, default=512, help="mean synthetic document length under block_causal")
+    p.add_argument("--loss", default="chunked", choices=["chunked", "plain"], help="training.loss_path")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="training.loss_chunk_tokens")
     p.add_argument("--batch", type=int, help="override the micro-batch size")
     p.add_argument("--seq", type=int, help="override the sequence length")
     p.add_argument("--vocab", type=int, help="override the vocabulary size (CPU smoke runs)")
@@ -157,6 +195,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every run")
     p.add_argument("--budget-s", type=float, help="start no new run after this many seconds")
     a = p.parse_args(argv)
+    if a.rope_per_document and a.mask != "block_causal":
+        p.error("--rope-per-document needs --mask block_causal")
+    settings = (f"attn_mask_type={a.mask}" + (f" (documents of {a.doc_len} tokens on average"
+                                              f"{', RoPE per document' if a.rope_per_document else ''})"
+                                              if a.mask == "block_causal" else "")
+                + f", loss_path={a.loss}" + (f" ({a.loss_chunk}-token chunks)" if a.loss == "chunked" else "")
+                + f", compile {a.compile}")
     device = torch.device("cuda" if cuda else "cpu")
     scales = a.scales.split(",")
     for scale in scales:
@@ -168,7 +213,7 @@ def main(argv=None) -> None:
     plan = [(ac, scale, family) for ac in a.ac.split(",") for scale in scales for family in families]
     start, rows, skipped, failed = time.perf_counter(), [], [], []
     if a.out:
-        write_table(a.out, table(rows, device, a.kernel, a.compile))  # header only, before the first run
+        write_table(a.out, table(rows, device, a.kernel, settings))  # header only, before the first run
     for ac, scale, family in plan:
         name = f"{scale}/{ac}/{family}"
         if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
@@ -176,7 +221,8 @@ def main(argv=None) -> None:
             continue
         batch, seq = a.batch or MICRO_BATCH[scale][0], a.seq or MICRO_BATCH[scale][1]
         try:
-            r = run_one(scale, family, a.kernel, ac, batch, seq, a.steps, a.warmup, a.vocab, device, a.compile)
+            r = run_one(scale, family, a.kernel, ac, batch, seq, a.steps, a.warmup, a.vocab, device, a.compile,
+                        a.mask, a.rope_per_document, a.doc_len, a.loss, a.loss_chunk)
         except Exception:  # one failing run (e.g. out of memory) must not lose the others
             traceback.print_exc()
             failed.append(name)
@@ -186,8 +232,8 @@ def main(argv=None) -> None:
         print(r, flush=True)
         rows.append(r)
         if a.out:
-            write_table(a.out, table(rows, device, a.kernel, a.compile, failed=failed))
-    text = table(rows, device, a.kernel, a.compile, skipped, failed)
+            write_table(a.out, table(rows, device, a.kernel, settings, failed=failed))
+    text = table(rows, device, a.kernel, settings, skipped, failed)
     print(text)
     if a.out:
         write_table(a.out, text)

@@ -19,7 +19,12 @@ c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro
                        N c                       with fsdp_reshard_after_forward = "never"
     unsharded grads    (P_block + P_root) 4      before reduce-scatter (fp32 reduce)
     activations        b T [ sum over blocks (a_layer + keys) or, checkpointed, k
-                             + one recomputed block + final keys + V (c + 8) / c ] c
+                             + one recomputed block + final keys ] c
+    loss path          training.loss_path (models.cross_entropy.loss_path_bytes):
+                       plain   b T V (c + 8)   logits (c) and fp32 log-probabilities and their gradient
+                       chunked n V 12 + 4 V d + 4 b T   one chunk of n = min(loss_chunk_tokens, b T)
+                                                        tokens (fp32 logits, probabilities, gradient),
+                                                        the fp32 head-weight gradient, the fp32 lse
 
 with, per token and layer, in elements of the compute dtype,
 
@@ -32,9 +37,8 @@ and one block is recomputed at a time; eager/compile routing (and "auto" on CPU)
 the RMS-normalised keys of its sources at every site: one d row per (B, T, d) source the
 routing plan lists for the site (s d at site s = 1..S, S = 2L + 1, for sublayer routing)
 (S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none; which one runs is
-`mhar_kernels.dispatch.backend`'s rule for the device). Delta mode is estimated like replacement;
-the loss keeps logits (c) and fp32 log-probabilities plus their gradient (8) per vocab
-entry. This is a rough planning number (it ignores allocator fragmentation, NCCL
+`mhar_kernels.dispatch.backend`'s rule for the device). Delta mode is estimated like replacement.
+This is a rough planning number (it ignores allocator fragmentation, NCCL
 buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
 """
 from __future__ import annotations
@@ -52,6 +56,7 @@ from mhar_titan.components.batches import batch_geometry
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
+from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
 
@@ -68,6 +73,7 @@ class MemoryEstimate:
     gathered_params: int
     unsharded_grads: int
     activations: int
+    loss_path: int
 
     @property
     def total(self) -> int:
@@ -191,7 +197,9 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     p_block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     p_root = n - sum(p.numel() for p in model.layers.parameters())
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    act = tokens * (_activation_elements_per_token(args, cfg, device) * c + args.vocab_size * (c + 8))
+    act = tokens * _activation_elements_per_token(args, cfg, device) * c
+    t = cfg.training
+    loss = loss_path_bytes(tokens, args.vocab_size, args.dim, c, t.loss_path, t.loss_chunk_tokens)
     return MemoryEstimate(
         params=4 * n // world_size,
         grads=4 * n // world_size,
@@ -199,6 +207,7 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
         gathered_params=(n if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2 * p_block + p_root) * c,
         unsharded_grads=(p_block + p_root) * 4,
         activations=int(act),
+        loss_path=loss,
     )
 
 

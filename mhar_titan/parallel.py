@@ -7,12 +7,16 @@ The order follows TorchTitan v0.2.2's ``parallelize_llama`` (``torchtitan/models
    or every k-th block (``selective``, TorchTitan's counter: blocks k, 2k, ...);
 3. optional per-block ``torch.compile`` (blocks of different depth see different
    numbers of sources, so dynamo compiles one graph per depth; the recompile limit
-   is raised to cover them, otherwise later blocks silently run eager);
+   is raised to cover them, otherwise later blocks silently run eager), ``[compile]
+   components = ["model"]``;
 4. ``fully_shard`` on every block, then on the root (token embedding, routing
    parameters, final norm and LM head stay in the root unit: the routing
    parameters of all sites are needed by every block, and a tied LM head reuses
    the embedding weight at the end of the forward);
-5. ``to_empty`` on the device and ``init_weights``.
+5. ``to_empty`` on the device and ``init_weights``;
+6. ``components = ["whole_model"]``: ``model.compile()`` of the root, so its forward from the
+   embedding to the loss is one compiled function (state-dict keys unchanged); FSDP2's unit hooks
+   run outside the graphs (dynamo skips them), so graphs break only there.
 
 Gradient reduction: FSDP2 averages gradients over the data-parallel ranks. We do
 not change its divide factor (``set_gradient_divide_factor`` makes FSDP2 use
@@ -108,20 +112,34 @@ def apply_ac(model: nn.Module, ac_cfg) -> int:
     return wrapped
 
 
-def apply_compile(model: nn.Module, compile_cfg) -> None:
-    """``torch.compile`` each block (after AC, before FSDP), registered back into ``model.layers``."""
-    # One graph per distinct block signature (number of sources, block start or not), so
-    # up to n_layers graphs of the same code object; default limits (8) would make the
-    # deeper blocks fall back to eager without an error.
-    limit = 2 * len(model.layers) + 8
+def _raise_recompile_limits(n_layers: int) -> None:
+    """One graph per distinct block signature (number of sources, block start or not), so up to
+    n_layers graphs of the same code object; default limits (8) would make the deeper blocks fall
+    back to eager without an error."""
+    limit = 2 * n_layers + 8
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
     for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * limit))
+
+
+def apply_compile(model: nn.Module, compile_cfg) -> None:
+    """``torch.compile`` each block (after AC, before FSDP), registered back into ``model.layers``."""
+    _raise_recompile_limits(len(model.layers))
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(block, backend=compile_cfg.backend)
+
+
+def compile_whole_model(model: nn.Module, backend: str, fullgraph: bool = False) -> nn.Module:
+    """``model.compile()``: the root's forward (embedding, blocks, routing kernels as custom ops, final
+    norm, LM head and loss) as one compiled function, in place (parameter names unchanged).
+    ``fullgraph=True`` refuses graph breaks (an unwrapped model; FSDP2's hooks break the graph at
+    every unit). Returns ``model``."""
+    _raise_recompile_limits(len(model.layers))
+    model.compile(backend=backend, fullgraph=fullgraph)
+    return model
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -170,6 +188,8 @@ def build_model(model_cls, args, cfg, env: ParallelEnv) -> nn.Module:
         model.init_weights(buffer_device=env.device)
     if cfg.parallelism.init_full_on_rank0:
         load_full_init(model, model_cls, args, cfg.debug.seed, env)
+    if cfg.compile.enable and "whole_model" in cfg.compile.components:
+        compile_whole_model(model, cfg.compile.backend)
     return model
 
 

@@ -61,7 +61,7 @@ from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
-from mhar_titan.models.args import ModelArgs, resolve_model_args
+from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
 from mhar_titan.parallel import build_model, init_distributed
@@ -106,11 +106,13 @@ class Trainer:
         if self.model_args is None:
             self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
                                                  cfg.data.tokenizer)
+        self.model_args = with_document_eos(self.model_args, self.tokenizer.eos_id)
         self.model = build_model(Transformer, self.model_args, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.loss_fn = build_loss_fn(cfg.compile, t.z_loss)
-        self.eval_loss_fn = build_loss_fn(cfg.compile) if t.z_loss > 0 else self.loss_fn
+        self.loss_fn = build_loss_fn(cfg.compile, t.z_loss, t.loss_path, t.loss_chunk_tokens)
+        self.eval_loss_fn = build_loss_fn(cfg.compile, 0.0, t.loss_path, t.loss_chunk_tokens) \
+            if t.z_loss > 0 else self.loss_fn
         self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
         self.flops = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -195,7 +197,7 @@ class Trainer:
         forced = (self.state.step + 1) in self.cfg.debug.force_nonfinite_loss_steps
         loss_total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
-            loss_sum = self.loss_fn(self.model(x), y)
+            loss_sum = self.model(x, y, loss_fn=self.loss_fn)
             if forced:  # debug: poison this step to exercise the non-finite guard
                 loss_sum = loss_sum * float("nan")
             (loss_sum / n_global * self.env.world_size).backward()
@@ -210,7 +212,7 @@ class Trainer:
         total = torch.zeros(2, device=self.device)
         for x, y in self.val_loader:
             x, y = x.to(self.device), y.to(self.device)
-            total[0] += self.eval_loss_fn(self.model(x), y)
+            total[0] += self.model(x, y, loss_fn=self.eval_loss_fn)
             total[1] += target_count(y)
         total = self._all_reduce_sum(total)
         return (total[0] / total[1].clamp_min(1)).item()

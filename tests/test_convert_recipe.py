@@ -11,8 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import ROOT, read_metrics  # noqa: E402
-from train_common import SAMPLE, debug_cfg  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from train_common import SAMPLE, debug_cfg, train  # noqa: E402
 
 from mhar_titan.components.ema import WeightEMA, plain_name  # noqa: E402
 from mhar_titan.components.loss import IGNORE_INDEX, build_loss_fn, token_loss_sum  # noqa: E402
@@ -26,17 +26,20 @@ needs_sample = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parqu
                                   reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
 
 
-def test_z_loss_adds_its_weight_times_mean_squared_log_partition():
+@pytest.mark.parametrize("path", ["plain", "chunked"])
+def test_z_loss_adds_its_weight_times_mean_squared_log_partition(path):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 7, 50, generator=g) * 4
+    h, weight = torch.randn(3, 7, 16, generator=g), torch.randn(50, 16, generator=g)
+    logits = torch.nn.functional.linear(h, weight)
     labels = torch.randint(0, 50, (3, 7), generator=g)
     labels[0, :3] = IGNORE_INDEX
     n = (labels != IGNORE_INDEX).sum()
-    total = build_loss_fn(Compile(), z_loss=1e-4)(logits, labels) / n
+    total = build_loss_fn(Compile(), z_loss=1e-4, path=path, chunk_tokens=4)(h, weight, labels) / n
     cross_entropy = token_loss_sum(logits, labels) / n
     lse = torch.logsumexp(logits.double(), -1)[labels != IGNORE_INDEX]
     torch.testing.assert_close((total - cross_entropy).double(), 1e-4 * lse.square().mean(), rtol=1e-4, atol=0)
-    assert build_loss_fn(Compile())(logits, labels) == token_loss_sum(logits, labels)
+    if path == "plain":
+        assert build_loss_fn(Compile(), path=path)(h, weight, labels) == token_loss_sum(logits, labels)
 
 
 def test_ema_equals_the_closed_form_of_the_trajectory():
@@ -59,26 +62,6 @@ def test_ema_equals_the_closed_form_of_the_trajectory():
         assert torch.equal(model.weight, ema.averages["weight"].double())
     assert torch.equal(model.weight, trajectory[-1])
     assert plain_name("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A plain copy of a (possibly FSDP-sharded) tensor, taken while the process group exists."""
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-
-
-def train(cfg):
-    from mhar_titan.train import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-        averages = {k: full(v) for k, v in trainer.ema.averages.items()} if trainer.ema is not None else None
-        weights = {k: full(v) for k, v in trainer.model.state_dict().items()}
-    finally:
-        trainer.close()
-    losses = {row["step"]: row["loss"] for row in read_metrics(trainer.run_dir) if "loss" in row}
-    return losses, weights, averages
 
 
 @needs_sample

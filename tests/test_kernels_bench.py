@@ -59,6 +59,22 @@ def test_throughput_bench_debug_flavor(tmp_path):
     assert all(float(r.split("|")[6].replace(",", "")) > 0 for r in rows)  # tokens/s
 
 
+def test_throughput_bench_options_apply_to_every_family(tmp_path):
+    """--mask / --rope-per-document / --loss / --compile: every family runs with them, the table says so."""
+    out = tmp_path / "throughput.md"
+    throughput_bench.main(["--scales", "debug", "--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "0",
+                           "--vocab", "256", "--ac", "none", "--families", "mhar", "--kernel", "eager",
+                           "--mask", "block_causal", "--rope-per-document", "--doc-len", "4", "--loss", "chunked",
+                           "--loss-chunk", "8", "--out", str(out)])
+    text = out.read_text()
+    assert ("every family with attn_mask_type=block_causal (documents of 4 tokens on average, RoPE per document), "
+            "loss_path=chunked (8-token chunks), compile none") in text
+    rows = [line for line in text.splitlines() if line.startswith("| debug | none |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["baseline", "mhar"]
+    tokens = throughput_bench.synthetic_tokens(2, 63, 256, 4, "cpu")
+    assert 0.1 < (tokens == throughput_bench.EOS).float().mean() < 0.4  # documents of about 4 tokens
+
+
 def test_throughput_rejects_unknown_scale():
     with pytest.raises(SystemExit):
         throughput_bench.main(["--scales", "7b"])

@@ -77,12 +77,12 @@ def test_past_max_seq_len_the_cache_reruns_the_window():
 
 def test_the_cache_rejects_slots_beyond_its_capacity_and_positions_beyond_max_seq_len():
     cache = KVCache(n_layers=1, pad=[0, 2], capacity=4, max_seq_len=8)
-    assert cache.extend(3).tolist() == [[0, 1, 2], [0, 0, 0]]  # padding slots sit at position 0
+    assert cache.extend(torch.zeros(2, 3, dtype=torch.long)).tolist() == [[0, 1, 2], [0, 0, 0]]  # padding slots sit at position 0
     assert cache.row_lengths().tolist() == [3, 1]
     with pytest.raises(ValueError, match="4 slots"):
-        cache.extend(2)
+        cache.extend(torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="max_seq_len=2"):
-        KVCache(n_layers=1, pad=[0], capacity=4, max_seq_len=2).extend(3)
+        KVCache(n_layers=1, pad=[0], capacity=4, max_seq_len=2).extend(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="pad"):
         KVCache(n_layers=1, pad=[4], capacity=4, max_seq_len=8)
 
@@ -114,3 +114,28 @@ def test_top_p_keeps_the_smallest_nucleus_and_sampling_matches_with_and_without_
     model = routed_model("delta clean +null")
     kwargs = dict(temperature=0.9, top_k=50, top_p=0.9, seed=4)
     assert generate_batch(model, PROMPTS, 8, **kwargs) == generate_batch(model, PROMPTS, 8, use_cache=False, **kwargs)
+
+
+EOS = 3
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["positions run on", "positions restart"])
+@pytest.mark.parametrize("case", ["baseline", "mhar H=4"])
+def test_cached_decoding_respects_the_document_mask(case, restart):
+    """Under attn_mask_type = "block_causal" the cache masks keys of earlier documents (prompts
+    that hold an EOS, and an EOS appended while decoding), and with rope_per_document its
+    positions restart after each EOS: the cached logits equal a full forward of each row alone
+    (which builds the document mask from the whole row) at every step."""
+    model = tiny_model(seed=2, random_queries=case != "baseline", n_layers=4, vocab_size=512,
+                       attn_mask_type="block_causal", rope_per_document=restart, eos_id=EOS, **CASES[case])
+    prompts = [[11, 400, EOS, 201, 5, 33, 100], [42, EOS], [300, 5, EOS, 7]]
+    cached = Decoding(model, prompts, capacity=10)
+    appended = [[9, 8, 7], [EOS, 6, 5], [4, EOS, EOS]]  # an EOS while decoding opens a new document
+    for step in range(3):
+        with torch.no_grad():
+            alone = torch.cat([model(torch.tensor([row]))[:, -1] for row in cached.rows])
+        assert torch.allclose(cached.logits, alone, atol=1e-5, rtol=0), (case, restart, step)
+        cached.append([row[step] for row in appended])
+    with torch.no_grad():
+        causal = tiny_model(seed=2, random_queries=case != "baseline", n_layers=4, vocab_size=512, **CASES[case])
+        assert not torch.allclose(Decoding(causal, prompts).logits, Decoding(model, prompts).logits, atol=1e-4)

@@ -197,3 +197,19 @@ def test_memory_estimate_under_full_checkpointing_keeps_one_block_of_routing_key
     d, L, tokens = 128, 4, 4 * 256
     # the recomputed deepest block's two sites (2L-1 and 2L sources) plus the final site (2L+1)
     assert diff == tokens * ((2 * L - 1) + 2 * L + (2 * L + 1)) * d * 4
+
+
+def test_memory_estimate_counts_the_loss_path_as_built():
+    """baseline_100m (8 x 2048 tokens, vocab 100,352, bf16 on CUDA): the chunked loss path (default)
+    is modelled >= 8x smaller than the plain one, as the chunked loss's test measures at a scaled shape."""
+    config = str(ROOT / "train_configs" / "baseline_100m.toml")
+    mems = {}
+    for path in ("plain", "chunked"):
+        cfg = load_config(config, [f"--training.loss_path={path}", "--training.local_batch_size=8"])
+        mems[path] = estimate_memory(build_meta_model(build_model_args(cfg)), cfg, 8, "cuda")
+    tokens, vocab = 8 * 2048, 100_352
+    assert mems["plain"].loss_path == tokens * vocab * (2 + 8)
+    assert mems["plain"].loss_path >= 8 * mems["chunked"].loss_path
+    assert mems["plain"].activations == mems["chunked"].activations
+    text, _ = report(load_config(config, ["--training.local_batch_size=8"]), 8, "cuda")
+    assert f"  {'loss_path':<16}{mems['chunked'].loss_path / 2**30:>10.2f} GiB" in text, text

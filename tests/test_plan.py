@@ -12,7 +12,7 @@ import torch
 
 import mhar_titan.models.model as model_module
 from mhar_kernels import dispatch
-from mhar_titan.checkpoint import CheckpointConfig, CheckpointManager
+from mhar_titan.checkpoint import LEGACY_MODEL_DEFAULTS, CheckpointConfig, CheckpointManager
 from mhar_titan.config import ActivationCheckpoint
 from mhar_titan.dryrun import _activation_elements_per_token
 from mhar_titan.metrics import flops_per_token, routing_source_counts
@@ -252,9 +252,9 @@ def test_state_dict_keys_and_shapes_are_unchanged(family):
 
 def pre_plan_fields(args) -> dict:
     """ModelArgs as the pre-plan code had them (routing_group_size came later and is resumable;
-    routing_layout and the head layout fields came later and the trainer's fingerprint leaves them
-    out at their defaults)."""
-    later = ("routing_group_size", "routing_layout", "routing_head_layout", "routing_head_layout_seed")
+    the fields of LEGACY_MODEL_DEFAULTS (routing layout, head layout, document masking) came later
+    and the trainer's fingerprint leaves them out at their defaults)."""
+    later = ("routing_group_size", *LEGACY_MODEL_DEFAULTS)
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in later}
 
 

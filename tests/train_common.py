@@ -1,6 +1,6 @@
 """Shared by test_train*.py and dist_train_checks.py: small trainer configs and gradient probes."""
 import torch
-from helpers import ROOT
+from helpers import ROOT, read_metrics
 
 from mhar_titan.components.batches import next_micro_batches
 from mhar_titan.config import load_config
@@ -67,3 +67,24 @@ def rel_diff(g, ref):
     num = sum((g[k] - ref[k]).pow(2).sum() for k in ref)
     den = sum(ref[k].pow(2).sum() for k in ref)
     return (num / den).sqrt().item()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of a (possibly FSDP-sharded) tensor, taken while the process group exists."""
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
+def train(cfg):
+    """Train ``cfg``; returns ({step: loss} from metrics.jsonl, the final weights, the EMA averages or None)."""
+    from mhar_titan.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        averages = {k: full(v) for k, v in trainer.ema.averages.items()} if trainer.ema is not None else None
+        weights = {k: full(v) for k, v in trainer.model.state_dict().items()}
+    finally:
+        trainer.close()
+    losses = {row["step"]: row["loss"] for row in read_metrics(trainer.run_dir) if "loss" in row}
+    return losses, weights, averages

@@ -44,6 +44,7 @@ _CHOICES = {
     ("training", "mixed_precision_param"): ("bfloat16", "float32"),
     ("training", "mixed_precision_reduce"): ("bfloat16", "float32"),
     ("compile", "backend"): ("inductor", "aot_eager", "eager"),
+    ("training", "loss_path"): ("chunked", "plain"),
 }
 
 
@@ -308,9 +309,17 @@ def validate(cfg: JobConfig) -> None:
         )
     if cfg.parallelism.data_parallel_replicate_degree != 1:
         raise ConfigError("'parallelism.data_parallel_replicate_degree' must be 1 (HSDP is not implemented)")
-    bad = [c for c in cfg.compile.components if c not in ("model", "loss")]
+    if t.loss_chunk_tokens < 1:
+        raise ConfigError(f"'training.loss_chunk_tokens' must be >= 1 (tokens per chunk of the chunked loss), "
+                          f"got {t.loss_chunk_tokens}")
+    bad = [c for c in cfg.compile.components if c not in ("model", "loss", "whole_model")]
     if bad:
-        raise ConfigError(f"'compile.components' has unknown entries {bad}; valid: 'model', 'loss'")
+        raise ConfigError(f"'compile.components' has unknown entries {bad}; valid: 'model', 'loss', 'whole_model'")
+    if "whole_model" in cfg.compile.components and len(set(cfg.compile.components)) > 1:
+        raise ConfigError(
+            f"'compile.components' = {cfg.compile.components}: 'whole_model' compiles the blocks and the loss "
+            "with the rest of the model; list it alone (components = [\"whole_model\"])"
+        )
     if cfg.metrics.log_freq < 1:
         raise ConfigError("'metrics.log_freq' must be >= 1")
     v = cfg.validation

@@ -109,6 +109,14 @@ class Training:
     z_loss: float = 0.0
     """Weight z of the z-loss: the training loss adds z * mean(logsumexp(logits)^2) over the
     target tokens (components/loss.py); 0 disables it. The 8B mid-training recipe uses 1e-4."""
+    loss_path: str = "chunked"
+    """How the LM head and the loss run (components/loss.py, models/cross_entropy.py): "chunked"
+    computes the logits ``loss_chunk_tokens`` tokens at a time and again in backward, never holding
+    the (tokens, vocab) logits; "plain" materialises them (the reference). The same numbers up to fp32
+    rounding (within 1e-6 relative in fp32)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked loss: its memory is about 3 x chunk x vocab x 4 bytes (fp32
+    logits, probabilities, their gradient) plus the fp32 head-weight gradient."""
     ema_decay: float = 0.0
     """Decay of the weight EMA (components/ema.py) updated after every optimizer step, kept in
     checkpoints and used for validation and export; 0 disables it. The 8B recipe uses 0.999."""
@@ -142,10 +150,13 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    """``[compile]``: per-block ``torch.compile``."""
+    """``[compile]``: ``torch.compile`` of the blocks, the loss or the whole model."""
 
     enable: bool = False
     components: list = field(default_factory=lambda: ["model"])
+    """"model": every block on its own (after AC, before FSDP); "loss": the loss function;
+    "whole_model" (alone): the model's forward from the embedding to the loss as one compiled
+    function (routing kernels as custom ops), after FSDP, so graphs break only at FSDP's unit hooks."""
     backend: str = "inductor"
 
 

@@ -37,6 +37,8 @@ from mhar_titan.errors import ConfigError
 
 from .plan import RoutingPlan
 
+ATTN_MASK_TYPES = ("causal", "block_causal")
+"""Values of ``model.attn_mask_type`` (TorchTitan's key and values; attention_mask.py)."""
 RESIDUALS = ("standard", "attn_res")
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
@@ -48,7 +50,7 @@ INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size
               "rope_original_max_seq_len", "routing_block_layers")
 REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "routing_eps")
-BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source")
+BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source", "rope_per_document")
 WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 """Fields that change how the model is computed, not its weights: a checkpoint resumes, and a
 converted folder loads, across them."""
@@ -82,6 +84,9 @@ class ModelArgs:
     qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3); False for Llama
     tie_embeddings: bool = True
     max_seq_len: int = 512  # RoPE table length; forward rejects longer inputs
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"  # block_causal: attend within a document (attention_mask.py)
+    rope_per_document: bool = False  # block_causal only: RoPE positions restart at each document
+    eos_id: int | None = None  # the EOS closing each packed document; block_causal needs it (the tokenizer's)
 
     # -- residual path (MHAR_SPEC sections 1, 2) ----------------------------------------
     residual: Literal["standard", "attn_res"] = "standard"
@@ -122,6 +127,13 @@ class ModelArgs:
                 f"low={self.rope_low_freq_factor}, high={self.rope_high_freq_factor}, "
                 f"original_max_seq_len={self.rope_original_max_seq_len}"
             )
+        _check_choice("attn_mask_type", self.attn_mask_type, ATTN_MASK_TYPES)
+        if self.rope_per_document and self.attn_mask_type != "block_causal":
+            raise ValueError("rope_per_document=True restarts RoPE positions at each document, which needs "
+                             "attn_mask_type='block_causal'; set it, or rope_per_document=False")
+        eos = self.eos_id
+        if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or not 0 <= eos < self.vocab_size):
+            raise ValueError(f"eos_id must be a token id in [0, vocab_size={self.vocab_size}) or unset, got {eos!r}")
         _check_choice("residual", self.residual, RESIDUALS)
         _check_choice("routing_granularity", self.routing_granularity, GRANULARITIES)
         _check_choice("routing_mode", self.routing_mode, ROUTING_MODES)
@@ -306,11 +318,20 @@ def _blamed_model_key(m, overrides: dict) -> str:
     return f"[model] flavor={m.flavor!r} overrides={m.overrides}"
 
 
+def with_document_eos(args: ModelArgs, eos_id: Optional[int]) -> ModelArgs:
+    """``args`` with ``eos_id`` set to the tokenizer's `eos_id` under ``attn_mask_type = "block_causal"``
+    when the config left it unset (the id that closes every packed document); otherwise ``args``."""
+    if args.attn_mask_type == "block_causal" and args.eos_id is None and eos_id is not None:
+        return dataclasses.replace(args, eos_id=eos_id)
+    return args
+
+
 def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
-                       tokenizer: str = "") -> ModelArgs:
+                       tokenizer: str = "", eos_id: Optional[int] = None) -> ModelArgs:
     """Flavor ``m.flavor`` with the ``[model]`` overrides ``m.overrides``, and the defaults
-    ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128) and
-    ``max_seq_len = max(flavor's, seq_len)`` unless the config sets them.
+    ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128),
+    ``max_seq_len = max(flavor's, seq_len)`` and, under ``attn_mask_type = "block_causal"``,
+    ``eos_id`` (the tokenizer's, which closes every packed document) unless the config sets them.
 
     Args:
         m: the ``[model]`` section (``mhar_titan.config.Model``: ``flavor``, ``overrides``).
@@ -318,6 +339,7 @@ def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
         n_vocab: the tokenizer's vocabulary size (special tokens included); None checks
             the rest with the flavor's ``vocab_size`` (the config parser does, without a tokenizer).
         tokenizer: the tokenizer's name, for the error message.
+        eos_id: the tokenizer's EOS id (None leaves ``eos_id`` as the config sets it).
 
     Raises:
         ConfigError: unknown flavor or field, arguments ``ModelArgs`` rejects, a vocab_size
@@ -329,6 +351,7 @@ def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
             overrides.setdefault("vocab_size", pad_vocab(n_vocab))
         overrides.setdefault("max_seq_len", max(ModelArgs.from_flavor(m.flavor).max_seq_len, seq_len))
         args = ModelArgs.from_flavor(m.flavor, **overrides)
+        args = with_document_eos(args, eos_id)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{_blamed_model_key(m, overrides)}: {e}") from e
     if n_vocab is not None and args.vocab_size < n_vocab:

@@ -43,6 +43,12 @@ class KVCache:
         self.length = 0  # slots filled (the new tokens' slots included once `extend` ran)
         self.start = 0  # first slot of the tokens of the forward in progress
         self._mask: Tensor | None = None
+        # document bookkeeping (block_causal): each slot's document index, the next token's
+        # document, its first slot, and whether the last stored token was an EOS
+        self._document: Tensor | None = None
+        self._next_document: Tensor | None = None
+        self._document_start: Tensor | None = None
+        self._last_was_eos: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -52,30 +58,58 @@ class KVCache:
         """Real (non-padding) tokens held per row, (B,)."""
         return (self.length - self.pad).clamp(min=0)
 
-    def extend(self, T: int) -> Tensor:
-        """Reserve the slots of T new tokens per row; their RoPE positions (B, T) int64.
+    def extend(self, tokens: Tensor, eos_id: int | None = None, restart: bool = False) -> Tensor:
+        """Reserve the slots of the T new tokens (B, T) per row; their RoPE positions (B, T) int64.
 
-        Called once per forward (by `Transformer.hidden_states`) before the layers run; every
+        Called once per forward (by `Transformer.attention_context`) before the layers run; every
         layer's `update` then writes the same slots. Also builds the attention mask of these T
         queries: (B, 1, T, length) bool, True where a query may attend (a real key at or before
-        its slot, and its own slot, so that padding queries stay finite).
+        its slot, and its own slot, so that padding queries stay finite). With `eos_id`
+        (attn_mask_type "block_causal") a query also attends only to keys of its own document: an
+        EOS ends the document it belongs to, the token after it starts the next; with `restart`
+        (rope_per_document) positions count from each document's first token.
 
         Raises:
             ValueError: the slots exceed the capacity, or a real position reaches max_seq_len.
         """
+        T = tokens.shape[1]
         if self.length + T > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} slots per row; {self.length} used, {T} more asked")
-        slots = torch.arange(self.length, self.length + T, device=self.pad.device)
-        positions = (slots[None, :] - self.pad[:, None]).clamp(min=0)  # (B, T); padding slots at 0
+        device = self.pad.device
+        slots = torch.arange(self.length, self.length + T, device=device)
+        real_query = slots[None, :] >= self.pad[:, None]  # (B, T)
+        if self._document is None:
+            self._document = torch.zeros(self.batch_size, self.capacity, dtype=torch.long, device=device)
+            self._next_document = torch.zeros(self.batch_size, dtype=torch.long, device=device)
+            self._document_start = self.pad.clone()
+        documents = self._next_document[:, None].expand(-1, T)
+        starts = self._document_start[:, None].expand(-1, T)
+        if eos_id is not None:
+            ends = (tokens.to(device) == eos_id) & real_query  # (B, T): an EOS closes its document
+            before = torch.cumsum(ends.long(), dim=1) - ends.long()  # EOS seen before each token
+            documents = documents + before
+            opened = torch.zeros_like(ends)
+            opened[:, 1:] = ends[:, :-1]  # the token after an EOS opens a document
+            if T and self._last_was_eos is not None:
+                opened[:, 0] = self._last_was_eos
+            new_start = torch.where(opened, slots[None, :].expand_as(opened), torch.full_like(starts, -1))
+            starts = torch.maximum(starts, torch.cummax(new_start, dim=1).values)
+            self._next_document = documents[:, -1] + ends[:, -1].long()
+            self._last_was_eos = ends[:, -1]
+            self._document_start = starts[:, -1].clone()
+        self._document[:, self.length:self.length + T] = documents
+        origin = starts if restart else self.pad[:, None]
+        positions = (slots[None, :] - origin).clamp(min=0)  # (B, T); padding slots at 0
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len={self.max_seq_len}; "
                              "re-run the last max_seq_len tokens without the cache (generation does this)")
         self.start, self.length = self.length, self.length + T
-        keys = torch.arange(self.length, device=self.pad.device)
+        keys = torch.arange(self.length, device=device)
         real = keys[None, :] >= self.pad[:, None]  # (B, length)
         causal = keys[None, :] <= slots[:, None]  # (T, length)
         own = keys[None, :] == slots[:, None]
-        self._mask = ((real[:, None, :] & causal[None]) | own[None]).unsqueeze(1)  # (B, 1, T, length)
+        same_document = self._document[:, None, :self.length] == documents[:, :, None]  # (B, T, length)
+        self._mask = ((real[:, None, :] & causal[None] & same_document) | own[None]).unsqueeze(1)  # (B, 1, T, length)
         return positions
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

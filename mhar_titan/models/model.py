@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
+from .attention_mask import attend, dense_mask, document_ids, document_positions, flex_block_mask
+from .cross_entropy import plain_linear_cross_entropy
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
 from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSettings, State, carried_sites,
                      leaving_sites, shared_entries, sublayer_input)
@@ -77,7 +79,7 @@ def rope_cos_sin(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE on x (B, heads, T, head_dim) with cos/sin (T, head_dim), or (B, 1, T, head_dim)
-    for per-row positions."""
+    for per-row or per-token positions."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -88,19 +90,23 @@ class AttentionContext(NamedTuple):
     to every block as one argument (so a feature of attention adds a field here, not a block
     parameter; activation checkpointing keeps it as a block input).
 
-    cos, sin: RoPE tables (T, head_dim) for the batch's T positions (`rope_cos_sin`); when
-    decoding with a cache, (B, 1, T, head_dim): each row's own positions (left padding).
+    cos, sin: RoPE tables (T, head_dim) for the batch's T positions (`rope_cos_sin`), or
+      (B, 1, T, head_dim) for per-token positions: restarting at each document
+      (`rope_per_document`), or each row's own positions when decoding with a cache (left padding).
+    mask: None for "causal" (SDPA's is_causal); under "block_causal" the batch's document mask,
+      a (B, 1, T, T) bool tensor or a FlexAttention BlockMask on CUDA (attention_mask.py).
     cache: decoding only, the `kv_cache.KVCache` the attention layers append their keys and
-    values to and read the earlier ones (and the padding/causal mask) from; None in training.
+      values to and read the earlier ones and the mask (padding, causal, documents) from; None in training.
     """
 
     cos: Tensor
     sin: Tensor
+    mask: object = None
     cache: "KVCache | None" = None
 
 
 class Attention(nn.Module):
-    """GQA causal self-attention through scaled_dot_product_attention; optional per-head q/k RMSNorm."""
+    """GQA causal (or document-masked) self-attention; optional per-head q/k RMSNorm."""
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
@@ -114,9 +120,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: Tensor, context: AttentionContext) -> Tensor:
-        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions and, when
-        decoding, the cache: the T new keys/values are appended to it and the queries attend to
-        every cached position the cache's mask allows (earlier tokens of the row, no padding)."""
+        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions, the mask
+        and, when decoding, the cache: the T new keys/values are appended to it and the queries
+        attend to every cached position the cache's mask allows (earlier tokens of the row's
+        document, no padding)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -125,12 +132,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, context.cos, context.sin), apply_rope(k, context.cos, context.sin)
-        gqa = self.n_kv_heads != self.n_heads
         if context.cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = attend(q, k, v, context.mask)
         else:
             k, v, mask = context.cache.update(self.layer_id, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = attend(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -222,7 +228,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size).
+    """Decoder LM: tokens (B, T) int64 -> logits (B, T, vocab_size), or with labels the summed loss.
+    Under attn_mask_type "block_causal" attention stays inside each document of the packed window
+    (attention_mask.py).
 
     forward / hidden_states raise ValueError for an empty batch, T > max_seq_len, or token ids
     outside [0, vocab_size) (a tokenizer / vocab_size mismatch)."""
@@ -280,12 +288,7 @@ class Transformer(nn.Module):
         over its own depth history. Raises ValueError (from the cache) past its capacity or max_seq_len.
         """
         self._check_tokens(tokens)
-        T = tokens.shape[1]
-        if cache is None:
-            context = AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
-        else:
-            positions = cache.extend(T).unsqueeze(1)  # (B, 1, T)
-            context = AttentionContext(self.rope_cos[positions], self.rope_sin[positions], cache)
+        context = self.attention_context(tokens, cache)
         h = self.tok_embeddings(tokens)
         if self.routing is None:
             for layer in self.layers:
@@ -302,6 +305,7 @@ class Transformer(nn.Module):
             # so that they are freed once autograd is done with them.
             sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
         return router.final(h, sources)
+
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
@@ -323,10 +327,40 @@ class Transformer(nn.Module):
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
 
-    def forward(self, tokens: Tensor, cache: "KVCache | None" = None) -> Tensor:
-        """Logits (B, T, vocab_size); `cache` (decoding) as in `hidden_states` (through the module
-        call, so FSDP gathers the parameters as for any forward)."""
+    def attention_context(self, tokens: Tensor, cache: "KVCache | None" = None) -> AttentionContext:
+        """The `AttentionContext` of a (B, T) batch, built once per forward and shared by every layer:
+        the RoPE tables of positions 0..T-1 under "causal"; under "block_causal" also the document
+        mask from the EOS positions (a FlexAttention BlockMask on CUDA, a dense bool mask elsewhere)
+        and, with `rope_per_document`, per-token tables of the positions inside each document.
+        With `cache` (decoding), the cache reserves the tokens' slots and gives each row's
+        positions and the attention mask (documents included under "block_causal")."""
+        T, block = tokens.shape[1], self.args.attn_mask_type == "block_causal"
+        if block and self.args.eos_id is None:
+            raise ValueError("attn_mask_type='block_causal' needs ModelArgs.eos_id (the tokenizer's EOS id)")
+        if cache is not None:
+            positions = cache.extend(tokens, self.args.eos_id if block else None,
+                                     restart=block and self.args.rope_per_document).unsqueeze(1)  # (B, 1, T)
+            return AttentionContext(self.rope_cos[positions], self.rope_sin[positions], cache=cache)
+        if not block:
+            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T])
+        ids = document_ids(tokens, self.args.eos_id)
+        mask = flex_block_mask(ids) if tokens.device.type == "cuda" else dense_mask(ids)
+        if not self.args.rope_per_document:
+            return AttentionContext(self.rope_cos[:T], self.rope_sin[:T], mask)
+        positions = document_positions(ids)
+        return AttentionContext(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1), mask)
+
+    def forward(self, tokens: Tensor, labels: Tensor | None = None, *, loss_fn=None,
+                cache: "KVCache | None" = None) -> Tensor:
+        """Logits (B, T, vocab_size) of tokens (B, T); `cache` (decoding) as in `hidden_states`;
+        with `labels` (B, T) the summed loss instead,
+        `loss_fn(h (B, T, d), head_weight (vocab_size, d), labels)` (default: the plain
+        cross-entropy, `cross_entropy.plain_linear_cross_entropy`), so the LM head runs inside this
+        forward and a chunked loss never makes the full logits."""
         h = self.norm(self.hidden_states(tokens, cache=cache))
+        if labels is not None:
+            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+            return (loss_fn or plain_linear_cross_entropy)(h, weight, labels)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
