@@ -54,6 +54,7 @@ from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
+from mhar_titan.optim import warmup_warning
 
 GIB = 2**30
 
@@ -114,7 +115,8 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
     if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
     warnings += _check_tokenizer(cfg, args)
-    return warnings
+    warmup = warmup_warning(cfg.lr_scheduler, cfg.training.steps)
+    return warnings + ([warmup] if warmup else [])
 
 
 def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:

@@ -79,11 +79,13 @@ class LRScheduler:
     """
 
     warmup_steps: int = 200
+    """Linear warm-up steps. At or above ``training.steps`` the run ends inside the warm-up, at
+    ``steps / warmup_steps`` of the peak (no decay; a warning says so)."""
     decay_ratio: Optional[float] = None
     decay_type: str = "cosine"
     """"linear", "sqrt" or "cosine"."""
     min_lr_factor: float = 0.0
-    """Floor as a fraction of the peak LR."""
+    """Floor as a fraction of the peak LR, reached at the last step (when the warm-up ends before it)."""
 
 
 @dataclass
