@@ -73,6 +73,10 @@ def test_string_lists_on_the_command_line_take_one_item_or_commas():
         ("", ["--model.flavr=debug"], ["model.flavr", "Valid keys of [model]: dim, ffn_dim, flavor, max_seq_len"]),
         ("[model]\nflavor = \"debug\"\nn_heads = 3\n", [], ["'model.n_heads' = 3"]),
         ("[training]\nseq_len = 64\n[model]\nmax_seq_len = 32\n", [], ["training.seq_len", "max_seq_len"]),
+        ("[model]\nresidual = \"attn_res\"\n", ["--model.routing_group_size=2.5"],
+         ["'model.routing_group_size' must be int or 'auto', got float 2.5"]),
+        ("[model]\nresidual = \"attn_res\"\n", ["--model.routing_group_size=10"],
+         ["'model.routing_group_size' = 10", "larger than the 9 routing sites", "choose 1..9, or 'auto'"]),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, cli, needles):

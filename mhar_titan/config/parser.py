@@ -52,9 +52,11 @@ _CHOICES = {
 
 
 def _type_name(tp: Any) -> str:
+    """The annotation in words: ``int | Literal["auto"]`` -> "int or 'auto'" (the valid values listed)."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(" or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
+                           else _type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if tp is type(None):
