@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from mhar_titan.config.checkpoint import CheckpointConfig
 from mhar_titan.config.data import DataConfig
@@ -111,6 +111,11 @@ class Training:
     z_loss: float = 0.0
     """Weight z of the z-loss: the training loss adds z * mean(logsumexp(logits)^2) over the
     target tokens (components/loss.py); 0 disables it. The 8B mid-training recipe uses 1e-4."""
+    memory_check: Literal["error", "warn", "off"] = "error"
+    """Before the model is built, compare the dry run's memory estimate per rank with the memory the
+    rank has (free device memory; on CPU the host's available memory shared by its ranks):
+    "error" refuses a job that does not fit (exit 2, naming the settings to lower), "warn" only
+    says so, "off" skips the check (``mhar_titan.components.memory``)."""
     ema_decay: float = 0.0
     """Decay of the weight EMA (components/ema.py) updated after every optimizer step, kept in
     checkpoints and used for validation and export; 0 disables it. The 8B recipe uses 0.999."""
