@@ -5,8 +5,11 @@
 Loads and validates the whole config (every section, the model arguments, batch
 geometry for the given world size), builds the model on the meta device (no
 parameter memory is allocated), prints parameter counts, a per-rank memory
-estimate and the resolved config, and exits: 0 when the job is valid, 1 with a
-message naming the bad key otherwise. It opens no data file, stream or network
+estimate, whether it fits (in ``--memory-gib`` GiB per rank, else in this machine's
+memory for the device when it has one: ``mhar_titan.components.memory``, the check the
+trainer makes before building the model) and the resolved config, and exits: 0 when the
+job is valid, 1 with a message naming the bad key otherwise, or saying "does not fit"
+(with ``training.memory_check = "warn"`` it says so and exits 0). It opens no data file, stream or network
 connection; the tokenizer is only checked when its files are already cached.
 
 Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
