@@ -106,3 +106,42 @@ def test_resume_at_another_seq_len_is_refused_before_the_model_is_built(tmp_path
     assert len(err) == 1 and "trained with training.seq_len = 32" in err[0] and "this start has 16" in err[0], err
     assert "--training.seq_len=32" in err[0] and 'exclude_from_loading = ["dataloader"]' in err[0]
     assert built == []
+
+
+# --- case 12: hub access that never comes -------------------------------------------------------------------
+
+HUB = ["--data.source=hub", "--data.validation_files=[]", "--data.hub_path=HuggingFaceFW/fineweb-edu",
+       "--data.hub_name=sample-10BT", "--training.steps=1", "--training.local_batch_size=2"]
+
+
+def test_hub_offline_stops_in_one_line_naming_the_dataset_and_the_local_settings(tmp_path, capsys, no_model_built):
+    """The tests run with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE (conftest): the machine without hub access."""
+    assert main(debug_argv(tmp_path, "hub", *HUB)) == 2
+    err = _error_lines(capsys)
+    assert len(err) == 1, err
+    for needle in ("'HuggingFaceFW/fineweb-edu' (configuration 'sample-10BT')", 'data.source = "local"',
+                   'data.files = ["<folder>/*.parquet"]'):
+        assert needle in err[0], (needle, err)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_unreachable_hub_stops_after_the_retry_budget(tmp_path):
+    """A local stand-in for a hub that never answers: HF_ENDPOINT on a closed local port (connections
+    refused, retried by huggingface_hub and by us). With a 1 s budget the first failed attempt is the
+    last: exit 2, one line naming the dataset and the local-files settings."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0",
+           "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *debug_argv(tmp_path, "hub", *HUB),
+                        "--data.hub_retry_max_s=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = [line for line in r.stderr.splitlines() if line.startswith("cannot start training")]
+    assert len(last) == 1 and "failed after 1 attempt(s)" in last[0] and 'data.source = "local"' in last[0], r.stderr[-3000:]
+    assert "'HuggingFaceFW/fineweb-edu'" in last[0]

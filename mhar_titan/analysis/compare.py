@@ -27,7 +27,7 @@ from mhar_titan.files import atomic_path
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
-                            "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
+                            "hub_retry_max_s", "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
 
 
 @dataclasses.dataclass
