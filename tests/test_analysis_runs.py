@@ -184,6 +184,12 @@ def test_commands_refuse_what_they_cannot_do(runs, capsys):
     except ImportError:
         assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai"]) == 2
         assert "pip install lm-eval" in capsys.readouterr().err
+    else:  # a stock task offline (the tests run with HF_DATASETS_OFFLINE): one line pointing at local YAML tasks
+        assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai", "--limit", "1"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(err) == 1 and err[0].startswith("python -m mhar_titan.eval lm-eval: error: lm-eval could not "
+                                                   "download the data of task(s) lambada_openai"), err
+        assert "local YAML file" in err[0] and "--include-path DIR" in err[0]
 
 
 def test_trainers_routing_entropy_equals_the_analysis_value_on_its_checkpoint(runs):
