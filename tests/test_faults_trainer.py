@@ -155,6 +155,7 @@ def test_retention_deletes_the_marker_first_and_a_folder_missing_a_file_is_incom
 
 # --- a bad row met by one rank in the middle of training stops every rank within seconds ------------------
 
+@pytest.mark.processes
 def test_bad_row_on_one_rank_stops_every_rank_within_seconds_with_exit_2(tmp_path):
     rng, words = random.Random(0), "to be or not that is the question whether tis nobler".split()
     shards = []
