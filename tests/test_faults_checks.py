@@ -145,3 +145,13 @@ def test_unreachable_hub_stops_after_the_retry_budget(tmp_path):
     last = [line for line in r.stderr.splitlines() if line.startswith("cannot start training")]
     assert len(last) == 1 and "failed after 1 attempt(s)" in last[0] and 'data.source = "local"' in last[0], r.stderr[-3000:]
     assert "'HuggingFaceFW/fineweb-edu'" in last[0]
+
+
+# --- case 5: a job name is one folder name ------------------------------------------------------------------
+
+def test_job_name_outside_the_dump_folder_exits_2_and_creates_nothing(tmp_path, capsys, no_model_built):
+    dump = tmp_path / "a" / "b"
+    assert main(debug_argv(dump, "../../escape", *TINY)) == 2
+    err = _error_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("config error: ") and "'job.name' = '../../escape'" in err[0], err
+    assert list(tmp_path.iterdir()) == []  # neither the escaped folder nor the dump folder
