@@ -5,8 +5,11 @@
 Loads and validates the whole config (every section, the model arguments, batch
 geometry for the given world size), builds the model on the meta device (no
 parameter memory is allocated), prints parameter counts, a per-rank memory
-estimate and the resolved config, and exits: 0 when the job is valid, 1 with a
-message naming the bad key otherwise. It opens no data file, stream or network
+estimate, whether it fits (in ``--memory-gib`` GiB per rank, else in this machine's
+memory for the device when it has one: ``mhar_titan.components.memory``, the check the
+trainer makes before building the model) and the resolved config, and exits: 0 when the
+job is valid, 1 with a message naming the bad key otherwise, or saying "does not fit"
+(with ``training.memory_check = "warn"`` it says so and exits 0). It opens no data file, stream or network
 connection; the tokenizer is only checked when its files are already cached.
 
 Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
@@ -53,12 +56,14 @@ import torch
 
 from mhar_kernels import dispatch
 from mhar_titan.components.batches import batch_geometry
+from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
 from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
+from mhar_titan.optim import warmup_warning
 
 GIB = 2**30
 
@@ -120,7 +125,8 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
     if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
     warnings += _check_tokenizer(cfg, args)
-    return warnings
+    warmup = warmup_warning(cfg.lr_scheduler, cfg.training.steps)
+    return warnings + ([warmup] if warmup else [])
 
 
 def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:
@@ -211,11 +217,18 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     )
 
 
-def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]]:
+def report(cfg: JobConfig, world_size: int, device: str,
+           available: Optional[tuple[int, str]] = None) -> tuple[str, list[str]]:
     """The dry-run text and its warnings.
+
+    Args:
+        available: (bytes per rank, where the number comes from) to check the estimate against
+            (``components.memory.check_memory_fit`` with ``training.memory_check``); None: not checked.
 
     Raises:
         ConfigError: the job is invalid (the message names the key).
+        MemoryFitError: the estimate exceeds ``available`` and training.memory_check is "error"
+            (the message says "does not fit", by how much and what to lower).
     """
     args = build_model_args(cfg)
     warnings = validate_job(cfg, args, world_size)
@@ -254,8 +267,27 @@ def report(cfg: JobConfig, world_size: int, device: str) -> tuple[str, list[str]
     for name, value in dataclasses.asdict(mem).items():
         lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB")
     lines.append(f"  {'total':<16}{mem.total / GIB:>10.2f} GiB")
+    if available is None:
+        lines.append("  fit             not checked (no such device here: pass --memory-gib, the memory per rank)")
+    elif cfg.training.memory_check == "off":
+        lines.append("  fit             not checked (training.memory_check = \"off\")")
+    else:
+        warning = check_memory_fit(mem, available[0], available[1], cfg)  # raises for "error"
+        if warning is not None:
+            warnings.append(warning)
+        lines.append(f"  fit             {'does not fit' if warning else 'fits'} in {available[0] / GIB:.2f} GiB "
+                     f"({available[1]})")
     lines += ["resolved config:", to_toml(cfg)]
     return "\n".join(lines), warnings
+
+
+def _available(known) -> Optional[tuple[int, str]]:
+    """The memory per rank to check against: --memory-gib, else this machine's for the device."""
+    if known.memory_gib is not None:
+        return int(known.memory_gib * GIB), "--memory-gib"
+    if known.device == "cuda" and not torch.cuda.is_available():
+        return None
+    return available_memory(torch.device("cuda:0" if known.device == "cuda" else "cpu"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -269,17 +301,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the planned job")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="device the estimate is for (default cuda: bf16 compute as configured)")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="memory per rank of the planned machine in GiB, checked against the estimate "
+                             "(default: this machine's, when it has the device: free memory of cuda:0, or "
+                             "the host's available memory for cpu)")
     known, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(known.config, overrides)
-        text, warnings = report(cfg, known.world_size, known.device)
+        text, warnings = report(cfg, known.world_size, known.device, _available(known))
     except ConfigError as e:
         print(f"dry run: invalid job: {e}", file=sys.stderr)
+        return 1
+    except MemoryFitError as e:
+        print(f"dry run: {e}", file=sys.stderr)
         return 1
     print(text)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    print("dry run: OK (nothing was trained)")
+    if any(w.startswith("the job does not fit") for w in warnings):
+        print("dry run: does not fit (training.memory_check = \"warn\": the trainer would start anyway)")
+    else:
+        print("dry run: OK (nothing was trained)")
     return 0
 
 

@@ -8,7 +8,8 @@ that get weight decay 0; the paper (MHAR_SPEC 3.1) decays all parameters.
 
 Schedule (MHAR_SPEC 3.1; TorchTitan's warmup-stable-decay): linear warmup to the
 peak over ``warmup_steps``, an optional stable phase, then a decay (linear,
-sqrt or cosine) to ``min_lr_factor * peak`` at the last step.
+sqrt or cosine) to ``min_lr_factor * peak`` at the last step (a warm-up as long as the run
+or longer ends the run inside the warm-up instead, with a warning: ``WarmupStableDecay``).
 """
 from __future__ import annotations
 
@@ -99,7 +100,14 @@ class WarmupStableDecay:
     ``p = (s - decay_start) / (steps - decay_start)``, the multiplier is
     ``min_lr_factor + (1 - min_lr_factor) * d(p)`` with ``d`` = ``1 - p`` (linear),
     ``1 - sqrt(p)`` (sqrt) or ``(1 + cos(pi p)) / 2`` (cosine); it equals
-    ``min_lr_factor`` at ``s = steps`` and stays there past the end.
+    ``min_lr_factor`` at ``s = steps`` and stays there past the end, when the warm-up ends
+    before the last step (``warmup < steps``).
+
+    A warm-up as long as the run or longer (``warmup >= steps``) is kept as configured: the
+    run ends inside the warm-up at ``steps / warmup`` of the peak (no decay, not
+    ``min_lr_factor``), so the LR of step ``s`` does not depend on ``steps`` (a longer
+    run, or a resume that raises ``training.steps``, repeats the same first steps).
+    ``warmup_warning`` says so when the job is built.
 
     A callable object rather than a lambda, so a checkpoint records the schedule it ran
     with and a resume can tell when the config's schedule differs (``ConfigLambdaLR``).
@@ -162,12 +170,29 @@ class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
             group["lr"] = lr
 
 
+def warmup_warning(cfg, steps: int):
+    """The warning for a warm-up that does not end before the last step (``cfg.warmup_steps >= steps``),
+    else None: the run then ends at ``steps / warmup_steps`` of the peak LR, never decaying to
+    ``min_lr_factor`` (``WarmupStableDecay``)."""
+    if cfg.warmup_steps < steps:
+        return None
+    end = steps / cfg.warmup_steps
+    return (f"lr_scheduler.warmup_steps = {cfg.warmup_steps} >= training.steps = {steps}: the whole run is warm-up and "
+            f"ends at {end:.3g} x the peak LR, not at min_lr_factor = {cfg.min_lr_factor} x peak (no decay); set "
+            f"lr_scheduler.warmup_steps below {steps} for the decay (kept as configured, so the first steps' LR "
+            f"does not depend on training.steps)")
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` with ``WarmupStableDecay`` from the ``[lr_scheduler]`` section.
 
     Call ``scheduler.step()`` once after every optimizer step (also after a skipped
-    step, so the schedule stays aligned with the step counter).
+    step, so the schedule stays aligned with the step counter). Logs ``warmup_warning``
+    when the warm-up does not end before the last step.
     """
+    warning = warmup_warning(cfg, steps)
+    if warning is not None:
+        logger.warning(warning)
     fn = WarmupStableDecay(steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor)
     return ConfigLambdaLR(optimizer, fn)
 

@@ -46,6 +46,7 @@ from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
+from mhar_titan.components.memory import available_memory, check_memory_fit
 from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_fields
 from mhar_titan.components.ranks import agree_on_data_error, agree_on_setup, seed_global_rngs
 from mhar_titan.components.run_folder import RunFolder, on_rank0
@@ -57,6 +58,7 @@ from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.loader import build_train_loader, build_validation_loader
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
+from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.files import check_output_folder
@@ -100,7 +102,10 @@ class Trainer:
     def _build(self) -> None:
         """Model, data, optimizer, checkpoint load, metrics sinks (config.toml is written by ``train()``)."""
         cfg, env, t = self.cfg, self.env, self.cfg.training
-        # Inputs first, before anything expensive: every data check that needs only the config
+        # Checks that need only the config first: a resume at another seq_len, the memory estimate.
+        on_rank0(env.rank, env.world_size, self.run_folder.refuse_changed_seq_len)
+        agree_on_setup(self._check_memory, env.world_size)
+        # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
         if self.model_args is None:
@@ -142,6 +147,23 @@ class Trainer:
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
             self.grad_accum, self.flops))
         self.metrics.event(self.state.step, "run folder", str(self.run_dir))
+
+    def _check_memory(self) -> None:
+        """The dry run's memory estimate per rank (``dryrun.estimate_memory``, on a meta model)
+        against this rank's memory (``components.memory``), per ``training.memory_check``.
+
+        Raises:
+            MemoryFitError: the job does not fit and memory_check is "error".
+        """
+        cfg, env = self.cfg, self.env
+        if cfg.training.memory_check == "off":
+            return
+        args = self.model_args or build_model_args(cfg)  # main() resolves them for the tokenizer
+        estimate = estimate_memory(build_meta_model(args), cfg, env.world_size, self.device.type)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1
+        warning = check_memory_fit(estimate, *available_memory(self.device, local_ranks), cfg)
+        if warning is not None and env.rank == 0:
+            logger.warning(warning)
 
     def _build_inputs(self) -> None:
         """Tokenizer, data checks (``check_data_files``), train loader and validation set.

@@ -150,6 +150,28 @@ def test_runs_with_another_seed_are_not_paired(runs, tmp_path):
     assert rows[2].tail_mean == rows[1].tail_mean  # same metrics file, only the data order differs
 
 
+def test_runs_of_other_lengths_are_not_paired_and_a_short_tail_is_reported(runs, tmp_path, capsys):
+    """Same config and data order, but the copy stopped at step 4 of 6: not paired (the row says
+    steps and tokens_seen differ); -k 11 over 3 evaluations is reported in the table and on stderr."""
+    short = tmp_path / "debug_mhar_short"
+    short.mkdir()
+    kept = [line for line in (runs / "debug_mhar" / "metrics.jsonl").read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= 4]
+    (short / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    (short / "config.toml").write_text((runs / "debug_mhar" / "config.toml").read_text())
+    rows = comparison_table([read_run(runs / "debug_mhar"), read_run(short)], k=2)
+    assert rows[1].paired is False and rows[1].unpaired == "steps 4 vs 6; tokens_seen 256 vs 384"
+    out = tmp_path / "cmp"
+    assert analysis_main(["compare", str(runs / "debug_baseline"), str(short), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    table = (out / "comparison.md").read_text()
+    assert "| 3 of 11 |" in table and "| 2 of 11 |" in table and "no (steps 4 vs 6; tokens_seen 256 vs 384)" in table
+    assert "Note: debug_mhar_short has 2 of the 11 evaluations asked (-k 11)" in table
+    warnings = [line for line in captured.err.splitlines() if line.startswith("python -m mhar_titan.analysis compare: "
+                                                                            "warning: ")]
+    assert len(warnings) == 3 and "debug_mhar_short is not paired with the baseline: steps 4 vs 6" in warnings[-1]
+
+
 def test_commands_refuse_what_they_cannot_do(runs, capsys):
     assert analysis_main(["probe", str(runs / "debug_mhar")]) == 2  # H = 8: the probe needs H = 1
     assert "single-head" in capsys.readouterr().err
@@ -162,6 +184,12 @@ def test_commands_refuse_what_they_cannot_do(runs, capsys):
     except ImportError:
         assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai"]) == 2
         assert "pip install lm-eval" in capsys.readouterr().err
+    else:  # a stock task offline (the tests run with HF_DATASETS_OFFLINE): one line pointing at local YAML tasks
+        assert eval_main(["lm-eval", str(runs / "debug_mhar"), "--tasks", "lambada_openai", "--limit", "1"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(err) == 1 and err[0].startswith("python -m mhar_titan.eval lm-eval: error: lm-eval could not "
+                                                   "download the data of task(s) lambada_openai"), err
+        assert "local YAML file" in err[0] and "--include-path DIR" in err[0]
 
 
 def test_trainers_routing_entropy_equals_the_analysis_value_on_its_checkpoint(runs):

@@ -30,7 +30,7 @@ PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.processes]
 
 
 def write_corpus(root: Path) -> None:

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import ROOT
 
+pytestmark = pytest.mark.processes  # waits on a child process, then kills it
 WORKER = ROOT / "tests" / "ckpt_kill_worker.py"
 
 

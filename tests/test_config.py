@@ -79,6 +79,10 @@ def test_string_lists_on_the_command_line_take_one_item_or_commas():
         ("", ['--compile.components=["graph"]'], ["compile.components", "'whole_model'"]),
         ("", ["--model.attn_mask_type=document"], ["'model.attn_mask_type' must be one of 'causal', 'block_causal'", "document"]),
         ("", ["--model.rope_per_document=true"], ["'model.rope_per_document' = True", "block_causal"]),
+        ("[model]\nresidual = \"attn_res\"\n", ["--model.routing_group_size=2.5"],
+         ["'model.routing_group_size' must be int or 'auto', got float 2.5"]),
+        ("[model]\nresidual = \"attn_res\"\n", ["--model.routing_group_size=10"],
+         ["'model.routing_group_size' = 10", "larger than the 9 routing sites", "choose 1..9, or 'auto'"]),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, cli, needles):
@@ -87,6 +91,64 @@ def test_bad_config_names_the_key(tmp_path, text, cli, needles):
         load_config(str(p), cli)
     for needle in needles:
         assert needle in str(e.value)
+
+
+def _float_keys():
+    """(section, key) of every float setting of the schema, [model] overrides (ModelArgs) included."""
+    import typing
+
+    from mhar_titan.config.parser import _field_types, _model_arg_types
+
+    def is_float(tp):
+        return tp is float or float in typing.get_args(tp)
+
+    keys = [(s, k) for s in SECTIONS for k, tp in _field_types(type(getattr(JobConfig(), s))).items() if is_float(tp)]
+    keys += [("model", k) for k, tp in _model_arg_types().items() if is_float(tp)]
+    return keys
+
+
+FLOAT_KEYS = _float_keys()
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e999", "+nan"])
+def test_every_float_setting_refuses_nan_and_infinity_naming_the_key(tmp_path, raw):
+    """On the command line and in the TOML file, for every float key of every section (no key of the
+    schema documents infinity as meaningful), and inside lists."""
+    assert {("optimizer", "lr"), ("training", "max_norm"), ("model", "rope_theta"),
+            ("data", "hub_retry_backoff_s")} <= set(FLOAT_KEYS)
+    for section, key in FLOAT_KEYS:
+        for where, text, cli in ((f"--{section}.{key}", "", [f"--{section}.{key}={raw}"]),
+                                 ("job.toml", f"[{section}]\n{key} = {raw}\n", [])):
+            with pytest.raises(ConfigError) as e:
+                load_config(str(write(tmp_path, text)), cli)
+            msg = str(e.value)
+            assert where in msg.split(": ")[0] and f"'{section}.{key}' must be a finite number" in msg, msg
+            assert "\n" not in msg
+    with pytest.raises(ConfigError, match="'debug.force_nonfinite_loss_steps' must be a finite number"):
+        load_config(None, [f"--debug.force_nonfinite_loss_steps=[1, {raw}]"])
+
+
+def test_finite_floats_still_pass():
+    cfg = load_config(None, ["--optimizer.lr=1e-300", "--training.max_norm=0", "--model.rope_theta=5e5"])
+    assert cfg.optimizer.lr == 1e-300 and cfg.training.max_norm == 0.0
+    assert cfg.model.overrides["rope_theta"] == 5e5
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".", "/abs", "a\\b", "run/"])
+def test_job_name_must_be_one_folder_name(name):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--job.name={name}"])
+    msg = str(e.value)
+    assert f"'job.name' = {name!r} must be one folder name" in msg and "job.dump_folder" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("key", ["job.save_config_file", "checkpoint.folder", "metrics.jsonl_file",
+                                 "metrics.save_tb_folder", "profiling.save_traces_folder"])
+@pytest.mark.parametrize("value", ["../outside", "/tmp/abs", "a/../../b"])
+def test_names_inside_the_run_folder_stay_inside_it(key, value):
+    with pytest.raises(ConfigError, match=rf"'{key}' = '{value}' must be a relative path inside the run folder"):
+        load_config(None, [f"--{key}={value}"])
+    assert load_config(None, [f"--{key}=sub/name"]) is not None
 
 
 def test_cli_needs_section_and_value():

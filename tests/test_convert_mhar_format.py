@@ -99,6 +99,18 @@ def test_a_truncated_checkpoint_is_one_checkpoint_error_for_every_loader(tmp_pat
     assert generate_main([str(folder), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "step-3 cannot be read" in err and "Traceback" not in err
+    assert convert_main(["export", str(folder), str(tmp_path / "out"), "--tokenizer", "gpt2"]) == 2  # a CheckpointError
+    err = capsys.readouterr().err
+    assert err.startswith("python -m mhar_titan.convert export: error: ") and "step-3 cannot be read" in err
+
+
+def test_convert_errors_carry_the_program_and_command_prefix(tmp_path, capsys):
+    """One line with the prefix the other commands print (``PROG COMMAND: error: ...``), exit 2."""
+    for command, expected in (("export", "records no tokenizer"), ("import", "no config.json")):
+        assert convert_main([command, str(tmp_path / "missing"), str(tmp_path / f"out-{command}")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m mhar_titan.convert {command}: error: ") and expected in err
+        assert err.count("\n") == 1
 
 
 def test_a_run_folder_given_for_a_checkpoint_names_its_step_folders(tmp_path):

@@ -95,3 +95,37 @@ def test_error_met_while_reading_names_file_and_row_in_one_line_from_a_worker(tm
         for _ in loader:
             pass
     assert str(err.value) == f"{path} row 30: the text field holds a list, not text; check data.text_field"
+
+
+TEXT_TYPES = {
+    "string": pa.string(),
+    "large_string": pa.large_string(),
+    "string_view": pa.string_view(),
+    "binary": pa.binary(),
+    "dictionary_of_strings": pa.dictionary(pa.int32(), pa.string()),
+    "dictionary_of_strings_int8": pa.dictionary(pa.int8(), pa.string()),
+}
+
+
+def _first_batch(path, num_workers=0):
+    cfg = DataConfig(files=[str(path)], shuffle=False, num_workers=num_workers)
+    check_data_files(cfg, dp_world=1, seed=0, validation=False)
+    loader = build_train_loader(cfg, build_tokenizer(cfg), dp_rank=0, dp_world=1, local_batch_size=2, seq_len=8,
+                                seed=0)
+    return next(iter(loader))
+
+
+@pytest.mark.parametrize("kind", sorted(TEXT_TYPES))
+def test_every_arrow_string_like_column_is_text(tmp_path, kind):
+    """A text column of any string-like Arrow type (dictionary-encoded included) passes the checks
+    and reads as the same documents as a plain string column."""
+    prepare_encoding("gpt2", default_cache_dir())
+    texts = _texts(8)
+    plain, other = tmp_path / "plain.parquet", tmp_path / f"{kind}.parquet"
+    pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), plain)
+    values = pa.array([t.encode() for t in texts] if kind == "binary" else texts, pa.string() if kind != "binary"
+                      else pa.binary())
+    pq.write_table(pa.table({"text": values.cast(TEXT_TYPES[kind])}), other)
+    assert pq.ParquetFile(other).schema_arrow.field("text").type == TEXT_TYPES[kind]
+    expected, got = _first_batch(plain), _first_batch(other)
+    assert all(a.tolist() == b.tolist() for a, b in zip(expected, got))

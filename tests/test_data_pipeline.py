@@ -430,7 +430,7 @@ def test_hub_retries_transient_errors_then_fails_clearly():
     def down():
         raise TimeoutError("read timed out")
 
-    with pytest.raises(DataError, match="open hub failed after 3 attempts"):
+    with pytest.raises(DataError, match=r"open hub failed after 3 attempt\(s\)"):
         with_retries(down, "open hub", attempts=3, backoff_s=1.0, sleep=waits.append)
 
     def missing():
@@ -438,6 +438,29 @@ def test_hub_retries_transient_errors_then_fails_clearly():
 
     with pytest.raises(DataError, match="no such dataset"):
         with_retries(missing, "open hub", attempts=3, backoff_s=1.0, sleep=lambda s: pytest.fail("retried"))
+
+
+def test_hub_retries_stop_after_the_time_budget_with_the_hint():
+    """A hub that never answers: each attempt takes 20 s (a fake clock), waits double from 2 s;
+    with a 60 s budget no retry starts past it, so 3 attempts instead of 10, and the error ends
+    with the hint naming what to do."""
+    now, calls, waits = [0.0], [], []
+
+    def never():
+        calls.append(now[0])
+        now[0] += 20.0
+        raise ConnectionError("Couldn't reach 'org/corpus' on the Hub (LocalEntryNotFoundError)")
+
+    def sleep(s):
+        waits.append(s)
+        now[0] += s
+
+    with pytest.raises(DataError) as e:
+        with_retries(never, "opening org/corpus", attempts=10, backoff_s=2.0, sleep=sleep, max_s=60.0,
+                     clock=lambda: now[0], hint="Use local files.")
+    assert waits == [2.0, 4.0] and len(calls) == 3
+    assert str(e.value).startswith("opening org/corpus failed after 3 attempt(s) in 66 s (last error ConnectionError")
+    assert str(e.value).endswith("Use local files.")
 
 
 # 9. pretokenized shards ------------------------------------------------------------------------------------

@@ -103,6 +103,22 @@ def test_bad_group_size_is_a_clear_error(bad):
                                               routing_null_source=False, routing_group_size=bad))
 
 
+def test_group_size_larger_than_the_sites_is_refused_with_the_valid_range():
+    """Refused, not clamped: g above the number of sites S = 2L + 1 names S and the range 1..S."""
+    for n_layers in (1, 2, 4):
+        sites = RoutingPlan.from_args(ModelArgs(**SHAPE, n_layers=n_layers, residual="attn_res")).n_sites
+        assert sites == 2 * n_layers + 1
+        assert ModelArgs(**SHAPE, n_layers=n_layers, residual="attn_res", routing_group_size=sites)
+        with pytest.raises(ValueError, match=rf"routing_group_size={sites + 1} is larger than the {sites} routing "
+                                             rf"sites .* choose 1\.\.{sites}, or 'auto'"):
+            ModelArgs(**SHAPE, n_layers=n_layers, residual="attn_res", routing_group_size=sites + 1)
+    block = RoutingPlan.from_args(ModelArgs(**SHAPE, n_layers=4, residual="attn_res", routing_granularity="block",
+                                            routing_block_layers=2))
+    with pytest.raises(ValueError, match=rf"larger than the {block.n_sites} routing sites .*block granularity"):
+        ModelArgs(**SHAPE, n_layers=4, residual="attn_res", routing_granularity="block", routing_block_layers=2,
+                  routing_group_size=block.n_sites + 1)
+
+
 def test_group_size_needs_routing_and_a_grouped_kernel():
     with pytest.raises(ValueError, match="needs residual='attn_res'"):
         ModelArgs(**SHAPE, routing_group_size=2)

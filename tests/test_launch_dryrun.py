@@ -38,7 +38,7 @@ results = {}
 for config in sys.argv[1:]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["--config", config, "--world-size", "8", "--device", "cpu"])
+        code = main(["--config", config, "--world-size", "8", "--device", "cpu", "--memory-gib", "80"])
     results[config] = {"code": code, "stdout": out.getvalue()}
 listing = io.StringIO()
 with contextlib.redirect_stdout(listing):
@@ -81,6 +81,7 @@ def test_dry_run_1b_configs_offline_on_meta_matches_zoo_listing():
         assert res["code"] == 0, (config, r.stderr[-3000:])
         text = res["stdout"]
         assert "dry run: OK" in text and "[model]" in text and "memory estimate per rank" in text
+        assert "fits in 80.00 GiB (--memory-gib)" in text
         total, non_emb, routing = counts_from_dryrun(text)
         assert total > 900_000_000, (config, total)
         assert ("1b", total, non_emb, routing) in zoo, (config, total, non_emb, routing, probe["listing"])

@@ -25,7 +25,7 @@ import pytest
 from helpers import ROOT, read_metrics
 from slurm_tools import free_port, launch_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.processes]
 
 NODE = ROOT / "slurm" / "torchrun_node.sh"
 CONFIG = "train_configs/debug_mhar.toml"

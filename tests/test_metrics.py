@@ -173,6 +173,7 @@ CRASHED_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_after_a_crash_and_resume_every_sink_shows_each_step_once(tmp_path):
     # its own wandb service, as a separate training process has (not this process's, if one runs)
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}

@@ -82,6 +82,28 @@ def test_resume_with_more_steps_follows_the_new_schedule_and_warns(caplog):
         same.load_state_dict(state)
     assert caplog.text == ""
 
+@pytest.mark.parametrize("warmup, steps, end", [(20, 10, 0.5), (10, 10, 1.0)])
+def test_warmup_as_long_as_the_run_warns_and_ends_inside_the_warmup(caplog, warmup, steps, end):
+    """Documented behaviour (WarmupStableDecay): the warm-up is kept, so the run ends at
+    steps / warmup of the peak and the warning names both keys and that end value."""
+    cfg = LRScheduler(warmup_steps=warmup, decay_type="cosine", min_lr_factor=0.1)
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        got, _ = lrs(cfg, steps)
+    assert got == pytest.approx([2.0 * s / warmup for s in range(1, steps + 1)])
+    assert got[-1] == pytest.approx(2.0 * end)
+    assert (f"lr_scheduler.warmup_steps = {warmup} >= training.steps = {steps}" in caplog.text
+            and f"ends at {end:.3g} x the peak LR, not at min_lr_factor = 0.1" in caplog.text)
+    longer, _ = lrs(cfg, 2 * warmup)  # the first steps do not depend on training.steps
+    assert longer[:steps] == pytest.approx(got)
+
+
+def test_warmup_shorter_than_the_run_does_not_warn_and_ends_at_the_floor(caplog):
+    cfg = LRScheduler(warmup_steps=9, decay_type="linear", min_lr_factor=0.1)
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        got, _ = lrs(cfg, 10)
+    assert caplog.text == "" and got[-1] == pytest.approx(0.2)
+
+
 def test_param_groups_and_no_decay():
     model = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2)
     groups = param_group_of(model)

@@ -22,6 +22,8 @@ from mhar_titan.preemption import PreemptionHandler
 from helpers import ROOT, read_metrics
 from train_common import debug_argv
 
+pytestmark = pytest.mark.processes  # waits on child processes and signals
+
 # A loop of "steps" that stops when should_stop() says so, like the trainer.
 CHILD = textwrap.dedent("""
     import sys, time
@@ -113,7 +115,9 @@ def test_only_the_chosen_signals_are_handled():
 
 
 # A loader with two workers in its own process group; the "training step" needs 3 more batches
-# after the stop signal, as a step with gradient accumulation 3 would.
+# after the stop signal, as a step with gradient accumulation 3 would. "ready" is an event, not a
+# moment: it is printed once each worker has served a batch (the DataLoader takes batches from the
+# workers in turn), so both have run their init and handle stop signals; the test waits for it.
 LOADER_CHILD = textwrap.dedent("""
     import sys
     from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
@@ -123,7 +127,8 @@ LOADER_CHILD = textwrap.dedent("""
                                 seq_len=16, seed=0)
     handler = PreemptionHandler()
     it = iter(loader)
-    next(it)
+    for _ in range(cfg.num_workers):  # one batch from every worker
+        next(it)
     print("ready", flush=True)
     while not handler.should_stop():
         next(it)
@@ -139,9 +144,9 @@ def test_stop_signal_to_the_process_group_leaves_loader_workers_serving(sig):
     proc = subprocess.Popen([sys.executable, "-c", LOADER_CHILD, str(ROOT / "data/shakespeare/validation-00000-of-00001.parquet")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    assert proc.stdout.readline() == "ready\n"
+    assert proc.stdout.readline() == "ready\n"  # blocks until the child says so: no timing
     os.killpg(proc.pid, sig)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)  # a hang guard only; the child ends on its own
     assert proc.returncode == 0, err[-3000:]
     assert out.startswith(f"finished the step after {sig.name} at batch "), err[-3000:]
     assert "DataLoader worker" not in err

@@ -52,6 +52,7 @@ def logged_steps(run_dir) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.processes
 def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
     from mhar_titan.checkpoint import is_complete
 

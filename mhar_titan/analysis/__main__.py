@@ -69,8 +69,11 @@ def _probe(args) -> list[pathlib.Path]:
     return [md, png]
 
 
+_PROG = "python -m mhar_titan.analysis"
+
+
 def _compare(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.compare import comparison_table, plot_comparison, read_run, table_markdown
+    from mhar_titan.analysis.compare import comparison_table, plot_comparison, read_run, short_tails, table_markdown
 
     paths = [pathlib.Path(p) for p in args.runs]
     out = pathlib.Path(args.out or paths[0].resolve().parent / "comparison")
@@ -80,6 +83,9 @@ def _compare(args) -> list[pathlib.Path]:
         names = [str(p) for p in paths]
     runs = [read_run(p, n) for p, n in zip(paths, names)]
     rows = comparison_table(runs, args.baseline, args.k)
+    for note in short_tails(rows) + [f"{r.name} is not paired with the baseline: {r.unpaired}" for r in rows
+                                     if r.paired is False]:
+        print(f"{_PROG} compare: warning: {note}", file=sys.stderr)
     png = out / "loss_vs_tokens.png"
     plot_comparison(runs, rows, png, dpi=args.dpi)
     md = out / "comparison.md"
@@ -89,7 +95,7 @@ def _compare(args) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhar_titan.analysis", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("heatmap", "probe"):
         p = sub.add_parser(name)

@@ -5,12 +5,14 @@ rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of
 = its step x the run's tokens per step (``tokens_seen / step`` of its training rows).
 
 * tail mean (MHAR_SPEC 3.1 "tail-mean of the last 11 evals"): the mean of the last k finite
-  ``val_loss`` values (fewer when the run has fewer; the table says how many);
+  ``val_loss`` values; a run with fewer than k averages the ones it has, and the table says so
+  ("2 of 11" in its evals column and a note under the table);
 * delta: tail mean minus the baseline run's tail mean (negative = better than the baseline);
-* paired: the run saw the same data in the same order as the baseline, i.e. the same ``[data]``
-  settings that decide the order (files, tokenizer, sharding, shuffling, effective seed: data.seed
-  or else debug.seed), the same sequence length and the same tokens per step. Paired deltas are
-  much less noisy than unpaired ones (same batches, same validation windows).
+* paired: the run saw the same tokens as the baseline for the same number of steps, i.e. the same
+  ``[data]`` settings that decide the order (files, tokenizer, sharding, shuffling, effective seed:
+  data.seed or else debug.seed), the same sequence length and tokens per step, and the same last
+  step and ``tokens_seen``. Paired deltas are much less noisy than unpaired ones (same batches,
+  same validation windows); an unpaired row says what differs.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from mhar_titan.files import atomic_path
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
-                            "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
+                            "hub_retry_max_s", "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
 
 
 @dataclasses.dataclass
@@ -43,6 +45,8 @@ class RunCurves:
     """What decides the data order (see the module docstring); None without a config.toml."""
     tokens_seen: int = 0
     """``tokens_seen`` of the last training row."""
+    steps: int = 0
+    """Step of the last training row (the steps the run trained)."""
     tokens_per_s: tuple[float, ...] = ()
     """``tokens_per_s`` of the logged training rows after step 1 (step 1 includes start-up), in step order."""
     tokenizer: Optional[str] = None
@@ -89,7 +93,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         if line.strip():
             row = json.loads(line)
             by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
-    train, val, rates, speeds, seen = [], [], [], [], 0
+    train, val, rates, speeds, seen, last = [], [], [], [], 0, 0
     for step in sorted(by_step):
         row = by_step[step]
         if _finite(row.get("loss")) is not None:
@@ -98,7 +102,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
             val.append((step, _finite(row["val_loss"])))
         if "tokens_seen" in row and step > 0:
             rates.append(row["tokens_seen"] / step)
-            seen = int(row["tokens_seen"])
+            seen, last = int(row["tokens_seen"]), step
         if _finite(row.get("tokens_per_s")) is not None and step > 1:
             speeds.append(_finite(row["tokens_per_s"]))
     if not rates:
@@ -109,7 +113,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
         order = {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": rates[-1]}
     return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
-                     data_order=order, tokens_seen=seen, tokens_per_s=tuple(speeds),
+                     data_order=order, tokens_seen=seen, steps=last, tokens_per_s=tuple(speeds),
                      tokenizer=cfg.data.tokenizer if cfg is not None else None)
 
 
@@ -133,8 +137,28 @@ class TableRow:
     delta: float
     """tail_mean - baseline's tail_mean (0 for the baseline itself)."""
     paired: Optional[bool]
-    """Same data order as the baseline; None when either run has no config.toml."""
+    """Same tokens in the same order for the same steps as the baseline; None when either run has
+    no config.toml."""
     baseline: bool
+    k: int = 11
+    """Evaluations asked for the tail mean (``evals`` < k: the run has fewer)."""
+    unpaired: str = ""
+    """What differs from the baseline when ``paired`` is False (e.g. "steps 200 vs 20")."""
+
+
+def _differences(run: RunCurves, base: RunCurves) -> str:
+    """What makes ``run`` and ``base`` not paired ("" when they saw the same tokens for the same steps)."""
+    out = []
+    if run.steps != base.steps:
+        out.append(f"steps {run.steps} vs {base.steps}")
+    if run.tokens_seen != base.tokens_seen:
+        out.append(f"tokens_seen {run.tokens_seen:,} vs {base.tokens_seen:,}")
+    if run.data_order != base.data_order:
+        a, b = run.data_order, base.data_order
+        keys = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
+        keys += [k for k in ("seq_len", "tokens_per_step") if a[k] != b[k]]
+        out.append("different " + ", ".join(keys))
+    return "; ".join(out)
 
 
 def comparison_table(runs: Sequence[RunCurves], baseline: Optional[str] = None, k: int = 11) -> list[TableRow]:
@@ -159,22 +183,33 @@ def comparison_table(runs: Sequence[RunCurves], baseline: Optional[str] = None, 
     rows = []
     for run in runs:
         mean, n = run.tail_mean(k)
-        paired = None
+        paired, unpaired = None, ""
         if run.data_order is not None and base.data_order is not None:
-            paired = run.data_order == base.data_order
-        rows.append(TableRow(run.name, mean, n, mean - base_mean, paired, run is base))
+            unpaired = _differences(run, base)
+            paired = not unpaired
+        rows.append(TableRow(run.name, mean, n, mean - base_mean, paired, run is base, k, unpaired))
     return rows
 
 
+def short_tails(rows: Sequence[TableRow]) -> list[str]:
+    """One sentence per run with fewer evaluations than the tail mean asked for."""
+    return [f"{r.name} has {r.evals} of the {r.k} evaluations asked (-k {r.k}): its tail mean averages "
+            f"{'those' if r.evals else 'none (NaN)'}" for r in rows if r.evals < r.k]
+
+
 def table_markdown(rows: Sequence[TableRow], k: int) -> str:
-    """The table as Markdown."""
+    """The table as Markdown; runs with fewer than k evaluations and unpaired runs are noted under it."""
     lines = [f"| run | tail-mean val loss (last {k}) | evals | delta vs baseline | paired |",
              "|---|---:|---:|---:|---|"]
     for r in rows:
         delta = "baseline" if r.baseline else f"{r.delta:+.4f}"
-        paired = "-" if r.baseline else {True: "yes", False: "no", None: "unknown"}[r.paired]
-        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {r.evals} | {delta} | {paired} |")
-    return "\n".join(lines) + "\n"
+        paired = "-" if r.baseline else {True: "yes", False: f"no ({r.unpaired})", None: "unknown"}[r.paired]
+        evals = f"{r.evals} of {k}" if r.evals < k else str(r.evals)
+        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {evals} | {delta} | {paired} |")
+    notes = short_tails(rows)
+    if any(r.paired is False for r in rows):
+        notes.append("an unpaired delta compares runs that did not see the same tokens for the same steps")
+    return "\n".join(lines) + "\n" + "".join(f"\nNote: {n}.\n" for n in notes)
 
 
 def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,

@@ -8,6 +8,8 @@ sinks write inside it on their own):
 * ``refuse_existing_run()``: a fresh start (no checkpoint restored) must not mix with
   a run already in the folder; a relaunch of the same resolved config (a job that died
   before its first complete checkpoint) starts again, the earlier metrics set aside;
+* ``refuse_changed_seq_len()``: a resume at another ``training.seq_len`` is refused before
+  the model is built;
 * ``save_config()``: the resolved config, keeping a differing earlier one as
   ``<stem>.prev.toml``.
 
@@ -20,8 +22,9 @@ import logging
 import pathlib
 from typing import Callable, Optional
 
-from mhar_titan.checkpoint.layout import step_folders
-from mhar_titan.config import JobConfig, to_toml
+from mhar_titan.checkpoint.layout import is_complete, step_folders
+from mhar_titan.config import ConfigError, JobConfig, to_toml
+from mhar_titan.config.parser import read_toml
 from mhar_titan.errors import UserError
 from mhar_titan.files import WriteError, write_text
 
@@ -86,6 +89,35 @@ class RunFolder:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+    def refuse_changed_seq_len(self) -> None:
+        """Refuse, before anything is built, a resume whose ``training.seq_len`` differs from the run's.
+
+        Applies when the folder holds a complete checkpoint whose data position would be restored
+        (``checkpoint.enable``, "dataloader" not in ``checkpoint.exclude_from_loading``): the data
+        loader would refuse the position only after the model was built and the checkpoint read.
+        The run's seq_len is the one in its recorded config (``job.save_config_file``, written by the
+        last start that trained); without a readable one the loader's own check still applies.
+
+        Raises:
+            RunFolderError: naming both values and the three ways on.
+        """
+        cfg = self.cfg
+        if not cfg.checkpoint.enable or "dataloader" in cfg.checkpoint.exclude_from_loading:
+            return
+        if not any(is_complete(p) for p in step_folders(self.path / cfg.checkpoint.folder).values()):
+            return
+        saved = self.path / cfg.job.save_config_file
+        try:
+            recorded = read_toml(saved, "run config").get("training", {}).get("seq_len")
+        except ConfigError:
+            return
+        if isinstance(recorded, int) and recorded != cfg.training.seq_len:
+            raise RunFolderError(
+                f"{self.path} holds a run trained with training.seq_len = {recorded} ({saved}) and this start "
+                f"has {cfg.training.seq_len}: its checkpoint's data position cannot carry over. Resume with "
+                f"--training.seq_len={recorded}, start a new run (another --job.name), or set "
+                "checkpoint.exclude_from_loading = [\"dataloader\"] to continue the weights on fresh data windows")
 
     def refuse_existing_run(self) -> None:
         """Refuse a fresh start into a folder that already holds a run, unless it is the same job.

@@ -44,6 +44,11 @@ class DataConfig:
     hub_retry_backoff_s: float = 2.0
     """First wait between attempts in seconds; doubles after each failure (capped at 60 s)."""
 
+    hub_retry_max_s: float = 120.0
+    """Seconds after which opening the hub stream starts no further attempt: the run then stops
+    (exit 2) naming the dataset and the local-files settings (one attempt may take longer:
+    ``huggingface_hub`` retries a connection on its own)."""
+
     text_field: str = "text"
     """Column (parquet) or key (jsonl) holding a document's text."""
 
@@ -117,6 +122,8 @@ class DataConfig:
         for name in ("num_workers", "shuffle_buffer"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.hub_retry_max_s > 0:
+            raise ValueError(f"data.hub_retry_max_s must be > 0 seconds, got {self.hub_retry_max_s}")
         if self.hub_retries < 1:
             raise ValueError(f"data.hub_retries must be >= 1, got {self.hub_retries}")
         if self.prefetch_factor is not None and self.num_workers == 0:

@@ -15,6 +15,7 @@ builder); both are imported when a config is loaded, not when this module is.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import sys
 import types
@@ -52,9 +53,11 @@ _CHOICES = {
 
 
 def _type_name(tp: Any) -> str:
+    """The annotation in words: ``int | Literal["auto"]`` -> "int or 'auto'" (the valid values listed)."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(" or ".join(map(repr, typing.get_args(a))) if typing.get_origin(a) is Literal
+                           else _type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -114,7 +117,26 @@ def _model_arg_types() -> dict:
     return _field_types(ModelArgs)
 
 
+def _non_finite(value: Any) -> Optional[float]:
+    """The first NaN or infinity in a value (a float, or one inside a list or table), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        found = _non_finite(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> Any:
+    """The value of ``section.key`` coerced to its annotation.
+
+    Raises:
+        ConfigError: unknown key, a value of the wrong type, or a NaN / infinity anywhere in the
+            value (no float setting of the schema gives infinity a meaning: a non-finite lr,
+            max_norm, eps... would train on garbage or silently disable a guard).
+    """
     if key not in types_:
         valid = ", ".join(sorted(types_))
         raise ConfigError(f"{where}: unknown key '{section}.{key}'. Valid keys of [{section}]: {valid}")
@@ -123,6 +145,10 @@ def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> 
         raise ConfigError(
             f"{where}: '{section}.{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
         )
+    bad = _non_finite(value)
+    if bad is not None:
+        raise ConfigError(f"{where}: '{section}.{key}' must be a finite number, got {value!r} (NaN and infinity "
+                          f"are not valid settings; a number above 1.8e308 reads as infinity); set a finite value")
     return _coerce(value, tp)
 
 
@@ -244,6 +270,36 @@ def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]
     return cfg
 
 
+# Names of files and folders the trainer writes inside the run folder.
+_INSIDE_RUN_FOLDER = (("job", "save_config_file"), ("checkpoint", "folder"), ("metrics", "jsonl_file"),
+                      ("metrics", "save_tb_folder"), ("profiling", "save_traces_folder"),
+                      ("profiling", "save_memory_snapshot_folder"))
+
+
+def _check_run_folder_names(cfg: JobConfig) -> None:
+    """``job.name`` is one path component (the run folder sits directly in ``job.dump_folder``), and
+    the names written inside the run folder are relative paths that stay inside it.
+
+    Raises:
+        ConfigError: naming the key, its value and the fix.
+    """
+    name = cfg.job.name
+    separators = [sep for sep in ("/", "\\") if sep in name]
+    if name in ("", ".", "..") or separators or "\0" in name:
+        why = (f"it contains {' and '.join(map(repr, separators))}" if separators
+               else "it contains a NUL character" if "\0" in name else "it names no folder of its own")
+        raise ConfigError(
+            f"'job.name' = {name!r} must be one folder name (the run folder is job.dump_folder/job.name and "
+            f"{why}); use a plain name such as 'mhar_1b', and put the parent folder in job.dump_folder")
+    for section, key in _INSIDE_RUN_FOLDER:
+        value = getattr(getattr(cfg, section), key)
+        path = pathlib.PurePosixPath(value.replace("\\", "/"))
+        if not value or value == "." or path.is_absolute() or ".." in path.parts or "\0" in value:
+            raise ConfigError(
+                f"'{section}.{key}' = {value!r} must be a relative path inside the run folder (not empty, not "
+                f"absolute, no '..'); use a plain name such as {getattr(type(getattr(cfg, section))(), key)!r}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Cross-field and value checks that need no model, data or process group.
 
@@ -266,6 +322,7 @@ def validate(cfg: JobConfig) -> None:
     bad = [g for g in cfg.optimizer.no_decay if g not in NO_DECAY_GROUPS]
     if bad:
         raise ConfigError(f"'optimizer.no_decay' has unknown groups {bad}; valid: {', '.join(NO_DECAY_GROUPS)}")
+    _check_run_folder_names(cfg)
     o = cfg.optimizer
     if not o.lr > 0:
         raise ConfigError(f"'optimizer.lr' must be > 0, got {o.lr}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from mhar_titan.config.checkpoint import CheckpointConfig
 from mhar_titan.config.data import DataConfig
@@ -79,11 +79,13 @@ class LRScheduler:
     """
 
     warmup_steps: int = 200
+    """Linear warm-up steps. At or above ``training.steps`` the run ends inside the warm-up, at
+    ``steps / warmup_steps`` of the peak (no decay; a warning says so)."""
     decay_ratio: Optional[float] = None
     decay_type: str = "cosine"
     """"linear", "sqrt" or "cosine"."""
     min_lr_factor: float = 0.0
-    """Floor as a fraction of the peak LR."""
+    """Floor as a fraction of the peak LR, reached at the last step (when the warm-up ends before it)."""
 
 
 @dataclass
@@ -117,6 +119,11 @@ class Training:
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the chunked loss: its memory is about 3 x chunk x vocab x 4 bytes (fp32
     logits, probabilities, their gradient) plus the fp32 head-weight gradient."""
+    memory_check: Literal["error", "warn", "off"] = "error"
+    """Before the model is built, compare the dry run's memory estimate per rank with the memory the
+    rank has (free device memory; on CPU the host's available memory shared by its ranks):
+    "error" refuses a job that does not fit (exit 2, naming the settings to lower), "warn" only
+    says so, "off" skips the check (``mhar_titan.components.memory``)."""
     ema_decay: float = 0.0
     """Decay of the weight EMA (components/ema.py) updated after every optimizer step, kept in
     checkpoints and used for validation and export; 0 disables it. The 8B recipe uses 0.999."""

@@ -94,7 +94,11 @@ def export_tokenizer(checkpoint: str | Path, name: str | None) -> Tokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = _parser().parse_args(argv)
+    """Run ``import`` or ``export``; returns 0, or 2 after one line ``python -m mhar_titan.convert
+    COMMAND: error: ...`` on stderr for any input error (``UserError``: a folder, checkpoint or config
+    that cannot be converted), the prefix the other commands print."""
+    parser = _parser()
+    opts = parser.parse_args(argv)
     try:
         out = Path(opts.out)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                           int(opts.max_shard_gb * 2**30), tokenizer)
             print(f"wrote {opts.out} ({len(paths)} shard(s))")
     except UserError as e:  # ConversionError, an unwritable output folder, a full disk (WriteError)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog} {opts.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,7 +6,8 @@ and raises ``DataError`` in one line naming the file for:
 
 - a path or glob that matches nothing, an unsupported file type, an unreadable file;
 - a missing text column (``data.text_field``) or one that does not hold text (an int or list
-  column: parquet types other than string/binary; a jsonl value that is not a string);
+  column: Arrow types other than string/binary, their views and dictionaries of them (``is_text_type``);
+  a jsonl value that is not a string);
 - an empty shard (no rows) and a parquet text column whose every value is null (from the
   row-group statistics, when the file has them);
 - too few documents for the readers: in ``document`` sharding every (rank, worker) pair
@@ -28,13 +29,22 @@ EPOCHS_CHECKED = 4
 """Shard orders (epochs 0..3) for which the rows of every document-sharding reader are counted."""
 
 
-def _parquet_rows(shard: ParquetShard) -> int:
+def is_text_type(kind) -> bool:
+    """Whether an Arrow type holds text: every string-like type (string, large_string, string_view),
+    every binary one (bytes decoded as UTF-8 by the stream), and a dictionary of either (how
+    parquet writers often encode a column of repeated strings)."""
     import pyarrow as pa
 
+    if pa.types.is_dictionary(kind):
+        return is_text_type(kind.value_type)
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+            or pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind))
+
+
+def _parquet_rows(shard: ParquetShard) -> int:
     pf = shard._open()  # unreadable file / missing column: DataError naming the file
     kind = pf.schema_arrow.field(shard.field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-            or pa.types.is_large_binary(kind) or pa.types.is_string_view(kind)):
+    if not is_text_type(kind):
         raise DataError(f"parquet file {shard.path}: column {shard.field!r} has type {kind}, not text (string); "
                         f"set data.text_field to the column holding the documents")
     rows = pf.metadata.num_rows

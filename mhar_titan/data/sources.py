@@ -125,26 +125,44 @@ def is_transient(e: BaseException) -> bool:
 
 
 def with_retries(fn: Callable[[], T], what: str, attempts: int, backoff_s: float,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
+                 sleep: Callable[[float], None] = time.sleep, *, max_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic, hint: str = "") -> T:
     """Call ``fn``; on a transient error wait ``backoff_s * 2**k`` (max 60 s) and retry.
 
-    Raises DataError naming ``what`` after ``attempts`` failures, or at once for a non-transient error.
+    At most ``attempts`` calls, and no retry whose wait would end more than ``max_s`` seconds
+    (``clock``) after the first call began: a hub that never answers ends in bounded time (one
+    call can itself take long: ``huggingface_hub`` retries a refused connection on its own).
+
+    Raises:
+        DataError: naming ``what``, the attempts and the time spent, then ``hint`` (how to go on
+            without the hub), after the last attempt, or at once for a non-transient error.
     """
+    started = clock()
+    suffix = f" {hint}" if hint else (" Check the network and the Hugging Face hub status, or download the files "
+                                      "and use data.source = 'local'.")
     for k in range(attempts):
         try:
             return fn()
         except Exception as e:
             if not is_transient(e):
-                raise DataError(f"{what} failed: {type(e).__name__}: {e}") from e
-            if k == attempts - 1:
-                raise DataError(f"{what} failed after {attempts} attempts (last error {type(e).__name__}: {e}). "
-                                f"Check the network and the Hugging Face hub status, or download the files and "
-                                f"use data.source='local'.") from e
+                raise DataError(f"{what} failed: {type(e).__name__}: {e}.{suffix}") from e
             wait = min(60.0, backoff_s * 2 ** k)
+            spent = clock() - started
+            if k == attempts - 1 or (max_s is not None and spent + wait > max_s):
+                raise DataError(f"{what} failed after {k + 1} attempt(s) in {spent:.0f} s (last error "
+                                f"{type(e).__name__}: {e}).{suffix}") from e
             logger.warning("%s: transient error %s: %s; retry %d/%d in %.1f s",
                            what, type(e).__name__, e, k + 1, attempts - 1, wait)
             sleep(wait)
     raise AssertionError("unreachable")
+
+
+def hub_hint(cfg: DataConfig) -> str:
+    """How to train without the hub: the local-files settings, naming the dataset."""
+    name = f" (configuration {cfg.hub_name!r})" if cfg.hub_name else ""
+    return (f"The Hugging Face hub is not reachable from here: download {cfg.hub_path!r}{name} where it is and "
+            f"train on the local copy with data.source = \"local\" and data.files = [\"<folder>/*.parquet\"] "
+            f"(held-out files in data.validation_files), or raise data.hub_retry_max_s if the hub is only slow.")
 
 
 class HubShard:
@@ -190,7 +208,7 @@ def _load_hub(cfg: DataConfig, data_files: Optional[list[str]], name: Optional[s
     return with_retries(
         lambda: datasets.load_dataset(cfg.hub_path, name, split=cfg.hub_split, streaming=True,
                                       revision=cfg.hub_revision, data_files=data_files or None),
-        what, cfg.hub_retries, cfg.hub_retry_backoff_s)
+        what, cfg.hub_retries, cfg.hub_retry_backoff_s, max_s=cfg.hub_retry_max_s, hint=hub_hint(cfg))
 
 
 def _shard_files(dataset) -> Optional[list[str]]:

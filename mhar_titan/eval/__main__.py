@@ -56,9 +56,16 @@ def _lm_eval(args) -> str:
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
     lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8)
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                      log_samples=args.log_samples, evaluation_tracker=tracker,
-                                      task_manager=task_manager)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                                          log_samples=args.log_samples, evaluation_tracker=tracker,
+                                          task_manager=task_manager)
+    except ConnectionError as e:  # datasets / huggingface_hub without hub access (offline mode, no network)
+        raise ValueError(
+            f"lm-eval could not download the data of task(s) {', '.join(tasks)} ({str(e).rstrip('.')}). Without "
+            "hub access, describe each task in a local YAML file whose dataset_path and dataset_kwargs point at "
+            "local files (as eval_tasks/shakespeare/ does) and pass its folder with --include-path DIR, or fill "
+            "the datasets cache (HF_HOME) where the hub is reachable") from None
     samples = results.pop("samples", None)
     if tracker is not None:
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)

@@ -97,7 +97,7 @@ class ModelArgs:
     routing_null_source: bool = False  # learnable (d,) source 0, init 0
     routing_kernel: Literal["eager", "compile", "triton", "auto"] = "eager"
     routing_eps: float = 1e-6
-    routing_group_size: int | str = 1  # g consecutive sites per routing group (plan.py "Groups"); 1 = per call; "auto"
+    routing_group_size: int | Literal["auto"] = 1  # g consecutive sites per routing group (plan.py "Groups"); 1 = per call; "auto"
     routing_layout: Literal["clean", "paper"] = "clean"  # delta bookkeeping: ours or the authors' (plan.py)
     routing_head_layout: Literal["contiguous", "permuted"] = "contiguous"  # permuted: eager kernel only
     routing_head_layout_seed: int = 0  # seed of the permuted layout's fixed permutation of the d coordinates
@@ -189,6 +189,13 @@ class ModelArgs:
         if g != 1 and self.routing_head_layout != "contiguous":
             raise ValueError(f"routing_group_size={g!r} supports routing_head_layout='contiguous' only; set "
                              "routing_group_size=1 for the permuted head layout")
+        if isinstance(g, int) and g > 1 and self.residual == "attn_res":
+            n = RoutingPlan.from_args(self).n_sites
+            if g > n:
+                raise ValueError(f"routing_group_size={g} is larger than the {n} routing sites of this model "
+                                 f"({self.n_layers} layers, {self.routing_granularity} granularity): a group holds "
+                                 f"at most every site; choose 1..{n}, or 'auto' (the group size with the fewest "
+                                 "routing reads)")
         if g != 1 and self.routing_kernel == "compile":
             raise ValueError(f"routing_group_size={g!r} runs with routing_kernel 'eager', 'triton' or 'auto' "
                              "(grouped routing has no torch.compile'd routing body; per-block compile is "
