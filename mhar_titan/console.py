@@ -88,7 +88,8 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
     checkpoint and the metrics files in it.
 
     val_losses: (step, loss) of every validation of the run in step order (may be empty);
-    checkpoint: the newest checkpoint folder, relative to the run folder (None: none);
+    checkpoint: the newest checkpoint folder, relative to the run folder, or why there is none
+      (None: "none written");
     metrics: where the full metrics are in the run folder (JSONL file, TensorBoard, wandb)."""
     ran = steps - start_step
     lines = [["done", f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
@@ -100,6 +101,6 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
     else:
         lines.append(["val loss", "none (validation.enable = false)"])
     lines.append(["run folder", run_dir])
-    lines.append(["checkpoint", checkpoint or "none written (checkpoint.enable = false)"])
+    lines.append(["checkpoint", checkpoint or "none written"])
     lines.append(["metrics", *metrics])
     return lines

@@ -337,9 +337,15 @@ class Trainer:
         if self.env.rank != 0 or self.state.step <= start_step:
             return
         saved = self.checkpointer.last_saved if self.checkpointer is not None else None
+        if saved is not None:
+            checkpoint = str(saved.relative_to(self.run_dir))
+        elif not self.cfg.checkpoint.enable:
+            checkpoint = "none written (checkpoint.enable = false)"
+        else:  # enabled: no save was due in this run, or the last one was refused or failed (logged above)
+            checkpoint = "none written in this run"
         lines = summary_fields(self.state.step, start_step, self.state.tokens_seen, time.perf_counter() - began,
                                self.state.nonfinite_skipped, self.metrics.validation_losses(),
-                               str(self.run_dir), None if saved is None else str(saved.relative_to(self.run_dir)),
+                               str(self.run_dir), checkpoint,
                                self.metrics.locations)
         for fields in lines:
             self.metrics.event(self.state.step, *fields)

@@ -59,8 +59,11 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model, tok):
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]])
     draws = {int(choose_token(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s))) for s in range(40)}
     assert draws == {1, 2}
-    with pytest.raises(ValueError, match="temperature"):
-        choose_token(logits, -1.0)
+    for bad in (-1.0, float("nan"), float("inf")):  # nan and inf sampled garbage or raised deep in torch
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            choose_token(logits, bad)
+    with pytest.raises(ValueError, match="top_p"):
+        choose_token(logits, 1.0, top_p=float("nan"))
     with pytest.raises(ValueError, match="prompt"):
         generate(model, [], 3)
 

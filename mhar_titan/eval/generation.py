@@ -10,6 +10,8 @@ would run past the RoPE tables), so both paths compute the same logits at every 
 """
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -38,9 +40,10 @@ def _mask_vocab(logits: Tensor, n_vocab: Optional[int]) -> Tensor:
 
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
-    """ValueError for temperature < 0, top_k < 1 or top_p outside (0, 1] (None: no cut)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    """ValueError for a temperature that is negative or not finite, top_k < 1 or top_p outside
+    (0, 1] (None: no cut)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
