@@ -120,7 +120,7 @@ def single_process_losses(tmp_path_factory):
                        env=launch_env(NGPU="1", CONFIG=str(ROOT / CONFIG), OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[rank0]:" in r.stdout + r.stderr and "ranks=1" in r.stdout + r.stderr
+    assert "[rank0]:" in r.stdout + r.stderr and "| 1 rank " in r.stdout + r.stderr  # the start line
     return losses(tmp / "debug_mhar")
 
 
@@ -132,7 +132,7 @@ def test_two_nodes_on_loopback_match_single_process(tmp_path, single_process_los
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
     for i, log in enumerate(logs):  # both nodes joined one 2-node rendezvous with one worker each
         assert f"--nnodes=2 --node_rank={i} --nproc_per_node=1 --rdzv_backend=c10d" in log
-    assert "ranks=2" in logs[0]
+    assert "| 2 ranks " in logs[0]  # the start line of the one 2-rank job
     two_node = losses(tmp_path / "out" / "debug_mhar")
     assert sorted(two_node) == [1, 2, 3, 4, 5]
     assert two_node == pytest.approx(single_process_losses, rel=0, abs=2e-5)
