@@ -14,7 +14,8 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   autograd (`op.py`); `can_run(device, dim, heads)` says where it runs (CUDA; CPU under
   TRITON_INTERPRET=1).
 - `route_phase1(queries, norm_weights, reads, heads, eps, *sources)`: the fused phase 1 of a
-  grouped routing group (forward and backward, `triton_grouped.py`).
+  grouped routing group (forward and backward, `triton_grouped.py`); `triton_merge.merge`, the
+  fused merge (phase 2) of a grouped site on the per-call kernels.
 - `traffic`: bytes each routing launch reads and writes, against the floor.
 - `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
   mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
@@ -27,7 +28,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "traffic", "compile_report")
+               "triton_merge", "traffic", "compile_report")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -33,7 +33,8 @@ _POINTER_ARGS = {
                     LSE="*fp32"),
     "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC",
                      DOUT="*SRC", MIX="*SRC", RES="*SRC", LOGITS="*fp32", LSE="*fp32", DQ_PART="*fp32", DG_PART="*fp32",
-                     DALPHA_PART="*fp32", DNULL_PART="*fp32"),
+                     DALPHA_PART="*fp32", DNULL_PART="*fp32", STATE_LSE="*fp32", DSTATE="*SRC",
+                     DSTATE_NORM="*fp32"),
     "phase1_forward": dict(PTRS="*i64", RSTRIDES="*i64", READS="*i8", MIX_PTRS="*i64", SRC0="*SRC", Q="*SRC",
                            G="*SRC", LSE="*fp32"),
     "phase1_backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", READS="*i8", DMIX_PTRS="*i64",
@@ -57,14 +58,16 @@ def _ptxas():
 def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
                    tokens: int = TOKENS, dtype: str = "bf16", flags: dict | None = None, group: int = GROUP) -> dict:
     """Compile a routing kernel for sm_90 as a launch with these arguments would: kind "forward" /
-    "backward" (per call, triton_routing) or "phase1_forward" / "phase1_backward" (grouped
-    routing's phase 1 over a group of `group` sites, triton_grouped).
+    "backward" (per call, triton_routing), "merge_forward" / "merge_backward" (the same kernels
+    with grouped routing's phase-1 state in and its gradients out, triton_merge) or
+    "phase1_forward" / "phase1_backward" (grouped routing's phase 1 over a group of `group`
+    sites, triton_grouped).
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
     for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
-    null source, HAS_ACCUM where the group is one site chunk). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
+    null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
     None), 'block_t', 'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched
     by 16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)}.
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
@@ -80,8 +83,11 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         raise RuntimeError("this Triton build has no CUDA backend")
-    fn = dict(forward=tr._route_fwd_kernel, backward=tr._route_bwd_kernel, phase1_forward=tg._phase1_fwd_kernel,
+    fn = dict(forward=tr._route_fwd_kernel, backward=tr._route_bwd_kernel, merge_forward=tr._route_fwd_kernel,
+              merge_backward=tr._route_bwd_kernel, phase1_forward=tg._phase1_fwd_kernel,
               phase1_backward=tg._phase1_bwd_kernel)[kind]
+    merge = kind.startswith("merge")  # the fused merge: the per-call kernels with the phase-1 state
+    kind = kind.removeprefix("merge_")
     backward = kind.endswith("backward")
     if kind.startswith("phase1"):
         cfg = tg.launch_config(tokens, group, heads, d // heads, backward=backward)
@@ -94,10 +100,11 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     # backward: HAS_ACCUM, as the models run it (a site adds into its sources' shared gradient buffers)
     # HAS_RES for bf16 / fp16 (the saved mix's rounding residual), as the op runs them
     has_res = dtype != "fp32"
-    defaults = dict(forward=dict(HAS_PARTIAL=False, HAS_STATE=False, HAS_RES=has_res),
-                    backward=dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res),
+    defaults = dict(forward=dict(HAS_PARTIAL=False, HAS_STATE=merge, HAS_RES=has_res),
+                    backward=dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res,
+                                  HAS_STATE=merge, WRITE_DSTATE=merge),
                     phase1_forward={},  # phase 1 adds into shared buffers in the kernel with one site chunk
-                    phase1_backward=dict(HAS_NULL=False, HAS_ACCUM=cfg.get("SB", 0) >= group))[kind]
+                    phase1_backward=dict(HAS_NULL=False, HAS_ACCUM=True, CHUNKED=cfg.get("SB", 0) < group))[kind]
     constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32,
                       RNE_BF16=False, **cfg)
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)
@@ -162,7 +169,8 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default=",".join(f"{d}x{h}" for d, h in SHAPES), help="comma list of dxH")
     p.add_argument("--variants", default="aligned,general")
     p.add_argument("--kernels", default="forward,backward",
-                   help="comma list of forward, backward, phase1_forward, phase1_backward")
+                   help="comma list of forward, backward, merge_forward, merge_backward, phase1_forward, "
+                   "phase1_backward")
     p.add_argument("--group", type=int, default=GROUP, help="sites per group of the phase-1 kernels")
     p.add_argument("--out", type=Path, help="also write the table (or JSON) to this file")
     a = p.parse_args(argv)

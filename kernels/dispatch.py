@@ -8,7 +8,7 @@ directly. Implementations (MHAR_SPEC sections 2 and 4, docs/DESIGN.md "Grouped r
 |-----------|--------------------------------------------|-----------------------------------|---------------------------|
 | "eager"   | `reference.route_reference`                | `grouped_reference.phase1`        | `grouped_reference.merge` |
 | "compile" | `reference.route_compiled`                 | `grouped_reference.phase1`        | `grouped_reference.merge` |
-| "triton"  | `op.route_unchecked` (fused custom op)     | `triton_grouped.route_phase1`     | `grouped_reference.merge` |
+| "triton"  | `op.route_unchecked` (fused custom op)     | `triton_grouped.route_phase1`     | `triton_merge.merge`      |
 
 The rule: the kernel names "eager" and "compile" are taken as they are; "triton" runs the fused
 kernels where they can run (`op.can_run`: triton installed, CUDA or CPU under
@@ -116,8 +116,8 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
     """Phase 1 of one grouped-routing group (`grouped_reference.phase1`'s contract: (g, d) rows,
     per site one bool per source, sources with a leading (d,) null source cast to their dtype;
     returns (mix_1..g, norm_1..g, lse)) by the implementation `backend` picks: the fused
-    `triton_grouped.route_phase1` for "triton" (an opaque custom op inside torch.compile),
-    else the eager reference."""
+    `triton_grouped.route_phase1` for "triton" (an opaque custom op inside torch.compile; its
+    mixes are in the sources' dtype), else the eager reference (mixes in the compute dtype)."""
     full = sources[-1]
     if backend(kernel, full.device, full.shape[-1], heads) == "triton":
         from .triton_grouped import route_phase1
@@ -127,7 +127,18 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
 
 
 def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
-          dtype: torch.dtype, kernel: str, *late: Tensor) -> Tensor:
-    """Phase 2 at one grouped site (`grouped_reference.merge`'s contract); eager on every backend
-    today (`kernel` is the configured routing_kernel, for a backend that fuses it)."""
-    return grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
+          dtype: torch.dtype, kernel: str, *late: Tensor, partial: Tensor | None = None,
+          alpha: Tensor | None = None) -> Tensor:
+    """Phase 2 at one grouped site (`grouped_reference.merge`'s contract: the phase-1 state mix
+    (B, T, d), norm and lse (B, T, H) merged with the in-group sources `late`, each (B, T, d) in
+    `dtype`) by the implementation `backend` picks: the fused `triton_merge.merge` for "triton"
+    outside torch.compile, else the eager merge. Delta mode passes `partial` (B, T, d) and
+    `alpha` (1,) and gets partial + alpha * mix (MHAR_SPEC section 1.4). Returns (B, T, d) in
+    `dtype`."""
+    if (backend(kernel, mix.device, mix.shape[-1], heads) == "triton" and not torch.compiler.is_compiling()
+            and mix.dtype == dtype):
+        from . import triton_merge
+
+        return triton_merge.merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial, alpha=alpha)
+    out = grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
+    return out if partial is None else partial + alpha.to(out.dtype) * out

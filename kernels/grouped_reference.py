@@ -144,7 +144,8 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mix: Tensor, norm: Tensor, lse1: Tensor, query: Tensor, norm_weight: Tensor, heads: int,
                 eps: float, dtype: torch.dtype, *late: Tensor):
-        cdt = mix.dtype
+        cdt, mix_dtype = contract.compute_dtype(mix.dtype), mix.dtype
+        mix = mix.to(cdt)  # the fused phase 1 keeps it in the storage dtype
         lse, weights, rstd = lse1, None, None
         if late:
             logits, rstd = _logits_and_inv_rms(late, query, norm_weight, heads, eps)
@@ -158,7 +159,7 @@ class _Merge(torch.autograd.Function):
         out = (num / den.unsqueeze(-1)).flatten(-2).to(dtype)
         weights = None if weights is None else weights / den
         ctx.save_for_backward(query, norm_weight, w / den, out, weights, rstd, *late)
-        ctx.heads, ctx.cdt = heads, cdt
+        ctx.heads, ctx.cdt, ctx.mix_dtype = heads, cdt, mix_dtype
         return out
 
     @staticmethod
@@ -168,7 +169,7 @@ class _Merge(torch.autograd.Function):
         heads, cdt = ctx.heads, ctx.cdt
         dout = grad_out.to(cdt).unflatten(-1, (heads, -1))  # (..., H, K)
         total = (dout * out.to(cdt).unflatten(-1, (heads, -1))).sum(-1)  # S_h = <dout_h, out_h>
-        dmix = (w.unsqueeze(-1) * dout).flatten(-2) if ctx.needs_input_grad[0] else None
+        dmix = (w.unsqueeze(-1) * dout).flatten(-2).to(ctx.mix_dtype) if ctx.needs_input_grad[0] else None
         dnorm = -w * total if ctx.needs_input_grad[1] else None
         need_q, need_g = ctx.needs_input_grad[3:5]
         q = query.to(cdt).view(1, heads, -1)

@@ -175,71 +175,101 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 
 # ---------------------------------------------------------------------------- grouped routing
 # Grouped routing (docs/DESIGN.md "Grouped routing"): a group of g > 1 sites runs one phase-1
-# launch pair over its n start rows (triton_grouped) and, per site, a merge with its m in-group
-# rows. Phase 1 reads and writes, per launch:
+# launch pair over its n start rows (triton_grouped) and, per site, a merge (triton_merge: the
+# per-call kernels started from the site's phase-1 state) with its m in-group rows. Per group:
 #
-#     phase-1 forward    reads n rows, the g query and key-norm rows; writes g mixes (B*T, d)
-#                        fp32 and lse (B*T, g, H) fp32
-#     phase-1 backward   reads n rows, the g mix gradients (fp32) and normaliser gradients,
-#                        lse, the g query and key-norm rows, and with one site chunk the shared
-#                        gradient buffer of every source another reader already wrote (A rows);
-#                        writes C gradient rows per source (C = site chunks of the backward
-#                        launch) and (P, g, d) (+ null: (C P, d)) fp32 partial sums
-#     reduce             the host sums the partials and, for C > 1, each source's C chunk
-#                        gradients (reads C rows, writes one) and adds the A sums into their
-#                        shared buffers (two rows read, one written each); casts the g query
-#                        and key-norm gradient rows (+ null) to the storage dtype
+#     phase-1 forward    reads n rows, the g query and key-norm rows; writes g mixes (storage
+#                        dtype rows) and lse (B*T, g, H) fp32; the host makes g normalisers
+#                        (B*T, H) fp32 of ones and copies each site's lse out of the group's
+#     phase-1 backward   the host stacks the g normaliser gradients (B*T, g, H) and zeroes the
+#                        (P, g, d) fp32 partial sums; the launch reads n rows, the g mix gradients
+#                        (rows), the normaliser gradients, lse, the g query and key-norm rows and
+#                        the gradient buffer of every source another reader already wrote (A
+#                        rows; all n with C > 1 site chunks, whose chunk c > 0 adds into what
+#                        chunk c - 1 of the same token tile stored) and, with C > 1, the partial
+#                        sums it adds into; writes n gradient rows and the (P, g, d) (+ null
+#                        (P, d)) partial sums
+#     reduce             the host sums the partials over P, multiplies by the key-norm and query
+#                        rows (cast to fp32) and casts dq, dg (+ dnull) to the storage dtype
 #
-# Sources are counted once per launch: the C forward chunk programs of one token tile are
-# adjacent, so their repeated reads come from L2. The merge runs eagerly (`grouped_reference.py`);
-# it is counted as one fused pass over what it receives and returns (a fused merge's bytes; the
-# eager ops move more): forward reads m rows, the state (mix fp32, normaliser and lse), q, g and
-# writes the output row; backward reads the upstream gradient, the saved output and m rows and
-# writes the mix (fp32) and normaliser gradients, m gradient rows and dq, dg. Delta mode adds the
-# partial row read and the mix row written, as per call. Per-token statistics the eager merge
-# saves (in-group weights and inverse RMS) are not counted.
+#     merge forward      (m > 0 or delta) reads m rows, the state mix row, the state lse, q, g
+#                        (+ partial); writes out, logits (m, B*T, H), lse (B*T, H) fp32, the
+#                        mix residual (bf16 / fp16, m > 0) (+ the mix in delta mode). A site
+#                        with m = 0 outside delta mode returns its state mix: no launch
+#     merge backward     reads grad_out, the saved mix (+ residual), m rows, logits, lse, the
+#                        state lse, q, g and the A rows a later reader wrote; writes m gradient
+#                        rows, the state mix gradient (a row; m = 0 outside delta mode passes
+#                        grad_out on instead), the state normaliser gradient (B*T, H) fp32 and
+#                        (P, d) partial sums of dq, dg (+ dalpha); reduce as per call
+#
+# Every reader (per-call site, phase 1, merge) adds into its sources' shared gradient buffers,
+# so autograd adds no source gradient. Sources are counted once per launch: repeated reads
+# within a launch (the forward's C chunk programs of one token tile, adjacent in launch order;
+# the backward's chunks of one tile in one program) are counted as cache hits.
 
 
 def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                     null_source: bool = False, programs: int = H200_PROGRAMS, chunks: int = 1,
                     recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
-    """The phase-1 forward, backward and reduce launches of a group of `sites` sites starting at
-    site `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
+    """The phase-1 forward, backward and reduce of a group of `sites` sites starting at site
+    `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
     chunks C of the backward launch; accumulated: how many of the sources' shared gradient
     buffers another reader already wrote (A). Bytes as in the comment above (`phase="phase1"`)."""
     if n_rows < 1 or sites < 2:
         raise ValueError(f"group at site {site}: phase 1 reads at least one (B, T, d) source for at least two "
                          f"sites, got {n_rows} sources and {sites} sites")
     el = element_bytes(dtype)
-    row, state = tokens * dim * el, tokens * dim * FP32
+    row = tokens * dim * el
     params = 2 * sites * dim * el + int(null_source) * dim * el
-    lse = tokens * sites * heads * FP32
-    forward = Launch(site, "forward", read=n_rows * row + params, written=sites * state + lse, phase="phase1")
-    partial_sums = programs * sites * dim * FP32 + int(null_source) * chunks * programs * dim * FP32
-    read_back = accumulated * row if chunks == 1 else 0  # added into in the kernel
-    backward = Launch(site, "backward", read=n_rows * row + params + sites * state + 2 * lse + read_back,
-                      written=chunks * n_rows * row + partial_sums, phase="phase1")
-    summed = n_rows * row if chunks > 1 else 0  # the chunk gradients of each source, summed over C
-    added = accumulated * row if chunks > 1 else 0  # ... then added into the shared buffers on the host
+    stats = tokens * sites * heads * FP32  # lse (B*T, g, H), or the g normalisers
+    forward = Launch(site, "forward", read=n_rows * row + params + stats,  # + the per-site lse copies
+                     written=sites * row + 3 * stats, phase="phase1")  # mixes, lse, ones, lse copies
+    t_sums = programs * sites * dim * FP32
+    partial_sums = t_sums + int(null_source) * programs * dim * FP32
+    read_back = (n_rows if chunks > 1 else accumulated) * row
+    chunked = t_sums if chunks > 1 else 0  # the partial sums the chunks add into
+    backward = Launch(site, "backward",
+                      read=(n_rows + sites) * row + read_back + params + 3 * stats + chunked,  # + the stack's read
+                      written=n_rows * row + partial_sums + stats + t_sums,  # + the stack, the zeroed sums
+                      phase="phase1")
     cast_read, cast_written = storage_cast(2 * sites + int(null_source), dim, dtype)
-    reduce = Launch(site, "reduce", read=partial_sums + chunks * summed + 2 * added + cast_read,
-                    written=(sites + int(null_source)) * dim * FP32 + summed + added + cast_written, phase="phase1")
+    vec = sites * dim
+    to_fp32 = (vec * el, vec * FP32) if el < FP32 else (0, 0)  # a query / key-norm block cast to fp32
+    reduce = Launch(site, "reduce",
+                    read=partial_sums + 2 * (to_fp32[0] + 2 * vec * FP32) + cast_read,  # sums, T * rows
+                    written=(vec + int(null_source) * dim) * FP32 + 2 * (to_fp32[1] + vec * FP32) + cast_written,
+                    phase="phase1")
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
 def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
-                   delta: bool = False, recomputed: bool = False) -> list[Launch]:
-    """The merge (phase 2) of one grouped site with `late_rows` in-group (B, T, d) sources,
-    forward and backward, counted as one fused pass each (comment above; `phase="merge"`)."""
+                   delta: bool = False, programs: int = H200_PROGRAMS, recomputed: bool = False,
+                   accumulated: int = 0) -> list[Launch]:
+    """The fused merge (phase 2) of one grouped site with `late_rows` in-group (B, T, d) sources:
+    forward, backward and reduce (comment above; `phase="merge"`). accumulated: how many of them
+    have a shared gradient buffer another reader already wrote (A)."""
+    if not 0 <= accumulated <= late_rows:
+        raise ValueError(f"site {site}: accumulated={accumulated} must lie in [0, {late_rows}]")
     el = element_bytes(dtype)
-    row, state = tokens * dim * el, tokens * dim * FP32
-    stats = tokens * heads * FP32  # one (B*T, H) fp32 tensor
+    row = tokens * dim * el
+    residual = int(el < FP32 and late_rows > 0)
+    stat = tokens * heads * FP32  # one (B*T, H) fp32 tensor
     params = 2 * dim * el
-    forward = Launch(site, "forward", read=(late_rows + int(delta)) * row + state + 2 * stats + params,
-                     written=(1 + int(delta)) * row, phase="merge")
-    backward = Launch(site, "backward", read=(late_rows + 2) * row + params,
-                      written=late_rows * row + state + stats + 2 * dim * el, phase="merge")
-    return [forward, *([forward] if recomputed else []), backward]
+    launches = []
+    if late_rows or delta:
+        forward = Launch(site, "forward", read=(late_rows + 1 + int(delta)) * row + stat + params,
+                         written=(1 + int(delta) + residual) * row + (late_rows + 1) * stat, phase="merge")
+        launches += [forward, *([forward] if recomputed else [])]
+    partial_sums = 2 * programs * dim * FP32 + int(delta) * programs * FP32
+    state_grad = int(late_rows > 0 or delta)
+    stats_read = (late_rows + 2 if late_rows or delta else 1) * stat  # logits, lse, state lse (one tensor at m = 0)
+    launches.append(Launch(site, "backward",
+                           read=(late_rows + 2 + residual + accumulated) * row + stats_read + params,
+                           written=(late_rows + state_grad) * row + stat + partial_sums, phase="merge"))
+    cast_read, cast_written = storage_cast(2, dim, dtype)
+    launches.append(Launch(site, "reduce", read=partial_sums + cast_read,
+                           written=2 * dim * FP32 + int(delta) * FP32 + cast_written, phase="merge"))
+    return launches
 
 
 def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], *, dim: int, tokens: int,
@@ -257,27 +287,27 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
             a group of g sites then runs ceil(g / block) site chunks.
         recomputed_sites: sites below this index run their forward launches twice (a group's
             phase 1 when its first site is below it).
-        shared: the per-call sites and phase 1 add into shared gradient buffers (as
-            `routing_traffic`: the last reader writes, earlier ones add); the merges return their
-            source gradients to autograd either way.
+        shared: every reader (per-call site, phase 1, merge) adds into its sources' shared
+            gradient buffers (as `routing_traffic`: the last reader writes, earlier ones add);
+            False counts separate gradients that autograd adds (c - 1 additions of three rows
+            for c readers, "accumulate").
         dim, tokens, dtype, heads, delta, null_source, programs: as `routing_traffic`.
 
-    Autograd adds the gradients a source gets from several launches: one per merge read, plus
-    one for all per-call and phase-1 reads with shared buffers (one per read without); c
-    contributions cost c - 1 additions of three rows ("accumulate"). The floor is what the
-    routing must move at the least: per group, n + sum(m + 1) rows forward (read the n start
-    sources once, write each site's output) and 2 n + sum(2 m + 1) backward; at one site per
-    group it is `routing_traffic`'s floor.
+    The floor is what the routing must move at the least: per group, n + sum(m + 1) rows
+    forward (read the n start sources once, write each site's output) and 2 n + sum(2 m + 1)
+    backward; at one site per group it is `routing_traffic`'s floor.
 
     Raises:
         ValueError: a group without sites or start sources.
     """
     el = element_bytes(dtype)
     row = tokens * dim * el
-    # per-call sites and phase-1 launches use the shared gradient buffers (in forward order)
-    users = [list(start) for start, _ in groups]
-    accumulated = iter(accumulated_reads(users) if shared else [0] * len(users))
-    contributions: dict[int, int] = {}
+    readers = []  # every reader's source ids, in forward order
+    for start, late in groups:
+        readers.append(list(start))
+        if len(late) > 1:
+            readers += [list(ids) for ids in late]
+    accumulated = iter(accumulated_reads(readers) if shared else [0] * len(readers))
     launches, site, floor_rows = [], 0, 0
     for start, late in groups:
         g, n = len(late), len(start)
@@ -294,16 +324,13 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
                                         recomputed=site < recomputed_sites, accumulated=next(accumulated))
             for i, ids in enumerate(late):
                 launches += merge_launches(site + i, len(ids), dim=dim, tokens=tokens, dtype=dtype, heads=heads,
-                                           delta=delta, recomputed=site + i < recomputed_sites)
-                for source in ids:  # merges return their gradients to autograd
-                    contributions[source] = contributions.get(source, 0) + 1
-        for source in start:  # shared: one contribution (the buffer) for all; else one per read
-            if not shared or (source, "buffer") not in contributions:
-                contributions[source] = contributions.get(source, 0) + 1
-                contributions[source, "buffer"] = 1
+                                           delta=delta, programs=programs, recomputed=site + i < recomputed_sites,
+                                           accumulated=next(accumulated))
         m = [len(ids) for ids in late] if g > 1 else [0]
         floor_rows += (n + sum(k + 1 for k in m)) + (2 * n + sum(2 * k + 1 for k in m))
         site += g
-    additions = sum(c - 1 for key, c in contributions.items() if not isinstance(key, tuple))
-    launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
+    if not shared:
+        reads = [j for ids in readers for j in ids]
+        additions = len(reads) - len(set(reads))
+        launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
     return Traffic(tuple(launches), floor_rows * row, row)

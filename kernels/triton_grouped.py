@@ -6,7 +6,7 @@ reads (a (g, n) read table; MHAR_SPEC section 2 for the logits):
 
     l_{n,i,h}  = <q_i[h], (fp32(storage(s_n r_n)) g_i)[h]>      r_n over the full d
     lse_{i,h}  = logsumexp over the sources site i reads of l_{n,i,h}
-    mix_i[h]   = sum_n exp(l_{n,i,h} - lse_{i,h}) s_n[h]         (normalised, fp32)
+    mix_i[h]   = sum_n exp(l_{n,i,h} - lse_{i,h}) s_n[h]         (normalised; stored in the storage dtype)
 
 in one pass over the sources: a program holds a [BLOCK_T, SB, HB, KB] accumulator (SB sites of
 the group, HB = next_pow2(H), KB = next_pow2(K)), loads each source tile once, computes its
@@ -21,25 +21,27 @@ plain sums over the sources): per source, recompute its key and the SB sites' lo
     ds_n       = RMSNorm backward of sum_i dl_{n,i} q_i g_i  +  sum_i a_{n,i} dmix_i[h]
     T_i        = sum over tokens and sources of dl_{n,i} khat_n;  dq_i = T_i g_i, dg_i = T_i q_i
 
-so each source's gradient is written once per group (per site chunk, below). Programs are
-persistent over token tiles (`triton_routing.reduce_programs`); T (and the null source's
-gradient) are written as (programs, g, d) fp32 partial sums that the host reduces in a fixed
-order: no atomics, bitwise repeatable, no per-site (B*T, d) partial buffers.
+so each source's gradient is written once per group. Programs are persistent over token tiles
+(`triton_routing.reduce_programs`); T (and the null source's gradient) are written as
+(programs, g, d) fp32 partial sums that the host reduces in a fixed order: no atomics, bitwise
+repeatable, no per-site (B*T, d) partial buffers.
 
 Site chunks. g sites of d values in fp32 do not fit one program's registers at the largest
 shapes (d = 1280, H = 8: one site of one token is an [8, 256] tile), so a launch may split
 the group into C = ceil(g / SB) chunks of SB sites, SB chosen on the host from a register
-budget (`launch_config`). Chunk programs of one token tile are adjacent in launch order, so
-C > 1 reads each source C times, all but the first from L2; in the backward each chunk writes
-its own gradient of every source (C rows instead of one) into one (C, B, T, d) buffer per
-source, which the host sums over C (reads C rows, writes one). C = 1 at the debug flavor and
-at 100m; at 350m the backward runs 2 chunks, at 1b the forward 3 and the backward 6
+budget (`launch_config`). In the forward the C chunk programs of one token tile are adjacent in
+launch order, so each source is read C times, all but the first from L2. In the backward one
+program runs the C chunks of a token tile one after another: chunk c > 0 adds its part of every
+source's gradient into what chunk c - 1 stored (the tile's sources and gradient rows are still
+in cache) and adds its sites' key-gradient sums into the program's own rows of the partial sums,
+so each gradient row is written by one launch and never summed on the host. C = 1 at the debug
+flavor and at 100m; at 350m the backward runs 2 chunks, at 1b the forward 3 and the backward 6
 (docs/DESIGN.md "Grouped routing" lists registers and chunks).
 
 Shared gradients: a source passed as `op.share_gradient`'s view has one gradient buffer for
 every routing call that reads it; the phase-1 backward writes it (first reader in backward) or
-adds into it (HAS_ACCUM, per source by a flag in the pointer table; with C > 1 chunks the host
-adds the chunk sum) and returns None for that source, as the per-call kernels do.
+adds into it (HAS_ACCUM, per source by a flag in the pointer table) and returns None for that
+source, as the per-call kernels do.
 
 Sources, outputs (the per-site mixes) and incoming gradients are separate tensors addressed by
 device tables of data pointers, as in `triton_routing`; a (d,) null source is source 0 with row
@@ -59,7 +61,7 @@ from torch.autograd.function import once_differentiable
 from . import contract
 from .op import can_run, gradient_buffers, sinks_of
 from .triton_routing import (
-    _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _source_base, _source_table,
+    _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _next_pow2, _source_base, _source_table,
     _to_storage, aligned, reduce_programs,
 )
 
@@ -130,8 +132,9 @@ def _phase1_fwd_kernel(
     th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]  # (B*T, g, H)
     thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
     tl.store(LSE + th, m + tl.log(tl.where(thmask, l, 1.0)), mask=thmask)
-    out = _site_rows(MIX_PTRS, s, smask, CDT, ALIGNED)[None, :, None, None]
-    tl.store(out + rows[:, None] * D + cols[:, None], acc, mask=mask[:, None] & smask[None, :, None, None])
+    out = _site_rows(MIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # mixes in the storage dtype
+    tl.store(out + rows[:, None] * D + cols[:, None], _to_storage(acc, SRC_TY, RNE_BF16),
+             mask=mask[:, None] & smask[None, :, None, None])
 
 
 @triton.jit
@@ -156,64 +159,74 @@ def _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps,
 def _phase1_bwd_kernel(
     PTRS, RSTRIDES, DPTRS, ACCUM, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
     N, NG, C, BT, D, H, K, eps,
-    HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, CHUNKED: tl.constexpr, ALIGNED: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
     SB: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     SRC_TY: tl.constexpr = SRC0.dtype.element_ty
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
-    pid = tl.program_id(0)
-    chunk = pid % C
-    prog = pid // C
-    programs = tl.num_programs(0) // C
-    s = chunk * SB + tl.arange(0, SB)
+    prog = tl.program_id(0)
+    programs = tl.num_programs(0)
     h = tl.arange(0, HB)
     k = tl.arange(0, KB)
-    smask = s < NG
     hk = h[:, None] * K + k[None, :]  # [HB, KB]
     cmask2 = (h[:, None] < H) & (k[None, :] < K)
     cols = hk[None, :, :]
     cmask = cmask2[None, :, :]
-    site_cols = s[:, None, None] * D + cols
-    site_cmask = smask[:, None, None] & cmask
-    q = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT)
-    gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
-    dmix_rows = _site_rows(DMIX_PTRS, s, smask, CDT, ALIGNED)[None, :, None, None]
 
-    tacc = tl.zeros([SB, HB, KB], CDT)  # sum of dl * khat over tokens and sources
+    tacc = tl.zeros([SB, HB, KB], CDT)  # one chunk: sum of dl * khat over tokens and sources
     dnull = tl.zeros([HB, KB], CDT)
     for tile in range(prog, tl.cdiv(BT, BLOCK_T), programs):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         rows = t[:, None, None].to(tl.int64)
         mask = (t[:, None, None] < BT) & cmask
-        mask4 = mask[:, None] & smask[None, :, None, None]
-        th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]
-        thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
-        dmix = tl.load(dmix_rows + rows[:, None] * D + cols[:, None], mask=mask4, other=0.0).to(CDT)
-        dnorm = tl.load(DNORM + th, mask=thmask, other=0.0).to(CDT)
-        lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
-        if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
-            v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
-            dv, t_n = _phase1_source_grad(v, 0, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
-                                          CDT, RNE_BF16)
-            tacc += t_n
-            dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
-        # One read of each source, one write of its gradient (per site chunk).
-        for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
-            v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-            dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
-                                          CDT, RNE_BF16)
-            tacc += t_n
-            dptr = _source_base(DPTRS, chunk * N + n, SRC_TY, ALIGNED) + rows * D + cols
-            if HAS_ACCUM:  # (one site chunk only) add into the shared buffer a later reader wrote
-                accumulate = (rows * 0 + tl.load(ACCUM + n)) != 0  # [BLOCK_T, 1, 1]
-                dv += tl.load(dptr, mask=mask & accumulate, other=0.0).to(CDT)
-            tl.store(dptr, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
-    part = prog * NG * D + site_cols  # T_PART (programs, g, d)
-    tl.store(T_PART + part, tacc, mask=site_cmask)
+        # The site chunks of this token tile, one after another in this program: chunk c > 0
+        # adds into the gradients chunk c - 1 stored (the tile's sources and gradients are hot)
+        for chunk in range(0, C):
+            s = chunk * SB + tl.arange(0, SB)
+            smask = s < NG
+            site_cols = s[:, None, None] * D + cols
+            site_cmask = smask[:, None, None] & cmask
+            q = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT)
+            gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
+            dmix_rows = _site_rows(DMIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # storage dtype
+            mask4 = mask[:, None] & smask[None, :, None, None]
+            th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]
+            thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
+            dmix = tl.load(dmix_rows + rows[:, None] * D + cols[:, None], mask=mask4, other=0.0).to(CDT)
+            dnorm = tl.load(DNORM + th, mask=thmask, other=0.0).to(CDT)
+            lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
+            tchunk = tl.zeros([SB, HB, KB], CDT)
+            if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
+                v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
+                dv, t_n = _phase1_source_grad(v, 0, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
+                                              CDT, RNE_BF16)
+                tchunk += t_n
+                dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
+            # One read of each source, one write of its gradient (the chunks of a tile add into it).
+            for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
+                v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
+                dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
+                                              CDT, RNE_BF16)
+                tchunk += t_n
+                dptr = _source_base(DPTRS, n, SRC_TY, ALIGNED) + rows * D + cols
+                if HAS_ACCUM:  # add into the shared buffer a later reader wrote, or an earlier chunk did
+                    add = ((rows * 0 + tl.load(ACCUM + n)) != 0) | (chunk > 0)  # [BLOCK_T, 1, 1]
+                    dv += tl.load(dptr, mask=mask & add, other=0.0).to(CDT)
+                tl.store(dptr, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
+            if CHUNKED:  # this program's partial sums of the chunk's sites (its own rows of T_PART)
+                part = T_PART + prog * NG * D + site_cols
+                tl.store(part, tl.load(part, mask=site_cmask, other=0.0) + tchunk, mask=site_cmask)
+            else:
+                tacc += tchunk
+    if not CHUNKED:
+        s = tl.arange(0, SB)
+        site_cols = s[:, None, None] * D + cols
+        tl.store(T_PART + prog * NG * D + site_cols, tacc, mask=(s < NG)[:, None, None] & cmask)
     if HAS_NULL:
-        tl.store(DNULL_PART + pid * D + hk, dnull, mask=cmask2)  # (C * programs, d)
+        tl.store(DNULL_PART + prog * D + hk, dnull, mask=cmask2)  # (programs, d)
 
 
 # ---------------------------------------------------------------------------- host code
@@ -225,13 +238,13 @@ def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool
     tile fits the budget, else the largest power of two that does; BLOCK_T fills the rest.
     site_block overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large
     (few programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
-    hb, kb = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    hb, kb = _next_pow2(heads), _next_pow2(head_dim)
     budget = _BWD_TILE if backward else _FWD_TILE
-    sb = site_block or min(triton.next_power_of_2(group), max(1, budget // (hb * kb)))
+    sb = site_block or min(_next_pow2(group), max(1, budget // (hb * kb)))
     if INTERPRET:
-        block_t = min(triton.next_power_of_2(max(bt, 1)), _INTERPRET_BLOCK_T)
+        block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
     else:
-        block_t = max(1, min(triton.next_power_of_2(max(bt, 1)), budget // (sb * hb * kb)))
+        block_t = max(1, min(_next_pow2(max(bt, 1)), budget // (sb * hb * kb)))
     tile = block_t * sb * hb * kb
     num_warps = 16 if tile >= 8192 else 8 if tile >= 2048 else 4 if tile >= 1024 else 2
     return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps)
@@ -249,12 +262,12 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
                    site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor]:
     """Launch the phase-1 forward. sources: n tensors (B, T, d), sources[0] may be a (d,) null
     source; queries, norm_weights (g, d); reads[i][j]: site i reads source j.
-    Returns (g mixes (B, T, d) in the compute dtype, lse (B, T, g, H) in the compute dtype)."""
+    Returns (g mixes (B, T, d) in the sources' dtype, lse (B, T, g, H) in the compute dtype)."""
     full = next(x for x in sources if x.dim() != 1)
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt = contract.compute_dtype(full.dtype)
-    mixes = [torch.empty(full.shape, dtype=cdt, device=full.device) for _ in range(g)]
+    mixes = [torch.empty(full.shape, dtype=full.dtype, device=full.device) for _ in range(g)]
     lse = torch.empty((*full.shape[:-1], g, heads), dtype=cdt, device=full.device)
     if bt == 0:
         return mixes, lse
@@ -283,7 +296,7 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
     of the normalisers; lse from `phase1_forward`. grads: optional contiguous (B, T, d) buffers,
     one per (B, T, d) source, that receive the source gradients (new ones otherwise);
     accumulate: per buffer, True to add into it (a shared gradient buffer another reader already
-    wrote; in the kernel with one site chunk, on the host with several), False to overwrite.
+    wrote; in the kernel), False to overwrite.
     Returns (gradients of the (B, T, d) sources in their dtype, dq (g, d), dg (g, d) and dnull
     (d,) or None in the compute dtype), the partial sums reduced in a fixed order (bitwise
     repeatable)."""
@@ -297,49 +310,32 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
     chunks = triton.cdiv(g, cfg["SB"])
     n_rows = n - int(has_null)
     accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
-    if chunks == 1:
-        buffers = list(grads) if grads is not None else \
-            [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
-        chunk_grads = [buffers]
-    else:  # per source, one (C, B, T, d) buffer: chunk c writes block c, the host sums over C once
-        buffers = [torch.empty((chunks, *full.shape), dtype=full.dtype, device=device) for _ in range(n_rows)]
-        chunk_grads = [[buf[c] for buf in buffers] for c in range(chunks)]
-    has_accum = chunks == 1 and any(accumulate)
+    out = list(grads) if grads is not None else \
+        [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
     if bt == 0:
         zeros = torch.zeros((g, d), dtype=cdt, device=device)
-        out = list(grads) if grads is not None else [torch.empty_like(full) for _ in range(n_rows)]
         return out, zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
-    dmixes = [x.to(cdt).contiguous() for x in dmixes]
-    dptrs = [p for chunk in chunk_grads for p in [0] * int(has_null) + [x.data_ptr() for x in chunk]]
+    # chunk c > 0 of a token tile adds into what chunk c - 1 stored: every source's buffer is added into
+    has_accum = chunks > 1 or any(accumulate)
+    dmixes = [x.to(full.dtype).contiguous() for x in dmixes]
+    dptrs = [0] * int(has_null) + [x.data_ptr() for x in out]
     dmix_ptrs = [x.data_ptr() for x in dmixes]
     flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
     tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
     is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
     programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
     t_part = torch.zeros((programs, g, d), dtype=cdt, device=device)
-    dnull_part = torch.empty((chunks * programs, d), dtype=cdt, device=device) if has_null else t_part
+    dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else t_part
     q, w = queries.contiguous(), norm_weights.contiguous()
-    dmix_at = 2 * n + chunks * n
-    _phase1_bwd_kernel[(chunks * programs,)](
+    dmix_at = 3 * n
+    _phase1_bwd_kernel[(programs,)](
         table[:n], table[n:2 * n], table[2 * n:dmix_at], table[dmix_at + g:] if has_accum else table,
         _read_table(reads, n, chunks * cfg["SB"], device), table[dmix_at:dmix_at + g], tensors[0], q, w,
         dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
         n, g, chunks, bt, d, heads, head_dim, eps,
-        HAS_NULL=has_null, HAS_ACCUM=has_accum, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt],
-        RNE_BF16=INTERPRET, **cfg,
+        HAS_NULL=has_null, HAS_ACCUM=has_accum, CHUNKED=chunks > 1, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
+        CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
-    if chunks == 1:
-        out = buffers
-    else:  # the site chunks' gradients of each source: one sum over C (fp32 accumulation, one rounding)
-        if grads is None:
-            out = [buf.sum(0) for buf in buffers]
-        else:
-            for target, buf, add in zip(grads, buffers, accumulate):
-                if add:
-                    target.add_(buf.sum(0))
-                else:
-                    torch.sum(buf, 0, out=target)
-            out = list(grads)
     t_sum = t_part.sum(0)
     dnull = dnull_part.sum(0) if has_null else None
     return out, t_sum * w.to(cdt), t_sum * q.to(cdt), dnull
@@ -348,8 +344,9 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
 class Phase1(torch.autograd.Function):
     """Phase 1 of one group on the fused kernels: forward(queries (g, d), norm_weights (g, d),
     reads (per site, one bool per source), heads, eps, *sources) -> (mix_1..mix_g (B, T, d),
-    norm_1..norm_g (B, T, H), lse (B, T, g, H)), all in the compute dtype; the same contract as
-    the eager phase 1, `grouped_reference.phase1` (a leading (d,) source is the null source).
+    norm_1..norm_g (B, T, H), lse (B, T, g, H)): the mixes in the sources' dtype (the fused merge,
+    `triton_merge`, reads them so), the rest in the compute dtype; otherwise the contract of the
+    eager phase 1, `grouped_reference.phase1` (a leading (d,) source is the null source).
     lse is not differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
     Saves for backward: references to the sources, the query and key-norm rows, and lse
@@ -373,7 +370,7 @@ class Phase1(torch.autograd.Function):
     def backward(ctx, *grads):
         queries, norm_weights, lse, *sources = ctx.saved_tensors
         g = queries.shape[0]
-        dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
+        dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=sources[-1].dtype, device=lse.device)
                   if x is None else x for x in grads[:g]]
         dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grads[g:2 * g]], -2)
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
@@ -408,7 +405,7 @@ def _phase1_fake(sources, queries, norm_weights, reads, heads, eps):
     full = sources[-1]
     cdt = contract.compute_dtype(full.dtype)
     g = queries.shape[0]
-    return ([full.new_empty(full.shape, dtype=cdt) for _ in range(g)],
+    return ([full.new_empty(full.shape) for _ in range(g)],
             [full.new_empty((*full.shape[:-1], heads), dtype=cdt) for _ in range(g)],
             full.new_empty((*full.shape[:-1], g, heads), dtype=cdt))
 
@@ -439,7 +436,7 @@ def _phase1_setup_context(ctx, inputs, output):
 def _phase1_op_backward(ctx, grad_mixes, grad_norms, _grad_lse):
     queries, norm_weights, lse, *sources = ctx.saved_tensors
     dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grad_norms], -2)
-    dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=lse.dtype, device=lse.device)
+    dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=sources[-1].dtype, device=lse.device)
               if x is None else x for x in grad_mixes]
     grads, dq, dg = phase1_backward_op(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads, ctx.eps,
                                        lse)
@@ -462,8 +459,8 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
             leading (d,) tensor is the null source (in the sources' dtype).
 
     Returns:
-        (mix_1..mix_g (B, T, d), norm_1..norm_g (B, T, H), lse (B, T, g, H)) in the compute
-        dtype (fp32, fp64 for fp64 sources).
+        (mix_1..mix_g (B, T, d) in the sources' dtype, norm_1..norm_g (B, T, H), lse (B, T, g, H)
+        in the compute dtype (fp32, fp64 for fp64 sources)).
 
     Raises:
         RuntimeError: where the kernels cannot run (`op.can_run` is False: the per-call kernels' rule).

@@ -186,10 +186,10 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 @triton.jit
 def _route_bwd_kernel(
     PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
-    DQ_PART, DG_PART, DALPHA_PART, DNULL_PART,
+    DQ_PART, DG_PART, DALPHA_PART, DNULL_PART, STATE_LSE, DSTATE, DSTATE_NORM,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    HAS_STATE: tl.constexpr, WRITE_DSTATE: tl.constexpr, ALIGNED: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
@@ -229,6 +229,12 @@ def _route_bwd_kernel(
         else:
             dmix = dout
         S = tl.sum(dmix * mix, axis=2)  # <dmix_h, mix_h>, [BLOCK_T, HB]
+        if HAS_STATE:  # the incoming state (a source of logit lse_state): d state mix, d state normaliser
+            w0 = tl.where(thmask, tl.exp(tl.load(STATE_LSE + th, mask=thmask, other=0.0).to(CDT) - lse), 0.0)
+            tl.store(DSTATE_NORM + th, -w0 * S, mask=thmask)
+            if WRITE_DSTATE:
+                tl.store(DSTATE + rows * D + cols, _to_storage(w0[:, :, None] * dmix, DSTATE.dtype.element_ty,
+                                                              RNE_BF16), mask=mask)
         if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
             v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
             logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
@@ -401,14 +407,17 @@ def route_forward(
 ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
 
-    state: optional incoming online-softmax state (mix (B, T, d) normalised, lse (B*T, H) fp32)
-    of sources routed earlier with the same query/norm; the result then covers both sets.
+    state: optional incoming online-softmax state (mix (B, T, d) normalised, in the storage dtype
+    or fp32, lse (B*T, H) fp32) of sources routed earlier with the same query/norm (grouped
+    routing's phase 1); the result then covers both sets, and `sources` may be empty.
     mix_residual: optional (B, T, d) contiguous tensor (the sources' dtype) that receives
     fp32 mix - the saved mix rounded to the storage dtype (`needs_mix_residual`), for the
     backward. Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
     sources' dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse
     (B*T, H)), statistics in fp32 (fp64 for fp64 sources)."""
-    full = next(s for s in sources if s.dim() != 1)
+    full = next((s for s in sources if s.dim() != 1), None)
+    if full is None:  # only the incoming state (a grouped site that merges no in-group source)
+        full = state[0]
     shape, d = full.shape, full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
     cdt = compute_dtype(full.dtype)
@@ -419,7 +428,7 @@ def route_forward(
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
         return out, mix, logits, lse
     n = len(sources)
-    tensors, ptrs, strides, table = _source_table(sources, d)
+    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], out)
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
@@ -454,10 +463,18 @@ def route_backward(
     grads: Optional[Sequence[Tensor]] = None,
     accumulate: Optional[Sequence[bool]] = None,
     mix_residual: Optional[Tensor] = None,
+    state_lse: Optional[Tensor] = None,
+    state_grad: Optional[Tensor] = None,
+    state_norm_grad: Optional[Tensor] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
     normalised mix that call produced (its output in replacement mode, its mix in delta mode),
     `mix_residual` what its rounding lost, when that call wrote it.
+
+    state_lse: the lse (B*T, H) of the incoming state of that call (grouped routing's merge;
+    `sources` may then be empty). With it the kernel writes, per token and head, w0 =
+    exp(state_lse - lse) (the state's share of the final softmax): state_norm_grad (B*T, H) fp32
+    receives -w0 <dmix, mix> and state_grad (B, T, d), if given, w0 dmix (`triton_merge`).
 
     grads: optional contiguous (B, T, d) buffers, one per (B, T, d) source, that receive the
     source gradients (new ones otherwise); accumulate: per buffer, True to add this call's
@@ -467,8 +484,8 @@ def route_backward(
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dq, dg, dalpha, dnull are in the compute dtype, reduced over the
     per-program partial sums in a fixed order (bitwise repeatable)."""
-    has_null = sources[0].dim() == 1
-    full = next(s for s in sources if s.dim() != 1)
+    has_null = bool(sources) and sources[0].dim() == 1
+    full = next((s for s in sources if s.dim() != 1), grad_out)
     d = full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
@@ -483,9 +500,11 @@ def route_backward(
     n = len(sources)
     dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
     flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags)
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags) if n else \
+        ([grad_out], [], [], lse)
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
-    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix, mix_residual), strides, head_dim)
+    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix, mix_residual, state_grad), strides,
+                         head_dim)
     cfg = launch_config(bt, heads, head_dim, backward=True)
     programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     dq_part = torch.empty((programs, d), dtype=cdt, device=device)
@@ -497,9 +516,11 @@ def route_backward(
         query.contiguous(), norm_weight.contiguous(),
         alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
         logits, lse, dq_part, dg_part, dalpha_part, dnull_part,
+        state_lse if state_lse is not None else lse, state_grad if state_grad is not None else grad_out,
+        state_norm_grad if state_norm_grad is not None else lse,
         n, bt, d, heads, head_dim, eps,
         HAS_ALPHA=alpha is not None, HAS_NULL=has_null, HAS_ACCUM=has_accum, HAS_RES=mix_residual is not None,
-        ALIGNED=is_aligned,
+        HAS_STATE=state_lse is not None, WRITE_DSTATE=state_grad is not None, ALIGNED=is_aligned,
         NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None

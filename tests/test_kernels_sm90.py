@@ -86,19 +86,38 @@ def test_grouped_phase1_kernels_fit_registers_at_1b():
         assert r["stores_128bit"] > 0 and r["async_copies_8byte"] + r["async_copies_128bit"] > 0, r
 
 
+def test_merge_kernels_fit_registers_and_copy_sources_by_16_bytes():
+    """Grouped routing's fused merge (the per-call kernels with the phase-1 state in and its
+    gradients out, `mhar_kernels.triton_merge`) at every paper shape, aligned: no spills, at most
+    168 registers, sources copied by 16-byte `cp.async` in a pipelined loop."""
+    rows = json.loads(_run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", SHAPES, "--variants", "aligned",
+                            "--kernels", "merge_forward,merge_backward"]).stdout)["rows"]
+    assert len(rows) == 12
+    for r in rows:
+        where = (r["kernel"], r["d"], r["H"])
+        assert r["spill_bytes"] == 0 and r["registers"] <= 168, where
+        assert r["async_copies_128bit"] > 0 and r["pipelined"] and r["scalar_16bit_loads"] == 0, where
+
+
 _PHASE1_VARIANTS = """
 from mhar_kernels.compile_report import compile_kernel
 count = 0
 for dtype, aligned in (("bf16", True), ("fp32", False)):
     compile_kernel("phase1_forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype, group=3)
     count += 1
-    for null in (False, True):
+    for null, chunked in ((False, False), (True, False), (False, True)):
         compile_kernel("phase1_backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
-                       flags=dict(HAS_NULL=null, HAS_ACCUM=null), group=3)
+                       flags=dict(HAS_NULL=null, HAS_ACCUM=null or chunked, CHUNKED=chunked), group=3)
         count += 1
+    for a, b in ((False, False), (True, True)):  # the merge's forward and backward, delta mode or not
+        compile_kernel("merge_forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
+                       flags=dict(HAS_PARTIAL=a))
+        compile_kernel("merge_backward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
+                       flags=dict(HAS_ALPHA=a, WRITE_DSTATE=b or not a))
+        count += 2
 print("compiled", count)
 """
 
 
-def test_every_phase1_variant_compiles_for_sm90():
-    assert "compiled 6" in _run(["-c", _PHASE1_VARIANTS]).stdout
+def test_every_phase1_and_merge_variant_compiles_for_sm90():
+    assert "compiled 16" in _run(["-c", _PHASE1_VARIANTS]).stdout

@@ -164,137 +164,34 @@ def test_bytes_table_reports_every_scale(tmp_path):
     assert all(float(r[6]) > float(r[7]) and float(r[-1]) < 1 for r in rows)  # grouped moves fewer bytes
 
 
-def _measured_grouped_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
-    """Bytes per (phase, kind) of one grouped debug step, read from the tensors each real launch
-    gets and returns: per-call kernels (groups of one site), the fused phase 1, and the eager
-    merge's inputs and outputs (what `traffic.merge_launches` counts). One program on CPU.
-    "additions": the gradients autograd must add, per source one fewer than its contributions
-    (each merge read; all per-call and phase-1 reads together, through the shared buffer)."""
-    from mhar_kernels import triton_grouped
-    from mhar_kernels import grouped_reference as grouped
-
-    measured: dict = {}
-    reads: dict = {}
-    buffered: set = set()
-
-    def add(phase, kind, nbytes, sources=()):
-        measured[phase, kind] = measured.get((phase, kind), 0) + nbytes
-        for s in sources:
-            if s.dim() == 1:  # the (d,) null source is not a row
-                continue
-            if phase != "merge":  # per-call and phase-1 reads share the source's gradient buffer
-                if id(s) in buffered:
-                    continue
-                buffered.add(id(s))
-            reads[id(s)] = reads.get(id(s), 0) + 1
-
-    fwd, bwd = triton_routing.route_forward, triton_routing.route_backward
-    p1_fwd, p1_bwd = triton_grouped.phase1_forward, triton_grouped.phase1_backward
-    merge_fwd, merge_bwd = grouped._Merge.forward, grouped._Merge.backward
-
-    def call_forward(sources, query, norm_weight, heads, eps, *, mix_residual=None, **kw):
-        out = fwd(sources, query, norm_weight, heads, eps, mix_residual=mix_residual, **kw)
-        add("call", "forward", _nbytes(*sources, query, norm_weight, *out, mix_residual), sources)
-        return out
-
-    def call_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
-                      grads=None, accumulate=None, mix_residual=None):
-        read_back = [g for g, acc in zip(grads or [], accumulate or []) if acc]
-        got, dq, dg, dalpha, dnull = bwd(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha,
-                                         grads=grads, accumulate=accumulate, mix_residual=mix_residual)
-        partials = _nbytes(dq, dg, dnull)
-        add("call", "backward", _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight)
-            + _nbytes(*read_back, *got) + partials)
-        add("call", "reduce", 2 * partials + _cast_bf16(dq, dg, dnull))
-        return got, dq, dg, dalpha, dnull
-
-    def phase1_forward(sources, queries, norm_weights, reads_, heads, eps, site_block=None):
-        mixes, lse = p1_fwd(sources, queries, norm_weights, reads_, heads, eps, site_block)
-        add("phase1", "forward", _nbytes(*sources, queries, norm_weights, *mixes, lse), sources)
-        return mixes, lse
-
-    def phase1_backward(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse, site_block=None,
-                        grads=None, accumulate=None):
-        read_back = [g for g, acc in zip(grads or [], accumulate or []) if acc]  # one site chunk here
-        got, dq, dg, dnull = p1_bwd(dmixes, dnorm, sources, queries, norm_weights, reads_, heads, eps, lse,
-                                    site_block, grads=grads, accumulate=accumulate)
-        partials = _nbytes(dq, dnull)  # (1, g, d) and (1, d) fp32: one program on CPU
-        add("phase1", "backward", _nbytes(*dmixes, dnorm, *sources, queries, norm_weights, lse, *read_back, *got)
-            + partials)
-        add("phase1", "reduce", 2 * partials + _cast_bf16(dq, dg, dnull))
-        return got, dq, dg, dnull
-
-    def merge_forward(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late):
-        out = merge_fwd(ctx, mix, norm, lse1, query, norm_weight, heads, eps, dtype, *late)
-        add("merge", "forward", _nbytes(mix, norm, lse1, query, norm_weight, *late, out), late)
-        return out
-
-    def merge_backward(ctx, grad_out):
-        query, norm_weight, _, out, _, _, *late = ctx.saved_tensors
-        grads = merge_bwd(ctx, grad_out)
-        add("merge", "backward", _nbytes(grad_out, out, query, norm_weight, *late)
-            + _nbytes(*(g for g in grads if g is not None)))
-        return grads
-
-    monkeypatch.setattr(triton_routing, "route_forward", call_forward)
-    monkeypatch.setattr(triton_routing, "route_backward", call_backward)
-    monkeypatch.setattr(triton_grouped, "phase1_forward", phase1_forward)
-    monkeypatch.setattr(triton_grouped, "phase1_backward", phase1_backward)
-    monkeypatch.setattr(grouped._Merge, "forward", staticmethod(merge_forward))
-    monkeypatch.setattr(grouped._Merge, "backward", staticmethod(merge_backward))
-    _bf16_training_step(args, tokens)
-    measured["additions"] = sum(k - 1 for k in reads.values())
-    return measured
-
-
-@pytest.mark.parametrize("g, null", [(2, False), (3, False), (3, True)])
-def test_grouped_traffic_equals_real_launches_at_debug_flavor(g, null, monkeypatch):
-    """Grouped routing (g = 2: four groups and one per-call site; g = 3: three groups crossing
-    block boundaries; with and without the null source), fused phase 1: `traffic.grouped_traffic`,
-    fed with the plan's groups, equals the bytes of every real launch and merge of a debug-flavor
-    step, per phase and kind, and the autograd additions of the sources read by several launches."""
-    args = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, vocab_size=512,
-                                 routing_kernel="triton", routing_group_size=g, routing_null_source=null)
-    tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
-    measured = _measured_grouped_step(monkeypatch, args, tokens)
-    groups = routing_bench.plan_groups(args)
-    counted = routing_bench.grouped_step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
-    by_phase: dict = {}
-    for launch in counted.launches:
-        if launch.kind != "accumulate":
-            by_phase[launch.phase, launch.kind] = by_phase.get((launch.phase, launch.kind), 0) + launch.bytes
-    assert {"phase1", "merge"} <= {phase for phase, _ in by_phase}
-    assert by_phase == {k: v for k, v in measured.items() if k != "additions"}
-    assert counted.by_kind()["accumulate"] == 3 * measured["additions"] * counted.row_bytes
-    # the shared buffer is one contribution per source, each merge read one more
-    contributions = {j: 1 for start, _ in groups for j in start}
-    for _, late in groups:
-        for j in (j for ids in late for j in ids):
-            contributions[j] = contributions.get(j, 0) + 1
-    assert measured["additions"] == sum(c - 1 for c in contributions.values())
-    per_call = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
-    assert counted.floor < per_call.floor  # (at the debug flavor the fp32 states outweigh the rows saved)
-
-
 def test_grouped_traffic_by_hand():
     """One group of 2 sites over start sources {0, 1, 2} (the second site merging source 3), then
     a per-call site over {0, 1, 2, 4}; 4 tokens, d = 8, bf16 (row = 64 bytes), H = 2, one program,
-    two backward site chunks of one site."""
-    row, state, lse = 64, 4 * 8 * 4, 4 * 2 * 2 * 4
+    two backward site chunks of one site. (The whole model is checked against a complete count
+    of a training step in tests/test_byte_count.py.)"""
+    row, stats, stat = 64, 4 * 2 * 2 * 4, 4 * 2 * 4  # rows; (B*T, g, H) and (B*T, H) fp32
     t = traffic.grouped_traffic([([0, 1, 2], [[], [3]]), ([0, 1, 2, 4], [[]])], dim=8, tokens=4,
                                 dtype=torch.bfloat16, heads=2, programs=1, backward_site_block=1)
     assert t.floor == ((3 + 1 + 2) + (6 + 1 + 3) + (4 + 1) + (8 + 1)) * row
     p1 = {launch.kind: launch for launch in t.launches if launch.phase == "phase1"}
-    assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16, 2 * state + lse)
-    assert p1["backward"].written == 2 * 3 * row + 2 * 8 * 4  # two chunks' gradient rows + (1, 2, 8) partials
-    # partials, the two chunks' rows of 3 sources, and (the per-call site, later, wrote their shared
-    # buffers first) the 3 sums added into those buffers: two rows read, one written each; the two
-    # sites' dq and dg (4 fp32 (8,) vectors) cast to bf16
-    cast = 4 * 8
-    assert p1["reduce"].read == 2 * 8 * 4 + 2 * 3 * row + 2 * 3 * row + cast * 4
-    accumulate = next(launch for launch in t.launches if launch.kind == "accumulate")
-    assert accumulate.read == 0  # phase 1 and the per-call site share the buffers; no merge read is shared
-    assert p1["reduce"].written == (2 * 8) * 4 + 3 * row + 3 * row + cast * 2  # sums, rows, buffers, casts
+    # forward: 3 rows, 2 query and 2 key-norm rows (bf16); 2 mixes (bf16 rows), lse, the normalisers
+    # of ones, the per-site lse copies (read and written)
+    assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16 + stats, 2 * row + 3 * stats)
+    # backward: 3 sources, 2 mix gradients, every gradient row read back (two chunks), the (1, 2, 8)
+    # partials added into, dnorm, lse and the stack's read of the normaliser gradients
+    t_sums = 2 * 8 * 4
+    assert p1["backward"].read == (3 + 2) * row + 3 * row + 2 * 2 * 16 + 3 * stats + t_sums
+    assert p1["backward"].written == 3 * row + t_sums + stats + t_sums  # rows, partials, stack, zeroed partials
+    merges = [launch for launch in t.launches if launch.phase == "merge"]
+    assert [(m.site, m.kind) for m in merges] == [(0, "backward"), (0, "reduce"), (1, "forward"), (1, "backward"),
+                                                  (1, "reduce")]  # the first site returns its state: no forward
+    forward = merges[2]
+    assert (forward.read, forward.written) == (2 * row + stat + 2 * 16, 2 * row + 2 * stat)  # out, its residual
+    # site 1's backward: grad_out, mix, residual, source 3; its logits, lse, the state's lse; q, g
+    assert merges[3].read == 4 * row + 3 * stat + 2 * 16
+    assert merges[3].written == 2 * row + stat + 2 * 8 * 4  # source 3's gradient, the state's, dnorm, partials
+    assert merges[0].written == stat + 2 * 8 * 4  # site 0 passes grad_out on: only dnorm and the partials
+    assert not any(launch.kind == "accumulate" for launch in t.launches)  # every reader shares the buffers
     with pytest.raises(ValueError, match="at least two sites"):
         traffic.phase1_launches(0, 3, 1, dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 

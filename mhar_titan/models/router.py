@@ -33,8 +33,9 @@ from .plan import Group, RoutingPlan, Site
 
 
 class State(NamedTuple):
-    """Phase-1 routing state of one site: mix (B, T, d) and norm (B, T, H) in the compute dtype
-    (differentiable), lse (B, T, H) (not differentiable)."""
+    """Phase-1 routing state of one site: mix (B, T, d) (the storage dtype on the fused kernels,
+    the compute dtype on the eager ones) and norm (B, T, H) fp32 (differentiable), lse (B, T, H)
+    fp32 (not differentiable)."""
 
     mix: Tensor
     norm: Tensor
@@ -177,9 +178,9 @@ def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, 
     heads = settings.heads
     if late:
         heads = contract.check_route_args(list(late), query, key_norm, heads)
-    mix = dispatch.merge(state.mix, state.norm, state.lse, query, key_norm, heads, settings.eps, dtype,
-                         settings.kernel, *late)
-    return h + alpha.to(mix.dtype) * mix if site.gated else mix
+    return dispatch.merge(state.mix, state.norm, state.lse, query, key_norm, heads, settings.eps, dtype,
+                          settings.kernel, *late, partial=h if site.gated else None,
+                          alpha=alpha if site.gated else None)
 
 
 def shared_entries(entries: list[Tensor], settings: RoutingSettings) -> list[Tensor]:
