@@ -1,7 +1,7 @@
 """Depth routing for AttnRes / MHAR: every implementation and the one dispatcher (imported as
 `mhar_kernels`).
 
-A leaf package: imports torch, triton and numpy, nothing of the models. Contents:
+A leaf package: imports torch and triton, nothing of the models. Contents:
 
 - `contract`: the op's argument checks, compute dtype and null-source handling (torch only).
 - `reference`: the readable eager reference (`route_reference`, with `return_weights` for
