@@ -375,6 +375,12 @@ def _device_table(values: list[int], device: torch.device) -> Tensor:
     return table.to(device)
 
 
+def _empty_table(device: torch.device) -> Tensor:
+    """The int64 pointer table of a launch over no source (grouped routing's merge at a group's
+    first site): never read, but typed as every table is, so that the kernel compiles the same."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
 def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
     """(source views, their data pointers, their row strides, device table [pointers (N,), row
     strides (N,), extra]): one host-to-device copy carries every per-source value of a launch."""
@@ -428,7 +434,7 @@ def route_forward(
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
         return out, mix, logits, lse
     n = len(sources)
-    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], out)
+    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], _empty_table(full.device))
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
@@ -501,7 +507,7 @@ def route_backward(
     dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
     flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
     tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags) if n else \
-        ([grad_out], [], [], lse)
+        ([grad_out], [], [], _empty_table(device))
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
     is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix, mix_residual, state_grad), strides,
                          head_dim)

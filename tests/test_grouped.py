@@ -481,3 +481,29 @@ def test_fsdp_blocks_returning_views_raise_no_warning(tmp_path, kernel):
     views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
     assert views == []
     assert metric_losses(trainer.run_dir)  # the step ran
+
+
+def test_fused_merge_launches_pass_int64_pointer_tables(monkeypatch):
+    """A group of 3 sites on the fused kernels, delta mode (so the first site, which merges no
+    in-group source, still launches its forward): every per-call kernel launch of the merges gets
+    its pointer-table arguments as int64 tensors, also where the launch reads no source (on a GPU
+    the kernel casts their entries to pointers; another dtype would not compile)."""
+    from mhar_kernels import triton_routing
+
+    tables = []
+
+    class Recording:
+        def __init__(self, kernel, names):
+            self.kernel, self.names = kernel, names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tables.append([args[i].dtype for i in self.names])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_routing, "_route_fwd_kernel", Recording(triton_routing._route_fwd_kernel, (0, 1)))
+    monkeypatch.setattr(triton_routing, "_route_bwd_kernel", Recording(triton_routing._route_bwd_kernel, (0, 1, 2, 3)))
+    got = loss_and_grads("delta null", 8, 3, kernel="triton")
+    assert len(tables) >= 2 * 9 and all(dtype == torch.int64 for row in tables for dtype in row), tables
+    assert got["loss"].isfinite()
