@@ -447,11 +447,14 @@ def one_step(impl, sources, query, norm_weight, heads):
     return run
 
 
-def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
+def one_grouped_step(impl, sources, query, norm_weight, heads, g: int, end=None):
     """`one_step`'s sites in groups of g (grouped two-phase routing, `mhar_kernels.dispatch.phase1`
     and `merge`): phase 1 of each group over the sources that exist when it starts (fused for impl
     "triton"), then each site's merge with its in-group sources; a group of one site is a per-call
-    route."""
+    route. end(out) -> a scalar stands in for what follows each site (default `out.float().sum()`);
+    the step's loss is their sum."""
+    end = end or (lambda out: out.float().sum())
+
     def run():
         total = None
         shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
@@ -467,7 +470,7 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int):
                               norm_weight, heads, 1e-6, sources[0].dtype, impl, *[shared[j] for j in ids])
                         for i, ids in enumerate(late)]
             for out in outs:
-                total = out.float().sum() if total is None else total + out.float().sum()
+                total = end(out) if total is None else total + end(out)
         torch.autograd.grad(total, [*sources, query, norm_weight])
     return run
 

@@ -341,6 +341,17 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
     return out, t_sum * w.to(cdt), t_sum * q.to(cdt), dnull
 
 
+def _upstream(grad_mixes: Sequence[Optional[Tensor]], grad_norms: Sequence[Optional[Tensor]], lse: Tensor, d: int,
+              dtype: torch.dtype) -> tuple[list[Tensor], Tensor]:
+    """Phase 1's incoming gradients as its backward launch takes them: the g mix gradients
+    (B, T, d) in the sources' `dtype` and the normaliser gradients stacked to (B, T, g, H),
+    zeros where autograd passed None (a site whose output was not used)."""
+    dmixes = [torch.zeros(lse.shape[:-2] + (d,), dtype=dtype, device=lse.device) if x is None else x
+              for x in grad_mixes]
+    dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grad_norms], -2)
+    return dmixes, dnorm
+
+
 class Phase1(torch.autograd.Function):
     """Phase 1 of one group on the fused kernels: forward(queries (g, d), norm_weights (g, d),
     reads (per site, one bool per source), heads, eps, *sources) -> (mix_1..mix_g (B, T, d),
@@ -370,9 +381,7 @@ class Phase1(torch.autograd.Function):
     def backward(ctx, *grads):
         queries, norm_weights, lse, *sources = ctx.saved_tensors
         g = queries.shape[0]
-        dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=sources[-1].dtype, device=lse.device)
-                  if x is None else x for x in grads[:g]]
-        dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grads[g:2 * g]], -2)
+        dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], sources[-1].dtype)
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
         buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
         out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
@@ -435,9 +444,7 @@ def _phase1_setup_context(ctx, inputs, output):
 
 def _phase1_op_backward(ctx, grad_mixes, grad_norms, _grad_lse):
     queries, norm_weights, lse, *sources = ctx.saved_tensors
-    dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grad_norms], -2)
-    dmixes = [torch.zeros(lse.shape[:-2] + (queries.shape[1],), dtype=sources[-1].dtype, device=lse.device)
-              if x is None else x for x in grad_mixes]
+    dmixes, dnorm = _upstream(grad_mixes, grad_norms, lse, queries.shape[1], sources[-1].dtype)
     grads, dq, dg = phase1_backward_op(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads, ctx.eps,
                                        lse)
     return list(grads), dq, dg, None, None, None

@@ -106,12 +106,10 @@ def test_harness_counts_are_linear_and_equal_the_model():
 
 def test_grouped_path_makes_no_fp32_copy_of_a_source():
     """Grouped routing on the fused kernels at the 1b shape's d and H (d = 1280, H = 8, bf16, 9
-    shared sources of 8 tokens, groups of 3: phase 1, the merges and their backward, the loss a
-    bf16 weighted sum of the outputs): no aten op outside the Triton launches reads or writes an
-    fp32 tensor of a source's size (B, T, d) or more; the eager merge (the eager backend, run
-    as the comparison) does."""
-    from mhar_kernels import dispatch
-
+    shared sources of 8 tokens, groups of 3: the routing-only harness's grouped step, phase 1, the
+    merges and their backward, each output's stand-in a bf16 sum): no aten op outside the Triton
+    launches reads or writes an fp32 tensor of a source's size (B, T, d) or more; the eager merge
+    (the eager backend, run as the comparison) does."""
     d, heads, n, g = 1280, 8, 9, 3
     sources, query, norm_weight = routing_bench.make_inputs(1, 8, d, n, torch.bfloat16, torch.device("cpu"))
     row = sources[0].numel()
@@ -126,24 +124,11 @@ def test_grouped_path_makes_no_fp32_copy_of_a_source():
             big.extend(str(func) for t in tensors if t.dtype == torch.float32 and t.numel() >= row)
             return out
 
+        run = routing_bench.one_grouped_step(kernel, sources, query, norm_weight, heads, g, end=lambda out: out.sum())
         byte_count.ByteCounter.__torch_dispatch__ = spy
         try:
             with byte_count.ByteCounter() as counter:
-                shared = [dispatch.share_gradient(x, kernel, heads) for x in sources]
-                loss = None
-                for start, late in routing_bench.step_groups(n, g):
-                    if len(late) == 1:
-                        continue
-                    rows = query.expand(len(late), -1), norm_weight.expand(len(late), -1)
-                    states = dispatch.phase1(*rows, tuple((True,) * len(start) for _ in late), heads, 1e-6, kernel,
-                                             *[shared[j] for j in start])
-                    for i, ids in enumerate(late):
-                        out = dispatch.merge(states[i], states[len(late) + i], states[2 * len(late)][..., i, :],
-                                             query, norm_weight, heads, 1e-6, torch.bfloat16, kernel,
-                                             *[shared[j] for j in ids])
-                        term = (out * (i + 1)).sum()
-                        loss = term if loss is None else loss + term
-                torch.autograd.grad(loss, [*sources, query, norm_weight])
+                run()
         finally:
             byte_count.ByteCounter.__torch_dispatch__ = real
         assert counter.total("launch") > 0 or kernel == "eager"
