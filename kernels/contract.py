@@ -64,13 +64,17 @@ def check_route_args(
         raise ValueError("depth routing needs at least one (B, T, d) source")
     full = sources[0]
     # One cheap pass (this runs once per routing call, N up to 73): the same shape as a source
-    # of >= 2 dims, the same dtype object and the same device (type and index).
-    # get_device() is -1 off CUDA: then the device type is compared too.
-    shape, dtype, device_type, device_index = full.shape, full.dtype, full.device.type, full.get_device()
-    off_cuda = device_index < 0
-    mismatched = [i for i, s in enumerate(sources)
-                  if s.shape != shape or s.dtype is not dtype or s.get_device() != device_index
-                  or (off_cuda and s.device.type != device_type)] if full.dim() >= 2 else [0]
+    # of >= 2 dims, the same dtype object and the same device (index; off CUDA, where the index
+    # is -1, whether it is the CPU). Only a failing call looks for the culprits.
+    shape, dtype, index, on_cpu = full.shape, full.dtype, full.get_device(), full.is_cpu
+    mismatched = []
+    if full.dim() < 2:
+        mismatched = [0]
+    elif not all(s.shape == shape and s.dtype is dtype and s.get_device() == index and s.is_cpu is on_cpu
+                 for s in sources):
+        mismatched = [i for i, s in enumerate(sources)
+                      if s.shape != shape or s.dtype is not dtype or s.get_device() != index
+                      or s.device.type != full.device.type]
     for i in mismatched:
         s = sources[i]
         if s.dim() < 2:
@@ -89,18 +93,18 @@ def check_route_args(
         raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")
     if (partial is None) != (alpha is None):
         raise ValueError("delta routing needs both `partial` and `alpha` (or neither for replacement routing)")
-    expected = dict(query=(d,), norm_weight=(d,), alpha=(1,), null_source=(d,))
-    given = dict(query=query, norm_weight=norm_weight, alpha=alpha, null_source=null_source)
-    for name, tensor in given.items():
+    for name, tensor, size in (("query", query, d), ("norm_weight", norm_weight, d), ("alpha", alpha, 1),
+                               ("null_source", null_source, d)):
         if tensor is None:
             continue
-        if tensor.shape != expected[name]:
+        if tensor.dim() != 1 or tensor.shape[0] != size:
             why = " (FSDP rejects 0-dim parameters)" if name == "alpha" else ""
-            raise ValueError(f"{name} must have shape {expected[name]}{why}, got {tuple(tensor.shape)}")
-        if not tensor.is_floating_point() or tensor.device != full.device:
+            raise ValueError(f"{name} must have shape {(size,)}{why}, got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point() or tensor.get_device() != index or tensor.is_cpu is not on_cpu:
             raise ValueError(f"{name} must be a floating-point tensor on the sources' device {full.device}, "
                              f"got {tensor.dtype} on {tensor.device}")
-    if partial is not None and (partial.shape, partial.dtype, partial.device) != (full.shape, full.dtype, full.device):
+    if partial is not None and (partial.shape != shape or partial.dtype is not dtype or partial.get_device() != index
+                                or partial.is_cpu is not on_cpu):
         raise ValueError(f"partial must match the sources: {tuple(full.shape)} {full.dtype} on {full.device}, "
                          f"got {tuple(partial.shape)} {partial.dtype} on {partial.device}")
     return int(heads)

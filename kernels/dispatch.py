@@ -41,7 +41,8 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
     if kernel in ("eager", "compile"):
         return kernel
-    device = torch.device(device)
+    if isinstance(device, str):
+        device = torch.device(device)
     if kernel == "auto" and device.type != "cuda":
         return "eager"
     from . import op

@@ -30,6 +30,7 @@ whatever their order (FSDP2 prefetching, pipeline schedules).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -48,10 +49,17 @@ def can_run(device: torch.device, dim: int, heads: int) -> bool:
     """True when the Triton kernels can route (B, T, dim) sources on `device` with `heads` heads:
     triton is installed, the device is CUDA (or CPU under TRITON_INTERPRET=1), and one token's
     [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`; MHAR_SPEC
-    section 4: larger tiles run the eager reference)."""
+    section 4: larger tiles run the eager reference). Answers are cached per argument triple
+    (it is asked at every routing call)."""
     if triton_routing is None:
         return False
-    on_device = device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    return _can_run(device, dim, heads, triton_routing.INTERPRET)
+
+
+@functools.lru_cache(maxsize=256)
+def _can_run(device: torch.device, dim: int, heads: int, interpret: bool) -> bool:
+    on_device = device.type == "cuda" or (device.type == "cpu" and interpret)
     return on_device and triton_routing.fits_tile(heads, dim // heads)
 
 
@@ -72,17 +80,20 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
 
 # ---------------------------------------------------------------------------- forward op
 def _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source):
-    """(out, mix or an empty (0,) tensor, mix residual or an empty (0,) tensor, logits, lse) from
-    the forward kernel."""
+    """(out, mix or None, mix residual or None, logits, lse) from the forward kernel; the checks
+    are the caller's (`dispatch.route` / `route`, and `_require`)."""
     full = sources[0]
-    _require(full.device, full.shape[-1], heads)
-    srcs = contract.with_null_source(null_source, list(sources))
+    srcs = [null_source.to(full.dtype), *sources] if null_source is not None else sources
     residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
         if triton_routing.needs_mix_residual(full.dtype) else None
     out, mix, logits, lse = triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial,
                                                          alpha=alpha, mix_residual=residual)
-    empty = out.new_empty((0,))
-    return out, mix if mix is not None else empty, residual if residual is not None else empty, logits, lse
+    return out, mix, residual, logits, lse
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """t, or an empty (0,) tensor for a custom op's optional output."""
+    return t if t is not None else like.new_empty((0,))
 
 
 @torch.library.custom_op("mhar::depth_route", mutates_args=())
@@ -96,7 +107,10 @@ def route_fwd(
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
+    _require(sources[0].device, sources[0].shape[-1], heads)
+    out, mix, residual, logits, lse = _forward_values(list(sources), query, norm_weight, heads, eps, partial, alpha,
+                                                      null_source)
+    return out, _or_empty(mix, out), _or_empty(residual, out), logits, lse
 
 
 @route_fwd.register_fake
@@ -114,22 +128,17 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
 # ---------------------------------------------------------------------------- backward op
 def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
                      null_source, grads=None, accumulate=None):
-    """Gradients; dalpha / dnull are empty (0,) tensors when alpha / null_source are None.
-    residual: the forward's mix residual, or an empty (0,) tensor. grads / accumulate: the
-    source gradient buffers and whether to add into each (`triton_routing.route_backward`)."""
-    _require(grad_out.device, grad_out.shape[-1], heads)
-    srcs = contract.with_null_source(null_source, list(sources))
+    """(source gradients, dq, dg, dalpha or None, dnull or None), the parameters' gradients in
+    their dtypes. residual: the forward's mix residual or None. grads / accumulate: the source
+    gradient buffers and whether to add into each (`triton_routing.route_backward`)."""
+    srcs = [null_source.to(grad_out.dtype), *sources] if null_source is not None else sources
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate,
-        mix_residual=residual if residual.numel() else None,
+        mix_residual=residual, param_dtype=query.dtype,
     )
-    return (
-        grads,
-        dq.to(query.dtype),
-        dg.to(norm_weight.dtype),
-        dalpha.to(alpha.dtype) if alpha is not None else query.new_empty((0,)),
-        dnull.to(null_source.dtype) if null_source is not None else query.new_empty((0,)),
-    )
+    return (grads, dq, dg.to(norm_weight.dtype),
+            dalpha.to(alpha.dtype) if alpha is not None else None,
+            dnull.to(null_source.dtype) if null_source is not None else None)
 
 
 @torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
@@ -147,8 +156,11 @@ def route_bwd(
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor]:
-    return _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
-                            null_source)
+    _require(grad_out.device, grad_out.shape[-1], heads)
+    grads, dq, dg, dalpha, dnull = _backward_values(grad_out, list(sources), mix, residual if residual.numel() else None,
+                                                    query, norm_weight, heads, eps, logits, lse, alpha, null_source)
+    # dq, dg (and dnull) are rows of one reduced tensor; a custom op's outputs may not alias
+    return grads, dq.clone(), dg.clone(), _or_empty(dalpha, dq), _or_empty(dnull, dq).clone()
 
 
 @route_bwd.register_fake
@@ -167,30 +179,28 @@ def _route_bwd_fake(grad_out, sources, mix, residual, query, norm_weight, heads,
 def _setup_context(ctx, inputs, output):
     sources, query, norm_weight, heads, eps, partial, alpha, null_source = inputs
     out, mix, residual, logits, lse = output
-    ctx.heads, ctx.eps, ctx.n_sources = heads, eps, len(sources)
-    ctx.has_alpha, ctx.has_null = alpha is not None, null_source is not None
+    ctx.heads, ctx.eps = heads, eps
     ctx.partial_dtype = partial.dtype if partial is not None else None
-    optional = [t for t in (alpha, null_source) if t is not None]
-    ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, *optional,
-                          *sources)
+    ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, alpha,
+                          null_source, *sources)
 
 
 def _gradients(ctx, grad_out, backward) -> tuple:
-    """(source gradients, dq, dg, dpartial, dalpha, dnull) of the call saved in ctx, from
-    backward = the backward op (under torch.compile) or `_backward_values` (eager)."""
-    mix, residual, query, norm_weight, logits, lse, *rest = ctx.saved_tensors
-    alpha = rest.pop(0) if ctx.has_alpha else None
-    null_source = rest.pop(0) if ctx.has_null else None
+    """(source gradients, dq, dg, dpartial, dalpha, dnull) of the call saved in ctx (None for
+    what the call did not have), from backward = the backward op (under torch.compile, whose
+    optional tensors are empty (0,) ones) or `_backward_values` (eager)."""
+    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = ctx.saved_tensors
     grads, dq, dg, dalpha, dnull = backward(
-        grad_out, rest, mix, residual, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
+        grad_out, sources, mix, residual, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
     )
     dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
-    return list(grads), dq, dg, dpartial, dalpha if ctx.has_alpha else None, dnull if ctx.has_null else None
+    return (grads, dq, dg, dpartial, dalpha if alpha is not None else None,
+            dnull if null_source is not None else None)
 
 
 def _backward(ctx, grad_out, _grad_mix, _grad_residual, _grad_logits, _grad_lse):
     grads, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, route_bwd)
-    return grads, dq, dg, None, None, dpartial, dalpha, dnull
+    return list(grads), dq, dg, None, None, dpartial, dalpha, dnull
 
 
 route_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -284,23 +294,26 @@ class _EagerRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
+        sources = list(sources)
         inputs = (sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         output = _forward_values(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.sinks = sinks_of(sources)
-        ctx.grad_like = dict(size=sources[0].shape, dtype=sources[0].dtype, device=sources[0].device)
+        ctx.sinks = [getattr(s, SINK_ATTRIBUTE, None) for s in sources]  # no null source among them
         return output[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
-        buffers, accumulate = gradient_buffers(ctx.sinks, **ctx.grad_like)
-        returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
+        sinks = ctx.sinks
+        buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
 
         def backward(*args):
             return _backward_values(*args, grads=buffers, accumulate=accumulate)
         _, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, backward)
+        if all(sinks):  # every source shared (the models' case): nothing to hand to autograd
+            return (dq, dg, None, None, dpartial, dalpha, dnull) + (None,) * len(sinks)
+        returned = [None if sink is not None else buffer for sink, buffer in zip(sinks, buffers)]
         return (dq, dg, None, None, dpartial, dalpha, dnull, *returned)
 
 
@@ -361,4 +374,5 @@ def route_unchecked(
     kernels cannot run (`can_run`)."""
     if torch.compiler.is_compiling():  # an opaque node in the graph
         return route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)[0]
+    _require(sources[0].device, sources[0].shape[-1], heads)
     return _EagerRoute.apply(query, norm_weight, heads, float(eps), partial, alpha, null_source, *sources)

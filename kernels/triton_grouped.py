@@ -50,6 +50,7 @@ store (`triton_routing._to_storage`: the interpreter cannot do bf16 arithmetic).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -251,7 +252,14 @@ def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool
 
 
 def _read_table(reads: Sequence[Sequence[bool]], n: int, padded: int, device: torch.device) -> Tensor:
-    """int8 (n, padded): entry [j, i] = 1 when site i reads source j (padded sites read nothing)."""
+    """int8 (n, padded): entry [j, i] = 1 when site i reads source j (padded sites read nothing).
+    Made once per (reads, shape, device) and shared by every launch with them (the kernels only
+    read it): a step's groups repeat at every step."""
+    return _cached_read_table(tuple(map(tuple, reads)), n, padded, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_read_table(reads: tuple, n: int, padded: int, device: torch.device) -> Tensor:
     table = torch.zeros((n, padded), dtype=torch.int8)
     table[:, :len(reads)] = torch.tensor(reads, dtype=torch.int8).T
     return table.to(device)

@@ -38,7 +38,9 @@ cannot do arithmetic on bf16). float64 sources run the same kernels in float64 (
 """
 from __future__ import annotations
 
+import array
 import functools
+import operator
 import os
 from typing import Optional, Sequence
 
@@ -103,7 +105,7 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 
 @triton.jit
 def _route_fwd_kernel(
-    PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
+    TABLE, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
     OUT, MIX, RES, LOGITS, LSE,
     N, BT, D, H, K, eps,
     HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr, ALIGNED: tl.constexpr,
@@ -114,6 +116,8 @@ def _route_fwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
+    PTRS = TABLE  # the launch's table: N data pointers, then N row strides
+    RSTRIDES = TABLE + N
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
@@ -185,8 +189,8 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
-    DQ_PART, DG_PART, DALPHA_PART, DNULL_PART, STATE_LSE, DSTATE, DSTATE_NORM,
+    TABLE, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
+    PARTS, DALPHA_PART, STATE_LSE, DSTATE, DSTATE_NORM,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_STATE: tl.constexpr, WRITE_DSTATE: tl.constexpr, ALIGNED: tl.constexpr,
@@ -197,6 +201,15 @@ def _route_bwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
+    # the launch's table: N data pointers, N row strides, N gradient pointers, N add-into flags
+    PTRS = TABLE
+    RSTRIDES = TABLE + N
+    DPTRS = TABLE + 2 * N
+    ACCUM = TABLE + 3 * N
+    # PARTS (2 or 3, programs, d) fp32: the programs' partial sums of dq, dg (and dnull)
+    DQ_PART = PARTS
+    DG_PART = PARTS + tl.num_programs(0) * D
+    DNULL_PART = PARTS + 2 * tl.num_programs(0) * D
     pid = tl.program_id(0)
     h = tl.arange(0, HB)
     k = tl.arange(0, KB)
@@ -268,6 +281,8 @@ def _route_bwd_kernel(
 
 # ---------------------------------------------------------------------------- host code
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+# compute_dtype of the storage dtypes, looked up (host time per launch)
+_COMPUTE_DTYPES = {dt: compute_dtype(dt) for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 # Register budget on a GPU: elements of one [BLOCK_T, HB, KB] tile per program; 8 warps keep
 # the backward at <= 168 registers per thread (no spills) at the paper's shapes.
 _FWD_TILE = 4096
@@ -342,9 +357,10 @@ def _multiprocessors(index: Optional[int]) -> int:
 def aligned(pointers: Sequence[int], row_strides: Sequence[int], head_dim: int) -> bool:
     """True when the aligned (128-bit access) variant is safe: every data pointer the kernel
     addresses is on a 16-byte boundary, every source row stride and the head width K (so also d)
-    are multiples of 8 elements."""
-    return (head_dim % 8 == 0 and all(st % 8 == 0 for st in row_strides)
-            and all(ptr % 16 == 0 for ptr in pointers))
+    are multiples of 8 elements. (One OR over each list: its low bits are zero exactly when
+    every entry's are.)"""
+    return functools.reduce(operator.or_, row_strides, head_dim) % 8 == 0 and \
+        functools.reduce(operator.or_, pointers, 0) % 16 == 0
 
 
 def _pointers(*tensors: Optional[Tensor]) -> list[int]:
@@ -368,11 +384,12 @@ def _rows(source: Tensor, d: int) -> tuple[Tensor, int]:
 
 
 def _device_table(values: list[int], device: torch.device) -> Tensor:
-    """One int64 table on `device` (one host-to-device copy per launch)."""
-    table = torch.tensor(values, dtype=torch.int64)
+    """One int64 table on `device` (one host-to-device copy per launch). Built from an int64
+    array (a quarter of the host time of `torch.tensor` on a list of N = 73 pointers)."""
+    table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
     if device.type == "cuda":  # pinned + async: no host synchronisation per call
         return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
+    return table
 
 
 def _empty_table(device: torch.device) -> Tensor:
@@ -383,11 +400,18 @@ def _empty_table(device: torch.device) -> Tensor:
 
 def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
     """(source views, their data pointers, their row strides, device table [pointers (N,), row
-    strides (N,), extra]): one host-to-device copy carries every per-source value of a launch."""
-    views = [_rows(s, d) for s in sources]
-    tensors = [v for v, _ in views]
-    strides = [st for _, st in views]
-    ptrs = [v.data_ptr() for v in tensors]
+    strides (N,), extra]): one host-to-device copy carries every per-source value of a launch.
+    Contiguous sources (the models' case) are taken as they are, in one pass per value."""
+    if all(map(Tensor.is_contiguous, sources)):
+        tensors = list(sources)
+        strides = [d] * len(tensors)
+        if tensors[0].dim() == 1:  # the null source: broadcast over tokens
+            strides[0] = 0
+    else:
+        views = [_rows(s, d) for s in sources]
+        tensors = [v for v, _ in views]
+        strides = [st for _, st in views]
+    ptrs = list(map(Tensor.data_ptr, tensors))
     table = _device_table(ptrs + strides + list(extra), tensors[0].device)
     return tensors, ptrs, strides, table
 
@@ -421,34 +445,33 @@ def route_forward(
     backward. Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
     sources' dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse
     (B*T, H)), statistics in fp32 (fp64 for fp64 sources)."""
-    full = next((s for s in sources if s.dim() != 1), None)
-    if full is None:  # only the incoming state (a grouped site that merges no in-group source)
-        full = state[0]
-    shape, d = full.shape, full.shape[-1]
+    n = len(sources)
+    full = sources[-1] if n and sources[-1].dim() != 1 else state[0]  # a null source can only come first
+    shape, dtype, device = full.shape, full.dtype, full.device
+    d = shape[-1]
     bt, head_dim = full.numel() // d, d // heads
-    cdt = compute_dtype(full.dtype)
-    out = torch.empty(shape, dtype=out_dtype or full.dtype, device=full.device)
-    mix = torch.empty(shape, dtype=full.dtype, device=full.device) if partial is not None else None
-    logits = torch.empty((len(sources), bt, heads), dtype=cdt, device=full.device)
-    lse = torch.empty((bt, heads), dtype=cdt, device=full.device)
+    cdt = _COMPUTE_DTYPES.get(dtype) or compute_dtype(dtype)
+    out = torch.empty(shape, dtype=out_dtype or dtype, device=device)
+    mix = torch.empty(shape, dtype=dtype, device=device) if partial is not None else None
+    logits = torch.empty((n, bt, heads), dtype=cdt, device=device)
+    lse = torch.empty((bt, heads), dtype=cdt, device=device)
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
         return out, mix, logits, lse
-    n = len(sources)
-    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], _empty_table(full.device))
+    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], _empty_table(device))
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
         state = (state[0].contiguous(), state[1].contiguous())
     is_aligned = aligned(ptrs + _pointers(partial, out, mix, mix_residual, state[0] if state else None), strides,
                          head_dim)
-    cfg = launch_config(bt, heads, head_dim, backward=False)
+    cfg = _launch_config(bt, heads, head_dim, False)
     grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
-        table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
+        table, tensors[0], query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
         state[0] if state is not None else out, state[1] if state is not None else lse,
         out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, logits, lse,
-        len(sources), bt, d, heads, head_dim, eps,
+        n, bt, d, heads, head_dim, eps,
         HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, HAS_RES=mix_residual is not None,
         ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
@@ -472,6 +495,7 @@ def route_backward(
     state_lse: Optional[Tensor] = None,
     state_grad: Optional[Tensor] = None,
     state_norm_grad: Optional[Tensor] = None,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
     normalised mix that call produced (its output in replacement mode, its mix in delta mode),
@@ -487,11 +511,14 @@ def route_backward(
     gradient to what the buffer holds (read-modify-write in the kernel, one rounding to the
     storage dtype), False to overwrite it.
 
+    param_dtype: the dtype of dq, dg and dnull (default the compute dtype), cast once.
+
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
-    dnull (d,) or None); dq, dg, dalpha, dnull are in the compute dtype, reduced over the
-    per-program partial sums in a fixed order (bitwise repeatable)."""
-    has_null = bool(sources) and sources[0].dim() == 1
-    full = next((s for s in sources if s.dim() != 1), grad_out)
+    dnull (d,) or None); dalpha is in the compute dtype. All are reduced over the per-program
+    partial sums in a fixed order (bitwise repeatable)."""
+    n = len(sources)
+    has_null = n > 0 and sources[0].dim() == 1
+    full = sources[-1] if n and sources[-1].dim() != 1 else grad_out  # a null source can only come first
     d = full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
@@ -500,28 +527,25 @@ def route_backward(
         grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
     has_accum = accumulate is not None and any(accumulate)
     if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
-        dq, dg = (torch.zeros(d, dtype=cdt, device=device) for _ in range(2))
+        dq, dg = (torch.zeros(d, dtype=param_dtype or cdt, device=device) for _ in range(2))
         dalpha = dq.new_zeros(1) if alpha is not None else None
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
-    n = len(sources)
-    dptrs = [0] * int(has_null) + [gr.data_ptr() for gr in grads]
-    flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + flags) if n else \
+    dptrs = list(map(Tensor.data_ptr, grads))
+    extra = [0] + dptrs if has_null else dptrs
+    if has_accum:
+        extra += [0] + list(map(int, accumulate)) if has_null else list(map(int, accumulate))
+    tensors, ptrs, strides, table = _source_table(sources, d, extra=extra) if n else \
         ([grad_out], [], [], _empty_table(device))
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
-    is_aligned = aligned(ptrs + dptrs[int(has_null):] + _pointers(grad_out, mix, mix_residual, state_grad), strides,
-                         head_dim)
-    cfg = launch_config(bt, heads, head_dim, backward=True)
+    is_aligned = aligned(ptrs + dptrs + _pointers(grad_out, mix, mix_residual, state_grad), strides, head_dim)
+    cfg = _launch_config(bt, heads, head_dim, True)
     programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
-    dq_part = torch.empty((programs, d), dtype=cdt, device=device)
-    dg_part = torch.empty((programs, d), dtype=cdt, device=device)
-    dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else dq_part
-    dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else dq_part
+    parts = torch.empty((2 + has_null, programs, d), dtype=cdt, device=device)
+    dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else parts
     _route_bwd_kernel[(programs,)](
-        table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:] if has_accum else table, tensors[0],
-        query.contiguous(), norm_weight.contiguous(),
+        table, tensors[0], query.contiguous(), norm_weight.contiguous(),
         alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
-        logits, lse, dq_part, dg_part, dalpha_part, dnull_part,
+        logits, lse, parts, dalpha_part,
         state_lse if state_lse is not None else lse, state_grad if state_grad is not None else grad_out,
         state_norm_grad if state_norm_grad is not None else lse,
         n, bt, d, heads, head_dim, eps,
@@ -530,5 +554,8 @@ def route_backward(
         NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
     dalpha = dalpha_part.sum(0, keepdim=True) if alpha is not None else None
-    dnull = dnull_part.sum(0) if has_null else None
-    return list(grads), dq_part.sum(0), dg_part.sum(0), dalpha, dnull
+    sums = parts.sum(1)
+    if param_dtype is not None:
+        sums = sums.to(param_dtype)
+    dq, dg, *dnull = sums.unbind(0)
+    return grads, dq, dg, dalpha, dnull[0] if has_null else None

@@ -60,11 +60,13 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
         return out, mix, logits, lse
 
     def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
-                          grads=None, accumulate=None, mix_residual=None):
+                          grads=None, accumulate=None, mix_residual=None, **kw):
         read_back = [g for g, add in zip(grads or [], accumulate or []) if add]
         got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse,
-                                              alpha, grads=grads, accumulate=accumulate, mix_residual=mix_residual)
-        partials = _nbytes(dq, dg, dnull) + (FP32 if alpha is not None else 0)  # one program on CPU
+                                              alpha, grads=grads, accumulate=accumulate, mix_residual=mix_residual,
+                                              **kw)
+        # fp32 partial sums of dq, dg (and dnull), one program on CPU; dq, dg come back cast (param_dtype)
+        partials = FP32 * sum(t.numel() for t in (dq, dg, dnull) if t is not None) + (FP32 if alpha is not None else 0)
         measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight) \
             + _nbytes(*read_back) + _nbytes(*got) + partials
         measured["reduce"] += 2 * partials + _cast_bf16(dq, dg, dnull)  # the host sums the partials, casts
@@ -143,6 +145,8 @@ def test_host_row_is_its_own_mode(tmp_path):
     text = (tmp_path / "host.md").read_text()
     assert text.startswith("Host time of one forward+backward routing call (N = 73") and "2 calls" in text
     assert "load average" in text and "Grouped" not in text
+    # the whole-step rows: the harness, the harness without routing, and their difference
+    assert text.count("of which the harness without routing") == 2 and "mhar-grouped (g = 11" in text
 
 
 def test_bytes_table_reports_every_scale(tmp_path):
