@@ -9,12 +9,16 @@ ptxas that ships with Triton, so it runs on a CPU-only machine; run it with anot
 (for example 3.6 in a second environment) to compare versions. For each kernel and variant it
 reports registers per thread, spill bytes, sites per program (phase 1), the widest global/async
 source access in the PTX and whether the loop over sources is software-pipelined (cp.async groups).
+Async copies are counted by width twice: all of them (pointer-table entries, read flags and fp32
+statistics are 4- or 8-byte copies too) and those of source tiles alone (the copies of the load in
+`triton_routing._load_source`, told apart by the PTX's line information).
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -66,9 +70,12 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
     for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
-    null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). Returns {'registers', 'spill_bytes', 'num_warps', 'site_block' (phase 1, else
-    None), 'block_t', 'scalar_16bit_loads', 'accesses_128bit', 'pipelined' (sources prefetched
-    by 16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)}.
+    null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). The launch's
+    warps and register limit (maxnreg) are the launcher's. Returns {'registers', 'spill_bytes',
+    'num_warps', 'site_block' (phase 1, else None), 'block_t', 'pipelined' (sources prefetched by
+    16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)} and `access_counts`'s counts
+    ('scalar_16bit_loads', 'accesses_128bit', 'async_copies_128bit' / '_8byte' / '_4byte',
+    'source_copies_128bit' / '_8byte' / '_4byte', 'loads_128bit', 'stores_128bit').
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
@@ -92,7 +99,7 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
         cfg = tg.launch_config(tokens, group, heads, d // heads, backward=backward)
     else:
         cfg = tr.launch_config(tokens, heads, d // heads, backward=backward)
-    num_warps = cfg.pop("num_warps")
+    num_warps, maxnreg = cfg.pop("num_warps"), cfg.pop("maxnreg", None)  # launch options, not constexprs
     names = fn.arg_names
     types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()}
     types |= {k: v for k, v in _SCALAR_ARGS.items() if k in names}
@@ -112,7 +119,7 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     src = ASTSource(fn, {k: types.get(k, "constexpr") for k in names},
                     {(names.index(k),): v for k, v in constexprs.items()},
                     {(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps, maxnreg=maxnreg))
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.ptx"
@@ -124,27 +131,54 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     report = proc.stdout + proc.stderr
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    counts = access_counts(ptx)
+    counts = access_counts(ptx, _source_tile_load(tr))
     return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, site_block=cfg.get("SB"),
                 block_t=cfg["BLOCK_T"], scalar_16bit_loads=counts["scalar_16bit"],
                 accesses_128bit=counts["128bit"], async_copies_128bit=counts["async_128bit"],
                 async_copies_8byte=counts["async_8byte"], async_copies_4byte=counts["async_4byte"],
-                loads_128bit=counts["load_128bit"], stores_128bit=counts["store_128bit"], pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx,
-                ptxas=report.strip())
+                source_copies_128bit=counts["source_128bit"], source_copies_8byte=counts["source_8byte"],
+                source_copies_4byte=counts["source_4byte"],
+                loads_128bit=counts["load_128bit"], stores_128bit=counts["store_128bit"],
+                pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx, ptxas=report.strip())
 
 
-def access_counts(ptx: str) -> dict:
+def _source_tile_load(triton_routing) -> tuple[str, int]:
+    """(file name, line) of the source-tile load in `triton_routing._load_source`, the one load
+    every routing kernel reads its sources' [BLOCK_T, HB, KB] tiles with."""
+    fn = triton_routing._load_source.fn
+    lines, first = inspect.getsourcelines(fn)
+    line = next(first + i for i, text in enumerate(lines) if "tl.load(base" in text)
+    return Path(inspect.getsourcefile(fn)).name, line
+
+
+def access_counts(ptx: str, source_load: tuple[str, int]) -> dict:
     """Global accesses in the PTX: 'scalar_16bit' loads (ld.global.b16: one bf16 per thread),
     '128bit' accesses (ld/st.global .v4.b32 and 16-byte cp.async) and 'async_128bit' copies alone;
     loads and stores apart: 'async_8byte' / 'async_4byte' copies (narrower cp.async, global to
-    shared: source tiles loaded in halves or quarters of 128 bits), 'load_128bit' (ld.global .v4)
-    and 'store_128bit' (st.global .v4)."""
-    copies = [int(b, 0) for b in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], "
-                                            r"(0x[0-9a-f]+|\d+)", ptx)]
+    shared: source tiles loaded in halves or quarters of 128 bits, but also the int64 pointer-table
+    entries, int8 read flags and fp32 logits), 'load_128bit' (ld.global .v4) and 'store_128bit'
+    (st.global .v4). 'source_128bit' / 'source_8byte' / 'source_4byte': the cp.async copies whose
+    innermost source location (the `.loc` before them) is `source_load`, (file name, line): the
+    source tiles. Raises RuntimeError for PTX without line information."""
+    files = {number: Path(name).name for number, name in re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)}
+    if not files:
+        raise RuntimeError("the PTX has no line information (TRITON_DISABLE_LINE_INFO?): source tiles cannot "
+                           "be told apart")
+    copies, source, where = [], [], None
+    for text in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)\s", text)
+        if loc:
+            where = (files.get(loc.group(1)), int(loc.group(2)))
+        copy = re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", text)
+        if copy:
+            copies.append(int(copy.group(1), 0))
+            if where == source_load:
+                source.append(copies[-1])
     loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx))
     stores = len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx))
     return dict(scalar_16bit=len(re.findall(r"ld\.global(?:\.\w+)*\.b16\b", ptx)),
                 async_128bit=copies.count(16), async_8byte=copies.count(8), async_4byte=copies.count(4),
+                source_128bit=source.count(16), source_8byte=source.count(8), source_4byte=source.count(4),
                 load_128bit=loads, store_128bit=stores, **{"128bit": loads + stores + copies.count(16)})
 
 
@@ -188,12 +222,14 @@ def main(argv=None) -> None:
                  f"{group}",
                  "",
                  "| kernel | d | H | variant | sites per program | warps | registers | spill bytes | 16-bit loads "
-                 "| 128-bit accesses | async copies 16 / 8 / 4 bytes | 128-bit loads | 128-bit stores | pipelined |",
-                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+                 "| 128-bit accesses | async copies 16 / 8 / 4 bytes | of source tiles | 128-bit loads "
+                 "| 128-bit stores | pipelined |",
+                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
         lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
                   f"{r['num_warps']} | {r['registers']} | "
                   f"{r['spill_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
                   f"{r['async_copies_128bit']} / {r['async_copies_8byte']} / {r['async_copies_4byte']} | "
+                  f"{r['source_copies_128bit']} / {r['source_copies_8byte']} / {r['source_copies_4byte']} | "
                   f"{r['loads_128bit']} | {r['stores_128bit']} | "
                   f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
         text = "\n".join(lines)

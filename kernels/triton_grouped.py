@@ -26,17 +26,22 @@ so each source's gradient is written once per group. Programs are persistent ove
 (programs, g, d) fp32 partial sums that the host reduces in a fixed order: no atomics, bitwise
 repeatable, no per-site (B*T, d) partial buffers.
 
-Site chunks. g sites of d values in fp32 do not fit one program's registers at the largest
-shapes (d = 1280, H = 8: one site of one token is an [8, 256] tile), so a launch may split
-the group into C = ceil(g / SB) chunks of SB sites, SB chosen on the host from a register
-budget (`launch_config`). In the forward the C chunk programs of one token tile are adjacent in
-launch order, so each source is read C times, all but the first from L2. In the backward one
-program runs the C chunks of a token tile one after another: chunk c > 0 adds its part of every
-source's gradient into what chunk c - 1 stored (the tile's sources and gradient rows are still
-in cache) and adds its sites' key-gradient sums into the program's own rows of the partial sums,
-so each gradient row is written by one launch and never summed on the host. C = 1 at the debug
-flavor and at 100m; at 350m the backward runs 2 chunks, at 1b the forward 3 and the backward 6
-(docs/DESIGN.md "Grouped routing" lists registers and chunks).
+Site chunks. g sites of d values in fp32 do not fit one program's registers: on a GPU a program
+holds one token's [HB, KB] source tile (at the paper's shapes; 2, 4 or 8 warps, each thread 8
+contiguous elements of a source row, one 16-byte cp.async of bf16) and SB = 2 sites of it, so a
+launch splits the group into C = ceil(g / SB) chunks of SB sites (`launch_config`). In the
+forward the C chunk programs of one token tile are adjacent in launch order, so each source is
+read C times, all but the first from L2. In the backward one program runs the C chunks of a
+token tile one after another: chunk c > 0 adds its part of every source's gradient into what
+chunk c - 1 stored and adds its sites' key-gradient sums into the program's own rows of the
+partial sums, so each gradient row is written by one launch and never summed on the host.
+Chunk c re-reads the tile's sources and gradient rows, 4 N d bytes of bf16 per program since
+chunk c - 1 read them: from L2 where P such programs fit it (264 on an H200, 50 MB of L2: up to
+11 MB at 100m and 46 MB at 350m, but 60-91 MB in the three deepest groups at 1b, where part of
+them comes from HBM). `traffic` counts every row once per launch (as cache hits), as the complete
+byte count does. C = 2 at the debug flavor (g = 3), 3 at 100m (g = 5), 4 at 350m (g = 7) and 6
+at 1b (g = 11), forward and backward (docs/DESIGN.md "Grouped routing" lists registers and
+chunks).
 
 Shared gradients: a source passed as `op.share_gradient`'s view has one gradient buffer for
 every routing call that reads it; the phase-1 backward writes it (first reader in backward) or
@@ -66,11 +71,18 @@ from .triton_routing import (
     _to_storage, aligned, reduce_programs,
 )
 
-# Register budget: elements of one program's [BLOCK_T, SB, HB, KB] tile (fp32). The forward
-# holds one such accumulator; the backward holds the incoming mix gradients of the tile and
-# the [SB, HB, KB] key-gradient sums, so it gets half.
-_FWD_TILE = 8192
-_BWD_TILE = 4096
+# GPU layout. A program's source tile [BLOCK_T, HB, KB] gives each thread _ROW_ELEMENTS
+# contiguous elements of a source row (in the aligned variant one 16-byte cp.async of bf16), so
+# the warps follow the tile: one token per program (BLOCK_T > 1 only where one token is less than
+# one warp's share), at most _MAX_WARPS warps (beyond that a thread holds more of the row). SB
+# sites make the [BLOCK_T, SB, HB, KB] fp32 tile SB times a thread's source elements: at most
+# _TILE_PER_THREAD (2 sites of 8 elements) keeps both kernels within 168 registers per thread.
+_ROW_ELEMENTS = 8
+_TILE_PER_THREAD = 16
+_MAX_WARPS = 8
+# ptxas's register limit for the backward (.maxnreg): without one it stays at 128 registers at
+# H = 1 by spilling two values; the forward needs no limit (at most 128 registers).
+_BWD_MAX_REGISTERS = 168
 _INTERPRET_BLOCK_T = 128
 
 
@@ -233,22 +245,27 @@ def _phase1_bwd_kernel(
 # ---------------------------------------------------------------------------- host code
 def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
                   site_block: Optional[int] = None) -> dict:
-    """{'BLOCK_T', 'SB', 'HB', 'KB', 'num_warps'} for B*T tokens and a group of `group` sites.
+    """{'BLOCK_T', 'SB', 'HB', 'KB', 'num_warps', 'maxnreg'} for B*T tokens and a group of
+    `group` sites, forward or backward launch.
 
-    SB (sites per program, a power of two) is the whole group where one token's [SB, HB, KB]
-    tile fits the budget, else the largest power of two that does; BLOCK_T fills the rest.
-    site_block overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large
-    (few programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
+    On a GPU each thread holds _ROW_ELEMENTS elements of the [BLOCK_T, HB, KB] source tile (one
+    token per program at the paper's shapes: 2, 4 and 8 warps at d = 512, 1024, 1280) and SB
+    (sites per program, a power of two) is the whole group where SB of those elements per thread
+    fit _TILE_PER_THREAD, else the largest power of two that does (2 at the paper's shapes).
+    maxnreg is ptxas's register limit (the backward's; None for the forward). site_block
+    overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large (few
+    programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
     hb, kb = _next_pow2(heads), _next_pow2(head_dim)
-    budget = _BWD_TILE if backward else _FWD_TILE
-    sb = site_block or min(_next_pow2(group), max(1, budget // (hb * kb)))
+    token = hb * kb  # one token's [HB, KB] tile
+    warp_share = 32 * _ROW_ELEMENTS
+    block_t = min(_next_pow2(max(bt, 1)), max(1, warp_share // token))
+    num_warps = max(1, min(_MAX_WARPS, block_t * token // warp_share))
+    per_thread = max(1, block_t * token // (32 * num_warps))  # source elements per thread
+    sb = site_block or min(_next_pow2(group), max(1, _TILE_PER_THREAD // per_thread))
     if INTERPRET:
         block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
-    else:
-        block_t = max(1, min(_next_pow2(max(bt, 1)), budget // (sb * hb * kb)))
-    tile = block_t * sb * hb * kb
-    num_warps = 16 if tile >= 8192 else 8 if tile >= 2048 else 4 if tile >= 1024 else 2
-    return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps)
+    return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps,
+                maxnreg=_BWD_MAX_REGISTERS if backward else None)
 
 
 def _read_table(reads: Sequence[Sequence[bool]], n: int, padded: int, device: torch.device) -> Tensor:

@@ -175,13 +175,13 @@ def _phase1_case(seed: int):
     return gen, sources, query, key_norm, reads
 
 
-@pytest.mark.parametrize("site_block", [None, 1, 2])
+@pytest.mark.parametrize("site_block", [None, 1, 4])
 def test_fused_phase1_site_chunks_and_shared_gradients(site_block):
-    """A group of 3 sites, whole or split into chunks of 1 or 2 sites (the layout the largest
-    shapes get, `triton_grouped.launch_config`), run twice over the same sources passed as shared
-    gradient views (`mhar_kernels.op.share_gradient`, as the models pass them: the first backward
-    writes each source's buffer, the second adds into it, in the kernel or, with chunks, on the
-    host): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
+    """A group of 3 sites in chunks of 2 sites (as `triton_grouped.launch_config` splits groups at
+    every paper shape), of 1 site, or whole (one chunk of 4, one site padding), run twice over the
+    same sources passed as shared gradient views (`mhar_kernels.op.share_gradient`, as the models
+    pass them: the first backward writes each source's buffer, the second adds into it in the
+    kernel): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
     from mhar_kernels import op, triton_grouped
 
     d, heads, g = PHASE1_CASE
