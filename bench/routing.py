@@ -360,7 +360,12 @@ def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters:
     per-call and phase-1 kernels do nothing): `one_step` (family "mhar") or `one_grouped_step` at
     `auto_group(shape)` ("mhar-grouped") over SHAPES["paper"][shape]'s N sources of d, 4 tokens,
     bf16, forward and backward, AC none. CUDA tensors where there is a GPU, else CPU tensors
-    (TRITON_INTERPRET=1). Returns {'median', 'min'} over `iters` steps after one warm-up."""
+    (TRITON_INTERPRET=1).
+
+    Returns {'median', 'min'} of the whole harness step over `iters` steps after one warm-up,
+    {'standin_median', 'standin_min'} of the same loop with no routing (`standin_step`: each
+    site's output is its newest source, the harness's sums and backward stay), and 'routing' =
+    median - standin_median, the routing's own host time (sharing the sources included)."""
     from mhar_kernels import triton_grouped, triton_routing
 
     _, _, d, n = SHAPES["paper"][shape]
@@ -376,13 +381,29 @@ def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters:
     for module, name in kernels:
         setattr(module, name, _NoLaunch())
     try:
-        run()
         measure = timer(torch.device("cpu"))  # the host clock: there is no device work
-        times = [measure(run) for _ in range(iters)]
-        return dict(median=statistics.median(times), min=min(times))
+        result = {}
+        for key, fn in (("", run), ("standin_", standin_step(sources, query, norm_weight))):
+            fn()
+            times = [measure(fn) for _ in range(iters)]
+            result[key + "median"], result[key + "min"] = statistics.median(times), min(times)
+        result["routing"] = result["median"] - result["standin_median"]
+        return result
     finally:
         for (module, name), kernel in zip(kernels, saved):
             setattr(module, name, kernel)
+
+
+def standin_step(sources, query, norm_weight):
+    """`one_step`'s loop without routing: site s's output is sources[s - 1] itself (no op, no
+    sharing), then the same sum and one backward. Its host time is what `host_step_ms` subtracts."""
+    def run():
+        total = None
+        for s in range(1, len(sources) + 1):
+            out = sources[s - 1]
+            total = out.float().sum() if total is None else total + out.float().sum()
+        torch.autograd.grad(total, [*sources, query, norm_weight], allow_unused=True)
+    return run
 
 
 def timer(device: torch.device):
@@ -691,11 +712,13 @@ def main(argv=None) -> None:
                 f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
                 f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"
-            steps = {family: host_step_ms("1b", family, iters=max(1, a.iters // 40)) for family in ("mhar", "mhar-grouped")}
+            step_iters = max(3, a.iters // 20)
+            steps = {family: host_step_ms("1b", family, iters=step_iters) for family in ("mhar", "mhar-grouped")}
             text += "\n\n" + " ".join(
-                f"Host time of one whole 1b step's routing, {family} ({'73 calls' if family == 'mhar' else 'g = 11'}; "
-                f"every site, forward + backward, launches stubbed, AC none, {max(1, a.iters // 40)} steps): "
-                f"median {r['median']:.1f} ms (minimum {r['min']:.1f} ms)." for family, r in steps.items()) + (
+                f"Host time of one whole 1b step, {family} ({'73 calls' if family == 'mhar' else 'g = 11'}; every "
+                f"site, forward + backward, launches stubbed, AC none, {step_iters} steps): harness median "
+                f"{r['median']:.1f} ms (minimum {r['min']:.1f} ms), of which the harness without routing "
+                f"{r['standin_median']:.1f} ms: routing {r['routing']:.1f} ms." for family, r in steps.items()) + (
                 f" Load average {os.getloadavg()[0]:.2f} on {where}.")
         print(text)
         if a.out:
