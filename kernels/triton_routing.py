@@ -105,7 +105,7 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 
 @triton.jit
 def _route_fwd_kernel(
-    TABLE, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
+    PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
     OUT, MIX, RES, LOGITS, LSE,
     N, BT, D, H, K, eps,
     HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr, ALIGNED: tl.constexpr,
@@ -116,8 +116,6 @@ def _route_fwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
-    PTRS = TABLE  # the launch's table: N data pointers, then N row strides
-    RSTRIDES = TABLE + N
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
@@ -189,7 +187,7 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    TABLE, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
+    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
     PARTS, DALPHA_PART, STATE_LSE, DSTATE, DSTATE_NORM,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -201,11 +199,6 @@ def _route_bwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
-    # the launch's table: N data pointers, N row strides, N gradient pointers, N add-into flags
-    PTRS = TABLE
-    RSTRIDES = TABLE + N
-    DPTRS = TABLE + 2 * N
-    ACCUM = TABLE + 3 * N
     # PARTS (2 or 3, programs, d) fp32: the programs' partial sums of dq, dg (and dnull)
     DQ_PART = PARTS
     DG_PART = PARTS + tl.num_programs(0) * D
@@ -467,7 +460,7 @@ def route_forward(
     cfg = _launch_config(bt, heads, head_dim, False)
     grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
-        table, tensors[0], query.contiguous(), norm_weight.contiguous(),
+        table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
         state[0] if state is not None else out, state[1] if state is not None else lse,
         out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, logits, lse,
@@ -542,8 +535,10 @@ def route_backward(
     programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     parts = torch.empty((2 + has_null, programs, d), dtype=cdt, device=device)
     dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else parts
+    # the table's parts as separate arguments: pointers computed in the kernel would hold registers
     _route_bwd_kernel[(programs,)](
-        table, tensors[0], query.contiguous(), norm_weight.contiguous(),
+        table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:] if has_accum else table, tensors[0],
+        query.contiguous(), norm_weight.contiguous(),
         alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
         logits, lse, parts, dalpha_part,
         state_lse if state_lse is not None else lse, state_grad if state_grad is not None else grad_out,

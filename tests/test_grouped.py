@@ -486,7 +486,7 @@ def test_fsdp_blocks_returning_views_raise_no_warning(tmp_path, kernel):
 def test_fused_merge_launches_pass_int64_pointer_tables(monkeypatch):
     """A group of 3 sites on the fused kernels, delta mode (so the first site, which merges no
     in-group source, still launches its forward): every per-call kernel launch of the merges gets
-    its pointer table (its first argument) as an int64 tensor, also where the launch reads no source (on a GPU
+    its pointer-table arguments as int64 tensors, also where the launch reads no source (on a GPU
     the kernel casts their entries to pointers; another dtype would not compile)."""
     from mhar_kernels import triton_routing
 
@@ -502,8 +502,8 @@ def test_fused_merge_launches_pass_int64_pointer_tables(monkeypatch):
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(triton_routing, "_route_fwd_kernel", Recording(triton_routing._route_fwd_kernel, (0,)))
-    monkeypatch.setattr(triton_routing, "_route_bwd_kernel", Recording(triton_routing._route_bwd_kernel, (0,)))
+    monkeypatch.setattr(triton_routing, "_route_fwd_kernel", Recording(triton_routing._route_fwd_kernel, (0, 1)))
+    monkeypatch.setattr(triton_routing, "_route_bwd_kernel", Recording(triton_routing._route_bwd_kernel, (0, 1, 2, 3)))
     got = loss_and_grads("delta null", 8, 3, kernel="triton")
     assert len(tables) >= 2 * 9 and all(dtype == torch.int64 for row in tables for dtype in row), tables
     assert got["loss"].isfinite()
