@@ -49,8 +49,8 @@ def can_run(device: torch.device, dim: int, heads: int) -> bool:
     """True when the Triton kernels can route (B, T, dim) sources on `device` with `heads` heads:
     triton is installed, the device is CUDA (or CPU under TRITON_INTERPRET=1), and one token's
     [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`; MHAR_SPEC
-    section 4: larger tiles run the eager reference). Answers are cached per argument triple
-    (it is asked at every routing call)."""
+    section 4: larger tiles run the eager reference). Answers are cached per (device, dim, heads)
+    and interpreter setting (it is asked at every routing call)."""
     if triton_routing is None:
         return False
     device = device if isinstance(device, torch.device) else torch.device(device)
@@ -83,7 +83,7 @@ def _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, nul
     """(out, mix or None, mix residual or None, logits, lse) from the forward kernel; the checks
     are the caller's (`dispatch.route` / `route`, and `_require`)."""
     full = sources[0]
-    srcs = [null_source.to(full.dtype), *sources] if null_source is not None else sources
+    srcs = contract.with_null_source(null_source, sources)
     residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
         if triton_routing.needs_mix_residual(full.dtype) else None
     out, mix, logits, lse = triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial,
@@ -131,7 +131,7 @@ def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads
     """(source gradients, dq, dg, dalpha or None, dnull or None), the parameters' gradients in
     their dtypes. residual: the forward's mix residual or None. grads / accumulate: the source
     gradient buffers and whether to add into each (`triton_routing.route_backward`)."""
-    srcs = [null_source.to(grad_out.dtype), *sources] if null_source is not None else sources
+    srcs = contract.with_null_source(null_source, sources)
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate,
         mix_residual=residual, param_dtype=query.dtype,
