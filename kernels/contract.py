@@ -55,7 +55,7 @@ def check_route_args(
 
     Raises:
         ValueError naming the bad argument: no sources; non-floating or mismatched sources (shape,
-        dtype, device); heads not a positive int (bools rejected); d % H != 0 (naming d and H);
+        dtype, device); sources with d = 0; heads not a positive int (bools rejected); d % H != 0 (naming d and H);
         query / norm_weight / null_source not (d,); partial not like the sources; alpha not (1,);
         only one of partial / alpha; a tensor on another device than the sources (on CUDA the
         kernels would read an illegal address).
@@ -87,6 +87,8 @@ def check_route_args(
     if not full.is_floating_point():
         raise ValueError(f"sources must be floating point, got {full.dtype}")
     d = full.shape[-1]
+    if d == 0:
+        raise ValueError(f"sources {tuple(full.shape)} have no features (d = 0): depth routing needs d >= 1")
     if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
         raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")
     if d % heads:

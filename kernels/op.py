@@ -134,9 +134,9 @@ def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads
     srcs = contract.with_null_source(null_source, sources)
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate,
-        mix_residual=residual, param_dtype=query.dtype,
+        mix_residual=residual, param_dtype=triton_routing.common_dtype(query, norm_weight, null_source),
     )
-    return (grads, dq, dg.to(norm_weight.dtype),
+    return (grads, dq.to(query.dtype), dg.to(norm_weight.dtype),
             dalpha.to(alpha.dtype) if alpha is not None else None,
             dnull.to(null_source.dtype) if null_source is not None else None)
 

@@ -81,10 +81,10 @@ class Merge(torch.autograd.Function):
         _, dq, dg, dalpha, _ = triton_routing.route_backward(
             grad_out, list(late), mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
-            state_norm_grad=dnorm, param_dtype=query.dtype)
+            state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight))
         returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
         return (dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
-                dq, dg.to(norm_weight.dtype), grad_out if ctx.has_partial else None,
+                dq.to(query.dtype), dg.to(norm_weight.dtype), grad_out if ctx.has_partial else None,
                 None if alpha is None else dalpha.to(alpha.dtype), None, None, *returned)
 
 

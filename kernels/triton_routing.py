@@ -409,6 +409,13 @@ def _source_table(sources: Sequence[Tensor], d: int, extra: Sequence[int] = ()):
     return tensors, ptrs, strides, table
 
 
+def common_dtype(*tensors: Optional[Tensor]) -> Optional[torch.dtype]:
+    """The dtype the given tensors (None skipped) share, or None when they differ: the dtype
+    `route_backward` may cast the parameters' gradients to in one go (`param_dtype`)."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def needs_mix_residual(dtype: torch.dtype) -> bool:
     """True for storage dtypes narrower than the compute dtype (bf16, fp16): rounding the saved mix
     to them loses bits that <dmix, mix> in the backward needs (fp32 and fp64 lose nothing)."""
@@ -504,7 +511,8 @@ def route_backward(
     gradient to what the buffer holds (read-modify-write in the kernel, one rounding to the
     storage dtype), False to overwrite it.
 
-    param_dtype: the dtype of dq, dg and dnull (default the compute dtype), cast once.
+    param_dtype: the dtype of dq, dg and dnull (default the compute dtype), cast once; pass it
+    only when the query, norm weight and null source share it (`common_dtype`).
 
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dalpha is in the compute dtype. All are reduced over the per-program

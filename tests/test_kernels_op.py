@@ -200,6 +200,7 @@ def test_online_softmax_state_merges_exactly():
         (dict(alpha_shape=True), "alpha must have shape"),
         (dict(partial_dtype=True), "partial must match the sources"),
         (dict(null=torch.zeros(8)), "null_source must have shape"),
+        (dict(sources=[torch.randn(2, 3, 0)], query=torch.zeros(0), norm_weight=torch.ones(0)), r"no features \(d = 0\)"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, message):
@@ -226,6 +227,21 @@ def test_bad_arguments_raise_clear_errors(change, message):
     with pytest.raises(ValueError) as eager:
         route(([null] if null is not None else []) + sources, **kwargs, **extra, kernel="eager")
     assert str(eager.value) == str(fused.value)
+
+
+def test_parameters_in_other_dtypes_than_each_other_get_their_own_precision():
+    """fp32 sources with a bf16 pseudo-query and an fp32 key-norm weight and null source: the
+    fused op's gradients are cast to each parameter's own dtype, so the fp32 ones equal the eager
+    path's within fp32 rounding (a shared cast through the query's bf16 would lose ~1e-3)."""
+    inputs = make_inputs(4, 32, 4, torch.float32, delta=True)
+    inputs["query"] = inputs["query"].detach().to(torch.bfloat16).requires_grad_()
+    (out, grads), (ref, ref_grads) = _fused_and_eager(inputs, 4)
+    assert rel_err(out, ref) < 1e-5
+    for name, got, expected in zip(["source"] * 4 + ["query", "norm_weight", "partial", "alpha", "null_source"],
+                                   grads, ref_grads):
+        assert got.dtype == expected.dtype, name
+        tol = 1e-2 if got.dtype == torch.bfloat16 else 1e-5
+        assert rel_err(got.float(), expected.float()) < tol, (name, rel_err(got.float(), expected.float()))
 
 
 def test_numpy_integer_heads():
