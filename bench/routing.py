@@ -675,7 +675,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true", help="with --bytes --measure: print the result as JSON "
                    "(scale -> family -> {modelled, measured, floor} in bytes)")
     p.add_argument("--host", action="store_true", help="print the host time of one call with launches stubbed "
-                   "(--iters calls), then stop")
+                   "(--iters calls) and of one whole 1b step, per call and grouped, with the harness without "
+                   "routing subtracted (max(3, iters // 20) steps), then stop")
     p.add_argument("--isolated", action="store_true", help="time one step per call and grouped (Triton) with "
                    "triton.testing.do_bench beside the copy bandwidth, then stop")
     a = p.parse_args(argv)
