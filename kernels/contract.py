@@ -13,10 +13,15 @@ import torch
 from torch import Tensor
 
 
+_COMPUTE_DTYPES = {dt: torch.promote_types(dt, torch.float32)
+                   for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the statistics, softmax and accumulation: float32 for 16/32-bit storage,
-    float64 stays float64 (MHAR_SPEC section 4)."""
-    return torch.promote_types(dtype, torch.float32)
+    float64 stays float64 (MHAR_SPEC section 4). The common storage dtypes are looked up (this
+    runs at every routing launch)."""
+    return _COMPUTE_DTYPES.get(dtype) or torch.promote_types(dtype, torch.float32)
 
 
 def split_null_source(sources: Sequence[Tensor]) -> tuple[Optional[Tensor], list[Tensor]]:

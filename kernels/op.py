@@ -298,7 +298,7 @@ class _EagerRoute(torch.autograd.Function):
         inputs = (sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         output = _forward_values(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.sinks = [getattr(s, SINK_ATTRIBUTE, None) for s in sources]  # no null source among them
+        ctx.sinks = sinks_of(sources)
         return output[0]
 
     @staticmethod

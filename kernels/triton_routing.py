@@ -274,8 +274,6 @@ def _route_bwd_kernel(
 
 # ---------------------------------------------------------------------------- host code
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
-# compute_dtype of the storage dtypes, looked up (host time per launch)
-_COMPUTE_DTYPES = {dt: compute_dtype(dt) for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 # Register budget on a GPU: elements of one [BLOCK_T, HB, KB] tile per program; 8 warps keep
 # the backward at <= 168 registers per thread (no spills) at the paper's shapes.
 _FWD_TILE = 4096
@@ -450,7 +448,7 @@ def route_forward(
     shape, dtype, device = full.shape, full.dtype, full.device
     d = shape[-1]
     bt, head_dim = full.numel() // d, d // heads
-    cdt = _COMPUTE_DTYPES.get(dtype) or compute_dtype(dtype)
+    cdt = compute_dtype(dtype)
     out = torch.empty(shape, dtype=out_dtype or dtype, device=device)
     mix = torch.empty(shape, dtype=dtype, device=device) if partial is not None else None
     logits = torch.empty((n, bt, heads), dtype=cdt, device=device)
@@ -529,7 +527,7 @@ def route_backward(
     has_accum = accumulate is not None and any(accumulate)
     if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
         dq, dg = (torch.zeros(d, dtype=param_dtype or cdt, device=device) for _ in range(2))
-        dalpha = dq.new_zeros(1) if alpha is not None else None
+        dalpha = torch.zeros(1, dtype=cdt, device=device) if alpha is not None else None
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
     dptrs = list(map(Tensor.data_ptr, grads))
     extra = [0] + dptrs if has_null else dptrs
