@@ -32,11 +32,13 @@ def wait_for(predicate, what: str, timeout: float = PATIENCE_S, interval: float 
 
 
 def read_metrics(run_dir, name: str = "metrics.jsonl") -> list[dict]:
-    """The rows of a run folder's JSONL metrics file, in file order; [] when it does not exist."""
+    """The rows of a run folder's JSONL metrics file, in file order; [] when it does not exist.
+    Safe to poll while a trainer writes the file: a last row without its newline yet (being
+    written) is left out."""
     path = pathlib.Path(run_dir) / name
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
 
 
 def metric_losses(run_dir) -> list[float]:

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 
+from helpers import PATIENCE_S
 from slurm_tools import free_port
 
 SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
@@ -123,14 +124,14 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         self._procs = getattr(self, "_procs", {})
         self._procs[name] = proc
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = PATIENCE_S) -> None:
         """Start munged, slurmctld and slurmd in the foreground (-F/-D) and wait until the node is idle.
 
         Raises RuntimeError (with the daemon logs) when the node does not come up in `timeout` seconds.
         """
         self._write_conf()
         self._spawn("munged", self._write_munge() + ["--foreground"])
-        self._wait_for(lambda: self.munge_socket.exists(), 10, "munged socket")
+        self._wait_for(lambda: self.munge_socket.exists(), timeout, "munged socket")
         self._spawn("slurmctld", [_program("slurmctld"), "-D", "-f", str(self.conf)])
         self._wait_for(lambda: self._run(["scontrol", "ping"]).stdout.count("UP") > 0, timeout, "slurmctld")
         self._spawn("slurmd", [_program("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
@@ -151,7 +152,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     # -- helpers ---------------------------------------------------------------------------
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=PATIENCE_S)
 
     def node_state(self) -> str:
         return self._run(["sinfo", "-h", "-n", self.node, "-o", "%t"]).stdout.strip()

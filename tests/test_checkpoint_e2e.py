@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_train_worker import FAMILIES, SIG1_ARGS, SIG2_ARGS, STEPS, base_args  # noqa: E402
-from helpers import ROOT, read_metrics  # noqa: E402
+from helpers import PATIENCE_S, ROOT, read_metrics  # noqa: E402
 
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
@@ -51,13 +51,13 @@ def sigterm_while_training(cmd: list[str], run: Path, env: dict) -> tuple[int, s
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + PATIENCE_S
             while len(read_metrics(run)) < 3:
                 assert proc.poll() is None, log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "training never reached step 3"
                 time.sleep(0.2)
             proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(timeout=120)
+            rc = proc.wait(timeout=PATIENCE_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -67,7 +67,7 @@ def sigterm_while_training(cmd: list[str], run: Path, env: dict) -> tuple[int, s
 def launch(phase: str, nproc: int, out: Path, corpus: Path) -> dict:
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "tests/ckpt_train_worker.py", phase, str(out),
            str(corpus)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, f"phase {phase}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out / f"{phase}.json").read_text())
 

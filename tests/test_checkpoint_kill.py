@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 pytestmark = pytest.mark.processes  # waits on a child process, then kills it
 WORKER = ROOT / "tests" / "ckpt_kill_worker.py"
@@ -20,7 +20,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, str(WORKER), "kill", str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + PATIENCE_S
         while not (tmp_path / "blocked").exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the worker never reached the blocked save"
@@ -34,7 +34,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert any(step4.glob("*.distcp")) and not (step4 / "complete.json").exists()  # killed mid-save
 
     proc = subprocess.run([sys.executable, str(WORKER), "resume", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "resume.json").read_text())
     assert report["resumed_step"] == 2

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 from mhar_titan.components.loss import build_loss_fn
 from mhar_titan.config import Compile
 from mhar_titan.models import ModelArgs, Transformer
@@ -70,7 +70,7 @@ def test_whole_model_compile_under_two_rank_fsdp2(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "compile_fsdp_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for family in ("baseline", "mhar H=8"):
         assert (tmp_path / f"ok_{family.replace(' ', '_')}").exists(), proc.stdout[-3000:]

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from helpers import ROOT, llama3_tokenizer_folder, trained_like_debug  # noqa: E402
+from helpers import PATIENCE_S, ROOT, llama3_tokenizer_folder, trained_like_debug  # noqa: E402
 from mhar_titan.convert import export_pretrained  # noqa: E402
 from mhar_titan.convert.tokenizer_files import write_tokenizer_files  # noqa: E402
 from mhar_titan.data import DataConfig, build_tokenizer  # noqa: E402
@@ -60,7 +60,7 @@ def install_package(tmp: Path) -> Path:
     for name in ("mhar_titan", "kernels"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-                    "--target", str(tmp / "site"), str(source)], check=True, capture_output=True, timeout=300)
+                    "--target", str(tmp / "site"), str(source)], check=True, capture_output=True, timeout=PATIENCE_S)
     return tmp / "site"
 
 
@@ -113,7 +113,7 @@ def run_child(tmp: Path, site: Path, spec: Path, extra_path: list[str]) -> dict:
     # stdin closed: transformers 5 asks on a terminal whether to trust a routed folder's code when
     # AutoTokenizer reads its config.json; without one it reads the tokenizer files alone.
     result = subprocess.run([sys.executable, str(script), str(spec), str(out)], cwd=child_dir, env=env,
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PATIENCE_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from helpers import PATIENCE_S
+
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc/self/status", allow_module_level=True)
 
@@ -63,7 +65,7 @@ def test_import_peak_memory_is_weights_plus_one_shard(tmp_path):
     sizes = write_llama_shards(tmp_path / "hf")
     assert min(sizes) >= 256 * 2**20
     done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "hf"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr
     base_kb, peak_kb = (int(v) for v in done.stdout.split()[-2:])
     weights_mb = sum(sizes) / 2**20  # header bytes are negligible

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import PATIENCE_S  # noqa: E402
 from train_common import ROOT, SAMPLE, debug_argv, debug_cfg  # noqa: E402
 
 import mhar_titan.train as train_module  # noqa: E402
@@ -141,7 +142,7 @@ def test_unreachable_hub_stops_after_the_retry_budget(tmp_path):
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0",
            "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), *debug_argv(tmp_path, "hub", *HUB),
-                        "--data.hub_retry_max_s=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        "--data.hub_retry_max_s=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert r.returncode == 2, r.stderr[-3000:]
     last = [line for line in r.stderr.splitlines() if line.startswith("cannot start training")]
     assert len(last) == 1 and "failed after 1 attempt(s)" in last[0] and 'data.source = "local"' in last[0], r.stderr[-3000:]

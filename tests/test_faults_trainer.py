@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import PATIENCE_S  # noqa: E402
 from train_common import ROOT, SAMPLE, debug_argv, debug_cfg  # noqa: E402
 
 import mhar_titan.train as train_module  # noqa: E402
@@ -169,7 +170,7 @@ def test_bad_row_on_one_rank_stops_every_rank_in_that_step_with_exit_2(tmp_path)
     argv = debug_argv(tmp_path, "bad_row", *TINY, "--training.steps=200", "--data.sharding=document",
                       "--data.shuffle=false", f"--data.files={json.dumps(shards)}")
     proc = _torchrun(argv, tmp_path / "exit")
-    out, _ = proc.communicate(timeout=600)  # a hang guard only
+    out, _ = proc.communicate(timeout=PATIENCE_S)  # a hang guard only
     lines = out.splitlines()
     assert any(line.startswith("step ") for line in lines), out[-3000:]
     assert {p.name: p.read_text() for p in (tmp_path / "exit").iterdir()} == {"rank0.rc": "2", "rank1.rc": "2"}
@@ -186,7 +187,7 @@ def test_bad_row_on_one_rank_stops_every_rank_in_that_step_with_exit_2(tmp_path)
     for rc in (tmp_path / "exit").iterdir():
         rc.unlink()
     refused = _torchrun([*argv, "--optimizer.lr=1e-4"], tmp_path / "exit")
-    out, _ = refused.communicate(timeout=600)
+    out, _ = refused.communicate(timeout=PATIENCE_S)
     assert {p.name: p.read_text() for p in (tmp_path / "exit").iterdir()} == {"rank0.rc": "2", "rank1.rc": "2"}, out
     assert "already holds a run" in out and "SIGABRT" not in out and "terminate called" not in out
 

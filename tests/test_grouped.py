@@ -20,7 +20,7 @@ from mhar_titan.models.plan import Group, RoutingPlan, Site
 from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import metric_losses  # noqa: E402
+from helpers import PATIENCE_S, metric_losses  # noqa: E402
 from kernels_oracle import DEVICE, oracle_route, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
@@ -445,7 +445,7 @@ def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     worker = pathlib.Path(__file__).resolve().parent / "grouped_fsdp_worker.py"
     proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone", str(worker), str(tmp_path)],
-                          cwd=worker.parents[1], capture_output=True, text=True, timeout=600,
+                          cwd=worker.parents[1], capture_output=True, text=True, timeout=PATIENCE_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(tmp_path / "grouped.pt")

@@ -15,7 +15,7 @@ import mhar_kernels
 from mhar_kernels import contract, triton_routing
 from mhar_kernels import dispatch
 from kernels_oracle import leaves, make_inputs
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:
@@ -65,7 +65,7 @@ def test_kernels_import_from_a_plain_checkout_without_the_models(tmp_path):
     script.write_text(_PLAIN_CHECKOUT)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plain_python.py"), str(script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0 and "plain checkout ok" in proc.stdout, proc.stderr[-3000:]
 
 

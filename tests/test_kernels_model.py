@@ -15,7 +15,7 @@ from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.parallel import apply_ac
 from kernels_oracle import DEVICE
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 VARIANTS = {
     "mhar": dict(),
@@ -90,7 +90,7 @@ def test_triton_model_under_fsdp2_two_ranks(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "kernels_fsdp_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for variant in VARIANTS:
         assert (tmp_path / f"ok_{variant}").exists(), proc.stdout[-3000:]

@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 SHAPES = "512x1,512x8,1024x1,1024x8,1280x1,1280x8"
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     if "no CUDA backend" in proc.stderr:
         pytest.skip("this Triton build has no CUDA backend: the sm_90 compile cannot run")
     assert proc.returncode == 0, proc.stderr[-3000:]

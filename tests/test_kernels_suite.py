@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 SUITE = ROOT / "bench" / "gpu_suite.sh"
 SCALES = ("1b", "350m", "100m")  # the order of value: the largest scale first
@@ -17,7 +17,7 @@ SCALES = ("1b", "350m", "100m")  # the order of value: the largest scale first
 
 def plan(*flags: str) -> tuple[int, list[dict]]:
     """The suite's printed plan: (total budget in seconds, rows as dicts of the printed columns)."""
-    proc = subprocess.run(["bash", str(SUITE), "--plan", *flags], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(SUITE), "--plan", *flags], capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     total = int(re.search(r"at most (\d+) s in all", lines[0]).group(1))
@@ -55,7 +55,7 @@ def test_gpu_suite_tiny_writes_every_table(tmp_path):
     out = tmp_path / "suite"
     env = dict(os.environ, PYTHON=sys.executable, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(["bash", str(SUITE), str(out), "--tiny"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.startswith("GPU suite plan")
     total, planned = plan("--tiny")

@@ -124,7 +124,7 @@ def test_run_train_dry_run_mode_validates_for_ngpu_ranks():
     script = str(ROOT / "scripts" / "run_train.sh")
     env = launch_env(DRY_RUN="1", NGPU="8", CONFIG=config)
     ok = subprocess.run(["bash", script, "--training.local_batch_size=2", "--training.global_batch_size=32"],
-                        env=env, capture_output=True, text=True, timeout=300)
+                        env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert re.search(r"batch: 8 ranks x local 2 x grad accumulation 2 = 32 sequences", ok.stdout), ok.stdout[:2000]
     cfg = load_config(config, ["--training.local_batch_size=2"])

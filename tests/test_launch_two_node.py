@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, read_metrics
+from helpers import PATIENCE_S, ROOT, read_metrics
 from slurm_tools import free_port, launch_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.processes]
@@ -118,7 +118,7 @@ def single_process_losses(tmp_path_factory):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "run_train.sh"), "--training.steps=5",
                         f"--job.dump_folder={tmp}", *SMALL], cwd=tmp,
                        env=launch_env(NGPU="1", CONFIG=str(ROOT / CONFIG), OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=PATIENCE_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[rank0]:" in r.stdout + r.stderr and "| 1 rank " in r.stdout + r.stderr  # the start line
     return losses(tmp / "debug_mhar")
@@ -127,7 +127,7 @@ def single_process_losses(tmp_path_factory):
 def test_two_nodes_on_loopback_match_single_process(tmp_path, single_process_losses):
     procs = start_nodes(tmp_path, "run", ["--training.steps=5", f"--job.dump_folder={tmp_path / 'out'}", *SMALL],
                         free_port())
-    codes = wait_nodes(procs, timeout=300)
+    codes = wait_nodes(procs, timeout=PATIENCE_S)
     logs = [read_text(tmp_path / f"run-node{i}.log") for i in range(2)]
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in logs)
     for i, log in enumerate(logs):  # both nodes joined one 2-node rendezvous with one worker each
@@ -148,14 +148,14 @@ def test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes(tmp_path, si
     ckpt_root = run_dir / "checkpoints"
 
     procs = start_nodes(tmp_path, "first", overrides, free_port(), **exit_entry_env(tmp_path, "first"))
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + PATIENCE_S
     while not (run_dir / "metrics.jsonl").exists() or 1 not in losses(run_dir):
         assert all(p.poll() is None for p, _ in procs), read_text(tmp_path / "first-node0.log")[-4000:]
         assert time.monotonic() < deadline, "training did not reach step 1"
         time.sleep(0.05)
     for p, _ in procs:  # the launchers are torchrun itself (torchrun_node.sh execs it)
         p.send_signal(signal.SIGTERM)
-    wait_nodes(procs, timeout=180)
+    wait_nodes(procs, timeout=PATIENCE_S)
     node_logs = [read_text(tmp_path / f"first-node{i}.log") for i in range(2)]
     everything = "\n".join(node_logs)
     # both workers returned from main() with status 0 (torchrun's own status reports the signal)
@@ -176,7 +176,7 @@ def test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes(tmp_path, si
         assert "Traceback" not in text, text[-3000:]
 
     procs = start_nodes(tmp_path, "again", overrides, free_port(), **exit_entry_env(tmp_path, "again"))
-    codes = wait_nodes(procs, timeout=300)
+    codes = wait_nodes(procs, timeout=PATIENCE_S)
     again = [read_text(tmp_path / f"again-node{i}.log") for i in range(2)]
     assert codes == [0, 0], "\n\n".join(x[-4000:] for x in again)
     assert worker_exit_codes(tmp_path, "again") == {"rank0.rc": "0", "rank1.rc": "0"}

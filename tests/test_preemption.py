@@ -19,41 +19,43 @@ import pytest
 
 from mhar_titan.checkpoint import is_complete, read_marker, step_folders
 from mhar_titan.preemption import PreemptionHandler
-from helpers import ROOT, read_metrics
+from helpers import PATIENCE_S, ROOT, read_metrics
 from train_common import debug_argv
 
 pytestmark = pytest.mark.processes  # waits on child processes and signals
 
 # A loop of "steps" that stops when should_stop() says so, like the trainer.
+# "Saving" lasts until the test closes the child's stdin (after its second Ctrl-C, if any): an
+# event, not a duration, so the second Ctrl-C lands inside it however slow the machine is.
 CHILD = textwrap.dedent("""
     import sys, time
     from mhar_titan.preemption import PreemptionHandler
     handler = PreemptionHandler()
     print("ready", flush=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 900  # a hang guard (the signal is sent right after "ready")
     while not handler.should_stop():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     print("stopped on", handler.received.name, flush=True)
-    time.sleep(float(sys.argv[1]))  # "saving": a second Ctrl-C lands here
+    sys.stdin.read()  # "saving": a second Ctrl-C lands here
     print("saved", flush=True)
 """)
 
 
-def run_child(n_sigint: int, save_s: float) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(save_s)], cwd=ROOT, stdout=subprocess.PIPE,
+def run_child(n_sigint: int) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGINT)
     if n_sigint == 2:
         assert proc.stdout.readline() == "stopped on SIGINT\n"
         proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=PATIENCE_S)  # closes stdin: the save ends, if still running
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_first_ctrl_c_stops_like_sigterm_and_says_how_to_abort():
-    res = run_child(1, 0.0)
+    res = run_child(1)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["stopped on SIGINT", "saved"]  # after "ready"
     notice = [line for line in res.stderr.splitlines() if line.strip()]
@@ -61,7 +63,7 @@ def test_first_ctrl_c_stops_like_sigterm_and_says_how_to_abort():
 
 
 def test_second_ctrl_c_raises_keyboard_interrupt():
-    res = run_child(2, 30.0)
+    res = run_child(2)
     assert res.returncode == -signal.SIGINT  # Python's exit after an uncaught KeyboardInterrupt
     assert "saved" not in res.stdout and "KeyboardInterrupt" in res.stderr
 
@@ -73,12 +75,12 @@ def test_ctrl_c_to_train_py_saves_a_complete_checkpoint_and_exits_0(tmp_path):
     proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "ctrl_c" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + PATIENCE_S
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 0, out[-3000:]
     assert "DataLoader worker" not in out
     assert "press Ctrl-C again to abort without saving" in out and "Traceback" not in out
@@ -146,7 +148,7 @@ def test_stop_signal_to_the_process_group_leaves_loader_workers_serving(sig):
                             start_new_session=True)
     assert proc.stdout.readline() == "ready\n"  # blocks until the child says so: no timing
     os.killpg(proc.pid, sig)
-    out, err = proc.communicate(timeout=600)  # a hang guard only; the child ends on its own
+    out, err = proc.communicate(timeout=PATIENCE_S)  # a hang guard only; the child ends on its own
     assert proc.returncode == 0, err[-3000:]
     assert out.startswith(f"finished the step after {sig.name} at batch "), err[-3000:]
     assert "DataLoader worker" not in err

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 from train_common import SAMPLE
 
 import mhar_titan
@@ -37,7 +37,7 @@ def test_the_readme_python_example_trains_and_samples(tmp_path):
     script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert 'OUT = "outputs"\n' in script
     script = script.replace('OUT = "outputs"\n', f'OUT = {str(tmp_path)!r}\n')
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "8 1024" in lines  # 8 steps of 4 x 32 tokens

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from slurm_cluster import LocalSlurmCluster, missing_requirements
-from helpers import ROOT, read_metrics
+from helpers import PATIENCE_S, ROOT, read_metrics
 from slurm_tools import launch_env
 
 
@@ -66,7 +66,7 @@ def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
          f"--training.steps={STEPS}", f"--job.dump_folder={out}", "--training.seq_len=32",
          "--training.local_batch_size=2", "--metrics.log_freq=1", "--validation.enable=false",
          "--checkpoint.enable=true", "--checkpoint.interval=0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=30,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S,
     )
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
@@ -78,13 +78,13 @@ def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
             ["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
 
     # 1. the first attempt trains; then the time-limit warning arrives
-    wait_until(lambda: 1 in logged_steps(run_dir), 180, "step 1 of the first attempt", context)
+    wait_until(lambda: 1 in logged_steps(run_dir), PATIENCE_S, "step 1 of the first attempt", context)
     r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
     # 2. the trap stops the step with a checkpoint and requeues the job (held until its begin time)
     wait_until(lambda: cluster.job_field(job, "Restarts") == "1" and cluster.job_field(job, "JobState") == "PENDING",
-               120, "the job to be requeued", context)
+               PATIENCE_S, "the job to be requeued", context)
     saved = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
     assert len(saved) == 1 and 1 <= saved[0] < STEPS, (saved, context())
     stop_step = saved[0]
@@ -97,12 +97,12 @@ def test_usr1_warning_checkpoints_requeues_and_resumes(cluster, tmp_path):
     # once the node is idle and a new second has begun: slurmd revokes the old attempt's job
     # credential with one-second resolution, and a start in that same second is refused
     # ("Job credential revoked"), which fails the job instead of running attempt 2.
-    wait_until(lambda: cluster.node_state() == "idle", 60, "the node to be idle after the requeue", context)
+    wait_until(lambda: cluster.node_state() == "idle", PATIENCE_S, "the node to be idle after the requeue", context)
     time.sleep(2.0)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True,
                    capture_output=True)
     wait_until(lambda: cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-               240, "the requeued attempt to finish", context)
+               PATIENCE_S, "the requeued attempt to finish", context)
     assert cluster.job_field(job, "JobState") == "COMPLETED", context()
     assert cluster.job_field(job, "ExitCode") == "0:0", context()
     batch = batch_log.read_text()
@@ -175,6 +175,6 @@ def test_run_train_sh_exits_with_the_trainers_code_not_torchruns(tmp_path, statu
     fake.chmod(0o755)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "run_train.sh")], capture_output=True, text=True,
                        env=launch_env(PYTHON=str(fake), NGPU="1", FAKE_STATUS=status, FAKE_RC=str(torchrun_rc),
-                                      TMPDIR=str(tmp_path)), timeout=60)
+                                      TMPDIR=str(tmp_path)), timeout=PATIENCE_S)
     assert r.returncode == expected, r.stderr
     assert not list(tmp_path.glob("mhar-exit-status.*"))  # the temporary status file is removed

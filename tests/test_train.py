@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import ROOT, metric_losses, read_metrics  # noqa: E402
+from helpers import PATIENCE_S, ROOT, metric_losses, read_metrics  # noqa: E402
 from train_common import DEBUG_MHAR, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
@@ -177,7 +177,7 @@ def dist_results(tmp_path_factory):
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "dist.json").read_text()), torch.load(out / "grads.pt")
@@ -399,9 +399,9 @@ def test_lock_is_released_when_the_holding_process_dies(tmp_path):
     run_dir = tmp_path / "held"
     run_dir.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
-         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)", str(run_dir / ".lock")],
-        stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()", str(run_dir / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,  # holds the lock until it is killed
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
