@@ -1,7 +1,8 @@
 """The training console's line format (imports nothing of ours; `metrics.ConsoleSink` prints).
 
 Every line is ``TAG | field | field ...``: the tag is ``step    S/TOTAL`` for the run's lines
-(start, each logged step, validation, events, the end-of-run summary) and the level for log
+(start, each logged step, validation, events, the end-of-run summary: steps and wall time, the
+smoothed final training loss, mean throughput and MFU, validation, run folder, checkpoint) and the level for log
 records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged step reads
 
     step   20/200 | loss 5.1234 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
@@ -83,17 +84,28 @@ def line(tag: str, fields: Iterable[str], kind: str = "step", color: bool = Fals
 
 def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skipped: int,
                    val_losses: list[tuple[int, float]], run_dir: str, checkpoint: Optional[str],
-                   metrics: list[str]) -> list[list[str]]:
-    """The end-of-run summary as lines of fields: what ran, validation, the run folder, the
-    checkpoint and the metrics files in it.
+                   metrics: list[str], train_loss: Optional[tuple[float, int]] = None,
+                   throughput: Optional[list[str]] = None) -> list[list[str]]:
+    """The end-of-run summary as lines of fields: what ran, the training loss, throughput,
+    validation, the run folder, the checkpoint and the metrics files in it.
 
     val_losses: (step, loss) of every validation of the run in step order (may be empty);
     checkpoint: the newest checkpoint folder, relative to the run folder, or why there is none
       (None: "none written");
-    metrics: where the full metrics are in the run folder (JSONL file, TensorBoard, wandb)."""
+    metrics: where the full metrics are in the run folder (JSONL file, TensorBoard, wandb);
+    train_loss: (smoothed final training loss, the number of last steps averaged), or None
+      (no finite step loss in this run);
+    throughput: the throughput fields (`components.performance.summary_throughput_fields`), or None."""
     ran = steps - start_step
     lines = [["done", f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
               f"{count(tokens)} tokens", f"wall {duration(wall_s)}"] + ([f"skipped {skipped}"] if skipped else [])]
+    if train_loss is not None:
+        lines.append(["train loss", f"final {loss_text(train_loss[0])} (mean of the last {train_loss[1]} "
+                                    f"step{'s' if train_loss[1] != 1 else ''})"])
+    else:
+        lines.append(["train loss", "none (no finite step loss)"])
+    if throughput is not None:
+        lines.append(["throughput", *throughput])
     if val_losses:
         best_step, best = min(val_losses, key=lambda sv: (sv[1] if math.isfinite(sv[1]) else math.inf, sv[0]))
         lines.append(["val loss", f"final {loss_text(val_losses[-1][1])}",

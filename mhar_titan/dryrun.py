@@ -9,7 +9,10 @@ estimate, whether it fits (in ``--memory-gib`` GiB per rank, else in this machin
 memory for the device when it has one: ``mhar_titan.components.memory``, the check the
 trainer makes before building the model) and the resolved config, and exits: 0 when the
 job is valid, 1 with a message naming the bad key otherwise, or saying "does not fit"
-(with ``training.memory_check = "warn"`` it says so and exits 0). It opens no data file, stream or network
+(with ``training.memory_check = "warn"`` it says so and exits 0). The last line says what
+was checked: ``dry run: OK`` only when the memory fit was checked too; a valid job whose fit
+could not be checked (no such device here and no ``--memory-gib``, or ``training.memory_check
+= "off"``) ends ``dry run: config valid, nothing trained; memory fit NOT checked (why)``. It opens no data file, stream or network
 connection; the tokenizer is only checked when its files are already cached.
 
 Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
@@ -66,6 +69,8 @@ from mhar_titan.models.plan import RoutingPlan
 from mhar_titan.optim import warmup_warning
 
 GIB = 2**30
+FIT_NOT_CHECKED = "memory fit not checked"
+"""How the warning starts that `report` adds when it could not check the memory fit."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,8 @@ def report(cfg: JobConfig, world_size: int, device: str,
     lines = [
         f"job: {cfg.job.name} -> {cfg.job.dump_folder}/{cfg.job.name}",
         f"model: flavor={cfg.model.flavor} {family} d={args.dim} L={args.n_layers} heads={args.n_heads}/"
-        f"{args.n_kv_heads} ffn={args.ffn_dim} vocab={args.vocab_size} routing_kernel={args.routing_kernel}",
+        f"{args.n_kv_heads} ffn={args.ffn_dim} vocab={args.vocab_size} routing_kernel={args.routing_kernel}"
+        + _routing_runs(args, device),
         "parameters (built on the meta device, equal to count_parameters):",
         f"  total           {counts.total:>15,}",
         f"  non-embedding   {counts.non_embedding:>15,}",
@@ -268,9 +274,12 @@ def report(cfg: JobConfig, world_size: int, device: str,
         lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB")
     lines.append(f"  {'total':<16}{mem.total / GIB:>10.2f} GiB")
     if available is None:
-        lines.append("  fit             not checked (no such device here: pass --memory-gib, the memory per rank)")
+        why = f"no {device} device here: pass --memory-gib, the memory per rank"
+        lines.append(f"  fit             not checked ({why})")
+        warnings.append(f"{FIT_NOT_CHECKED} ({why})")
     elif cfg.training.memory_check == "off":
         lines.append("  fit             not checked (training.memory_check = \"off\")")
+        warnings.append(f"{FIT_NOT_CHECKED} (training.memory_check = \"off\")")
     else:
         warning = check_memory_fit(mem, available[0], available[1], cfg)  # raises for "error"
         if warning is not None:
@@ -279,6 +288,15 @@ def report(cfg: JobConfig, world_size: int, device: str,
                      f"({available[1]})")
     lines += ["resolved config:", to_toml(cfg)]
     return "\n".join(lines), warnings
+
+
+def _routing_runs(args: ModelArgs, device: str) -> str:
+    """`` (runs eager on cpu)`` where the routing kernel asked for is not what runs on ``device``
+    (`mhar_kernels.dispatch.backend`), else ``""``."""
+    if args.residual != "attn_res":
+        return ""
+    runs = dispatch.backend(args.routing_kernel, device, args.dim, args.resolved_routing_heads)
+    return "" if runs == args.routing_kernel else f" (runs {runs} on {device})"
 
 
 def _available(known) -> Optional[tuple[int, str]]:
@@ -318,8 +336,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(text)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
+    unchecked = [w for w in warnings if w.startswith(FIT_NOT_CHECKED)]
     if any(w.startswith("the job does not fit") for w in warnings):
         print("dry run: does not fit (training.memory_check = \"warn\": the trainer would start anyway)")
+    elif unchecked:
+        print(f"dry run: config valid, nothing trained; memory fit NOT checked{unchecked[0][len(FIT_NOT_CHECKED):]}")
     else:
         print("dry run: OK (nothing was trained)")
     return 0

@@ -47,7 +47,8 @@ from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
 from mhar_titan.components.memory import available_memory, check_memory_fit
-from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_fields
+from mhar_titan.components.performance import (MemorySnapshots, RunTotals, build_profiler, performance_row,
+                                               routing_kernel_warning, startup_fields, summary_throughput_fields)
 from mhar_titan.components.ranks import agree_on_data_error, agree_on_setup, seed_global_rngs
 from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
@@ -147,6 +148,10 @@ class Trainer:
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
             self.grad_accum, self.flops))
         self.metrics.event(self.state.step, "run folder", str(self.run_dir))
+        fallback = routing_kernel_warning(self.model_args, self.device)
+        if fallback is not None and env.rank == 0:
+            logger.warning(fallback)
+        self.totals = RunTotals()  # this run's steps, for the summary
 
     def _check_memory(self) -> None:
         """The dry run's memory estimate per rank (``dryrun.estimate_memory``, on a meta model)
@@ -259,6 +264,7 @@ class Trainer:
             return self.state
         on_rank0(self.env.rank, self.env.world_size, self.run_folder.save_config)
         throughput = Throughput()
+        self.totals.start()
         it = iter(self.train_loader)
         gc.disable()  # collected every training.gc_freq steps instead
         try:
@@ -285,6 +291,7 @@ class Trainer:
                     self.lr_scheduler.step()
                     self.state.count_step(finite, tokens_per_step)
                     throughput.add(tokens_per_step)
+                    self.totals.step(loss, tokens_per_step)
 
                     if not finite:
                         logger.warning("step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
@@ -345,8 +352,10 @@ class Trainer:
             checkpoint = "none written in this run"
         lines = summary_fields(self.state.step, start_step, self.state.tokens_seen, time.perf_counter() - began,
                                self.state.nonfinite_skipped, self.metrics.validation_losses(),
-                               str(self.run_dir), checkpoint,
-                               self.metrics.locations)
+                               str(self.run_dir), checkpoint, self.metrics.locations,
+                               train_loss=self.totals.smoothed_loss(),
+                               throughput=summary_throughput_fields(self.totals, self.env.world_size, self.flops,
+                                                                    self.peak_flops, self.device))
         for fields in lines:
             self.metrics.event(self.state.step, *fields)
 

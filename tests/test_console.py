@@ -1,17 +1,25 @@
 """The training console on a short debug run: one `TAG | field | ...` format for every line,
 a compact line per logged step (step/total, loss, LR, tokens/s, memory, ETA; MFU only where the
 peak is known), validation lines, an end-of-run summary; every line under 160 characters, no
-colour codes off a terminal. TensorBoard: grouped tags and the run's hyperparameters."""
+colour codes off a terminal; the start line names the routing implementation that runs (and says
+when it is not the kernel asked for); the summary gives the smoothed final training loss and the
+mean throughput / MFU. TensorBoard: grouped tags and the run's hyperparameters."""
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from helpers import read_metrics
+from helpers import PATIENCE_S, ROOT, read_metrics
 from train_common import SAMPLE, debug_argv
 
 from mhar_titan import console
-from mhar_titan.metrics import ConsoleSink, tensorboard_tag
+from mhar_titan.components.performance import (RunTotals, routing_kernel_runs, routing_kernel_warning,
+                                               summary_throughput_fields)
+from mhar_titan.metrics import ConsoleSink, FlopsPerToken, tensorboard_tag
 from mhar_titan.train import main as train_main
 
 pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
@@ -41,16 +49,24 @@ def test_a_short_run_prints_one_compact_line_per_step_and_a_summary(tmp_path, ca
         f"step {s}/4 | val loss {v:.4f} | best {min(x for _, x in vals[:i + 1]):.4f}" for i, (s, v) in enumerate(vals)]
     start = next(line for line in lines if " | start | " in line)
     assert start.startswith("step 0/4 | start | debug attn_res H=8 sublayer replace") and "batch 2 x 32" in start
+    assert start.endswith(" | routing eager")  # routing_kernel = "eager" (the default), and eager runs
     best_step, best = min(vals, key=lambda sv: sv[1])
     run = tmp_path / "console"
-    assert lines[-5:] == [
-        f"step 4/4 | done | 4 steps | {console.count(4 * 2 * 32)} tokens | " + lines[-5].split(" | ")[-1],
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4  # every step logged: the summary's mean of the last (up to 20) steps is theirs
+    assert lines[-7:-1] == [
+        f"step 4/4 | done | 4 steps | {console.count(4 * 2 * 32)} tokens | " + lines[-7].split(" | ")[-1],
+        f"step 4/4 | train loss | final {sum(losses) / 4:.4f} (mean of the last 4 steps)",
+        lines[-5],
         f"step 4/4 | val loss | final {vals[-1][1]:.4f} | best {best:.4f} (step {best_step})",
         f"step 4/4 | run folder | {run}",
         "step 4/4 | checkpoint | checkpoints/step-4",
-        "step 4/4 | metrics | metrics.jsonl | tensorboard tb/",
     ]
-    assert lines[-5].split(" | ")[-1].startswith("wall ") and f"step 0/4 | run folder | {run}" in lines
+    assert lines[-1] == "step 4/4 | metrics | metrics.jsonl | tensorboard tb/"
+    assert lines[-7].split(" | ")[-1].startswith("wall ") and f"step 0/4 | run folder | {run}" in lines
+    # mean throughput of the run (tokens / loop wall time); no MFU on CPU (no peak FLOP/s known)
+    assert re.fullmatch(r"step 4/4 \| throughput \| mean \S+ tok/s \| mfu n/a \(no peak FLOP/s known for cpu\)",
+                        lines[-5]), lines[-5]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -67,6 +83,58 @@ def test_a_short_run_prints_one_compact_line_per_step_and_a_summary(tmp_path, ca
     start_info = plugin_data_pb2.HParamsPluginData.FromString(plugin["_hparams_/session_start_info"])
     hp = start_info.session_start_info.hparams
     assert hp["optimizer.lr"].number_value == pytest.approx(3e-3) and hp["model.flavor"].string_value == "debug"
+
+
+def test_run_totals_smooth_the_loss_over_the_last_steps_and_average_the_throughput():
+    clock = iter([10.0, 11.0, 12.5, 14.0, 18.0])
+    totals = RunTotals(window=2, clock=lambda: next(clock))
+    assert totals.smoothed_loss() is None and totals.tokens_per_s() is None
+    totals.start()  # t = 10
+    for loss in (6.0, 5.0, math.nan, 3.0):  # steps end at t = 11, 12.5, 14, 18
+        totals.step(loss, 512)
+    assert totals.smoothed_loss() == (4.0, 2)  # mean of 5.0 and 3.0: the NaN step is left out
+    assert totals.tokens_per_s() == 4 * 512 / 8.0
+    fields = summary_throughput_fields(totals, 2, FlopsPerToken(6e8, 0, 0, 0), 1e12, torch.device("cuda"))
+    assert fields == ["mean 256 tok/s", "128 tok/s per device", f"mfu {100 * 6e8 * 128 / 1e12:.1f}%"]
+    assert summary_throughput_fields(RunTotals(), 1, FlopsPerToken(6e8, 0, 0, 0), None, torch.device("cpu")) == [
+        "none (no step ended)"]
+    summary = console.summary_fields(4, 0, 2048, 8.0, 1, [], "out/x", None, ["metrics.jsonl"],
+                                     train_loss=totals.smoothed_loss(), throughput=fields)
+    assert summary[1] == ["train loss", "final 4.0000 (mean of the last 2 steps)"]
+    assert summary[2] == ["throughput", *fields]
+
+
+def test_routing_kernel_asked_but_not_run_is_said_at_the_start(tmp_path):
+    """routing_kernel = "triton" on CPU without TRITON_INTERPRET trains on the eager path: the
+    start line says "routing triton -> eager" and a warning says why."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = debug_argv(tmp_path, "fallback", "--training.steps=1", "--training.local_batch_size=2",
+                      "--model.routing_kernel=triton")
+    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    start = next(line for line in out.splitlines() if " | start | " in line)
+    assert start.endswith(" | routing triton -> eager"), start
+    assert ("WARNING | model.routing_kernel = 'triton' but routing runs on the eager path: "
+            "mhar_kernels.can_run(cpu, dim=128, heads=8) is False (on CPU they run only with TRITON_INTERPRET=1 "
+            "set before the start)") in out, out[-3000:]
+
+
+def test_routing_kernel_warning_names_the_case():
+    from mhar_titan.models.args import ModelArgs
+
+    mhar = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, routing_kernel="triton")
+    assert routing_kernel_runs(mhar, torch.device("cpu"))[0] == "triton"
+    expected = None if routing_kernel_runs(mhar, torch.device("cpu"))[1] == "triton" else "eager path"
+    warning = routing_kernel_warning(mhar, torch.device("cpu"))
+    assert (warning is None) if expected is None else (expected in warning)
+    auto = ModelArgs.from_flavor("debug", residual="attn_res", routing_kernel="auto")
+    assert routing_kernel_runs(auto, torch.device("cpu")) == ("auto", "eager") and \
+        routing_kernel_warning(auto, torch.device("cpu")) is None  # "auto" asks for whatever runs
+    baseline = ModelArgs.from_flavor("debug", residual="standard", routing_kernel="triton")
+    assert routing_kernel_runs(baseline, torch.device("cpu")) is None and \
+        routing_kernel_warning(baseline, torch.device("cpu")) is None
 
 
 def test_console_fields_eta_and_units():

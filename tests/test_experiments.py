@@ -1,6 +1,7 @@
 """Sweeps: expansion, paired data order, the resumable local launcher, SLURM emission."""
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -144,7 +145,10 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
         done = subprocess.run([str(ROOT / "slurm" / "torchrun_node.sh"), *job_args], cwd=ROOT, env=env,
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        assert "dry run: OK" in done.stdout and "8 ranks x local 4 x grad accumulation 2" in done.stdout
+        # the fit is checked against cuda:0 where there is one; else the last line says it was not
+        assert re.search(r"^dry run: (OK|config valid, nothing trained; memory fit NOT checked \(no cuda device)",
+                         done.stdout, re.M), done.stdout[-2000:]
+        assert "8 ranks x local 4 x grad accumulation 2" in done.stdout
     checked = check_runs(sweep.runs[:3], world_size_of(list(sweep.slurm_args)))
     assert len(checked) == 3 and all("dry run OK at 8 ranks" in line for line in checked)
 

@@ -148,6 +148,48 @@ def test_invalid_jobs_name_the_key(overrides, message):
         report(load_config(DEBUG, overrides), world_size=4, device="cpu")
 
 
+@pytest.mark.parametrize("argv, last", [
+    (["--device", "cpu", "--memory-gib", "80"], "dry run: OK (nothing was trained)"),
+    (["--device", "cpu", "--memory-gib", "80", "--training.memory_check=off"],
+     'dry run: config valid, nothing trained; memory fit NOT checked (training.memory_check = "off")'),
+])
+def test_the_last_line_says_ok_only_when_the_memory_fit_was_checked(argv, last, capsys):
+    from mhar_titan.dryrun import main
+
+    assert main(["--config", DEBUG, *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == last
+    assert ("warning: memory fit not checked" in err) == ("NOT checked" in last)
+
+
+def test_without_the_device_or_memory_gib_the_fit_is_not_checked_and_the_last_line_says_so(capsys):
+    import torch
+
+    from mhar_titan.dryrun import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the fit is checked against cuda:0")
+    assert main(["--config", DEBUG, "--device", "cuda"]) == 0
+    out, err = capsys.readouterr()
+    assert "  fit             not checked (no cuda device here: pass --memory-gib" in out
+    assert out.splitlines()[-1] == ("dry run: config valid, nothing trained; memory fit NOT checked "
+                                    "(no cuda device here: pass --memory-gib, the memory per rank)")
+    assert "dry run: OK" not in out
+
+
+def test_the_model_line_says_which_routing_implementation_runs(capsys):
+    from mhar_kernels import dispatch
+    from mhar_titan.dryrun import main
+
+    assert main(["--config", DEBUG, "--device", "cpu", "--memory-gib", "8", "--model.routing_kernel=triton"]) == 0
+    model = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    runs = dispatch.backend("triton", "cpu", 128, 8)
+    assert model.endswith("routing_kernel=triton" if runs == "triton" else "routing_kernel=triton (runs eager on cpu)")
+    assert main(["--config", DEBUG, "--device", "cpu", "--memory-gib", "8"]) == 0  # eager asked, eager runs
+    model = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+    assert model.endswith("routing_kernel=eager")
+
+
 def test_cli_exit_code_and_message(capsys):
     from mhar_titan.dryrun import main
 
