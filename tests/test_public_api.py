@@ -1,6 +1,10 @@
 """The package's public API: `import mhar_titan` is light and resolves its names lazily, and the
-README's notebook-sized script (build a debug MHAR model, train a few steps, sample) runs."""
+README's notebook-sized script (build a debug MHAR model, train a few steps, sample) runs without
+a warning. The README's analysis section analyses only runs the README trains, and its training
+and analysis lines run as written (shrunk to a few steps, in a temporary folder)."""
+import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -39,8 +43,71 @@ def test_the_readme_python_example_trains_and_samples(tmp_path):
     script = script.replace('OUT = "outputs"\n', f'OUT = {str(tmp_path)!r}\n')
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the example triggers none of the trainer's warnings (a warm-up longer than its 8 steps did)
+    assert "warmup_steps" not in done.stderr and "WARNING" not in done.stdout + done.stderr, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "8 1024" in lines  # 8 steps of 4 x 32 tokens
     assert any(line.startswith("step 8/8 | done | 8 steps") for line in lines)
     assert done.stdout.index("\n20 tokens: ROMEO:") > done.stdout.index("| metrics |")  # sampled after the summary
     assert (tmp_path / "notebook_mhar" / "checkpoints" / "step-8").is_dir()
+
+
+def readme_bash_block(heading: str) -> list[list[str]]:
+    """The command lines (shlex words, comments dropped) of the first bash block after ``heading``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index(heading):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [words for words in (shlex.split(line, comments=True) for line in block.splitlines()) if words]
+
+
+def run_folder_of(words: list[str]) -> str:
+    """``outputs/<job.name>`` that ``python train.py --config X [overrides]`` trains into."""
+    from mhar_titan.config import load_config
+
+    cfg = load_config(None, words[2:])
+    return str(pathlib.PurePosixPath(cfg.job.dump_folder) / cfg.job.name)
+
+
+def test_the_readme_analyses_only_runs_it_trains():
+    lines = readme_bash_block("## Analysis and evaluation")
+    make_train = ["python", "train.py", "--config", "train_configs/debug_mhar.toml"]  # the quickstart's make train
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"CONFIG ?= {make_train[3]}" in makefile and "$(PY) train.py --config $(CONFIG)" in makefile
+    trained = {run_folder_of(make_train)}
+    for words in lines:
+        if words[:2] == ["python", "train.py"]:
+            trained.add(run_folder_of(words))
+    assert trained == {"outputs/debug_mhar", "outputs/debug_attnres", "outputs/debug_baseline"}, trained
+    for words in lines:
+        if words[:2] != ["python", "train.py"]:
+            for word in words:
+                run = re.match(r"(outputs/[^/]+)", word)
+                assert run is None or run.group(1) in trained, (run.group(1), shlex.join(words))
+
+
+# the README's runs, shrunk: a few steps of short sequences, validated at every step
+SHRINK = ["--training.steps=2", "--training.seq_len=32", "--training.local_batch_size=2",
+          "--validation.freq=1", "--validation.sequences=2", "--metrics.log_freq=1",
+          "--lr_scheduler.warmup_steps=1", "--checkpoint.interval=2"]
+
+
+@pytest.mark.slow  # three 2-step trainings, a heatmap, a probe, a comparison: 3.5 min at load 14 on 2 cores
+@pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                    reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+def test_the_readme_training_and_analysis_lines_run_as_written(tmp_path):
+    lines = readme_bash_block("## Analysis and evaluation")
+    trainings = [["python", "train.py", "--config", "train_configs/debug_mhar.toml"]]  # make train
+    trainings += [w for w in lines if w[:2] == ["python", "train.py"]]
+    analyses = [w for w in lines if w[:3] == ["python", "-m", "mhar_titan.analysis"]]
+    assert len(trainings) == 3 and [w[3] for w in analyses] == ["heatmap", "probe", "compare"]
+    python = lambda words: [sys.executable, *words[1:]]
+    for words in trainings:
+        done = subprocess.run(python(words) + [f"--job.dump_folder={tmp_path / 'outputs'}", *SHRINK], cwd=ROOT,
+                              capture_output=True, text=True, timeout=PATIENCE_S)
+        assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
+    for words in analyses:  # outputs/... read the runs just trained
+        words = [re.sub(r"^outputs/", f"{tmp_path / 'outputs'}/", w) for w in words]
+        done = subprocess.run(python(words), cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S)
+        assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
+        assert "warning" not in done.stderr.lower(), (shlex.join(words), done.stderr[-3000:])
+    assert list((tmp_path / "outputs" / "debug_mhar" / "analysis").glob("*.png"))
