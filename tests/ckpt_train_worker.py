@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from ckpt_writers import slow_writer
+from ckpt_writers import gated_writer
 from helpers import read_metrics
 from mhar_titan.checkpoint import CheckpointConfig, CheckpointManager
 from mhar_titan.config import load_config
@@ -122,9 +123,10 @@ class Runner:
         self.finish(tr)
         return result
 
-    def watch_async(self, tr: Trainer, sync_step: int = 15) -> None:
+    def watch_async(self, tr: Trainer, release: threading.Event, sync_step: int = 15) -> None:
         """Record, at each step's save call, whether an async save is still being written;
-        at ``sync_step`` first save the same state synchronously to OUT/sync."""
+        at ``sync_step`` first save the same state synchronously to OUT/sync; at the step after
+        it set ``release`` (the gate the async writer waits for)."""
         self.async_seen = []
         ckpt = tr.checkpointer
         plain_save = ckpt.save
@@ -132,6 +134,8 @@ class Runner:
         def save(step, last=False, force=False):
             in_flight = ckpt._in_flight
             self.async_seen.append([step, in_flight is not None and not in_flight[3].done()])
+            if step == sync_step + 1:
+                release.set()
             if step == sync_step:
                 CheckpointManager(CheckpointConfig(enable=True, interval=1), self.out / "sync", model=tr.model,
                                   optimizer=tr.optimizer, lr_scheduler=tr.lr_scheduler, dataloader=tr.train_loader,
@@ -226,10 +230,11 @@ def phase_two(r: Runner) -> None:
         resume = args + ["--checkpoint.load_step", "10"]
         r.go_back(f"{family}_ref", 10)
         tr = None
-        if mhar:  # also: the async save of step 15 (slow writer) must equal a sync save of that state
+        if mhar:  # also: the async save of step 15 (held until step 16 ended) must equal a sync save of that state
             tr = r.trainer("mhar_ref", resume + ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"])
-            tr.checkpointer._writer_factory = slow_writer(5.0)
-            r.watch_async(tr)
+            written = threading.Event()
+            tr.checkpointer._writer_factory = gated_writer(written)
+            r.watch_async(tr, release=written)
         r.save(f"{family}_resume10", r.run(f"{family}_ref", resume, trainer=tr))
         r.save(f"{family}_resume10_rows", rows(r.out, f"{family}_ref"))
     r.save("async", r.async_seen)

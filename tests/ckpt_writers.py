@@ -1,24 +1,28 @@
 """DCP storage writers for the checkpoint tests (shared by tests/test_checkpoint.py and the workers)."""
 from __future__ import annotations
 
-import time
+import threading
 from typing import Callable
 
 import torch.distributed.checkpoint as dcp
 
+from helpers import PATIENCE_S
 
-class SlowWriter(dcp.FileSystemWriter):
-    """``FileSystemWriter`` that sleeps ``delay_s`` seconds before writing: keeps an async save in flight."""
 
-    def __init__(self, path: str, delay_s: float) -> None:
+class GatedWriter(dcp.FileSystemWriter):
+    """``FileSystemWriter`` that writes only once ``gate`` is set: keeps an async save in flight
+    until the test has seen what it wants to see, however slow the machine (an event, not a
+    delay). Waits at most ``PATIENCE_S`` (a hang guard), then writes anyway."""
+
+    def __init__(self, path: str, gate: threading.Event) -> None:
         super().__init__(path)
-        self.delay_s = delay_s
+        self.gate = gate
 
     def write_data(self, plan, planner):
-        time.sleep(self.delay_s)
+        self.gate.wait(PATIENCE_S)
         return super().write_data(plan, planner)
 
 
-def slow_writer(delay_s: float) -> Callable[[str], SlowWriter]:
-    """A ``storage_writer_factory`` for ``CheckpointManager`` whose writers sleep ``delay_s`` seconds."""
-    return lambda path: SlowWriter(path, delay_s)
+def gated_writer(gate: threading.Event) -> Callable[[str], GatedWriter]:
+    """A ``storage_writer_factory`` for ``CheckpointManager`` whose writers wait for ``gate``."""
+    return lambda path: GatedWriter(path, gate)

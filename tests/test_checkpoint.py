@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from ckpt_writers import slow_writer
+from ckpt_writers import gated_writer
 from mhar_titan.checkpoint import (
     CheckpointConfig,
     CheckpointError,
@@ -292,12 +293,14 @@ def test_wrapped_and_compiled_blocks_save_plain_keys(tmp_path):
 def test_async_save_overlaps_training_and_equals_sync_save(tmp_path):
     sync = Run(tmp_path / "sync", interval=2)
     sync.train(2, total=10)
-    run = Run(tmp_path / "async", interval=2, async_mode="async", writer=slow_writer(1.0))
+    written = threading.Event()
+    run = Run(tmp_path / "async", interval=2, async_mode="async", writer=gated_writer(written))
     run.train(2, total=10)
     in_flight = run.ckpt._in_flight[3]
-    run.train(1, total=10)  # step 3 runs while step 2 is written
+    run.train(1, total=10)  # step 3 runs while step 2 is written (its writer waits for the gate)
     assert not in_flight.done()
     assert not is_complete(run.ckpt.folder / "step-2")
+    written.set()
     run.ckpt.close()
     assert is_complete(run.ckpt.folder / "step-2")
     assert_same_checkpoint(run.ckpt.folder / "step-2", sync.ckpt.folder / "step-2", tmp_path)
