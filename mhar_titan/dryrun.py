@@ -10,9 +10,10 @@ memory for the device when it has one: ``mhar_titan.components.memory``, the che
 trainer makes before building the model) and the resolved config, and exits: 0 when the
 job is valid, 1 with a message naming the bad key otherwise, or saying "does not fit"
 (with ``training.memory_check = "warn"`` it says so and exits 0). The last line says what
-was checked: ``dry run: OK`` only when the memory fit was checked too; a valid job whose fit
-could not be checked (no such device here and no ``--memory-gib``, or ``training.memory_check
-= "off"``) ends ``dry run: config valid, nothing trained; memory fit NOT checked (why)``. It opens no data file, stream or network
+was checked: ``dry run: OK`` only when everything was; a valid job with a check that could
+not be made (the memory fit: no such device here and no ``--memory-gib``, or
+``training.memory_check = "off"``; the tokenizer: its files not cached, or a Hugging Face
+folder) ends ``dry run: config valid, nothing trained; NOT checked: memory fit (why); ...``. It opens no data file, stream or network
 connection; the tokenizer is only checked when its files are already cached.
 
 Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -71,6 +73,8 @@ from mhar_titan.optim import warmup_warning
 GIB = 2**30
 FIT_NOT_CHECKED = "memory fit not checked"
 """How the warning starts that `report` adds when it could not check the memory fit."""
+NOT_CHECKED = re.compile(r"^(memory fit|tokenizer( '[^']*')?) not checked\b")
+"""A warning saying a check could not be made (the memory fit, the tokenizer): "<what> not checked ..."."""
 
 
 @dataclass(frozen=True)
@@ -336,11 +340,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(text)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    unchecked = [w for w in warnings if w.startswith(FIT_NOT_CHECKED)]
+    unchecked = [w for w in warnings if NOT_CHECKED.match(w)]
     if any(w.startswith("the job does not fit") for w in warnings):
         print("dry run: does not fit (training.memory_check = \"warn\": the trainer would start anyway)")
     elif unchecked:
-        print(f"dry run: config valid, nothing trained; memory fit NOT checked{unchecked[0][len(FIT_NOT_CHECKED):]}")
+        print("dry run: config valid, nothing trained; NOT checked: "
+              + "; ".join(w.replace(" not checked", "", 1) for w in unchecked))
     else:
         print("dry run: OK (nothing was trained)")
     return 0

@@ -146,7 +146,7 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         # the fit is checked against cuda:0 where there is one; else the last line says it was not
-        assert re.search(r"^dry run: (OK|config valid, nothing trained; memory fit NOT checked \(no cuda device)",
+        assert re.search(r"^dry run: (OK|config valid, nothing trained; NOT checked: memory fit \(no cuda device)",
                          done.stdout, re.M), done.stdout[-2000:]
         assert "8 ranks x local 4 x grad accumulation 2" in done.stdout
     checked = check_runs(sweep.runs[:3], world_size_of(list(sweep.slurm_args)))
