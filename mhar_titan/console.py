@@ -2,8 +2,9 @@
 
 Every line is ``TAG | field | field ...``: the tag is ``step    S/TOTAL`` for the run's lines
 (start, each logged step, validation, events, the end-of-run summary: steps and wall time, the
-smoothed final training loss, mean throughput and MFU, validation, run folder, checkpoint) and the level for log
-records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged step reads
+smoothed final training loss, mean throughput and MFU, validation, run folder, checkpoint) and
+the level for log records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged
+step reads
 
     step   20/200 | loss 5.1234 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
 

@@ -13,8 +13,9 @@ job is valid, 1 with a message naming the bad key otherwise, or saying "does not
 was checked: ``dry run: OK`` only when everything was; a valid job with a check that could
 not be made (the memory fit: no such device here and no ``--memory-gib``, or
 ``training.memory_check = "off"``; the tokenizer: its files not cached, or a Hugging Face
-folder) ends ``dry run: config valid, nothing trained; NOT checked: memory fit (why); ...``. It opens no data file, stream or network
-connection; the tokenizer is only checked when its files are already cached.
+folder) ends ``dry run: config valid, nothing trained; NOT checked: memory fit (why); ...``.
+It opens no data file, stream or network connection; the tokenizer is only checked when its
+files are already cached.
 
 Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
 c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro-batch):
@@ -62,6 +63,7 @@ import torch
 from mhar_kernels import dispatch
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
+from mhar_titan.components.performance import routing_kernel_runs
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
@@ -296,11 +298,9 @@ def report(cfg: JobConfig, world_size: int, device: str,
 
 def _routing_runs(args: ModelArgs, device: str) -> str:
     """`` (runs eager on cpu)`` where the routing kernel asked for is not what runs on ``device``
-    (`mhar_kernels.dispatch.backend`), else ``""``."""
-    if args.residual != "attn_res":
-        return ""
-    runs = dispatch.backend(args.routing_kernel, device, args.dim, args.resolved_routing_heads)
-    return "" if runs == args.routing_kernel else f" (runs {runs} on {device})"
+    (`components.performance.routing_kernel_runs`), else ``""``."""
+    pair = routing_kernel_runs(args, torch.device(device))
+    return "" if pair is None or pair[0] == pair[1] else f" (runs {pair[1]} on {device})"
 
 
 def _available(known) -> Optional[tuple[int, str]]:
