@@ -1,6 +1,5 @@
 """Closed-form FLOPs vs torch's FLOP counter, MFU, and reading back every metric sink."""
 import glob
-import json
 import os
 import signal
 import subprocess
