@@ -120,9 +120,18 @@ def mfu(flops_per_token: float, tokens_per_second_per_device: float, peak: Optio
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory in GiB: CUDA max allocated on GPU, the process's max RSS on CPU."""
+    """Peak memory in GiB: CUDA max allocated on GPU, the process's own peak RSS on CPU.
+
+    On Linux the peak is ``VmHWM`` of ``/proc/self/status``: getrusage's ``ru_maxrss`` carries the
+    parent's high-water mark across exec, so a trainer started by a large process (a launcher,
+    a notebook, pytest) would report the parent's memory. Elsewhere ``ru_maxrss``."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # kB
+    except (OSError, StopIteration, ValueError):
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 

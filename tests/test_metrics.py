@@ -72,6 +72,17 @@ def test_block_source_counts_match_the_model_trace():
     assert [len(s) for s in trace] == routing_source_counts(args)
 
 
+def test_cpu_peak_memory_is_the_process_own_not_its_parents():
+    """A trainer started by a process holding 768 MiB more (a launcher, pytest) reports its own
+    peak: a child that imports torch only reads far less than the parent holds."""
+    held = torch.ones(768 * 2**20, dtype=torch.uint8)  # resident: every page written
+    code = "import torch; from mhar_titan.metrics import peak_memory_gib; print(peak_memory_gib(torch.device('cpu')))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S)
+    del held
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout) < 0.7, done.stdout  # torch alone: about 0.25 GiB
+
+
 def test_mfu_hand_computed():
     # 6e9 FLOPs/token at 1e5 tokens/s per device on a 989 TFLOP/s device: 6e14 / 9.89e14
     assert mfu(6e9, 1e5, 989e12) == pytest.approx(100 * 6e14 / 989e12)
