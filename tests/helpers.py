@@ -15,8 +15,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PATIENCE_S = 900.0
 """How long a test waits for a child process, or for a file another process or thread writes,
 before it calls that a hang. A guard, not a timing: the wait ends as soon as the awaited thing
-happens. 900 s is 15x the idle wall time of the slowest child the tests start (a 2-rank torchrun
-training run, about 60 s on 2 cores), i.e. room for a load average of 30 on 2 cores."""
+happens. Measured 2026-12-01 on 2 cores at load 10: the longest test waiting on children
+(`test_sigterm_on_both_launchers_checkpoints_and_relaunch_resumes`, two 2-node launches) took
+146 s in all, so one child stays under 900 s at load 30 with room to spare; the processes-marked
+tests passed beside two CPU-busy processes at load 23-29."""
 
 
 def wait_for(predicate, what: str, timeout: float = PATIENCE_S, interval: float = 0.1, context=lambda: ""):
