@@ -68,7 +68,8 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
     """Write ``model`` as a pretrained folder in ``fmt`` (see ``FORMATS``); returns the shard paths.
 
     With ``tokenizer`` (the one training used) the folder also gets its tokenizer files
-    (``tokenizer_files``) and ``config.json`` its ``eos_token_id`` (and ``bos_token_id``), so
+    (``tokenizer_files``) and ``config.json`` its ``eos_token_id``, ``pad_token_id`` (the eos id, the
+    tokenizer's pad token) and ``bos_token_id`` when there is one, so
     ``AutoTokenizer`` encodes as training did and ``generate()`` stops at the end of text.
 
     Raises:
@@ -87,7 +88,7 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
     if tokenizer is not None:
         write_tokenizer_files(tokenizer, folder, model.args.max_seq_len)
         config = read_json(Path(folder) / CONFIG)
-        config["eos_token_id"] = tokenizer.eos_id
+        config["eos_token_id"] = config["pad_token_id"] = tokenizer.eos_id  # the tokenizer files pad with eos
         if getattr(tokenizer, "bos_id", None) is not None:
             config["bos_token_id"] = tokenizer.bos_id
         write_json(Path(folder) / CONFIG, config)
