@@ -4,7 +4,7 @@ process whose path holds no checkout (only an installed copy of the package) and
     python hf_export_child.py SPEC.json OUT.json
 
 SPEC: {"repo": path of the checkout, "site": where the package is installed, "cases": [{"name",
-"folder", "remote": bool, "prompt": ids, "tokens": ids, "steps": int, "text", "ids"}, ...]}; a
+"folder", "remote": bool, "prompt": ids, "tokens": ids, "steps": int, "text", "ids", "n_vocab"}, ...]}; a
 case with no "tokens" is a tokenizer-only folder. OUT: per case the transformers class, the
 logits (as a list) for "tokens", the greedy continuation of "prompt", the AutoTokenizer ids and
 whether loading the tokenizer asked a question or logged a warning; for remote-code folders also
@@ -72,7 +72,7 @@ def batched(model, tokenizer, case):
             generated = model.generate(**batch, max_new_tokens=case["steps"], do_sample=False, use_cache=cache)
         seen[name] = new_tokens(generated, batch["input_ids"].shape[1], eos)
     seen["padding_side"] = AutoTokenizer.from_pretrained(case["folder"]).padding_side
-    seen["reference"] = generate_batch(model.model, rows, case["steps"], stop_ids=[eos])
+    seen["reference"] = generate_batch(model.model, rows, case["steps"], stop_ids=[eos], n_vocab=case["n_vocab"])
     return seen
 
 

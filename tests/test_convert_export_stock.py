@@ -85,10 +85,10 @@ def exported(tmp_path_factory):
         assert len(tokens) >= 17  # the batched prompts are 1, 5 and 17 tokens long
         with torch.no_grad():
             logits = model(torch.tensor([tokens]))[0]
-        greedy = generate(model, tokens[:8], STEPS, stop_ids=[tokenizer.eos_id]).tolist()
+        greedy = generate(model, tokens[:8], STEPS, stop_ids=[tokenizer.eos_id], n_vocab=tokenizer.n_vocab).tolist()
         ours[name] = (logits, greedy, tokenizer.encode(TEXT), tokenizer.eos_id)
         cases.append(dict(name=name, folder=folder, remote=CASES[name][2] is None, tokens=tokens, prompt=tokens[:8],
-                          steps=STEPS, text=TEXT))
+                          steps=STEPS, text=TEXT, n_vocab=tokenizer.n_vocab))
     cl100k = build_tokenizer(DataConfig(tokenizer="cl100k_base"))
     (tmp / "export" / "cl100k_base").mkdir()
     write_tokenizer_files(cl100k, tmp / "export" / "cl100k_base", 512)

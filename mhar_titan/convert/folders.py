@@ -69,8 +69,10 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
 
     With ``tokenizer`` (the one training used) the folder also gets its tokenizer files
     (``tokenizer_files``) and ``config.json`` its ``eos_token_id``, ``pad_token_id`` (the eos id, the
-    tokenizer's pad token) and ``bos_token_id`` when there is one, so
-    ``AutoTokenizer`` encodes as training did and ``generate()`` stops at the end of text.
+    tokenizer's pad token) and ``bos_token_id`` when there is one, and ``generation_config.json``
+    the same ids and the embedding's padding rows as ``suppress_tokens`` (``generation_config``), so
+    ``AutoTokenizer`` encodes as training did and ``generate()`` stops at the end of text and draws
+    only ids the tokenizer knows.
 
     Raises:
         ConversionError: an unknown format, a model the format cannot hold, or a tokenizer with
@@ -92,4 +94,19 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
         if getattr(tokenizer, "bos_id", None) is not None:
             config["bos_token_id"] = tokenizer.bos_id
         write_json(Path(folder) / CONFIG, config)
+        write_json(Path(folder) / GENERATION_CONFIG, generation_config(config, tokenizer.n_vocab, model.args.vocab_size))
     return paths
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(config: dict, n_vocab: int, vocab_size: int) -> dict:
+    """transformers' generation defaults of an export: the eos / pad / bos ids of ``config`` and,
+    when the embedding has more rows than the tokenizer has ids, ``suppress_tokens`` for the
+    padding rows [n_vocab, vocab_size) (ids the tokenizer cannot decode), so that ``generate()``
+    never draws them, as ``generate_batch(..., n_vocab=...)`` does not."""
+    out = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    if n_vocab < vocab_size:
+        out["suppress_tokens"] = list(range(n_vocab, vocab_size))
+    return out
