@@ -63,11 +63,12 @@ def batched(model, tokenizer, case):
     from mhar_titan.eval.generation import generate_batch
 
     eos = tokenizer.eos_token_id
-    rows = [case["tokens"][:n] for n in (1, 5, 17)]
-    seen = {}
+    texts = [tokenizer.decode(case["tokens"][:n]) for n in (1, 5, 17)]  # 1, 5 and 17 tokens (bytes tokenizer)
+    rows = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    seen = {"lengths": [len(row) for row in rows]}
     for name, side, cache in (("left", "left", True), ("right", "right", True), ("left no cache", "left", False)):
         tokenizer.padding_side = side
-        batch = tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+        batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             generated = model.generate(**batch, max_new_tokens=case["steps"], do_sample=False, use_cache=cache)
         seen[name] = new_tokens(generated, batch["input_ids"].shape[1], eos)

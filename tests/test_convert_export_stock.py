@@ -147,6 +147,8 @@ def check_remote(name: str, case: dict) -> None:
     """A remote-code folder: batched generate() is generate_batch, whatever the padding; the
     tokenizer pads on the left; save_pretrained writes the same folder kind."""
     batched = case["batched"]
+    if CASES[name][1] == "bytes":
+        assert batched["lengths"] == [1, 5, 17], name
     for way in ("left", "right", "left no cache"):
         assert batched[way] == batched["reference"], (name, way)
     assert batched["padding_side"] == "left", name

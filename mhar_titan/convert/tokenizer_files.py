@@ -107,14 +107,23 @@ def _write_json(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
 
 
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
+"""What the tokenizer returns: the inputs every exported model's forward takes (transformers 4.x
+would add ``token_type_ids``, which ``generate(**tokenizer(prompts))`` then refuses)."""
+
+
 def _add_padding(path: Path) -> None:
     """Give a copied ``tokenizer_config.json`` that names no pad token the eos token as its pad
-    token, and left padding (what batched generation needs); one that has a pad token is kept."""
+    token, and left padding (what batched generation needs); one that has a pad token is kept.
+    Without ``model_input_names`` it gets ``MODEL_INPUT_NAMES``."""
     if not path.is_file():
         return
     config = json.loads(path.read_text())
+    update = {} if "model_input_names" in config else {"model_input_names": list(MODEL_INPUT_NAMES)}
     if config.get("pad_token") is None and config.get("eos_token") is not None:
-        _write_json(path, {**config, "pad_token": config["eos_token"], "padding_side": config.get("padding_side", "left")})
+        update.update(pad_token=config["eos_token"], padding_side=config.get("padding_side", "left"))
+    if update:
+        _write_json(path, {**config, **update})
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int) -> list[Path]:
@@ -148,7 +157,8 @@ def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model
         (text for text, i in specials.items() if i == tokenizer.bos_id), None)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos, "pad_token": eos,
-        "padding_side": "left", "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
+        "padding_side": "left", "model_input_names": list(MODEL_INPUT_NAMES), "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(i): {"content": text, "special": True, "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False}
                                  for text, i in sorted(specials.items(), key=lambda item: item[1])},
