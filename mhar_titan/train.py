@@ -49,6 +49,7 @@ import torch.distributed as dist
 from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
+from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
 from mhar_titan.components.memory import available_memory, check_memory_fit
@@ -126,6 +127,7 @@ class Trainer:
         self.eval_loss_fn = build_loss_fn(cfg.compile, 0.0, t.loss_path, t.loss_chunk_tokens) \
             if t.z_loss > 0 else self.loss_fn
         self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
+        self.graphed = GraphedMicroStep(self.model, self.loss_fn) if t.cuda_graphs else None
         self.flops = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.state = TrainState()
@@ -198,7 +200,7 @@ class Trainer:
         """Drop the model, optimizer, loaders and EMA (and collect): FSDP state must be gone before
         ``destroy_process_group``, or 2-rank gloo runs can abort at exit (SIGABRT)."""
         for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn",
-                     "eval_loss_fn", "ema"):
+                     "eval_loss_fn", "ema", "graphed"):
             setattr(self, name, None)
         self.env.mesh = None
         gc.collect()
@@ -228,6 +230,9 @@ class Trainer:
         forced = (self.state.step + 1) in self.cfg.debug.force_nonfinite_loss_steps
         loss_total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
+            if self.graphed is not None:  # training.cuda_graphs (forced non-finite steps are refused with it)
+                loss_total += self.graphed.step(x, y, self.env.world_size / n_global)
+                continue
             loss_sum = self.model(x, y, loss_fn=self.loss_fn)
             if forced:  # debug: poison this step to exercise the non-finite guard
                 loss_sum = loss_sum * float("nan")
@@ -286,7 +291,8 @@ class Trainer:
                     agree_on_data_error(data_error, step, self.env.rank, self.env.world_size, self.device)
                     loss_t, grad_norm_t, group_norms_t, finite_t = self.train_step(micro)
                     guarded_step(self.optimizer, self.ema, finite_t)
-                    self.optimizer.zero_grad(set_to_none=True)
+                    # a captured backward accumulates into the gradients' storage: keep it (zero in place)
+                    self.optimizer.zero_grad(set_to_none=self.graphed is None)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     self.lr_scheduler.step()
                     logged = step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps
@@ -406,8 +412,10 @@ def check_config(cfg: JobConfig) -> ModelArgs:
     # the run folder can be created and written (not read-only, not under a file)
     check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
     batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+    args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
                               cfg.data.tokenizer)
+    check_cuda_graphs(cfg, args)
+    return args
 
 
 def run_training(cfg: JobConfig) -> TrainState:
