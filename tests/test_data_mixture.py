@@ -17,12 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import read_metrics
+from train_common import DEBUG_MHAR, SAMPLE, debug_cfg
+
+from mhar_titan.components.loss import target_count
 from mhar_titan.config import ConfigError, load_config
-from mhar_titan.data import DataConfig, DataError, DataStateError, build_tokenizer, build_train_loader
+from mhar_titan.data import (DataConfig, DataError, DataStateError, build_tokenizer, build_train_loader,
+                             build_validation_loader)
 from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.mixture import planned_source_windows, source_counts, window_sources
 from mhar_titan.data.pretokenize import write_pretokenized
-from mhar_titan.train import main
+from mhar_titan.dryrun import main as dryrun
+from mhar_titan.train import Trainer, main
 
 ALPHABETS = ("abcdefgh", "ijklmnop", "qrstuvwx")
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -311,3 +317,67 @@ def test_a_bad_mixture_file_exits_2_before_the_model_is_built(corpus, tmp_path, 
     err = capsys.readouterr().err
     assert "which is a training file of source 'b'" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------- trainer and dry run
+
+def _shakespeare_mixture(tmp_path) -> list[str]:
+    """Overrides of the debug config for a two-source mixture of the sample, both with validation
+    files (the second's: the validation shard's last 5 documents)."""
+    val = pq.read_table(SAMPLE / "validation-00000-of-00001.parquet")
+    cut = tmp_path / "val-cut.parquet"
+    pq.write_table(val.slice(val.num_rows - 5, 5), cut)
+    return ["--data.files=[]", "--data.validation_files=[]",
+            f'--data.sources=[{{name = "a", weight = 0.6, files = ["{SAMPLE}/train-0000[01]-of-00004.parquet"], '
+            f'validation_files = ["{SAMPLE}/validation-00000-of-00001.parquet"]}}, '
+            f'{{name = "b", weight = 0.4, files = ["{SAMPLE}/train-0000[23]-of-00004.parquet"], '
+            f'validation_files = ["{cut}"]}}]']
+
+
+needs_sample = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
+                                  reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+
+
+@needs_sample
+def test_trainer_logs_tokens_and_validation_loss_per_source(tmp_path):
+    cfg = debug_cfg(tmp_path, "mix", "--training.steps=3", "--validation.enable=true", "--validation.freq=3",
+                    "--validation.sequences=6", *_shakespeare_mixture(tmp_path))
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        rows = read_metrics(trainer.run_dir)
+        val = [r for r in rows if "val_loss" in r][-1]
+        # each source's loss is the trained model's on that source's own validation set, read alone
+        sums = {}
+        with torch.no_grad():
+            for m in cfg.data.mixture():
+                loader = build_validation_loader(m.data, trainer.tokenizer, dp_rank=0, dp_world=1,
+                                                 local_batch_size=8, seq_len=32, sequences=6)
+                loss = sum(trainer.model(x, y, loss_fn=trainer.eval_loss_fn) for x, y in loader)
+                sums[m.name] = (loss, sum(target_count(y) for _, y in loader))
+    finally:
+        trainer.close()
+    for name, (loss, n) in sums.items():
+        assert val[f"val_loss/{name}"] == pytest.approx((loss / n).item(), rel=1e-6)
+    total = (sums["a"][0] + sums["b"][0]) / (sums["a"][1] + sums["b"][1])
+    assert val["val_loss"] == pytest.approx(total.item(), rel=1e-6) and val["val_loss/a"] != val["val_loss/b"]
+    last = [r for r in rows if "loss" in r][-1]
+    assert last["tokens_seen/a"] + last["tokens_seen/b"] == last["tokens_seen"] == 3 * 8 * 32
+    planned = planned_source_windows([0.6, 0.4], seed=42, sharding="window", dp_world=1, num_workers=0,
+                                     local_batch_size=8, batches=3)
+    assert [last["tokens_seen/a"], last["tokens_seen/b"]] == (planned * 32).tolist()
+
+
+@needs_sample
+def test_dry_run_prints_the_mixture_with_planned_tokens(tmp_path, capsys):
+    assert dryrun(["--config", str(DEBUG_MHAR), "--device", "cpu", "--world-size", "2", "--training.steps=100",
+                   "--training.seq_len=32", "--data.sharding=document", "--data.num_workers=2",
+                   *_shakespeare_mixture(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    planned = planned_source_windows([0.6, 0.4], seed=42, sharding="document", dp_world=2, num_workers=2,
+                                     local_batch_size=8, batches=100) * 32
+    assert planned.sum() == 100 * 16 * 32
+    assert "data mixture: 2 source(s), document sharding, seed 42; tokens over the planned 100 steps (51,200 in all)" in out
+    assert f"a            weight 0.6000  tokens {planned[0]:>18,}" in out
+    assert f"b            weight 0.4000  tokens {planned[1]:>18,}" in out
+    assert "train-0000[01]-of-00004.parquet (2 paths here)" in out and "val-cut.parquet (1 path here)" in out
