@@ -62,6 +62,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "unset"
+    if _table_class(tp) is not None:
+        return f"a list of tables (one [[...]] table or {{key = value, ...}} per {_table_class(tp).__name__})"
     return getattr(tp, "__name__", str(tp))
 
 

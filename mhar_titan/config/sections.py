@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from mhar_titan.config.checkpoint import CheckpointConfig
-from mhar_titan.config.data import DataConfig
+from mhar_titan.config.data import SOURCE_KEYS, DataConfig
 
 PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
 """Parameter groups of the optimizer (``mhar_titan.optim.param_groups`` assigns them)."""
@@ -253,10 +253,14 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
-        """Nested plain dict; ``[model]`` overrides are flattened back into the section."""
+        """Nested plain dict; ``[model]`` overrides are flattened back into the section; a data
+        mixture's ``[data]`` leaves out the top-level source keys (unset: its sources hold them)."""
         out = dataclasses.asdict(self)
         overrides = out["model"].pop("overrides")
         out["model"].update(overrides)
+        if self.data.sources:
+            for key in SOURCE_KEYS:
+                out["data"].pop(key)
         return out
 
 
