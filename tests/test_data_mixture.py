@@ -352,6 +352,9 @@ def test_bad_mixture_files_are_one_line_naming_the_sources(corpus, tmp_path):
         check_data_files(cfg, dp_world=1, seed=0, validation=False)
     msg = str(err.value)
     assert "made with different tokenizers" in msg and "'a'" in msg and "'gpt2'" in msg and "\n" not in msg
+    # validation asked for, but no source has validation files
+    with pytest.raises(DataError, match="no source of data.sources has validation_files"):
+        check_data_files(_two(corpus, dict(files=t0), dict(files=t1)), dp_world=1, seed=0, validation=True)
     # a finite mixture in document sharding on several ranks
     cfg = _two(corpus, dict(files=t0), dict(files=t1))
     cfg.sharding, cfg.infinite = "document", False

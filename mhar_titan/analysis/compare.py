@@ -42,9 +42,23 @@ def data_order(cfg, tokens_per_step: float) -> dict:
 
 
 def order_differences(a: dict, b: dict) -> list[str]:
-    """The keys in which two ``data_order`` results differ ("data.seed", "tokens_per_step", ...)."""
-    keys = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
+    """The keys in which two ``data_order`` results differ ("data.seed", "tokens_per_step", ...; a
+    mixture's sources as "data.sources (web.weight 0.7 vs 0.5)")."""
+    keys = [f"data.{k}" if k != "sources" else f"data.sources ({_sources_difference(a['data'][k], b['data'][k])})"
+            for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
     return keys + [k for k in ("seq_len", "tokens_per_step") if a[k] != b[k]]
+
+
+def _sources_difference(a: Optional[list], b: Optional[list]) -> str:
+    """The first difference of two mixtures' source tables (lists of dicts, ``DataConfig.sources``)."""
+    names_a, names_b = [s["name"] for s in a or []], [s["name"] for s in b or []]
+    if names_a != names_b:
+        return f"sources {names_a} vs {names_b}"
+    for sa, sb in zip(a, b):
+        for key in sa:
+            if sa[key] != sb.get(key):
+                return f"{sa['name']}.{key} {sa[key]!r} vs {sb.get(key)!r}"
+    return "differ"
 
 
 @dataclasses.dataclass
