@@ -61,7 +61,7 @@ def main(out):
         positions = [None] * dist.get_world_size()
         dist.all_gather_object(positions, source_positions(trainer.train_loader))
         result[f"positions_{name}"] = positions
-        result[f"source_tokens_{name}"] = dict(trainer.state.source_tokens)
+        result[f"source_tokens_{name}"] = dict(trainer.state.settled_source_tokens())
         trainer.close(destroy_process_group=False)
         result[f"losses_{name}"] = metric_losses(trainer.run_dir)
         result[f"rows_{name}"] = read_metrics(trainer.run_dir)
@@ -76,7 +76,8 @@ def main(out):
     dist.all_gather_object(states, trainer.state.state_dict())
     result["train_states"] = states
     assert trainer.grad_accum == 2
-    loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    loss, norm, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    loss = loss.item()
     grads = full_grads(trainer.model)
     result["masked_loss"] = loss
     result["masked_grad_norm"] = norm.item()
