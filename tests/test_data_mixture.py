@@ -182,7 +182,9 @@ def test_window_mode_mixture_resumes_exactly_at_another_world_size(corpus, tok):
 
 def test_document_mode_mixture_at_another_world_size_starts_every_sources_next_epoch(corpus, tok, caplog):
     old = _loader(_mixture(corpus, sharding="document"), tok, 0, 2, batch=8)
-    list(itertools.islice(old, 60))
+    with caplog.at_level("INFO", logger="mhar_titan.data.stream"):
+        list(itertools.islice(old, 60))
+    assert "data: stream 0of2/0of1 of source 's0' starts epoch 1" in caplog.text  # log lines name the source
     state = old.state_dict()
     saved = state["epochs"]
     assert sorted(saved) == ["s0", "s1", "s2"] and saved["s0"] > saved["s2"]  # s0 (weight 0.5) ran through more
