@@ -63,7 +63,7 @@ from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_ar
 from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
-from mhar_titan.optim import warmup_warning
+from mhar_titan.optim import schedule_warnings
 
 GIB = 2**30
 
@@ -125,8 +125,7 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
     if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
     warnings += _check_tokenizer(cfg, args)
-    warmup = warmup_warning(cfg.lr_scheduler, cfg.training.steps)
-    return warnings + ([warmup] if warmup else [])
+    return warnings + schedule_warnings(cfg.lr_scheduler, cfg.training.steps)
 
 
 def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:
