@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mhar_titan.analysis.routing import routing_entropy
-from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
+from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
@@ -105,6 +105,8 @@ class Trainer:
         # Checks that need only the config first: a resume at another seq_len, the memory estimate.
         on_rank0(env.rank, env.world_size, self.run_folder.refuse_changed_seq_len)
         agree_on_setup(self._check_memory, env.world_size)
+        agree_on_setup(lambda: refuse_optimizer_switch(cfg.checkpoint, self.run_dir, cfg.optimizer.name),
+                       env.world_size)
         # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
