@@ -447,6 +447,10 @@ class ConfigLambdaLR(torch.optim.lr_scheduler.LambdaLR):
                 "the LR schedule differs from the checkpoint's (saved %s, now %s): continuing with the "
                 "current config's schedule from step %s", saved[0], current[0], state.get("last_epoch"))
         state["lr_lambdas"] = current
+        if len(state.get("base_lrs", ())) != len(self.base_lrs):
+            # saved for another optimizer's groups (a resume that loads no optimizer state): the
+            # current groups' peak LRs, from the config
+            state["base_lrs"] = list(self.base_lrs)
         super().load_state_dict(state)
         # The optimizer's restored group LRs (and the saved _last_lr) come from the saved
         # schedule; recompute both from the current one. The checkpoint manager loads the
