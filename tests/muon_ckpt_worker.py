@@ -50,6 +50,7 @@ def from_step3(out: Path, name: str) -> None:
 
 def main(phase: str, out: str) -> None:
     out = Path(out)
+    dist.init_process_group("gloo")  # the Trainers reuse it
     result = {}
     if phase == "two":
         result["straight"] = run(out, "straight", 6)
