@@ -42,6 +42,8 @@ def main(out: str, name: str, *overrides: str) -> None:
         batches.append([(gathered(x), gathered(y)) for x, y in micro])
         loss, norm, _ = trainer.train_step(micro)
         trainer.optimizer.step()
+        if trainer.ema is not None:
+            trainer.ema.update()
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.lr_scheduler.step()
         losses.append(loss)

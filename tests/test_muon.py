@@ -188,11 +188,17 @@ MUON_RUN = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32", "--opt
 @pytest.mark.slow  # about 40 s per world size on 2 idle cores (torchrun start-up, 5 steps)
 @pytest.mark.parametrize("world, geometry", [
     (2, ["--training.local_batch_size=2", "--training.global_batch_size=4"]),
-    (3, ["--training.local_batch_size=1", "--training.global_batch_size=6"]),  # 128 and 64 rows over 3: uneven
+    # 128 and 64 rows over 3 ranks: uneven shards; gradient accumulation 2, activation checkpointing,
+    # z-loss and a weight EMA beside the optimizer
+    (3, ["--training.local_batch_size=1", "--training.global_batch_size=6", "--activation_checkpoint.mode=full",
+         "--training.z_loss=1e-4", "--training.ema_decay=0.9"]),
 ])
 def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch, world, geometry):
-    """FSDP2 over `world` gloo ranks (3: shards of unequal rows, and gradient accumulation 2) against one
-    process applying torch.optim.Muon (its Newton-Schulz iteration in float64) and torch.optim.AdamW."""
+    """FSDP2 over `world` gloo ranks against one process applying torch.optim.Muon (its Newton-Schulz
+    iteration in float64, the fp32 run's reference) and torch.optim.AdamW to the same parameters with
+    the same settings, clipping and schedule. fp32 arithmetic: bf16 Newton-Schulz rounds the update to
+    bf16, so the trajectories of an FSDP and a one-process run part at bf16 precision (one process
+    against torch.optim.Muon in bf16 is bitwise: test_one_process_is_bitwise_torch_muon_and_adamw)."""
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     name = f"w{world}"
     overrides = [*MUON_RUN, *geometry]
