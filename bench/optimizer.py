@@ -7,7 +7,7 @@ Muon's all-gathers receive per rank per step (``optim.muon_comm_bytes``) at ``--
 ``--comm-world`` FSDP ranks in bf16 (its CUDA arithmetic), beside one bf16 all-gather of the whole
 model (what FSDP2 gathers once per forward, for scale).
 
-    python bench/optimizer.py --flavor 100m --reps 3            # prints a BENCHMARKS.md table
+    python bench/optimizer.py --flavor 100m --reps 1            # prints a BENCHMARKS.md table
     python bench/optimizer.py --flavor debug --reps 2            # toy size (the test runs this)
 
 State the load (``uptime``) beside the numbers: step times on a shared machine move with it.
@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--flavor", default="100m", choices=sorted(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--ns-dtypes", default="float32",
+                        help="Newton-Schulz dtypes to time, comma-separated (float32, bfloat16: slow on most CPUs)")
     parser.add_argument("--comm-flavor", default="1b", choices=sorted(CONFIGS))
     parser.add_argument("--comm-world", type=int, default=8)
     a = parser.parse_args(argv)
@@ -67,9 +69,10 @@ def main(argv=None) -> int:
     model = Transformer(model_args(a.flavor))
     n = sum(p.numel() for p in model.parameters())
     rows = []
-    for label, settings in (("AdamW (foreach)", Optimizer(name="AdamW")),
-                            ("Muon fp32 + AdamW", Optimizer(name="Muon", muon_ns_dtype="float32")),
-                            ("Muon bf16 + AdamW", Optimizer(name="Muon", muon_ns_dtype="bfloat16"))):
+    settings_list = [("AdamW (foreach)", Optimizer(name="AdamW"))]
+    settings_list += [(f"Muon ({dtype} Newton-Schulz) + AdamW", Optimizer(name="Muon", muon_ns_dtype=dtype))
+                      for dtype in a.ns_dtypes.split(",")]
+    for label, settings in settings_list:
         split = optimizer_split(model, settings)
         times = step_seconds(model, settings, a.reps)
         rows.append((label, len(split["Muon"]), statistics.median(times), min(times), max(times)))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_common import debug_cfg, full  # noqa: E402
 
 from mhar_titan.components.batches import next_micro_batches  # noqa: E402
+from mhar_titan.optim import clean_name  # noqa: E402
 from mhar_titan.train import Trainer  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 def main(out: str, name: str, *overrides: str) -> None:
     trainer = Trainer(debug_cfg(out, name, *overrides))
     model = trainer.model
-    initial = {n: full(p) for n, p in model.named_parameters()}
+    initial = {clean_name(n): full(p) for n, p in model.named_parameters()}
     batches, losses = [], []
     it = iter(trainer.train_loader)
     for step in range(1, trainer.cfg.training.steps + 1):
@@ -47,7 +48,7 @@ def main(out: str, name: str, *overrides: str) -> None:
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.lr_scheduler.step()
         losses.append(loss)
-    final = {n: full(p) for n, p in model.named_parameters()}
+    final = {clean_name(n): full(p) for n, p in model.named_parameters()}
     mine = torch.cat([v.flatten() for v in final.values()])
     theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(theirs, mine)
