@@ -47,17 +47,21 @@ def main(argv=None) -> int:
                                 tokenizer=runs[0].tokenizer, seeds=len(runs), train_band=train_band, val_band=val_band))
     plot_comparison(curves, comparison_table(curves), a.out, dpi=a.dpi)
     first = next(iter(groups))
-    print("| group | runs | tokens per run | final val loss per run | mean | final train loss (mean) |")
-    print("|---|---|---|---|---|---|")
+    every = [r for runs in groups.values() for r in runs]
+    step = max(set.intersection(*(set(s for s, _ in r.val) for r in every)))  # the last validation all ran
+    final = {id(r): dict(r.val)[step] for r in every}
+    print(f"validation loss at step {step} ({every[0].tokens(step):,.0f} tokens), the last step every run evaluated")
+    print("| group | runs | val loss per run | mean | last logged train loss (mean) |")
+    print("|---|---|---|---|---|")
     for name, runs in groups.items():
-        finals = [r.val[-1][1] for r in runs]
+        finals = [final[id(r)] for r in runs]
         train = mean_and_se([r.train[-1][1] for r in runs])[0]
-        print(f"| {name} | {', '.join(r.name for r in runs)} | {runs[0].tokens_seen:,} | "
+        print(f"| {name} | {', '.join(r.name for r in runs)} | "
               f"{', '.join(f'{v:.4f}' for v in finals)} | {mean_and_se(finals)[0]:.4f} | {train:.4f} |")
     for name, runs in list(groups.items())[1:]:
-        deltas = [r.val[-1][1] - b.val[-1][1] for r, b in zip(runs, groups[first])]
+        deltas = [final[id(r)] - final[id(b)] for r, b in zip(runs, groups[first])]
         m, se = mean_and_se(deltas)
-        print(f"\npaired final val loss, {name} - {first}: {', '.join(f'{d:+.4f}' for d in deltas)}; "
+        print(f"\npaired val loss at step {step}, {name} - {first}: {', '.join(f'{d:+.4f}' for d in deltas)}; "
               f"mean {m:+.4f} +/- {se:.4f} (SE over {len(deltas)} pairs)")
     print(f"\nwrote {a.out}")
     return 0
