@@ -359,18 +359,21 @@ def describe_split(split: dict[str, list[tuple[str, tuple[int, ...]]]]) -> list[
 
 def optimizer_fields(model: nn.Module, cfg, shard_world: int, device_type: str) -> list[str]:
     """The console fields of the optimizer line: which optimizer updates how many tensors and
-    parameters, and (Muon) the arithmetic and the modelled all-gather bytes per step and rank."""
+    parameters, and (Muon) the Newton-Schulz arithmetic and the modelled all-gather bytes per step
+    and rank (``muon_comm_bytes``)."""
+    from mhar_titan.console import count
+
     split = optimizer_split(model, cfg)
     fields = ["optimizer"]
-    for opt, entries in split.items():
-        if entries:
-            numel = sum(math.prod(s) for _, s in entries)
-            fields.append(f"{opt} {len(entries)} tensors ({numel:,} params)")
+    for opt, kind in (("Muon", "matrices"), ("AdamW", "tensors")):
+        if split[opt]:
+            numel = sum(math.prod(s) for _, s in split[opt])
+            fields.append(f"{opt} {len(split[opt])} {kind}, {count(numel)} params")
     if split["Muon"]:
         dtype = resolved_ns_dtype(cfg, device_type)
         comm = muon_comm_bytes([s for _, s in split["Muon"]], shard_world, dtype)
-        fields.append(f"Newton-Schulz {cfg.muon_ns_steps} steps in {dtype}, lr scale {cfg.muon_lr_scale}")
-        fields.append(f"all-gather {comm / 2**20:.2f} MiB/step/rank (modelled)")
+        fields.append(f"Newton-Schulz {cfg.muon_ns_steps} x {dtype}")
+        fields.append(f"all-gather {comm / 2**20:.2f} MiB/step (modelled)")
     return fields
 
 

@@ -212,7 +212,7 @@ def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch
                            str(ROOT / "tests" / "muon_fsdp_worker.py"), str(tmp_path), name, *overrides],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"| optimizer | Muon 28 tensors" in done.stdout
+    assert f"| optimizer | Muon 28 matrices, 786k params | AdamW 20 tensors, 6.44M params" in done.stdout
     record = torch.load(tmp_path / f"{name}.pt", weights_only=False)
     assert record["grad_accum"] == (2 if world == 3 else 1)
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _ns64)

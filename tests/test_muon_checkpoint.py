@@ -90,7 +90,7 @@ def test_switching_optimizer_at_a_resume_is_refused_unless_the_optimizer_state_i
     # without the optimizer state: the run resumes (weights, schedule, data position) with a fresh Muon
     assert _main(tmp_path, "adamw", "--training.steps=4", "--optimizer.name=Muon",
                  "--checkpoint.exclude_from_loading=[\"optimizer\"]") == 0
-    assert "| optimizer | Muon 28 tensors" in capsys.readouterr().out
+    assert "| optimizer | Muon 28 matrices, 786k params | AdamW 20 tensors, 6.44M params" in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(tmp_path / "adamw") if "loss" in r] == [1, 2, 3, 4]
     assert _main(tmp_path, "from_adamw", "--training.steps=1", "--optimizer.name=Muon",
                  f"--checkpoint.initial_load_path={step2}") == 0  # model only (the default)
