@@ -39,19 +39,21 @@ def model_args(flavor: str):
     return build_model_args(load_config(str(ROOT / "train_configs" / CONFIGS[flavor])))
 
 
-def step_seconds(model: torch.nn.Module, settings: Optimizer, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` optimizer steps (after a warm-up step) with fixed random gradients."""
+def step_seconds(model: torch.nn.Module, settings: Optimizer, reps: int) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of this process) of each of ``reps`` optimizer steps (after a warm-up
+    step) with fixed random gradients. On a shared machine the CPU seconds move less with the load."""
     gen = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen) * 1e-3
     opt = build_optimizer(model, settings)
     opt.step()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         opt.step()
         times.append(time.perf_counter() - start)
-    return times
+        cpu.append(time.process_time() - start_cpu)
+    return times, cpu
 
 
 def main(argv=None) -> int:
@@ -74,15 +76,16 @@ def main(argv=None) -> int:
                       for dtype in a.ns_dtypes.split(",")]
     for label, settings in settings_list:
         split = optimizer_split(model, settings)
-        times = step_seconds(model, settings, a.reps)
-        rows.append((label, len(split["Muon"]), statistics.median(times), min(times), max(times)))
+        times, cpu = step_seconds(model, settings, a.reps)
+        rows.append((label, len(split["Muon"]), statistics.median(times), min(times), max(times),
+                     statistics.median(cpu)))
     load = os.getloadavg()
     print(f"optimizer step, {a.flavor} ({n / 1e6:.1f} M parameters), one process, CPU fp32, {a.threads} thread(s), "
           f"median of {a.reps} (min-max); load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
-    print("| optimizer | Muon matrices | step (s) | min-max (s) |")
-    print("|---|---|---|---|")
-    for label, k, med, lo, hi in rows:
-        print(f"| {label} | {k} | {med:.3f} | {lo:.3f}-{hi:.3f} |")
+    print("| optimizer | Muon matrices | step, wall (s) | min-max (s) | step, CPU (s) | CPU vs AdamW |")
+    print("|---|---|---|---|---|---|")
+    for label, k, med, lo, hi, cpu in rows:
+        print(f"| {label} | {k} | {med:.3f} | {lo:.3f}-{hi:.3f} | {cpu:.3f} | {cpu / rows[0][5]:.1f}x |")
     meta = build_meta_model(model_args(a.comm_flavor))
     shapes = [s for _, s in optimizer_split(meta, Optimizer(name="Muon"))["Muon"]]
     comm = muon_comm_bytes(shapes, a.comm_world, "bfloat16")

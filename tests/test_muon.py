@@ -263,6 +263,7 @@ def test_optimizer_bench_runs_at_toy_size(capsys):
                        "--comm-world", "2"]) == 0
     out = capsys.readouterr().out
     assert "| AdamW (foreach) | 0 |" in out and "| Muon (float32 Newton-Schulz) + AdamW | 28 |" in out
+    assert "| 1.0x |" in out
     shapes = [s for _, s in optimizer_split(build_meta_model(build_model_args(load_config(str(DEBUG_MHAR)))),
                                             Optimizer(name="Muon"))["Muon"]]
     assert f"{muon_comm_bytes(shapes, 2, 'bfloat16') / 2**30:.2f} GiB received per rank per step" in out
