@@ -31,6 +31,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from mhar_titan.config import PARAM_GROUPS
+from mhar_titan.errors import ConfigError
 
 # Wrappers that insert a path component into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -125,7 +126,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         "decay" and "no_decay" (``optimizer_split`` says which parameter is where).
 
     Raises:
-        ValueError: Muon was asked for and no parameter is a matrix of ``cfg.muon_groups``.
+        ConfigError: Muon was asked for and no parameter is a matrix of ``cfg.muon_groups``.
     """
     groups = param_group_of(model)
     split = optimizer_split(model, cfg)
@@ -136,8 +137,8 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         return _adamw(_adamw_groups(adamw_named, groups, cfg), cfg)
     muon_named = [(n, p) for n, p in named if n in muon_names]
     if not muon_named:
-        raise ValueError(f"optimizer.name = \"Muon\" but no parameter is a matrix of optimizer.muon_groups = "
-                         f"{cfg.muon_groups}")
+        raise ConfigError(f"optimizer.name = \"Muon\" but no parameter of this model is a matrix of "
+                          f"optimizer.muon_groups = {cfg.muon_groups} (a tied LM head is the embedding); add \"other\"")
     decay = cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay
     muon_groups = [{"name": "muon", "params": [p for n, p in muon_named if groups[n] not in cfg.no_decay],
                     "weight_decay": decay},

@@ -267,3 +267,11 @@ def test_optimizer_bench_runs_at_toy_size(capsys):
     shapes = [s for _, s in optimizer_split(build_meta_model(build_model_args(load_config(str(DEBUG_MHAR)))),
                                             Optimizer(name="Muon"))["Muon"]]
     assert f"{muon_comm_bytes(shapes, 2, 'bfloat16') / 2**30:.2f} GiB received per rank per step" in out
+
+
+def test_muon_groups_without_a_matrix_in_this_model_is_a_config_error():
+    from mhar_titan.errors import ConfigError
+
+    model = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2)  # tied head
+    with pytest.raises(ConfigError, match="no parameter of this model is a matrix of optimizer.muon_groups"):
+        build_optimizer(model, Optimizer(name="Muon", muon_groups=["head"]))
