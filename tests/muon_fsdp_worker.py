@@ -4,7 +4,7 @@ single-process reference (tests/test_muon.py).
     torchrun --nproc_per_node=W tests/muon_fsdp_worker.py OUT NAME [--section.key=value ...]
 
 Runs ``training.steps`` steps as ``Trainer.train`` does them (``train_step``: forward, backward,
-clipping; optimizer step; zero_grad; schedule step) and writes OUT/NAME.pt on rank 0: the model
+clipping; ``guarded_step``: optimizer and EMA; zero_grad; schedule step) and writes OUT/NAME.pt on rank 0: the model
 arguments, the full initial weights, every step's global micro-batches (gathered from the ranks),
 the losses and the full final weights. Asserts on every rank that each rank ends with the same
 full weights (the gathered updates agree).
@@ -22,6 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_common import debug_cfg, full  # noqa: E402
 
 from mhar_titan.components.batches import next_micro_batches  # noqa: E402
+from mhar_titan.components.step_guard import guarded_step  # noqa: E402
 from mhar_titan.optim import clean_name  # noqa: E402
 from mhar_titan.train import Trainer  # noqa: E402
 
@@ -41,13 +42,11 @@ def main(out: str, name: str, *overrides: str) -> None:
     for step in range(1, trainer.cfg.training.steps + 1):
         micro = next_micro_batches(it, trainer.grad_accum, trainer.device, step)
         batches.append([(gathered(x), gathered(y)) for x, y in micro])
-        loss, norm, _ = trainer.train_step(micro)
-        trainer.optimizer.step()
-        if trainer.ema is not None:
-            trainer.ema.update()
+        loss, _, _, finite = trainer.train_step(micro)
+        guarded_step(trainer.optimizer, trainer.ema, finite)
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.lr_scheduler.step()
-        losses.append(loss)
+        losses.append(loss.item())
     final = {clean_name(n): full(p) for n, p in model.named_parameters()}
     mine = torch.cat([v.flatten() for v in final.values()])
     theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
