@@ -17,7 +17,7 @@ One optimizer step:
 3. global gradient norm (and per group: routing pseudo-queries, gates, the
    rest), clipping; a non-finite loss or norm skips the step (counted), and
    ``training.max_consecutive_nonfinite`` consecutive ones stop the run;
-4. AdamW step, weight EMA update (``training.ema_decay``; validation runs on the EMA
+4. optimizer step (AdamW, or Muon with AdamW: ``optim.build_optimizer``), weight EMA update (``training.ema_decay``; validation runs on the EMA
    weights), LR schedule step, checkpoint, preemption check. With ``training.z_loss`` the
    summed loss of step 2 includes the z-loss (``components.loss``).
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from mhar_titan.analysis.routing import routing_entropy
-from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
+from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.ema import WeightEMA
@@ -72,7 +72,7 @@ from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
-from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
+from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
 from mhar_titan.parallel import build_model, init_distributed
 from mhar_titan.preemption import PreemptionHandler
 
@@ -112,6 +112,8 @@ class Trainer:
         # Checks that need only the config first: a resume at another seq_len, the memory estimate.
         on_rank0(env.rank, env.world_size, self.run_folder.refuse_changed_seq_len)
         agree_on_setup(self._check_memory, env.world_size)
+        agree_on_setup(lambda: refuse_optimizer_switch(cfg.checkpoint, self.run_dir, cfg.optimizer.name),
+                       env.world_size)
         # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
@@ -155,6 +157,8 @@ class Trainer:
         self.metrics.event(self.state.step, *startup_fields(
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
             self.grad_accum, self.flops))
+        self.metrics.event(self.state.step, *optimizer_fields(self.model, cfg.optimizer, env.world_size,
+                                                              self.device.type))
         self.metrics.event(self.state.step, "run folder", str(self.run_dir))
 
     def _check_memory(self) -> None:
