@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import PATIENCE_S, ROOT
 
 PATIENCE_S = 1800  # a hang guard only: six launches of a 100m model on a loaded 2-core machine
 
@@ -14,7 +14,7 @@ PATIENCE_S = 1800  # a hang guard only: six launches of a 100m model on a loaded
 def test_wheel_list_resolves_and_installs(tmp_path):
     wheels = tmp_path / "whl"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wheels.sh"), str(wheels)], capture_output=True,
-                          text=True, timeout=600, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+                          text=True, timeout=PATIENCE_S, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = [line.split("==") for line in (ROOT / "bench" / "gpu_wheels.txt").read_text().splitlines()
               if line.strip() and not line.startswith("#")]
@@ -24,7 +24,7 @@ def test_wheel_list_resolves_and_installs(tmp_path):
         assert any(n.startswith(f"{name.replace('-', '_')}-{version}-") for n in names), (name, names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-                    *map(str, wheels.glob("*.whl"))], check=True, timeout=300)
+                    *map(str, wheels.glob("*.whl"))], check=True, timeout=PATIENCE_S)
     probe = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(site)!r}); "
                             "import tomli_w, torchdata; print(torchdata.__file__, tomli_w.__file__)"], capture_output=True, text=True)
     assert probe.returncode == 0 and probe.stdout.count(str(site)) == 2, probe.stdout + probe.stderr

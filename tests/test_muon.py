@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.optim._muon as torch_muon
-from helpers import ROOT, tiny_model
+from helpers import PATIENCE_S, ROOT, tiny_model
 from train_common import debug_cfg
 
 from mhar_titan.components.loss import build_loss_fn, target_count
@@ -210,7 +210,7 @@ def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch
     overrides = [*MUON_RUN, *geometry]
     done = subprocess.run([str(torchrun), f"--nproc_per_node={world}", "--standalone",
                            str(ROOT / "tests" / "muon_fsdp_worker.py"), str(tmp_path), name, *overrides],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"| optimizer | Muon 28 matrices, 786k params | AdamW 20 tensors, 6.44M params" in done.stdout
     record = torch.load(tmp_path / f"{name}.pt", weights_only=False)

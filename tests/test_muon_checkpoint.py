@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, read_metrics
+from helpers import PATIENCE_S, ROOT, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TORCHRUN = pathlib.Path(sys.executable).with_name("torchrun")
@@ -16,7 +16,7 @@ TORCHRUN = pathlib.Path(sys.executable).with_name("torchrun")
 def launch(phase: str, world: int, out: pathlib.Path) -> dict:
     done = subprocess.run([str(TORCHRUN), f"--nproc_per_node={world}", "--standalone",
                            str(ROOT / "tests" / "muon_ckpt_worker.py"), phase, str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / f"{phase}.json").read_text())
 
