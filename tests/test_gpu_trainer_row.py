@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PATIENCE_S, ROOT
+from helpers import ROOT
 
 PATIENCE_S = 1800  # a hang guard only: six launches of a 100m model on a loaded 2-core machine
 
