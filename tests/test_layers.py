@@ -15,7 +15,7 @@ KERNELS = ROOT / "kernels"
 
 LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status",
           "mhar_titan.files",
-          "mhar_titan.console")
+          "mhar_titan.console", "mhar_titan.cli_args")
 MODEL_ARGUMENTS = ("mhar_titan.models.args", "mhar_titan.models.plan")  # the model's argument leaf
 CONFIG = ("mhar_titan.config",)
 BUILDERS = ("mhar_titan.models", "mhar_titan.data", "mhar_titan.checkpoint", "mhar_titan.optim",
