@@ -1,0 +1,198 @@
+"""Every writer on a real full filesystem: a small tmpfs mounted for the test and filled up.
+
+Libraries report a full disk in their own exceptions (safetensors' ``SafetensorError``, DCP's
+``CheckpointException``, tensorboard's writer thread, pyarrow's and matplotlib's ``OSError``);
+each command must still end in the one-line ``cannot write ...: the disk is full`` error
+(``mhar_titan.files``, the one owner), exit status 2, with nothing half-written left. Mounting
+needs root (CAP_SYS_ADMIN); where it is not allowed the tests skip and say so.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from helpers import tiny_model
+
+from mhar_titan.files import WriteError
+
+FILL_BLOCK = 1 << 16
+
+
+@contextmanager
+def full_filesystem(where: Path, size: str = "1m", leave: int = 0):
+    """A tmpfs of ``size`` mounted at ``where``, filled by a file ``fill`` until the kernel says
+    ENOSPC, then shortened to leave ``leave`` bytes free; unmounted at the end, whatever happens."""
+    where.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                           capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs at {where} ({(mount.stderr or mount.stdout).strip()}): the real "
+                    "full-disk tests need root with mount permission")
+    try:
+        fd = os.open(where / "fill", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            written = 0
+            while True:
+                try:
+                    written += os.write(fd, b"\0" * FILL_BLOCK)
+                except OSError as e:
+                    assert e.errno == 28, e
+                    break
+            os.ftruncate(fd, max(0, written - leave))
+        finally:
+            os.close(fd)
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def _left(folder: Path) -> list[str]:
+    """What is in the filesystem besides the filler (and lost+found): should be nothing."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != "fill")
+
+
+def _one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert "the disk is full" in err[0] and "ENOSPC" in err[0] and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A model-only DCP checkpoint of a tiny MHAR model (byte tokenizer; about 170 KB of weights)."""
+    from mhar_titan.convert.dcp_io import save_model_dcp
+
+    path = tmp_path_factory.mktemp("ckpt") / "step-0"
+    save_model_dcp(tiny_model(vocab_size=320), path, tokenizer="bytes")
+    return path
+
+
+def test_convert_export_on_a_full_disk_fails_in_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys):
+    """64 KiB free: the small JSON files fit, the safetensors weights do not (safetensors raises
+    ``SafetensorError ... (os error 28)``, not an ``OSError``)."""
+    from mhar_titan.convert.__main__ import main
+
+    with full_filesystem(tmp_path / "fs", leave=1 << 16) as fs:
+        assert main(["export", str(checkpoint), str(fs / "out")]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"python -m mhar_titan.convert export: error: cannot write {fs / 'out'}/shard-"), line
+        assert _left(fs) == []
+
+
+def test_convert_import_on_a_full_disk_fails_in_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys):
+    """DCP's writer reports the full disk inside a ``CheckpointException`` (per-rank failures)."""
+    from mhar_titan.convert.__main__ import main
+
+    assert main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    with full_filesystem(tmp_path / "fs", leave=1 << 12) as fs:
+        assert main(["import", str(tmp_path / "hf"), str(fs / "ckpt")]) == 2
+        assert _one_error_line(capsys).startswith("python -m mhar_titan.convert import: error: cannot write ")
+        assert _left(fs) == []
+
+
+def test_safetensors_writer_raises_write_error_and_keeps_the_earlier_file(tmp_path):
+    import torch
+
+    from mhar_titan.convert.safetensors_io import ShardedWriter
+    from mhar_titan.files import write_bytes
+
+    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+        write_bytes(fs / "earlier.bin", b"x" * 100)
+        with pytest.raises(WriteError, match=r"cannot write .*: the disk is full .*ENOSPC"):
+            writer = ShardedWriter(fs, 1 << 30)
+            writer.add("w", torch.zeros(1 << 16))
+            writer.close()
+        assert _left(fs) == ["earlier.bin"] and (fs / "earlier.bin").read_bytes() == b"x" * 100
+
+
+def _curves_run(folder: Path) -> Path:
+    """A run folder with only a metrics file: what `analysis compare` reads."""
+    folder.mkdir()
+    rows = [f'{{"step": {s}, "loss": {5 - s / 10}, "tokens_seen": {64 * s}, "val_loss": {5.1 - s / 10}}}'
+            for s in range(1, 9)]
+    (folder / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_a_figure_on_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, capsys):
+    from mhar_titan.analysis.__main__ import main
+
+    a, b = _curves_run(tmp_path / "a"), _curves_run(tmp_path / "b")
+    with full_filesystem(tmp_path / "fs", size="256k") as fs:
+        assert main(["compare", str(a), str(b), "-k", "2", "--out", str(fs / "cmp")]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith("python -m mhar_titan.analysis compare: error: cannot write ") and ".png" in line
+        assert [p for p in _left(fs) if p != "cmp"] == []  # the output folder itself may exist, empty
+
+
+def test_prepared_parquet_shards_on_a_full_disk_raise_write_error_and_leave_nothing(tmp_path):
+    """pyarrow's parquet writer (prepare_shakespeare's shards) into a folder renamed into place."""
+    from mhar_titan.data.prepare_shakespeare import VALIDATION_WORKS, write_shards
+
+    text = "To be, or not to be, that is the question. " * 200
+    rows = {name: [{"text": text, "id": f"{name}/1", "title": name, "part": 1, "file_path": name, "language": "en",
+                    "token_count": len(text)}] for name in (*VALIDATION_WORKS, "hamlet", "macbeth")}
+    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+        with pytest.raises(WriteError, match=r"cannot write .*shards: the disk is full .*ENOSPC"):
+            write_shards(rows, fs / "shards", 2)
+        assert _left(fs) == []
+
+
+def test_pretokenize_on_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, capsys):
+    from mhar_titan.data.pretokenize import main
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join('{"text": "' + "word " * 400 + f'{i}"}}\n' for i in range(20)))
+    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--files", str(source), "--out", str(fs / "tokens"), "--tokenizer", "bytes"])
+        assert exit_.value.code == 2
+        assert "the disk is full" in capsys.readouterr().err
+        assert _left(fs) == []
+
+
+def test_metric_sinks_on_a_full_disk_raise_write_error(tmp_path, capsys):
+    """The trainer's TensorBoard event file (written by tensorboard's own thread) and JSONL log:
+    the full disk is one ``WriteError`` (train.main prints it in one line, exit 2), and the
+    writer thread prints no traceback of its own."""
+    from mhar_titan.metrics import JSONLSink, TensorBoardSink
+
+    with full_filesystem(tmp_path / "fs", size="256k") as fs:
+        with pytest.raises(WriteError, match=r"cannot write .*tb: the disk is full .*ENOSPC"):
+            sink = TensorBoardSink(fs / "tb")
+            for step in range(1, 10_000):
+                sink.log(step, {"loss": 1.0 / step})
+        sink = JSONLSink(fs / "metrics.jsonl")
+        with pytest.raises(WriteError, match=r"cannot write .*metrics\.jsonl: the disk is full .*ENOSPC"):
+            for step in range(1, 10_000):
+                sink.log(step, {"loss": 1.0 / step, "note": "x" * 100})
+                sink.flush()
+        sink.close()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
+def test_only_os_failures_become_write_errors(tmp_path):
+    """A bug inside a write keeps its own exception (and the temporary file goes); a library error
+    that names an OS errno in its text, or a DCP failure over one, is an OS failure."""
+    from mhar_titan.files import atomic_path, os_error_of
+
+    with pytest.raises(ZeroDivisionError):
+        with atomic_path(tmp_path / "x.bin") as tmp:
+            tmp.write_bytes(b"partial")
+            1 / 0
+    assert list(tmp_path.iterdir()) == []
+    assert os_error_of(ValueError("shape mismatch in layer 3")) is None
+    assert os_error_of(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")).errno == 28
+    try:
+        try:
+            raise OSError(30, "Read-only file system")
+        except OSError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert os_error_of(outer).errno == 30
