@@ -41,7 +41,7 @@ from typing import IO, Iterator, Optional
 from mhar_titan.errors import UserError
 
 __all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text",
-           "os_error_of", "write_error", "writing", "atomic_path", "atomic_open", "write_text", "write_bytes",
+           "os_error_of", "write_error", "writing", "swallowed_write_error", "atomic_path", "atomic_open", "write_text", "write_bytes",
            "atomic_folder", "check_output_folder"]
 
 
@@ -199,6 +199,20 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
         if error is None:
             raise
         raise error from None
+
+
+def swallowed_write_error(path: str | os.PathLike, logged: str) -> WriteError:
+    """The ``WriteError`` for a library that caught its own failed write of ``path`` and only logged
+    it (``logged``: what it logged, e.g. lm-eval's ``Could not save results aggregated``): the OS
+    error its log names, else a full disk when the filesystem there has less than
+    ``NEARLY_FULL_BYTES`` free, else the log's own words."""
+    path = Path(path)
+    err = os_error_of(RuntimeError(logged), path)
+    free = free_bytes(path)
+    if err is None and free is not None and free < NEARLY_FULL_BYTES:
+        err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    why = os_error_text(err, path) if err is not None else logged.strip() or "the library did not say why"
+    return WriteError(f"cannot write {path}: {why}")
 
 
 def _fsync_folder(folder: Path) -> None:

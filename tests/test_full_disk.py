@@ -196,3 +196,22 @@ def test_only_os_failures_become_write_errors(tmp_path):
             raise RuntimeError("wrapped") from inner
     except RuntimeError as outer:
         assert os_error_of(outer).errno == 30
+
+
+@pytest.mark.lm_eval
+def test_lm_eval_results_on_a_full_disk_fail_in_one_line_and_leave_nothing(checkpoint, tmp_path, capsys, monkeypatch):
+    """lm-eval's results writer catches its own failed write and only logs it (leaving an empty
+    results file): the command still ends in the one disk-full line, exit 2, and removes it."""
+    pytest.importorskip("lm_eval")
+    from helpers import ROOT
+
+    from mhar_titan.eval.__main__ import main
+
+    monkeypatch.chdir(ROOT)  # the local task files name their data relative to the repository root
+    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 11) as fs:
+        assert main(["lm-eval", str(checkpoint), "--tasks", "shakespeare_choice", "--include-path", "eval_tasks",
+                     "--limit", "2", "--output-path", str(fs / "results"), "--log-samples"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line or "Could not" in line]
+        assert len(err) == 1 and err[0].startswith("python -m mhar_titan.eval lm-eval: error: cannot write "), err
+        assert "the disk is full" in err[0] and "ENOSPC" in err[0], err
+        assert [p for p in _left(fs) if p != "results"] == []

@@ -33,6 +33,45 @@ def _perplexity(args) -> dict:
             "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}
 
 
+def lm_eval_writes(output_path: str | pathlib.Path, save) -> None:
+    """Run lm-eval's own results writer ``save()``. lm-eval catches a failed write (a full disk) and
+    only logs it, leaving a partial file: its log is read here instead, and then what it wrote under
+    ``output_path`` in this call is removed and the failure raised, one line, through the project's
+    full-disk handling (``mhar_titan.files.swallowed_write_error``).
+
+    Raises:
+        WriteError: lm-eval logged that it could not save (the message names the path and the disk).
+    """
+    import logging
+
+    from mhar_titan.files import swallowed_write_error
+
+    class Failures(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    where = pathlib.Path(output_path)
+    root = where.parent if where.suffix == ".json" else where
+    before = set(root.rglob("*")) if root.is_dir() else set()
+    logger, handler = logging.getLogger("lm_eval"), Failures()  # its modules log under lm_eval.*
+    logger.addHandler(handler)  # lm-eval's own words stay off stderr here: the command says it in one line
+    try:
+        save()
+    finally:
+        logger.removeHandler(handler)
+    failed = [line for line in handler.lines if line.startswith("Could not save")]
+    if failed:
+        for path in sorted(set(root.rglob("*")) - before, reverse=True):  # files first, then new folders
+            path.unlink() if path.is_file() else path.rmdir()
+        raise swallowed_write_error(where, "; ".join(handler.lines))
+    for line in handler.lines:  # what lm-eval logs on success (warnings) is shown as before
+        print(f"lm-eval: {line}", file=sys.stderr)
+
+
 def _lm_eval(args) -> str:
     """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
     try:
@@ -73,10 +112,13 @@ def _lm_eval(args) -> str:
             "the datasets cache (HF_HOME) where the hub is reachable") from None
     samples = results.pop("samples", None)
     if tracker is not None:
-        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
-        if args.log_samples:
-            for task in results["configs"]:
-                tracker.save_results_samples(task_name=task, samples=samples[task])
+        def save():
+            tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
+            if args.log_samples:
+                for task in results["configs"]:
+                    tracker.save_results_samples(task_name=task, samples=samples[task])
+
+        lm_eval_writes(args.output_path, save)
     header = f"mhar_titan ({loaded.checkpoint}, step {loaded.step}), limit: {args.limit}, " \
              f"num_fewshot: {args.num_fewshot}, batch_size: {lm.batch_size}"
     tables = [make_table(results)] + ([make_table(results, "groups")] if "groups" in results else [])
