@@ -113,6 +113,13 @@ def test_perplexity_command_matches_the_trainers_last_validation(runs, capsys):
     assert result["step"] == STEPS and result["tokens"] == 2 * 32
     assert result["loss"] == pytest.approx(last_val, rel=1e-5)
     assert eval_main(["perplexity", str(run / "missing")]) == 2
+    capsys.readouterr()
+    window = load_run(run).args.max_seq_len  # a longer --seq-len: one line naming it and the limit
+    for command in (eval_main, analysis_main):
+        argv = ["perplexity" if command is eval_main else "heatmap", str(run), "--seq-len", str(window + 1)]
+        assert command(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--seq-len" in err[0] and f"max_seq_len {window}" in err[0], err
 
 
 RATE = re.compile(r"--- (\d+) new tokens in \d+\.\d\d s: \d+\.\d tokens/s \((KV cache|no cache), cpu\) ---")
