@@ -8,49 +8,16 @@ needs root (CAP_SYS_ADMIN); where it is not allowed the tests skip and say so.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model
+from helpers import tiny_model, tmpfs
 
 from mhar_titan.files import WriteError
 
-FILL_BLOCK = 1 << 16
-
-
-@contextmanager
-def full_filesystem(where: Path, size: str = "1m", leave: int = 0):
-    """A tmpfs of ``size`` mounted at ``where``, filled by a file ``fill`` until the kernel says
-    ENOSPC, then shortened to leave ``leave`` bytes free; unmounted at the end, whatever happens."""
-    where.mkdir(parents=True, exist_ok=True)
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                           capture_output=True, text=True)
-    if mount.returncode:
-        pytest.skip(f"cannot mount a tmpfs at {where} ({(mount.stderr or mount.stdout).strip()}): the real "
-                    "full-disk tests need root with mount permission")
-    try:
-        fd = os.open(where / "fill", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            written = 0
-            while True:
-                try:
-                    written += os.write(fd, b"\0" * FILL_BLOCK)
-                except OSError as e:
-                    assert e.errno == 28, e
-                    break
-            os.ftruncate(fd, max(0, written - leave))
-        finally:
-            os.close(fd)
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-
 
 def _left(folder: Path) -> list[str]:
-    """What is in the filesystem besides the filler (and lost+found): should be nothing."""
+    """What is in the filesystem besides the filler: should be nothing."""
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != "fill")
 
 
@@ -76,7 +43,7 @@ def test_convert_export_on_a_full_disk_fails_in_one_line_and_leaves_nothing(chec
     ``SafetensorError ... (os error 28)``, not an ``OSError``)."""
     from mhar_titan.convert.__main__ import main
 
-    with full_filesystem(tmp_path / "fs", leave=1 << 16) as fs:
+    with tmpfs(tmp_path / "fs", "1m", leave=1 << 16) as fs:
         assert main(["export", str(checkpoint), str(fs / "out")]) == 2
         line = _one_error_line(capsys)
         assert line.startswith(f"python -m mhar_titan.convert export: error: cannot write {fs / 'out'}/shard-"), line
@@ -89,7 +56,7 @@ def test_convert_import_on_a_full_disk_fails_in_one_line_and_leaves_nothing(chec
 
     assert main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0
     capsys.readouterr()
-    with full_filesystem(tmp_path / "fs", leave=1 << 12) as fs:
+    with tmpfs(tmp_path / "fs", "1m", leave=1 << 12) as fs:
         assert main(["import", str(tmp_path / "hf"), str(fs / "ckpt")]) == 2
         assert _one_error_line(capsys).startswith("python -m mhar_titan.convert import: error: cannot write ")
         assert _left(fs) == []
@@ -101,7 +68,7 @@ def test_safetensors_writer_raises_write_error_and_keeps_the_earlier_file(tmp_pa
     from mhar_titan.convert.safetensors_io import ShardedWriter
     from mhar_titan.files import write_bytes
 
-    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=1 << 12) as fs:
         write_bytes(fs / "earlier.bin", b"x" * 100)
         with pytest.raises(WriteError, match=r"cannot write .*: the disk is full .*ENOSPC"):
             writer = ShardedWriter(fs, 1 << 30)
@@ -123,7 +90,7 @@ def test_a_figure_on_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, 
     from mhar_titan.analysis.__main__ import main
 
     a, b = _curves_run(tmp_path / "a"), _curves_run(tmp_path / "b")
-    with full_filesystem(tmp_path / "fs", size="256k") as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=0) as fs:
         assert main(["compare", str(a), str(b), "-k", "2", "--out", str(fs / "cmp")]) == 2
         line = _one_error_line(capsys)
         assert line.startswith("python -m mhar_titan.analysis compare: error: cannot write ") and ".png" in line
@@ -137,7 +104,7 @@ def test_prepared_parquet_shards_on_a_full_disk_raise_write_error_and_leave_noth
     text = "To be, or not to be, that is the question. " * 200
     rows = {name: [{"text": text, "id": f"{name}/1", "title": name, "part": 1, "file_path": name, "language": "en",
                     "token_count": len(text)}] for name in (*VALIDATION_WORKS, "hamlet", "macbeth")}
-    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=1 << 12) as fs:
         with pytest.raises(WriteError, match=r"cannot write .*shards: the disk is full .*ENOSPC"):
             write_shards(rows, fs / "shards", 2)
         assert _left(fs) == []
@@ -148,7 +115,7 @@ def test_pretokenize_on_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_pat
 
     source = tmp_path / "docs.jsonl"
     source.write_text("".join('{"text": "' + "word " * 400 + f'{i}"}}\n' for i in range(20)))
-    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 12) as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=1 << 12) as fs:
         with pytest.raises(SystemExit) as exit_:
             main(["--files", str(source), "--out", str(fs / "tokens"), "--tokenizer", "bytes"])
         assert exit_.value.code == 2
@@ -162,7 +129,7 @@ def test_metric_sinks_on_a_full_disk_raise_write_error(tmp_path, capsys):
     writer thread prints no traceback of its own."""
     from mhar_titan.metrics import JSONLSink, TensorBoardSink
 
-    with full_filesystem(tmp_path / "fs", size="256k") as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=0) as fs:
         with pytest.raises(WriteError, match=r"cannot write .*tb: the disk is full .*ENOSPC"):
             sink = TensorBoardSink(fs / "tb")
             for step in range(1, 10_000):
@@ -208,7 +175,7 @@ def test_lm_eval_results_on_a_full_disk_fail_in_one_line_and_leave_nothing(check
     from mhar_titan.eval.__main__ import main
 
     monkeypatch.chdir(ROOT)  # the local task files name their data relative to the repository root
-    with full_filesystem(tmp_path / "fs", size="256k", leave=1 << 11) as fs:
+    with tmpfs(tmp_path / "fs", "256k", leave=1 << 11) as fs:
         assert main(["lm-eval", str(checkpoint), "--tasks", "shakespeare_choice", "--include-path", "eval_tasks",
                      "--limit", "2", "--output-path", str(fs / "results"), "--log-samples"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line or "Could not" in line]
