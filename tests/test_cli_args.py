@@ -57,6 +57,7 @@ BAD_FLAGS = [  # (command, argv, flag named, words of the message)
     (analysis_main, ["compare", NOWHERE, "-k", "0"], "-k", "positive integer"),
     (convert_main, ["export", NOWHERE, "out", "--max-shard-gb", "0"], "--max-shard-gb", "> 0"),
     (convert_main, ["import", NOWHERE, "out", "--max-seq-len", "-1"], "--max-seq-len", "positive integer"),
+    (convert_main, ["export", NOWHERE, "out", "--step", "-2"], "--step", ">= 0"),
     (experiments_main, ["list", "s.toml", "--gpu-hours", "--mfu", "1.5"], "--mfu", "(0, 1]"),
     (experiments_main, ["results", "s.toml", "--dpi", "0"], "--dpi", "positive integer"),
     (dryrun_main, ["--config", "c.toml", "--world-size", "0"], "--world-size", "positive integer"),
@@ -137,3 +138,25 @@ def test_the_flag_types_accept_their_ranges():
                        (cli_args.positive_float, "inf"), (cli_args.device, "cuda:x")):
         with pytest.raises(argparse.ArgumentTypeError):
             check(bad)
+
+
+def test_every_command_of_the_package_uses_the_shared_parser_and_flag_types():
+    """Read from the sources of mhar_titan/: no command builds a plain ``argparse.ArgumentParser``
+    (its errors are a usage block, not one line) and no flag takes a bare ``int`` / ``float``
+    (a count of -5 or 0 would pass), but a seed."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "mhar_titan").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if name == "argparse.ArgumentParser":
+                found.append(f"{path.name}: argparse.ArgumentParser")
+            if name.endswith("add_argument"):
+                flag = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else "?"
+                kind = next((ast.unparse(k.value) for k in node.keywords if k.arg == "type"), None)
+                if kind in ("int", "float") and flag != "--seed":
+                    found.append(f"{path.name}: {flag} type={kind}")
+    assert found == []

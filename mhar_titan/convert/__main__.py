@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mhar_titan.checkpoint import MARKER
-from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int
 from mhar_titan.config.checkpoint import EXPORT_DTYPES
 from mhar_titan.config import load_config
 from mhar_titan.data import DataConfig, build_tokenizer
@@ -62,7 +62,7 @@ def _parser() -> ArgumentParser:
     exp.add_argument("checkpoint", help="run folder (newest complete checkpoint), or a checkpoints/step-N folder, "
                                         "or a converted checkpoint (python -m mhar_titan.convert import)")
     exp.add_argument("out")
-    exp.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
+    exp.add_argument("--step", type=non_negative_int, default=None, help="checkpoint step of the run folder")
     exp.add_argument("--format", choices=FORMATS, default="auto",
                      help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
                           "names (routing models); auto: hf when possible, else mhar")
