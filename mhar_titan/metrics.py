@@ -191,18 +191,41 @@ class ConsoleSink:
         pass
 
 
+def read_jsonl_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a metrics JSONL file, in file order. A last line that is not whole JSON (the
+    write of a full disk or a killed process stopped inside it) is left out; a broken line before
+    the last is an error.
+
+    Raises:
+        ValueError: a line other than the last is not JSON (the message names the file and line).
+    """
+    lines = [(i, line) for i, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for k, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k == len(lines) - 1:
+                break  # torn by the failed write
+            raise ValueError(f"{path} line {number} is not JSON; the metrics file is damaged (repair or move "
+                             f"it away)") from None
+    return rows
+
+
 class JSONLSink:
-    """One JSON object per log call, appended (a resumed run continues the same file).
+    """One JSON object per log call, appended (a resumed run continues the same file; a torn last
+    row, left by a full disk or a kill, is dropped first).
 
     ``resume_step``: a run resumed from the checkpoint of that step first drops the rows the
     interrupted run wrote after it, so every step appears once, with the resumed run's values.
     """
 
     def __init__(self, path: pathlib.Path, resume_step: Optional[int] = None):
-        if resume_step is not None and path.exists():
-            rows = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line).get("step", 0) <= resume_step]
-            if len(kept) != len(rows):
+        if path.exists():  # a torn last row (a full disk, a kill) is dropped before rows are appended
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            rows = read_jsonl_rows(path)
+            kept = [line for line, r in zip(lines, rows) if resume_step is None or r.get("step", 0) <= resume_step]
+            if len(kept) != len(lines):
                 write_text(path, "".join(line + "\n" for line in kept))
         self.path = path
         with writing(path):
@@ -417,7 +440,7 @@ class MetricsLogger:
         included), in step order; [] on ranks other than 0."""
         if self.console is None or not self.jsonl_path.exists():
             return []
-        rows = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        rows = read_jsonl_rows(self.jsonl_path)
         return sorted((r["step"], float(r["val_loss"])) for r in rows if "val_loss" in r)
 
     def flush(self) -> None:

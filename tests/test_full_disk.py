@@ -182,3 +182,35 @@ def test_lm_eval_results_on_a_full_disk_fail_in_one_line_and_leave_nothing(check
         assert len(err) == 1 and err[0].startswith("python -m mhar_titan.eval lm-eval: error: cannot write "), err
         assert "the disk is full" in err[0] and "ENOSPC" in err[0], err
         assert [p for p in _left(fs) if p != "results"] == []
+
+
+def test_training_on_a_disk_that_fills_up_stops_in_one_line_and_its_log_reads_back(tmp_path, capsys):
+    """The disk fills while the trainer appends its JSONL log: one line naming the file, exit 2;
+    the torn last row is left out by every reader (the end-of-run summary, a resumed sink, compare)."""
+    import json
+    import shutil
+
+    from train_common import SAMPLE, debug_argv
+
+    from mhar_titan.analysis.compare import read_run
+    from mhar_titan.metrics import JSONLSink, read_jsonl_rows
+    from mhar_titan.train import main
+
+    if not (SAMPLE / "validation-00000-of-00001.parquet").exists():
+        pytest.skip("run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+    with tmpfs(tmp_path / "fs", "256k", leave=12 << 10) as fs:
+        assert main(debug_argv(fs, "r", "--training.local_batch_size=2", "--data.tokenizer=bytes",
+                               "--training.steps=400")) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith(f"training stopped: WriteError: cannot write {fs / 'r'}"
+                                                   "/metrics.jsonl: the disk is full"), err
+        shutil.copytree(fs / "r", tmp_path / "r", ignore=shutil.ignore_patterns(".lock"))
+    log = tmp_path / "r" / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(lines[-1])  # the row the full disk cut
+    rows = read_jsonl_rows(log)
+    assert len(rows) == len(lines) - 1 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert read_run(tmp_path / "r").train[-1][0] == rows[-1]["step"]
+    JSONLSink(log, resume_step=rows[-1]["step"]).close()  # a resumed run drops the torn row before appending
+    assert log.read_text() == "".join(line + "\n" for line in lines[:-1])

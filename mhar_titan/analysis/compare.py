@@ -17,7 +17,6 @@ rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Optional, Sequence
@@ -82,6 +81,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         ValueError: the metrics file has no training row with ``tokens_seen`` (tokens unknown).
     """
     from mhar_titan.eval.load import read_run_config
+    from mhar_titan.metrics import read_jsonl_rows
 
     path = pathlib.Path(path)
     cfg = read_run_config(path)
@@ -89,10 +89,8 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} not found: is {path} a run folder (<dump_folder>/<job.name>)?")
     by_step: dict[int, dict] = {}
-    for line in metrics.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
+    for row in read_jsonl_rows(metrics):  # a torn last row (a full disk, a kill) is left out
+        by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
     train, val, rates, speeds, seen, last = [], [], [], [], 0, 0
     for step in sorted(by_step):
         row = by_step[step]
