@@ -240,7 +240,8 @@ def markdown(rows: list[dict], title: str) -> str:
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
     lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
               f"{r['num_warps']} | {r['registers']} | "
-              f"{r['spill_store_bytes']} / {r['spill_load_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
+              f"{r['spill_store_bytes']} / {r['spill_load_bytes']} | {r['scalar_16bit_loads']} | "
+              f"{r['accesses_128bit']} | "
               f"{r['async_copies_128bit']} / {r['async_copies_8byte']} / {r['async_copies_4byte']} | "
               f"{r['source_copies_128bit']} / {r['source_copies_8byte']} / {r['source_copies_4byte']} | "
               f"{r['loads_128bit']} | {r['stores_128bit']} | "

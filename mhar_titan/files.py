@@ -41,8 +41,8 @@ from typing import IO, Iterator, Optional
 from mhar_titan.errors import UserError
 
 __all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text",
-           "os_error_of", "write_error", "writing", "swallowed_write_error", "atomic_path", "atomic_open", "write_text", "write_bytes",
-           "atomic_folder", "check_output_folder"]
+           "os_error_of", "write_error", "writing", "swallowed_write_error", "atomic_path", "atomic_open",
+           "write_text", "write_bytes", "atomic_folder", "check_output_folder"]
 
 
 class WriteError(UserError, OSError):

@@ -67,7 +67,8 @@ BAD_FLAGS = [  # (command, argv, flag named, words of the message)
 ]
 
 
-@pytest.mark.parametrize("main, argv, flag, words", BAD_FLAGS, ids=[" ".join(a[:1] + a[-2:]) for _, a, _, _ in BAD_FLAGS])
+@pytest.mark.parametrize("main, argv, flag, words", BAD_FLAGS,
+                         ids=[" ".join(a[:1] + a[-2:]) for _, a, _, _ in BAD_FLAGS])
 def test_a_bad_flag_is_refused_in_one_line_naming_it(main, argv, flag, words, capsys):
     line = refusal(main, argv, capsys)
     assert line.startswith("python -m mhar_titan.") and ": error: " in line, line

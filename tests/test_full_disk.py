@@ -155,7 +155,8 @@ def test_only_os_failures_become_write_errors(tmp_path):
             1 / 0
     assert list(tmp_path.iterdir()) == []
     assert os_error_of(ValueError("shape mismatch in layer 3")) is None
-    assert os_error_of(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")).errno == 28
+    safetensors_text = "Error while serializing: I/O error: No space left on device (os error 28)"
+    assert os_error_of(RuntimeError(safetensors_text)).errno == 28
     try:
         try:
             raise OSError(30, "Read-only file system")

@@ -67,7 +67,8 @@ def _parser() -> ArgumentParser:
                      help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
                           "names (routing models); auto: hf when possible, else mhar")
     exp.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="dtype of the exported weights (default: float32)")
-    exp.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest weight file, in GB (2**30 bytes)")
+    exp.add_argument("--max-shard-gb", type=positive_float, default=5.0,
+                     help="largest weight file, in GB (2**30 bytes)")
     exp.add_argument("--tokenizer", default=None,
                      help=f"the tokenizer whose files the folder gets ({', '.join(N_VOCAB)} or {HF_PREFIX}<folder>); "
                           "default: the one the checkpoint records")

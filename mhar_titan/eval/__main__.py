@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     p = sub.choices["perplexity"]
     p.add_argument("--files", nargs="+", default=None, help="held-out parquet/jsonl files or globs")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's)")
-    p.add_argument("--batches", type=positive_int, default=None, help="batches to score (default: the run's validation.sequences)")
+    p.add_argument("--batches", type=positive_int, default=None,
+                   help="batches to score (default: the run's validation.sequences)")
     p = sub.choices["lm-eval"]
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--limit", type=positive_int, default=None, help="examples per task")
