@@ -52,7 +52,8 @@ from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy, plain_
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.parallel import apply_ac, apply_compile, compile_whole_model  # noqa: E402
 
-from routing import MICRO_BATCH, append_section, write_table  # noqa: E402  (bench/ is on sys.path as a script)
+from routing_harness import MICRO_BATCH  # noqa: E402  (bench/ is on sys.path as a script)
+from tables import append_section, write_table  # noqa: E402
 
 # The paper's three families (models/args.py FAMILIES) under the short names of the tables, and
 # MHAR with grouped routing at the group size "auto" picks per flavor (docs/DESIGN.md "Grouped routing").
