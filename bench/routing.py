@@ -82,7 +82,8 @@ def main(argv=None) -> None:
     p.add_argument("--families", default="mhar,mhar-grouped", help="with --measure: mhar, mhar-grouped")
     p.add_argument("--tokens", default="4,8,12", help="with --measure: the token counts counted (batch 1)")
     p.add_argument("--json", action="store_true", help="with --bytes --measure: print the result as JSON "
-                   "(scale -> family -> {modelled, measured, floor} in bytes)")
+                   "(scale -> family -> {modelled, measured, floor} in bytes); with --host: family -> "
+                   "{step_ms_min, step_ms_median, call_us_min, load} (the routing's host time per 1b step)")
     p.add_argument("--host", action="store_true", help="print the host time of one call with launches stubbed "
                    "(--iters calls) and of one whole 1b step, per call and grouped, with the harness without "
                    "routing subtracted (max(3, iters // 20) steps), then stop")
@@ -124,16 +125,22 @@ def main(argv=None) -> None:
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"
             step_iters = max(3, a.iters // 20)
             steps = {family: host_step_ms("1b", family, iters=step_iters) for family in ("mhar", "mhar-grouped")}
+            load = os.getloadavg()[0]
             text += "\n\n" + " ".join(
                 f"Host time of one whole 1b step, {family} ({'73 calls' if family == 'mhar' else 'g = 11'}; every "
                 f"site, forward + backward, launches stubbed, AC none, {step_iters} steps): harness median "
                 f"{r['median']:.1f} ms (minimum {r['min']:.1f} ms), of which the harness without routing "
-                f"{r['standin_median']:.1f} ms: routing {r['routing']:.1f} ms." for family, r in steps.items()) + (
-                f" Load average {os.getloadavg()[0]:.2f} on {where}.")
+                f"{r['standin_median']:.1f} ms (minimum {r['standin_min']:.1f} ms): routing {r['routing']:.1f} ms "
+                f"(minimum {r['min'] - r['standin_min']:.1f} ms)." for family, r in steps.items()) + (
+                f" Load average {load:.2f} on {where}.")
+            if a.json:  # family -> the routing's host time per step and one call's, and the load
+                text = json.dumps({family: dict(step_ms_min=r["min"] - r["standin_min"], step_ms_median=r["routing"],
+                                                call_us_min=1e3 * host["call_min"], load=load)
+                                   for family, r in steps.items()}, indent=1)
         print(text)
         if a.out:
             write_table(a.out, text)
-        if a.append:
+        if a.append and not a.json:
             append_section(a.append, text, title)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

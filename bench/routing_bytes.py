@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from mhar_kernels.traffic import (H200_PROGRAMS, Launch, Traffic, element_bytes, grouped_traffic,  # noqa: E402
-                                  routing_traffic)
+from mhar_kernels.traffic import H200_PROGRAMS, grouped_traffic, routing_traffic  # noqa: E402
+from mhar_titan.components.performance import grouped_step_traffic, step_traffic  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
 from routing_harness import MICRO_BATCH, SHAPES, auto_group, step_groups  # noqa: E402
@@ -42,73 +42,6 @@ def grouped_moved_bytes(b: int, t: int, d: int, n: int, heads: int, dtype, devic
     block = launch_config(b * t, g, heads, d // heads, backward=True)["SB"]
     return grouped_traffic(step_groups(n, g), dim=d, tokens=b * t, dtype=dtype, heads=heads,
                            programs=reduce_programs(b * t, device), backward_site_block=block).total
-
-
-def plan_sources(args: ModelArgs) -> list[list[int]]:
-    """For each routing site of the model's routing plan, the entries (ids) of the (B, T, d)
-    sources it reads; the null source is not a row and is left out."""
-    plan = RoutingPlan.from_args(args)
-    return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
-
-
-def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
-    """Bytes autograd moves to assemble the gradients of the routing parameters of one step
-    (kind "parameters"; independent of the tokens), as models/model.py lays them out: the
-    pseudo-queries and key-norm weights are (S, d) parameters, layer i's blocks get the (2, d)
-    slice of its two sites and each site selects its row, the final site selects its row of the
-    whole parameter. Per parameter, backward then runs: per layer site a select backward ((d,)
-    read, (2, d) written) and per layer one (2, d) addition of its two sites and a slice backward
-    ((2, d) read, (S, d) written); for the final site a select backward ((d,) read, (S, d)
-    written); and L additions of (S, d) summing the L + 1 contributions. Per-call routing
-    (routing_group_size 1); grouped routing adds, per group of g > 1 sites, the slice backward of
-    the group's (g, d) rows its phase 1 reads ((g, d) read, (S, d) written) and one more (S, d)
-    addition. The null source and delta gates not included."""
-    el, d, layers, s = element_bytes(dtype), args.dim, args.n_layers, args.n_routing_sites
-    row, pair, whole = d * el, 2 * d * el, s * d * el
-    groups = [g.size for g in RoutingPlan.from_args(args).groups if g.size > 1]
-    read = 2 * layers * row + layers * 2 * pair + layers * pair + row + layers * 2 * whole
-    written = 2 * layers * pair + layers * pair + layers * whole + whole + layers * whole
-    read += sum(g * row + 2 * whole for g in groups)
-    written += 2 * whole * len(groups)
-    return Launch(None, "parameters", read=2 * read, written=2 * written)
-
-
-def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
-                 programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
-    """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
-    (shared: the sources' gradient buffers shared between sites, as the models run), with the
-    routing parameters' gradient assembly (`parameter_gradients`)."""
-    sites = plan_sources(args)
-    t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
-                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
-                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
-    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
-
-
-def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
-    """Per routing group of the plan (args.routing_group_size): the entries (ids) of the (B, T, d)
-    sources its phase 1 reads, and per site those of its in-group sources; the grouped
-    counterpart of `plan_sources` (null source left out)."""
-    plan = RoutingPlan.from_args(args)
-    rows = lambda entries: [j for j in entries if plan.sources[j].kind != "null"]  # noqa: E731
-    return [(rows(group.reads), [rows(late) for late in group.late]) for group in plan.groups]
-
-
-def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
-                         programs: int = H200_PROGRAMS) -> Traffic:
-    """Counted routing bytes of one grouped training step (`mhar_kernels.traffic.grouped_traffic`),
-    with the phase-1 backward's site chunks of the fused kernels' launch configuration."""
-    from mhar_kernels.triton_grouped import launch_config
-
-    groups = plan_groups(args)
-    heads = args.resolved_routing_heads
-    g = max(len(late) for _, late in groups)
-    block = launch_config(tokens, g, heads, args.dim // heads, backward=True)["SB"]
-    t = grouped_traffic(groups, dim=args.dim, tokens=tokens, dtype=dtype, heads=heads,
-                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
-                        programs=programs, backward_site_block=block,
-                        recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0)
-    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
 
 
 def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:

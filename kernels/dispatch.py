@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import contract, grouped_reference, reference
+from . import contract, grouped_reference, launch, reference
 
 KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routing_kernel field
 BACKENDS = ("eager", "compile", "triton")
@@ -78,7 +78,11 @@ def route(
     null_source, full = contract.split_null_source(sources)
     if kernel not in KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
+    # sources that are consecutive entries of one source table were checked against each other when
+    # they were shared (`launch.SourceTable.accepts`): only the first is checked against the rest
+    uniform = len(full) > 1 and launch.lookup(launch.sinks(full)) is not None
+    heads = contract.check_route_args(full[:1] if uniform else full, query, norm_weight, heads, partial, alpha,
+                                      null_source)
     if permutation is not None and kernel != "eager":
         raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
                          "set routing_kernel='eager'")

@@ -19,6 +19,7 @@ from mhar_titan.models.model import Transformer
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import routing as routing_bench  # noqa: E402
 import routing_bytes  # noqa: E402
+from mhar_titan.components import performance  # noqa: E402
 
 FP32 = traffic.FP32
 
@@ -86,7 +87,7 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
                                  routing_kernel="triton")
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
     measured = _measured_step(monkeypatch, args, tokens)
-    sites = routing_bytes.plan_sources(args)
+    sites = performance.plan_sources(args)
     assert [len(ids) for ids in sites] == list(range(1, 2 * args.n_layers + 2))  # site s reads s sources
     counted = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
     kinds = counted.by_kind()
@@ -148,6 +149,20 @@ def test_host_row_is_its_own_mode(tmp_path):
     assert "load average" in text and "Grouped" not in text
     # the whole-step rows: the harness, the harness without routing, and their difference
     assert text.count("of which the harness without routing") == 2 and "mhar-grouped (g = 11" in text
+
+
+def test_host_row_as_json(tmp_path):
+    """`bench/routing.py --host --json`: family -> the routing's host time per 1b step (minimum
+    and median), one call's minimum in microseconds and the load, as one object (values are
+    measurements, not asserted beyond their kind)."""
+    import json
+
+    routing_bench.main(["--host", "--json", "--iters", "2", "--out", str(tmp_path / "host.json")])
+    result = json.loads((tmp_path / "host.json").read_text())
+    assert sorted(result) == ["mhar", "mhar-grouped"]
+    for row in result.values():
+        assert sorted(row) == ["call_us_min", "load", "step_ms_median", "step_ms_min"]
+        assert row["call_us_min"] > 0 and row["load"] >= 0
 
 
 def test_bytes_table_reports_every_scale(tmp_path):
