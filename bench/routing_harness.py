@@ -71,6 +71,16 @@ def timer(device: torch.device):
     return measure
 
 
+def host_timer(fn) -> float:
+    """Milliseconds of host CPU time of one fn() call on this thread (`time.thread_time`): what
+    the host work costs, which other processes on a shared machine do not stretch (they do stretch
+    the wall clock, by up to the load over the cores); on an idle machine it equals the wall time
+    of single-threaded host work."""
+    t0 = time.thread_time()
+    fn()
+    return 1e3 * (time.thread_time() - t0)
+
+
 def median_ms(fn, device, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()

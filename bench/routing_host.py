@@ -20,7 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from mhar_kernels.dispatch import route as model_route, share_gradient  # noqa: E402
 from routing_harness import (SHAPES, auto_group, make_inputs, one_grouped_step, one_step,  # noqa: E402
-                             standin_step, stubbed_launches, timer)
+                             standin_step, stubbed_launches, host_timer)
 
 
 def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dict:
@@ -50,7 +50,7 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
 
         def plain():  # the same without share_gradient, subtracted from share()
             torch.autograd.grad([x.sum() for x in sources], sources)
-        measure = timer(torch.device("cpu"))  # the host clock: there is no device work
+        measure = host_timer  # host CPU time: there is no device work
         result = {}
         for name, fn in (("call", call), ("share", share), ("plain", plain)):
             for _ in range(10):
@@ -81,7 +81,7 @@ def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters:
     else:
         run = one_grouped_step("triton", sources, query, norm_weight, heads, auto_group(shape))
     with stubbed_launches():
-        measure = timer(torch.device("cpu"))  # the host clock: there is no device work
+        measure = host_timer  # host CPU time: there is no device work
         result = {}
         for key, fn in (("", run), ("standin_", standin_step(sources, query, norm_weight))):
             fn()

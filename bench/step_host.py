@@ -29,7 +29,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -47,7 +46,7 @@ from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy  # noqa
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.optim import build_optimizer, clip_grad_norm_by_group  # noqa: E402
 from mhar_titan.parallel import apply_ac  # noqa: E402
-from routing_harness import stubbed_launches  # noqa: E402
+from routing_harness import host_timer, stubbed_launches  # noqa: E402
 from tables import append_section, write_table  # noqa: E402
 
 FAMILIES = {"baseline": MODEL_FAMILIES["baseline"], "mhar": dict(MODEL_FAMILIES["mhar H=8"], routing_kernel="triton"),
@@ -98,9 +97,7 @@ def host_step_ms(scale: str, families, ac: str, repeats: int = 20, warmup: int =
                 step()
         for _ in range(repeats):
             for family, step in steps.items():
-                t0 = time.perf_counter()
-                step()
-                times[family].append(1e3 * (time.perf_counter() - t0))
+                times[family].append(host_timer(step))
     return {family: dict(min=min(t), median=statistics.median(t)) for family, t in times.items()}
 
 
