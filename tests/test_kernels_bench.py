@@ -110,3 +110,28 @@ def test_bench_modules_import_no_circle():
         return None
     cycles = [c for c in (cycle_from(n, [n]) for n in sorted(graph)) if c]
     assert not cycles, f"circular imports in bench/: {cycles[0]}"
+
+
+def test_step_host_bench_rows(tmp_path):
+    """`bench/step_host.py` at 100m, baseline and per-call MHAR, AC none, one timed step: one row per
+    family with its host time (a measurement, not asserted beyond its sign), the GPU time of each
+    micro-batch as `performance.modelled_gpu_ms` gives it, and the verdict that follows from the two."""
+    import step_host
+    from mhar_titan.components import performance
+    from mhar_titan.models.args import ModelArgs
+
+    step_host.main(["--scales", "100m", "--families", "baseline,mhar", "--ac", "none", "--repeats", "1",
+                    "--out", str(tmp_path / "step.md")])
+    text = (tmp_path / "step.md").read_text()
+    assert "launches stubbed" in text and "a model, not a measurement" in text and "load average" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 100m | none |")]
+    assert [r[2].strip() for r in rows] == ["baseline", "mhar"]
+    for r in rows:
+        host = float(r[3])
+        assert host > 0
+        args = ModelArgs.from_flavor("100m", **step_host.FAMILIES[r[2].strip()])
+        for i, mb in enumerate(performance.MICRO_BATCHES):
+            gpu = performance.modelled_gpu_ms(args, mb, 2048, "none")["total_ms"]
+            assert abs(float(r[6 + i]) - gpu) < 0.06
+            bound = r[6 + len(performance.MICRO_BATCHES) + i].split()[0]
+            assert bound == ("host-bound" if host > gpu else "GPU-bound")

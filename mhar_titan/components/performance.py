@@ -186,9 +186,23 @@ STEP_SEQ = {"100m": 2048, "1b": 1024}  # the paper's sequence lengths of the mea
 # Host time (ms, minimum) of one whole training step (forward, backward, clipping, AdamW step) of
 # each scale, family ("baseline", "mhar" per call, "mhar-grouped") and activation checkpointing
 # mode, measured by `python bench/step_host.py` (real depth and routing plan, tiny tensors, kernel
-# launches stubbed) on a 2-core CPU, 2026-12-01 (BENCHMARKS.md "Whole-step host time and the
-# host-bound verdict" gives the load). The host work of a step does not depend on the micro-batch.
+# launches stubbed; host CPU time of the step's thread) on a shared 2-core CPU at load average 27,
+# 2026-12-01 (BENCHMARKS.md "Whole-step host time and the host-bound verdict"): a loaded machine
+# stretches even CPU time (shared caches), so these are upper bounds to be measured again on an
+# idle machine. The host work of a step does not depend on the micro-batch.
 HOST_STEP_MS = {
+    ("100m", "baseline", "none"): 33.2,
+    ("100m", "mhar", "none"): 49.3,
+    ("100m", "mhar-grouped", "none"): 55.8,
+    ("100m", "baseline", "full"): 77.9,
+    ("100m", "mhar", "full"): 112.9,
+    ("100m", "mhar-grouped", "full"): 116.5,
+    ("1b", "baseline", "none"): 155.8,
+    ("1b", "mhar", "none"): 229.5,
+    ("1b", "mhar-grouped", "none"): 225.9,
+    ("1b", "baseline", "full"): 240.0,
+    ("1b", "mhar", "full"): 389.3,
+    ("1b", "mhar-grouped", "full"): 374.3,
 }
 
 
