@@ -118,8 +118,8 @@ def main(argv=None) -> None:
             where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
             host = host_ms(iters=a.iters)
             text, title = (
-                f"Host time of one forward+backward routing call (N = 73, d = 1280, H = 8, bf16, kernel launches "
-                f"stubbed, {a.iters} calls, sources shared as the models share them): median {host['call']:.3f} ms "
+                f"Host time (host CPU time of the thread, `time.thread_time`) of one forward+backward routing call "
+                f"(N = 73, d = 1280, H = 8, bf16, kernel launches stubbed, {a.iters} calls, sources shared as the models share them): median {host['call']:.3f} ms "
                 f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
                 f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"

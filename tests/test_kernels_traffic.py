@@ -145,7 +145,7 @@ def test_host_row_is_its_own_mode(tmp_path):
     its value is not asserted), with the machine's load stated."""
     routing_bench.main(["--host", "--iters", "2", "--out", str(tmp_path / "host.md")])
     text = (tmp_path / "host.md").read_text()
-    assert text.startswith("Host time of one forward+backward routing call (N = 73") and "2 calls" in text
+    assert text.startswith("Host time (host CPU time") and "routing call (N = 73" in text and "2 calls" in text
     assert "load average" in text and "Grouped" not in text
     # the whole-step rows: the harness, the harness without routing, and their difference
     assert text.count("of which the harness without routing") == 2 and "mhar-grouped (g = 11" in text
