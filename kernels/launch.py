@@ -34,6 +34,7 @@ from __future__ import annotations
 import array
 import weakref
 from itertools import repeat
+from operator import attrgetter
 from typing import Optional, Sequence
 
 import torch
@@ -192,6 +193,11 @@ class SourceTable:
         pointers, strides, grads, ones = self.views(lo, hi)
         return pointers, strides, grads, ones if written else None, self.aligned
 
+    def gradient_buffers(self, first: int, stop: int, added: bool) -> tuple[list[Tensor], list[bool]]:
+        """The gradient buffers of slots first..stop-1 (made: `backward_rows`) and whether the
+        launch adds into them, as `route_backward` returns and takes them."""
+        return list(map(_grad, self.sinks[first - 1:stop - 1])), [added] * (stop - first)
+
     def handed_on(self, slot: int) -> None:
         """Slot's gradient buffer was handed to autograd (its sink emptied). The table then takes
         no new source; once every slot's was, it lets its sinks go (sinks and table refer to each
@@ -204,6 +210,7 @@ class SourceTable:
             self._views.clear()
 
 
+_grad = attrgetter("grad")
 _current: Optional[weakref.ref] = None
 
 

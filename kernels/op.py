@@ -367,8 +367,10 @@ def _table_backward(ctx, grad_out) -> Optional[tuple]:
         ctx.unpacked = saved
         return None
     srcs = sources if cast is None else [cast, *sources]
+    buffers, accumulate = table.gradient_buffers(lo + (cast is not None), hi, rows[3] is not None)
     _, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, mix_residual=residual,
+        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
+        accumulate=accumulate, mix_residual=residual,
         param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
     dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
     return (dq.to(query.dtype), dg.to(norm_weight.dtype), None, None, dpartial,

@@ -88,7 +88,8 @@ class Merge(torch.autograd.Function):
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
         else:  # every in-group source is shared: its gradient is in its buffer
-            buffers, accumulate, returned = None, None, [None] * len(late)
+            buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
+            returned = [None] * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
         write_state = bool(late) or alpha is not None

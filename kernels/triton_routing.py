@@ -522,8 +522,8 @@ def route_backward(
     only when the query, norm weight and null source share it (`common_dtype`).
 
     tables: (pointers, row strides, gradient pointers, accumulate flags or None, aligned) of the
-    sources and their gradient buffers as `launch.SourceTable.views` gives them (the buffers
-    already made; grads / accumulate are then not read): no table is built.
+    sources and their gradient buffers as `launch.SourceTable.backward_rows` gives them (the
+    buffers already made): no table is built; grads / accumulate are then only returned / not read.
 
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dalpha is in the compute dtype. All are reduced over the per-program
