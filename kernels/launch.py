@@ -96,8 +96,8 @@ class SourceTable:
 
     def accepts(self, source: Tensor) -> bool:
         """True when `source` can take the next slot: same shape, dtype and device, contiguous."""
-        return (not self.closed and len(self.sinks) < MAX_ENTRIES and source.shape == self.shape and source.dtype is self.dtype
-                and source.device == self.device and source.is_contiguous())
+        return (not self.closed and len(self.sinks) < MAX_ENTRIES and source.shape == self.shape
+                and source.dtype is self.dtype and source.device == self.device and source.is_contiguous())
 
     def append(self, sink, source: Tensor) -> None:
         """Register `source` (accepted by `accepts`) in the next slot; sets sink.table, sink.slot."""

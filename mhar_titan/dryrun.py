@@ -302,20 +302,22 @@ def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int
         return [head, f"  not modelled: no measured host time for flavor {cfg.model.flavor!r} with AC {ac!r} "
                 f"(bench/step_host.py measured {', '.join(measured) or 'none'}, AC none and full)"]
     lines = [head,
-             f"  host            {v['host_ms']:>8.1f} ms  measured (bench/step_host.py, launches stubbed, CPU)",
+             f"  host            {v['host_ms']:>8.1f} ms  measured (bench/step_host.py, launches stubbed, shared CPU: "
+             "an upper bound)",
              f"  GPU             {v['gpu_ms']:>8.1f} ms  modelled (H200, {100 * MODEL_MFU:.0f}% MFU, routing bytes at "
              f"{MODEL_BANDWIDTH / 1e12:.1f} TB/s)"]
     if v["bound"] == "GPU-bound":
         return lines + [f"  verdict         GPU-bound by {v['by']:.2f}x: the host keeps ahead of the GPU"]
     lines.append(f"  verdict         host-bound by {v['by']:.2f}x: the GPU waits for the host")
+    global_batch = world_size * t.local_batch_size * accum
     if v["local_batch"] is not None:
         lines.append(f"  to change       training.local_batch_size = {v['local_batch']} with gradient accumulation "
-                     f"{v['accumulation']} (the same global batch of {world_size * t.local_batch_size * accum} sequences), "
-                     "or CUDA graphs")
+                     f"{v['accumulation']} (the same global batch of {global_batch} sequences), "
+                     "or CUDA graphs (training.cuda_graphs = true)")
     else:
-        lines.append(f"  to change       CUDA graphs (no larger local batch keeps the global batch of "
-                     f"{world_size * t.local_batch_size * accum} sequences at {world_size} ranks: the gradient "
-                     f"accumulation is {accum}), or a larger global batch")
+        lines.append("  to change       CUDA graphs, training.cuda_graphs = true (no larger local batch keeps the "
+                     f"global batch of {global_batch} sequences at {world_size} ranks: the gradient accumulation is "
+                     f"{accum}), or a larger global batch")
     return lines
 
 
