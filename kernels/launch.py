@@ -51,9 +51,10 @@ _bound: dict = {}
 def apply(function: type, *args):
     """`function.apply(*args)` (a `torch.autograd.Function` subclass) with the host cost of one
     C++ call: functorch's unwrapping (a Python pass over the arguments) only runs where a
-    functorch transform is active, as in `Function.apply` itself."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
+    functorch transform is active, as in `Function.apply` itself; under torch.compile the public
+    `Function.apply` is called."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return function.apply(*args)  # (torch.compile traces Function.apply, not the C++ entry)
     fast = _bound.get(function)
     if fast is None:
         fast = _bound[function] = _C_APPLY.__get__(None, function)
