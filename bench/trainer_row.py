@@ -13,7 +13,8 @@ the same command again (it resumes from that checkpoint) and compares its
 losses with the straight run's, bitwise, at every step.
 
 `graphs`: the same job `--steps` steps with `training.cuda_graphs` off and on (AC full, as the 1b
-recipe), losses at every logged step compared bitwise, and the median time per step of each:
+recipe; routing on the eager path in both, since the fused kernels' per-step pointer tables cannot
+be captured), losses at every logged step compared bitwise, and the median time per step of each:
 host-inclusive eager steps beside graph replays. Needs CUDA; elsewhere the graphs half is reported
 as not run (the eager half still runs, so the row's command is tested on CPU).
 
@@ -212,7 +213,8 @@ def graphs_row(a, env) -> bool:
             runs[on] = None
             continue
         run = a.runs / f"{family}-graphs-{'on' if on else 'off'}"
-        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false",
+        # both halves on the eager routing path: the fused kernels' per-step pointer tables cannot be captured
+        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false", "--model.routing_kernel=eager",
                                    f"--training.cuda_graphs={'true' if on else 'false'}"),
                           env, a.runs / f"{run.name}.log", a.budget_s)
         runs[on] = (code, losses(run), step_ms(run, a))
