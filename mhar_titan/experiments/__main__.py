@@ -8,7 +8,7 @@ slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per
                 default stdout); --check runs the trainer's dry run of every run at the job's
                 world size first; extra sbatch options after `--`
 results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
-                default <dump_folder>/results)
+                default <dump_folder>/results; --ylim, --diff-ylim fix the plot's y ranges)
 
 Every command takes --set section.key=value (repeatable; added to the sweep's [sweep.set]) and
 --dump-folder DIR (instead of the sweep's), e.g. for a 2-step smoke run of a sweep's commands.
@@ -26,6 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from mhar_titan.analysis.compare import add_ylim_arguments
 from mhar_titan.config import ConfigError
 from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
     p.add_argument("--dpi", type=int, default=200)
+    add_ylim_arguments(p)
     args = parser.parse_args(argv)
     try:
         sweep = load_sweep(args.sweep, _settings(args.set), args.dump_folder)
@@ -120,10 +122,17 @@ def main(argv=None) -> int:
             else:
                 print(text, end="")
             return 0
+        from mhar_titan.analysis.compare import check_ylim
         from mhar_titan.experiments.results import write_results
 
+        try:
+            check_ylim(args.ylim, "--ylim")
+            check_ylim(args.diff_ylim, "--diff-ylim")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_output_folder(args.out or sweep.dump_folder / "results", "--out")
-        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi):
+        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi, ylim=args.ylim,
+                                  diff_ylim=args.diff_ylim):
             print(f"wrote {path}")
         return 0
     except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk
