@@ -5,7 +5,9 @@ perplexity: validation loss and perplexity on held-out files (default: the run's
 lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install 'mhar-titan[lm-eval]'``; stock
 tasks download their data from the hub, local YAML tasks in an ``--include-path`` folder run
 offline) and print lm-eval's results table; ``--output-path`` saves lm-eval's results file (and,
-with ``--log-samples``, every sample's requests and answers) as lm-eval's own command does.
+with ``--log-samples``, every sample's requests and answers): exactly there for a ``.json`` path,
+else in ``FOLDER/<run>_step-<N>/``; the command prints the paths, and the results record the run
+folder, checkpoint, step and family (``eval/lm_eval_results.py``).
 Bad input: a message on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -32,15 +34,17 @@ def _lm_eval(args) -> str:
     """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
     try:
         import lm_eval
-        from lm_eval.loggers import EvaluationTracker
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table
     except ImportError:
         raise ValueError("the lm-eval command needs lm-eval: pip install 'mhar-titan[lm-eval]'") from None
+    from mhar_titan.eval import lm_eval_results
     from mhar_titan.eval.lm_eval_adapter import MharLM
 
     if args.log_samples and not args.output_path:
         raise ValueError("--log-samples writes the samples under --output-path; pass one")
+    if args.output_path:
+        lm_eval_results.check_output_path(args.output_path)
     for folder in args.include_path or ():
         if not pathlib.Path(folder).is_dir():
             raise FileNotFoundError(f"--include-path {folder} is not a folder of lm-eval task YAML files")
@@ -54,12 +58,13 @@ def _lm_eval(args) -> str:
         where = f" (nor in {', '.join(args.include_path)})" if args.include_path else " (local tasks: --include-path FOLDER)"
         raise ValueError(f"lm-eval knows no task {', '.join(unknown)}{where}")
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
-    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8)
-    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8, source=loaded.source())
+    tracker = lm_eval_results.tracker(args.output_path) if args.output_path else None
+    model_args = {**loaded.source(), "device": args.device, "batch_size": lm.batch_size}
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                          log_samples=args.log_samples, evaluation_tracker=tracker,
-                                          task_manager=task_manager)
+        results = lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=tasks, limit=args.limit,
+                                          num_fewshot=args.num_fewshot, log_samples=args.log_samples,
+                                          evaluation_tracker=tracker, task_manager=task_manager)
     except ConnectionError as e:  # datasets / huggingface_hub without hub access (offline mode, no network)
         raise ValueError(
             f"lm-eval could not download the data of task(s) {', '.join(tasks)} ({str(e).rstrip('.')}). Without "
@@ -67,15 +72,17 @@ def _lm_eval(args) -> str:
             "local files (as eval_tasks/shakespeare/ does) and pass its folder with --include-path DIR, or fill "
             "the datasets cache (HF_HOME) where the hub is reachable") from None
     samples = results.pop("samples", None)
+    lm_eval_results.attribute(results, model_args)
+    written = []
     if tracker is not None:
-        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
-        if args.log_samples:
-            for task in results["configs"]:
-                tracker.save_results_samples(task_name=task, samples=samples[task])
+        results_file, samples_files = lm_eval_results.save_results(
+            tracker, results, samples, output_path=args.output_path, model_name=str(loaded.checkpoint),
+            folder_name=f"{loaded.run_dir.name}_step-{loaded.step}", log_samples=args.log_samples)
+        written = [f"results: {results_file}"] + [f"samples: {p}" for p in samples_files]
     header = f"mhar_titan ({loaded.checkpoint}, step {loaded.step}), limit: {args.limit}, " \
              f"num_fewshot: {args.num_fewshot}, batch_size: {lm.batch_size}"
     tables = [make_table(results)] + ([make_table(results, "groups")] if "groups" in results else [])
-    return "\n".join([header, *tables])
+    return "\n".join([header, *tables, *written])
 
 
 def main(argv=None) -> int:
@@ -96,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="examples per task")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--output-path", default=None,
-                   help="folder for lm-eval's results file (and samples), laid out as lm-eval --output_path does")
+                   help="results file (a .json path: written exactly there) or folder (FOLDER/<run>_step-<N>/"
+                        "results_<date>.json); samples beside it; the paths are printed")
     p.add_argument("--log-samples", action="store_true", help="also save every sample (needs --output-path)")
     p.add_argument("--include-path", action="append", default=None,
                    help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")
