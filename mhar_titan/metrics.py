@@ -173,7 +173,10 @@ class ConsoleSink:
             if math.isfinite(value) and (self.best is None or value < self.best):
                 self.best = value
             best = [] if self.best is None else [f"best {console.loss_text(self.best)}"]
-            self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best], "val", self.color))
+            sources = [f"{k[len('val_loss/'):]} {console.loss_text(v)}" for k, v in metrics.items()
+                       if k.startswith("val_loss/")]  # a data mixture's sources
+            self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best, *sources], "val",
+                                     self.color))
 
     def event(self, step: int, fields: list[str], kind: str = "event") -> None:
         """A line of the run that is not a metrics row (start, preemption, summary)."""

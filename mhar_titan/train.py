@@ -17,7 +17,7 @@ One optimizer step:
 3. global gradient norm (and per group: routing pseudo-queries, gates, the
    rest), clipping; a non-finite loss or norm skips the step (counted), and
    ``training.max_consecutive_nonfinite`` consecutive ones stop the run;
-4. AdamW step, weight EMA update (``training.ema_decay``; validation runs on the EMA
+4. optimizer step (AdamW, or Muon with AdamW: ``optim.build_optimizer``), weight EMA update (``training.ema_decay``; validation runs on the EMA
    weights), LR schedule step, checkpoint, preemption check. With ``training.z_loss`` the
    summed loss of step 2 includes the z-loss (``components.loss``).
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from mhar_titan.analysis.routing import routing_entropy
-from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
+from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.ema import WeightEMA
@@ -63,7 +63,7 @@ from mhar_titan.console import LOG_FORMAT, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
-from mhar_titan.data.loader import build_train_loader, build_validation_loader
+from mhar_titan.data.loader import build_train_loader, build_validation_sets
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory
 from mhar_titan.errors import UserError
@@ -72,7 +72,7 @@ from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
-from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
+from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
 from mhar_titan.parallel import build_model, init_distributed
 from mhar_titan.preemption import PreemptionHandler
 
@@ -112,6 +112,8 @@ class Trainer:
         # Checks that need only the config first: a resume at another seq_len, the memory estimate.
         on_rank0(env.rank, env.world_size, self.run_folder.refuse_changed_seq_len)
         agree_on_setup(self._check_memory, env.world_size)
+        agree_on_setup(lambda: refuse_optimizer_switch(cfg.checkpoint, self.run_dir, cfg.optimizer.name),
+                       env.world_size)
         # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
@@ -155,6 +157,8 @@ class Trainer:
         self.metrics.event(self.state.step, *startup_fields(
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
             self.grad_accum, self.flops))
+        self.metrics.event(self.state.step, *optimizer_fields(self.model, cfg.optimizer, env.world_size,
+                                                              self.device.type))
         self.metrics.event(self.state.step, "run folder", str(self.run_dir))
 
     def _check_memory(self) -> None:
@@ -187,10 +191,10 @@ class Trainer:
             cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
             local_batch_size=t.local_batch_size, seq_len=t.seq_len, seed=cfg.debug.seed,
         )
-        self.val_loader = None
+        self.val_loader = None  # validation sets by source name ("" for one source)
         if cfg.validation.enable:
             v = cfg.validation
-            self.val_loader = build_validation_loader(
+            self.val_loader = build_validation_sets(
                 cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
                 local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
                 seq_len=t.seq_len, sequences=v.sequences_for(t.seq_len),
@@ -243,15 +247,23 @@ class Trainer:
         return loss, grad_norm, group_norms, torch.isfinite(loss) & torch.isfinite(grad_norm)
 
     @torch.no_grad()
-    def validate(self) -> float:
-        """Mean loss (nats per target token) over the validation batches, all ranks together."""
-        total = torch.zeros(2, device=self.device)
-        for x, y in self.val_loader:
-            x, y = x.to(self.device), y.to(self.device)
-            total[0] += self.model(x, y, loss_fn=self.eval_loss_fn)
-            total[1] += target_count(y)
+    def validate(self) -> dict:
+        """``{"val_loss": mean loss}`` (nats per target token) over the validation batches, all
+        ranks together; for a mixture also ``val_loss/<source>`` per source with validation
+        files, ``val_loss`` then being the mean over all their target tokens."""
+        names = list(self.val_loader)
+        total = torch.zeros(len(names), 2, device=self.device)
+        for i, name in enumerate(names):
+            for x, y in self.val_loader[name]:
+                x, y = x.to(self.device), y.to(self.device)
+                total[i, 0] += self.model(x, y, loss_fn=self.eval_loss_fn)
+                total[i, 1] += target_count(y)
         total = self._all_reduce_sum(total)
-        return (total[0] / total[1].clamp_min(1)).item()
+        row = {"val_loss": (total[:, 0].sum() / total[:, 1].sum().clamp_min(1)).item()}
+        if names != [""]:
+            row.update({f"val_loss/{name}": (total[i, 0] / total[i, 1].clamp_min(1)).item()
+                        for i, name in enumerate(names)})
+        return row
 
     # ------------------------------------------------------------------ the loop
 
@@ -300,6 +312,7 @@ class Trainer:
                     loss, grad_norm, finite, group_norms = read_step(loss_t, grad_norm_t, finite_t,
                                                                      group_norms_t if logged else None)
                     self.state.count_step(finite, tokens_per_step)
+                    self._count_source_windows(t.seq_len)
                     throughput.add(tokens_per_step)
 
                     if not finite:
@@ -311,7 +324,7 @@ class Trainer:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log(step, {"val_loss": self.validate()})
+                            self._log(step, self.validate())
                     self.state.check_health(t.max_consecutive_nonfinite)
                     if self.checkpointer is not None and self.checkpointer.save(step, last=step == t.steps):
                         self.metrics.flush()  # everything logged up to a checkpoint survives a crash
@@ -333,6 +346,14 @@ class Trainer:
             gc.enable()
         return self.state
 
+    def _count_source_windows(self, seq_len: int) -> None:
+        """Add this step's windows per mixture source, all ranks together, to the train state (on
+        the device: read on logged steps and at checkpoints only). Nothing for one source."""
+        windows = self.train_loader.take_source_windows()
+        if windows is not None:
+            counts = self._all_reduce_sum(torch.tensor(windows, dtype=torch.int64, device=self.device))
+            self.state.add_source_windows(self.train_loader.source_names, counts, seq_len)
+
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
         row = {
             "loss": loss,
@@ -342,6 +363,7 @@ class Trainer:
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
             "routing_entropy": routing_entropy(self.model, tokens[:1]),
             "tokens_seen": self.state.tokens_seen,
+            **{f"tokens_seen/{name}": n for name, n in self.state.settled_source_tokens().items()},
             "nonfinite_skipped": self.state.nonfinite_skipped,
         }
         self._log(step, row)
