@@ -49,7 +49,6 @@ buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import pathlib
@@ -60,6 +59,7 @@ from typing import Optional
 import torch
 
 from mhar_kernels import dispatch
+from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
@@ -376,17 +376,17 @@ def _available(known) -> Optional[tuple[int, str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m mhar_titan.dryrun",
         description="Validate a job config, build the model on the meta device, print parameter counts, "
         "a memory estimate and the resolved config. Opens no data and no network connection.",
         epilog="Other arguments are --section.key=value overrides, as for train.py.",
     )
     parser.add_argument("--config", "--job.config_file", dest="config", required=True, help="TOML job file")
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the planned job")
+    parser.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks of the planned job")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="device the estimate is for (default cuda: bf16 compute as configured)")
-    parser.add_argument("--memory-gib", type=float, default=None,
+    parser.add_argument("--memory-gib", type=positive_float, default=None,
                         help="memory per rank of the planned machine in GiB, checked against the estimate "
                              "(default: this machine's, when it has the device: free memory of cuda:0, or "
                              "the host's available memory for cpu)")

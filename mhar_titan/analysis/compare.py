@@ -17,7 +17,6 @@ rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import statistics
@@ -163,16 +162,15 @@ def run_metrics(path: pathlib.Path) -> tuple:
         FileNotFoundError: no metrics file in the folder.
     """
     from mhar_titan.eval.load import read_run_config
+    from mhar_titan.metrics import read_jsonl_rows
 
     cfg = read_run_config(path)
     metrics = path / (cfg.metrics.jsonl_file if cfg is not None else "metrics.jsonl")
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} not found: is {path} a run folder (<dump_folder>/<job.name>)?")
     by_step: dict[int, dict] = {}
-    for line in metrics.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
+    for row in read_jsonl_rows(metrics):  # a torn last row (a full disk, a kill) is left out
+        by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
     return cfg, by_step, metrics
 
 
