@@ -1,4 +1,4 @@
-"""``python -m mhar_titan.eval {perplexity,lm-eval} RUN ...``: evaluate a run's checkpoint.
+"""``python -m mhar_titan.eval {perplexity,lm-eval,paired} RUN ...``: evaluate a run's checkpoint.
 
 perplexity: validation loss and perplexity on held-out files (default: the run's
 ``data.validation_files``, at its ``training.seq_len``, its ``validation.sequences``).
@@ -6,6 +6,8 @@ lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install 'mhar-titan[l
 tasks download their data from the hub, local YAML tasks in an ``--include-path`` folder run
 offline) and print lm-eval's results table; ``--output-path`` saves lm-eval's results file (and,
 with ``--log-samples``, every sample's requests and answers) as lm-eval's own command does.
+paired: both of two checkpoints on the same lm-eval examples, the paired differences with their
+exact McNemar p-values and bootstrap intervals (``mhar_titan.eval.paired``).
 Bad input: a message on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -15,8 +17,10 @@ import json
 import pathlib
 import sys
 
+from mhar_titan.eval import paired
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
+from mhar_titan.eval.tasks import require_lm_eval, run_tasks, task_manager
 
 
 def _perplexity(args) -> dict:
@@ -30,42 +34,20 @@ def _perplexity(args) -> dict:
 
 def _lm_eval(args) -> str:
     """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
-    try:
-        import lm_eval
-        from lm_eval.loggers import EvaluationTracker
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import make_table
-    except ImportError:
-        raise ValueError("the lm-eval command needs lm-eval: pip install 'mhar-titan[lm-eval]'") from None
+    require_lm_eval("the lm-eval command")
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import make_table
     from mhar_titan.eval.lm_eval_adapter import MharLM
 
     if args.log_samples and not args.output_path:
         raise ValueError("--log-samples writes the samples under --output-path; pass one")
-    for folder in args.include_path or ():
-        if not pathlib.Path(folder).is_dir():
-            raise FileNotFoundError(f"--include-path {folder} is not a folder of lm-eval task YAML files")
     tasks = args.tasks.split(",")
-    # Indexing lm-eval's thousands of built-in task files takes a while: local tasks alone first.
-    task_manager = TaskManager(include_path=args.include_path, include_defaults=False) if args.include_path else None
-    if task_manager is None or not all(task_manager.match_tasks([t]) for t in tasks):
-        task_manager = TaskManager(include_path=args.include_path or None)
-    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
-    if unknown:
-        where = f" (nor in {', '.join(args.include_path)})" if args.include_path else " (local tasks: --include-path FOLDER)"
-        raise ValueError(f"lm-eval knows no task {', '.join(unknown)}{where}")
+    manager = task_manager(tasks, args.include_path)
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
     lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8)
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
-    try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                          log_samples=args.log_samples, evaluation_tracker=tracker,
-                                          task_manager=task_manager)
-    except ConnectionError as e:  # datasets / huggingface_hub without hub access (offline mode, no network)
-        raise ValueError(
-            f"lm-eval could not download the data of task(s) {', '.join(tasks)} ({str(e).rstrip('.')}). Without "
-            "hub access, describe each task in a local YAML file whose dataset_path and dataset_kwargs point at "
-            "local files (as eval_tasks/shakespeare/ does) and pass its folder with --include-path DIR, or fill "
-            "the datasets cache (HF_HOME) where the hub is reachable") from None
+    results = run_tasks(lm, tasks, manager, limit=args.limit, num_fewshot=args.num_fewshot,
+                        log_samples=args.log_samples, evaluation_tracker=tracker)
     samples = results.pop("samples", None)
     if tracker is not None:
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
@@ -100,9 +82,13 @@ def main(argv=None) -> int:
     p.add_argument("--log-samples", action="store_true", help="also save every sample (needs --output-path)")
     p.add_argument("--include-path", action="append", default=None,
                    help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")
+    paired.add_arguments(sub.add_parser("paired", help="two checkpoints on the same examples: paired differences"))
     args = parser.parse_args(argv)
     try:
-        out = json.dumps(_perplexity(args), indent=1, default=str) if args.command == "perplexity" else _lm_eval(args)
+        if args.command == "paired":
+            out = paired.run(args)
+        else:
+            out = json.dumps(_perplexity(args), indent=1, default=str) if args.command == "perplexity" else _lm_eval(args)
     except USER_ERRORS as e:
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
