@@ -6,7 +6,8 @@ at a time) on ``ShardedLM``, the evaluation adapter (``mhar_titan.eval.lm_eval_a
 whose scoring is split over the ranks: every log-likelihood request list is dealt round-robin
 (request i to rank i mod world), padded to the same length on every rank, scored in forwards of
 ``eval.local_batch_size`` sequences (the same number of forwards on every rank, as FSDP needs)
-and gathered, so every rank hands lm-eval every answer and computes the same metrics. A
+and gathered, so every rank hands lm-eval every answer (lm-eval computes the metrics on local
+rank 0; global rank 0 logs them). A
 standalone ``python -m mhar_titan.eval lm-eval`` of the saved checkpoint therefore gives the same
 accuracies and the same log-likelihoods up to float rounding of other batch shapes.
 
@@ -177,7 +178,8 @@ class DownstreamEval:
         return step % self.cfg.freq == 0 or step == total_steps
 
     def evaluate(self, model: torch.nn.Module) -> dict:
-        """Score the tasks on ``model`` (every rank together); returns the metrics row (the same on every rank)."""
+        """Score the tasks on ``model`` (every rank together); returns the metrics row (the task metrics
+        only where lm-eval returns them: on local rank 0, which includes the logging rank)."""
         from mhar_titan.eval.tasks import run_tasks
 
         began = time.perf_counter()
@@ -195,7 +197,7 @@ class DownstreamEval:
                 sequences += lm.sequences
                 if lm.over_budget:
                     over += 1
-                else:
+                elif results is not None:  # lm-eval returns its results on LOCAL_RANK 0 only
                     row.update(metric_rows(results))
         row.update({"eval/sequences": sequences, "eval/tasks_over_budget": over,
                     "eval/seconds": time.perf_counter() - began})
