@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -122,7 +123,7 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
         )
     batch_geometry(cfg.training, world_size)
     warnings = []
-    if cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
+    if not cfg.data.is_mixture and cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
     warnings += _check_tokenizer(cfg, args)
     warmup = warmup_warning(cfg.lr_scheduler, cfg.training.steps)
@@ -277,8 +278,51 @@ def report(cfg: JobConfig, world_size: int, device: str,
             warnings.append(warning)
         lines.append(f"  fit             {'does not fit' if warning else 'fits'} in {available[0] / GIB:.2f} GiB "
                      f"({available[1]})")
+    lines += mixture_lines(cfg, world_size, accum)
     lines += ["resolved config:", to_toml(cfg)]
     return "\n".join(lines), warnings
+
+
+def mixture_lines(cfg: JobConfig, world_size: int, accum: int) -> list[str]:
+    """The data mixture of the job (none for one source): per source its weight, its training and
+    validation files (local patterns with the number of paths they match here; no file is
+    opened) and the tokens it gives the planned ``training.steps`` (the draws of
+    ``data.mixture.planned_source_windows``, exact for infinite data)."""
+    specs = cfg.data.mixture()
+    if not specs:
+        return []
+    import glob
+
+    from mhar_titan.data.mixture import planned_source_windows
+
+    t, d = cfg.training, cfg.data
+    seed = d.seed if d.seed is not None else cfg.debug.seed
+    windows = planned_source_windows([m.weight for m in specs], seed=seed, sharding=d.sharding, dp_world=world_size,
+                                     num_workers=d.num_workers, local_batch_size=t.local_batch_size,
+                                     batches=t.steps * accum)
+    total = int(windows.sum()) * t.seq_len
+
+    def files(patterns: list[str], source: str) -> str:
+        if not patterns:
+            return "none"
+        if source == "hub":
+            return ", ".join(patterns) + " (in the hub repository)"
+        found = sum(len(glob.glob(p)) if glob.has_magic(p) else int(pathlib.Path(p).exists()) for p in patterns)
+        return f"{', '.join(patterns)} ({found} path{'s' * (found != 1)} here)"
+
+    lines = [f"data mixture: {len(specs)} source(s), {d.sharding} sharding, seed {seed}; tokens over the planned "
+             f"{t.steps:,} steps ({total:,} in all):"]
+    for m, n in zip(specs, windows.tolist()):
+        what = (f"hub {m.data.hub_path}" + (f" ({m.data.hub_name})" if m.data.hub_name else "")
+                if m.data.source == "hub" else m.data.source)
+        lines += [f"  {m.name:<12} weight {m.weight:.4f}  tokens {n * t.seq_len:>18,} "
+                  f"({n * t.seq_len / max(1, total):.2%})  {what}",
+                  f"  {'':<12} train: " + (files(m.data.files, m.data.source) if m.data.source != "hub" else
+                                           files(m.data.hub_data_files, "hub") if m.data.hub_data_files else
+                                           f"the files of {m.data.hub_name or 'the default'} configuration, split "
+                                           f"{m.data.hub_split}, less the validation files"),
+                  f"  {'':<12} validation: {files(m.data.validation_files, m.data.source)}"]
+    return lines
 
 
 def _available(known) -> Optional[tuple[int, str]]:

@@ -58,7 +58,7 @@ from mhar_titan.console import LOG_FORMAT, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
-from mhar_titan.data.loader import build_train_loader, build_validation_loader
+from mhar_titan.data.loader import build_train_loader, build_validation_sets
 from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory
 from mhar_titan.errors import UserError
@@ -181,10 +181,10 @@ class Trainer:
             cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
             local_batch_size=t.local_batch_size, seq_len=t.seq_len, seed=cfg.debug.seed,
         )
-        self.val_loader = None
+        self.val_loader = None  # validation sets by source name ("" for one source)
         if cfg.validation.enable:
             v = cfg.validation
-            self.val_loader = build_validation_loader(
+            self.val_loader = build_validation_sets(
                 cfg.data, self.tokenizer, dp_rank=env.rank, dp_world=env.world_size,
                 local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
                 seq_len=t.seq_len, sequences=v.sequences_for(t.seq_len),
@@ -238,15 +238,23 @@ class Trainer:
         return loss, grad_norm, group_norms
 
     @torch.no_grad()
-    def validate(self) -> float:
-        """Mean loss (nats per target token) over the validation batches, all ranks together."""
-        total = torch.zeros(2, device=self.device)
-        for x, y in self.val_loader:
-            x, y = x.to(self.device), y.to(self.device)
-            total[0] += self.model(x, y, loss_fn=self.eval_loss_fn)
-            total[1] += target_count(y)
+    def validate(self) -> dict:
+        """``{"val_loss": mean loss}`` (nats per target token) over the validation batches, all
+        ranks together; for a mixture also ``val_loss/<source>`` per source with validation
+        files, ``val_loss`` then being the mean over all their target tokens."""
+        names = list(self.val_loader)
+        total = torch.zeros(len(names), 2, device=self.device)
+        for i, name in enumerate(names):
+            for x, y in self.val_loader[name]:
+                x, y = x.to(self.device), y.to(self.device)
+                total[i, 0] += self.model(x, y, loss_fn=self.eval_loss_fn)
+                total[i, 1] += target_count(y)
         total = self._all_reduce_sum(total)
-        return (total[0] / total[1].clamp_min(1)).item()
+        row = {"val_loss": (total[:, 0].sum() / total[:, 1].sum().clamp_min(1)).item()}
+        if names != [""]:
+            row.update({f"val_loss/{name}": (total[i, 0] / total[i, 1].clamp_min(1)).item()
+                        for i, name in enumerate(names)})
+        return row
 
     # ------------------------------------------------------------------ the loop
 
@@ -292,7 +300,7 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     self.lr_scheduler.step()
-                    self.state.count_step(finite, tokens_per_step)
+                    self.state.count_step(finite, tokens_per_step, self._source_tokens(t.seq_len))
                     throughput.add(tokens_per_step)
 
                     if not finite:
@@ -302,7 +310,7 @@ class Trainer:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log(step, {"val_loss": self.validate()})
+                            self._log(step, self.validate())
                     if self.downstream is not None and self.downstream.due(step, t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
                             self._log(step, self.downstream.evaluate(self.model))
@@ -327,6 +335,14 @@ class Trainer:
             gc.enable()
         return self.state
 
+    def _source_tokens(self, seq_len: int) -> Optional[dict]:
+        """Target tokens of this step per mixture source, all ranks together (None for one source)."""
+        windows = self.train_loader.take_source_windows()
+        if windows is None:
+            return None
+        counts = self._all_reduce_sum(torch.tensor(windows, dtype=torch.int64, device=self.device))
+        return {name: int(c) * seq_len for name, c in zip(self.train_loader.source_names, counts.tolist())}
+
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
         row = {
             "loss": loss,
@@ -336,6 +352,7 @@ class Trainer:
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
             "routing_entropy": routing_entropy(self.model, tokens[:1]),
             "tokens_seen": self.state.tokens_seen,
+            **{f"tokens_seen/{name}": n for name, n in self.state.source_tokens.items()},
             "nonfinite_skipped": self.state.nonfinite_skipped,
         }
         self._log(step, row)

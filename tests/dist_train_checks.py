@@ -4,7 +4,8 @@
 
 Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4, every
 rank's train state with an offline W&B run, the permuted head layout's permutation as every
-rank's model routes with it and the losses of a permuted run straight and resumed) and
+rank's model routes with it and the losses of a permuted run straight and resumed, the losses,
+metrics rows and per-source positions of a data-mixture run straight and resumed) and
 OUT_DIR/grads.pt (full unclipped gradients of one masked step at local batch 2 x accumulation 2).
 The process group is shared by the runs and destroyed by the last one (clean gloo exit).
 """
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import metric_losses  # noqa: E402
-from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E402
+from helpers import metric_losses, read_metrics  # noqa: E402
+from train_common import MIXTURE_ARGV, debug_cfg, full_grads, masked_micro_batches, source_positions  # noqa: E402
 
 from mhar_titan.train import Trainer  # noqa: E402
 from mhar_titan.models.router import RoutingSettings
@@ -49,6 +50,21 @@ def main(out):
         trainer.train()
         trainer.close(destroy_process_group=False)
         result[f"losses_{name}"] = metric_losses(trainer.run_dir)
+
+    # A data mixture in document sharding: a 4-step run straight, and stopped at step 2 then resumed to 4.
+    mixture = [*MIXTURE_ARGV, "--training.local_batch_size=2", "--training.global_batch_size=8",
+               "--checkpoint.enable=true", "--checkpoint.interval=2", "--validation.enable=true",
+               "--validation.freq=2", "--validation.sequences=4"]
+    for name, steps in (("mix_straight", 4), ("mix_resumed", 2), ("mix_resumed", 4)):
+        trainer = Trainer(debug_cfg(out, name, f"--training.steps={steps}", *mixture))
+        trainer.train()
+        positions = [None] * dist.get_world_size()
+        dist.all_gather_object(positions, source_positions(trainer.train_loader))
+        result[f"positions_{name}"] = positions
+        result[f"source_tokens_{name}"] = dict(trainer.state.source_tokens)
+        trainer.close(destroy_process_group=False)
+        result[f"losses_{name}"] = metric_losses(trainer.run_dir)
+        result[f"rows_{name}"] = read_metrics(trainer.run_dir)
 
     cfg = debug_cfg(out, "dist_grads", "--training.steps=1", "--training.local_batch_size=2",
                     "--training.global_batch_size=8", "--training.max_norm=0", "--metrics.enable_wandb=true")

@@ -124,8 +124,11 @@ def test_every_float_setting_refuses_nan_and_infinity_naming_the_key(tmp_path, r
             msg = str(e.value)
             assert where in msg.split(": ")[0] and f"'{section}.{key}' must be a finite number" in msg, msg
             assert "\n" not in msg
-    with pytest.raises(ConfigError, match="'debug.force_nonfinite_loss_steps' must be a finite number"):
+    with pytest.raises(ConfigError, match=r"'debug.force_nonfinite_loss_steps\[1\]' must be a finite number"):
         load_config(None, [f"--debug.force_nonfinite_loss_steps=[1, {raw}]"])
+    # inside a table of a list (a mixture source's weight): the message names the item and key
+    with pytest.raises(ConfigError, match=r"'data.sources\[0\].weight' must be a finite number"):
+        load_config(None, [f'--data.sources=[{{name = "a", weight = {raw}, files = ["x"]}}]'])
 
 
 def test_finite_floats_still_pass():

@@ -219,6 +219,32 @@ def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_re
 
 
 @pytest.mark.distributed
+def test_two_rank_mixture_resumed_equals_straight(dist_results):
+    """Issue 30, acceptance 1: a 2-rank data-mixture run (document sharding) stopped at step 2 and
+    resumed to 4 has the straight run's losses and every source's position on every rank; its
+    tokens per source are the dry run's plan (``planned_source_windows``) and add up to tokens_seen;
+    validation reports the source with validation files and the overall loss."""
+    from mhar_titan.data.mixture import planned_source_windows
+
+    results, _ = dist_results
+    straight, resumed = results["losses_mix_straight"], results["losses_mix_resumed"]
+    assert len(straight) == 4 and resumed == straight, (straight, resumed)
+    positions = results["positions_mix_straight"]
+    assert positions == results["positions_mix_resumed"]  # (epoch, part, row, windows) of each source, each rank
+    assert all(set(p) == {"plays01", "plays23"} and all(w[-1] > 0 for ws in p.values() for w in ws) for p in positions)
+    tokens = results["source_tokens_mix_straight"]
+    assert tokens == results["source_tokens_mix_resumed"]
+    planned = planned_source_windows([0.7, 0.3], seed=42, sharding="document", dp_world=2, num_workers=0,
+                                     local_batch_size=2, batches=4 * 2)
+    assert [tokens["plays01"], tokens["plays23"]] == (planned * 32).tolist()
+    last = [r for r in results["rows_mix_resumed"] if "loss" in r][-1]
+    assert last["tokens_seen/plays01"] + last["tokens_seen/plays23"] == last["tokens_seen"] == 4 * 8 * 32
+    vals = [r for r in results["rows_mix_straight"] if "val_loss" in r]
+    assert [r["step"] for r in vals] == [2, 4] and all(r["val_loss/plays01"] == r["val_loss"] for r in vals)
+    assert [r["val_loss"] for r in vals] == [r["val_loss"] for r in results["rows_mix_resumed"] if "val_loss" in r]
+
+
+@pytest.mark.distributed
 def test_train_state_is_rank0s_on_every_rank(dist_results):
     """Rank 0 owns the W&B run; its id must reach every rank's train_state (the checkpoint keeps one copy)."""
     results, _ = dist_results

@@ -21,6 +21,26 @@ def debug_argv(run_root, name, *overrides, config=DEBUG_MHAR):
     ]
 
 
+MIXTURE_ARGV = (
+    "--data.files=[]", "--data.validation_files=[]", "--data.sharding=document",
+    f'--data.sources=[{{name = "plays01", weight = 0.7, files = ["{SAMPLE}/train-0000[01]-of-00004.parquet"], '
+    f'validation_files = ["{SAMPLE}/validation-00000-of-00001.parquet"]}}, '
+    f'{{name = "plays23", weight = 0.3, files = ["{SAMPLE}/train-0000[23]-of-00004.parquet"]}}]',
+)
+"""``debug_argv`` overrides for a two-source mixture of the sample (weights 0.7 / 0.3, document
+sharding, validation files for the first source only)."""
+
+
+def source_positions(loader) -> dict:
+    """Every source's stream position in a mixture train loader's state, by worker: {source: [(epoch,
+    part, row, window), ...]}."""
+    out = {}
+    for ws in loader._worker_states(loader.state_dict()["loader"]):
+        for name, st in ws["stream"]["streams"].items():
+            out.setdefault(name, []).append([st["epoch"], st["part"], st["row"], st["window"]])
+    return out
+
+
 def debug_cfg(run_root, name, *overrides, config=DEBUG_MHAR):
     """``debug_argv`` as a loaded ``JobConfig``."""
     return load_config(None, debug_argv(run_root, name, *overrides, config=config))

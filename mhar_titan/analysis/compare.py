@@ -25,9 +25,26 @@ from typing import Optional, Sequence
 from mhar_titan.analysis.plots import new_figure
 from mhar_titan.files import atomic_path
 
-# [data] keys that do not change which tokens a step sees (workers, caches, retries).
+# [data] keys that do not change which tokens a step sees (workers, caches, retries, resume permissions).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
-                            "hub_retry_max_s", "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard")
+                            "hub_retry_max_s", "tokenizer_cache_dir", "tokenizer_file", "allow_document_reshard",
+                            "allow_weight_change")
+
+
+def data_order(cfg, tokens_per_step: float) -> dict:
+    """What decides the tokens each step of a run with config ``cfg`` sees (module docstring:
+    "paired"): the ``[data]`` keys but the order-neutral ones (a mixture's sources with their
+    weights included), the effective seed (``data.seed``, else ``debug.seed``), the sequence
+    length and the tokens per step."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _ORDER_NEUTRAL_DATA_KEYS}
+    data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
+    return {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": tokens_per_step}
+
+
+def order_differences(a: dict, b: dict) -> list[str]:
+    """The keys in which two ``data_order`` results differ ("data.seed", "tokens_per_step", ...)."""
+    keys = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
+    return keys + [k for k in ("seq_len", "tokens_per_step") if a[k] != b[k]]
 
 
 @dataclasses.dataclass
@@ -74,16 +91,14 @@ def _finite(value) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
-def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
-    """Load one run folder's curves.
+def run_metrics(path: pathlib.Path) -> tuple:
+    """(the run's resolved config or None, {step: merged metrics row}, the metrics file) of a run folder.
 
     Raises:
         FileNotFoundError: no metrics file in the folder.
-        ValueError: the metrics file has no training row with ``tokens_seen`` (tokens unknown).
     """
     from mhar_titan.eval.load import read_run_config
 
-    path = pathlib.Path(path)
     cfg = read_run_config(path)
     metrics = path / (cfg.metrics.jsonl_file if cfg is not None else "metrics.jsonl")
     if not metrics.is_file():
@@ -93,6 +108,18 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         if line.strip():
             row = json.loads(line)
             by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
+    return cfg, by_step, metrics
+
+
+def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
+    """Load one run folder's curves.
+
+    Raises:
+        FileNotFoundError: no metrics file in the folder.
+        ValueError: the metrics file has no training row with ``tokens_seen`` (tokens unknown).
+    """
+    path = pathlib.Path(path)
+    cfg, by_step, metrics = run_metrics(path)
     train, val, rates, speeds, seen, last = [], [], [], [], 0, 0
     for step in sorted(by_step):
         row = by_step[step]
@@ -107,11 +134,7 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
             speeds.append(_finite(row["tokens_per_s"]))
     if not rates:
         raise ValueError(f"{metrics} has no training row with tokens_seen, so tokens per step are unknown")
-    order = None
-    if cfg is not None:
-        data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _ORDER_NEUTRAL_DATA_KEYS}
-        data["seed"] = data["seed"] if data["seed"] is not None else cfg.debug.seed
-        order = {"data": data, "seq_len": cfg.training.seq_len, "tokens_per_step": rates[-1]}
+    order = data_order(cfg, rates[-1]) if cfg is not None else None
     return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
                      data_order=order, tokens_seen=seen, steps=last, tokens_per_s=tuple(speeds),
                      tokenizer=cfg.data.tokenizer if cfg is not None else None)
@@ -154,10 +177,7 @@ def _differences(run: RunCurves, base: RunCurves) -> str:
     if run.tokens_seen != base.tokens_seen:
         out.append(f"tokens_seen {run.tokens_seen:,} vs {base.tokens_seen:,}")
     if run.data_order != base.data_order:
-        a, b = run.data_order, base.data_order
-        keys = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
-        keys += [k for k in ("seq_len", "tokens_per_step") if a[k] != b[k]]
-        out.append("different " + ", ".join(keys))
+        out.append("different " + ", ".join(order_differences(run.data_order, base.data_order)))
     return "; ".join(out)
 
 

@@ -19,6 +19,8 @@ class TrainState:
     nonfinite_skipped: int = 0
     consecutive_nonfinite: int = 0
     wandb_id: Optional[str] = None
+    source_tokens: dict = dataclasses.field(default_factory=dict)
+    """Training tokens per data-mixture source (name -> tokens; empty for one source)."""
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,10 +44,13 @@ class TrainState:
             dist.broadcast_object_list(box, src=0)
             self.wandb_id = box[0]
 
-    def count_step(self, finite: bool, tokens: int) -> None:
-        """Advance by one optimizer step of ``tokens`` tokens; a non-finite one is counted as skipped."""
+    def count_step(self, finite: bool, tokens: int, source_tokens: Optional[dict] = None) -> None:
+        """Advance by one optimizer step of ``tokens`` tokens (``source_tokens``: of them, per mixture
+        source); a non-finite one is counted as skipped."""
         self.step += 1
         self.tokens_seen += tokens
+        for name, n in (source_tokens or {}).items():
+            self.source_tokens[name] = self.source_tokens.get(name, 0) + n
         if finite:
             self.consecutive_nonfinite = 0
         else:

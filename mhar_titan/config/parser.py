@@ -89,6 +89,8 @@ def _matches(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is list:
         return isinstance(value, (list, tuple))
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, (dict, tp))  # a table; its keys are checked by _tables_as
     if isinstance(tp, type):
         return isinstance(value, tp)
     return True  # an annotation we cannot check (forward reference etc.)
@@ -117,19 +119,46 @@ def _model_arg_types() -> dict:
     return _field_types(ModelArgs)
 
 
-def _non_finite(value: Any) -> Optional[float]:
-    """The first NaN or infinity in a value (a float, or one inside a list or table), else None."""
+def _non_finite(value: Any, where: str = "") -> Optional[tuple[str, float]]:
+    """(where inside the value, the value) of the first NaN or infinity in a value (a float, or one
+    inside a list or table: ``where`` is then e.g. "[1].weight"), else None."""
     if isinstance(value, float) and not math.isfinite(value):
-        return value
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    for item in items:
-        found = _non_finite(item)
+        return where, value
+    items = (((f".{k}", v) for k, v in value.items()) if isinstance(value, dict)
+             else ((f"[{i}]", v) for i, v in enumerate(value)) if isinstance(value, (list, tuple)) else ())
+    for sub, item in items:
+        found = _non_finite(item, where + sub)
         if found is not None:
             return found
     return None
 
 
-def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> Any:
+def _table_class(tp: Any) -> Optional[type]:
+    """The dataclass of a ``list[SomeDataclass]`` annotation (a list of TOML tables), else None."""
+    if typing.get_origin(tp) in (list, tuple):
+        args = typing.get_args(tp)
+        if args and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def _tables_as(cls: type, name: str, value: list, where: str) -> list:
+    """A list of TOML tables as ``cls`` instances, every key checked like a section's (unknown key,
+    type, NaN / infinity), named ``name[i].key``."""
+    out = []
+    types_ = _field_types(cls)
+    for i, table in enumerate(value):
+        if isinstance(table, cls):
+            out.append(table)
+            continue
+        obj = cls()
+        for key, item in table.items():
+            setattr(obj, key, _check_key(f"{name}[{i}]", key, item, types_, where, table_of=name))
+        out.append(obj)
+    return out
+
+
+def _check_key(section: str, key: str, value: Any, types_: dict, where: str, table_of: Optional[str] = None) -> Any:
     """The value of ``section.key`` coerced to its annotation.
 
     Raises:
@@ -139,7 +168,7 @@ def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> 
     """
     if key not in types_:
         valid = ", ".join(sorted(types_))
-        raise ConfigError(f"{where}: unknown key '{section}.{key}'. Valid keys of [{section}]: {valid}")
+        raise ConfigError(f"{where}: unknown key '{section}.{key}'. Valid keys of [{table_of or section}]: {valid}")
     tp = types_[key]
     if not _matches(value, tp):
         raise ConfigError(
@@ -147,8 +176,13 @@ def _check_key(section: str, key: str, value: Any, types_: dict, where: str) -> 
         )
     bad = _non_finite(value)
     if bad is not None:
-        raise ConfigError(f"{where}: '{section}.{key}' must be a finite number, got {value!r} (NaN and infinity "
-                          f"are not valid settings; a number above 1.8e308 reads as infinity); set a finite value")
+        inner, number = bad
+        raise ConfigError(f"{where}: '{section}.{key}{inner}' must be a finite number, got {number!r} (NaN and "
+                          f"infinity are not valid settings; a number above 1.8e308 reads as infinity); set a "
+                          f"finite value")
+    cls = _table_class(tp)
+    if cls is not None:
+        return _tables_as(cls, f"{section}.{key}", list(value), where)
     return _coerce(value, tp)
 
 
@@ -410,8 +444,8 @@ def toml_value(v: Any) -> str:
     """
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, dict):  # None (unset) entries are left out, as unset keys are commented out
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(x)}" for k, x in v.items() if x is not None) + "}"
     if not isinstance(v, (bool, int, float, str)):
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
     import tomli_w

@@ -1,7 +1,8 @@
 """Data pipeline: text sources -> tiktoken -> packing -> rank sharding -> StatefulDataLoader.
 
 Builders (the contract in docs/ARCHITECTURE.md): ``DataConfig`` (the ``[data]``
-section), ``build_tokenizer``, ``build_train_loader``, ``build_validation_loader``.
+section, one source or a mixture), ``build_tokenizer``, ``build_train_loader``,
+``build_validation_loader`` (one source), ``build_validation_sets`` (per source of a mixture).
 
 Commands:
 
@@ -24,7 +25,7 @@ _EXPORTS = {
     "DataConfig": "mhar_titan.config.data", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
     "Tokenizer": "tokenizer", "TokenizerFileError": "tokenizer", "TrainLoader": "loader",
     "ValidationLoader": "loader", "build_tokenizer": "tokenizer", "build_train_loader": "loader",
-    "build_validation_loader": "loader",
+    "build_validation_loader": "loader", "build_validation_sets": "loader",
 }
 
 __all__ = sorted(_EXPORTS)

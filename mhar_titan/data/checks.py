@@ -14,6 +14,14 @@ and raises ``DataError`` in one line naming the file for:
   reads its own rows (``stream.epoch_parts``) and one with no row would fail in the middle of
   training, so rows are counted per reader for the first epochs' shard orders.
 
+A data mixture (``data.sources``) is checked source by source (each message names the source)
+and as a whole (``check_mixture``): a training file of two sources, a validation file of one
+source that is a training file of another (within one source, validation files are left out
+of its training files, as for one source), pretokenized sources made with different
+tokenizers, and a finite mixture in document sharding on several ranks. Its weights, names,
+per-source tokenizers and empty file lists are refused earlier, by the config
+(``DataConfig``).
+
 Hub sources are not opened here (that needs the network); their errors come when the loader
 starts, naming the shard and row. Problems that only reading every row can find (an invalid
 row in the middle of a file) are reported when met, by the stream, with the file and row.
@@ -21,8 +29,12 @@ row in the middle of a file) are reported when met, by the stream, with the file
 
 import numpy as np
 
+from pathlib import Path
+
 from mhar_titan.config.data import DataConfig
-from mhar_titan.data.sources import DataError, JsonlShard, ParquetShard, train_shards, validation_shards
+from mhar_titan.data.manifest import load_pretokenized
+from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE
+from mhar_titan.data.sources import DataError, JsonlShard, ParquetShard, expand_files, train_shards, validation_shards
 from mhar_titan.data.stream import epoch_parts
 
 EPOCHS_CHECKED = 4
@@ -113,9 +125,22 @@ def check_data_files(cfg: DataConfig, *, dp_world: int, seed: int, validation: b
     """Run every data check that needs only ``cfg`` and the files (module docstring); DataError if one fails.
 
     ``seed`` is the training seed (used when ``cfg.seed`` is None); ``validation``: check
-    ``cfg.validation_files`` too. Costs one footer read per parquet file and, in document
-    sharding, one pass over the lines of each jsonl file (else its first line); no tokenization.
+    ``cfg.validation_files`` (a mixture: every source's) too. Costs one footer read per parquet
+    file and, in document sharding, one pass over the lines of each jsonl file (else its first
+    line); no tokenization.
     """
+    if cfg.is_mixture:
+        check_mixture(cfg, dp_world=dp_world)
+        if validation and not cfg.validation_configs():
+            raise DataError("no source of data.sources has validation_files: designate held-out files in at least "
+                            "one source, or set validation.enable = false")
+        for m in cfg.mixture():
+            try:
+                check_data_files(m.data, dp_world=dp_world, seed=seed,
+                                 validation=validation and bool(m.data.validation_files))
+            except DataError as e:
+                raise DataError(f"data.sources {m.name!r}: {e}") from e
+        return
     if cfg.source == "hub":
         return
     shards = train_shards(cfg)
@@ -127,4 +152,54 @@ def check_data_files(cfg: DataConfig, *, dp_world: int, seed: int, validation: b
             shard_rows(shard, count=False)
 
 
+def _local_paths(patterns: list[str], what: str) -> set[Path]:
+    return set(expand_files(patterns, what)) if patterns else set()
 
+
+def check_mixture(cfg: DataConfig, *, dp_world: int) -> None:
+    """The checks of a mixture as a whole (module docstring); DataError naming the sources and the file.
+
+    Local and pretokenized sources only (a hub source's files are known when its stream opens).
+    """
+    if cfg.sharding == "document" and not cfg.infinite and dp_world > 1:
+        raise DataError(FINITE_DOCUMENT_MIXTURE)
+    local = [m for m in cfg.mixture() if m.data.source != "hub"]
+    train, held_out = {}, {}
+    for m in local:
+        try:
+            files = _local_paths(m.data.files, "data.files")
+            held_out[m.name] = _local_paths(m.data.validation_files, "data.validation_files")
+        except DataError as e:
+            raise DataError(f"data.sources {m.name!r}: {e}") from e
+        train[m.name] = files - held_out[m.name]  # a source's own validation files are left out of its training
+        if not train[m.name]:
+            raise DataError(f"data.sources {m.name!r}: no training file left: every file of its files is also one of "
+                            f"its validation_files; list training files apart from the held-out ones")
+    names = list(train)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            both = sorted(train[a] & train[b])
+            if both:
+                raise DataError(f"data.sources {a!r} and {b!r} both train on {both[0]}"
+                                f"{f' (and {len(both) - 1} more)' if len(both) > 1 else ''}: a file belongs to one "
+                                f"source (its weight would count twice); list it in one source only")
+    for a in names:
+        for b in names:
+            leak = sorted(held_out[a] & train[b]) if a != b else []
+            if leak:
+                raise DataError(f"data.sources {a!r} holds out {leak[0]} (validation_files), which is a training file "
+                                f"of source {b!r}: its validation loss would be measured on trained-on text; remove "
+                                f"it from {b!r}'s files or pick another validation file")
+    made_with = {}
+    for m in local:
+        if m.data.source == "pretokenized":
+            for path in sorted(train[m.name] | held_out[m.name]):
+                if path.is_dir():
+                    p = load_pretokenized(path)
+                    made_with.setdefault((p.tokenizer, p.n_vocab, p.eos_id), (m.name, path))
+    if len(made_with) > 1:
+        (ta, (na, pa)), (tb, (nb, pb)) = list(made_with.items())[:2]
+        raise DataError(f"the mixture's pretokenized sources were made with different tokenizers: {na!r} ({pa}) "
+                        f"with {ta[0]!r} (n_vocab {ta[1]}), {nb!r} ({pb}) with {tb[0]!r} (n_vocab {tb[1]}); a "
+                        f"mixture has one tokenizer: re-run python -m mhar_titan.data.pretokenize with "
+                        f"--tokenizer {cfg.tokenizer} for the others")

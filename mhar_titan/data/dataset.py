@@ -15,12 +15,18 @@ training but do not raise the tokenization rate.
 ``document`` sharding: (rank, worker) pairs split the epoch's shard order with
 ``stream.split_parts`` (first over ranks, then over workers) and each packs only
 its own documents into batches of B consecutive windows.
+
+A mixture (``mixture = (names, weights)``, ``shards`` then one list per source) runs a
+``mixture.MixtureStream`` wherever one source runs a ``TokenStream``, and yields
+``(inputs, labels, sources)``: ``sources`` int64 ``(local_batch_size,)``, the source index of
+each row (the train loader counts and removes it).
 """
 from typing import Optional
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mhar_titan.data.mixture import MixtureStream
 from mhar_titan.data.sources import DataError
 from mhar_titan.data.stream import TokenStream
 
@@ -39,8 +45,10 @@ class PackedBatches(IterableDataset):
 
     def __init__(self, shards: list, tokenizer, *, sharding: str, dp_rank: int, dp_world: int,
                  local_batch_size: int, seq_len: int, seed: int, shuffle: bool, shuffle_buffer: int,
-                 infinite: bool, start_stream: Optional[dict] = None, start_epoch: int = 0):
+                 infinite: bool, start_stream: Optional[dict] = None, start_epoch=0,
+                 mixture: Optional[tuple[list[str], list[float]]] = None):
         self.shards, self.encode, self.eos_id = shards, tokenizer.encode, tokenizer.eos_id
+        self.mixture = mixture
         self.sharding, self.dp_rank, self.dp_world = sharding, dp_rank, dp_world
         self.batch, self.seq_len, self.seed = local_batch_size, seq_len, seed
         self.shuffle, self.shuffle_buffer, self.infinite = shuffle, shuffle_buffer, infinite
@@ -52,16 +60,35 @@ class PackedBatches(IterableDataset):
 
     def _new_stream(self, worker: int, workers: int) -> TokenStream:
         consumer = [] if self.sharding == "window" else [(self.dp_world, self.dp_rank), (workers, worker)]
-        stream = TokenStream(self.shards, self.encode, self.eos_id, self.seq_len + 1, seed=self.seed,
-                             shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, infinite=self.infinite,
-                             consumer=consumer, start_epoch=self.start_epoch)
+
+        def token_stream(shards, start_epoch):
+            return TokenStream(shards, self.encode, self.eos_id, self.seq_len + 1, seed=self.seed,
+                               shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, infinite=self.infinite,
+                               consumer=consumer, start_epoch=start_epoch)
+
+        if self.mixture is None:
+            stream = token_stream(self.shards, self.start_epoch)
+        else:  # start_epoch: one for every source, or a list (a document-mode reshard)
+            names, weights = self.mixture
+            epochs = self.start_epoch if isinstance(self.start_epoch, (list, tuple)) else [self.start_epoch] * len(names)
+            stream = MixtureStream([token_stream(s, e) for s, e in zip(self.shards, epochs)], names, weights,
+                                   seed=self.seed)
         if self.start_stream is not None and self.sharding == "window":
             stream.load_state_dict(self.start_stream)
         return stream
 
-    def _to_batch(self, windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_batch(self, windows: list[list[int]], sources: Optional[list[int]] = None) -> tuple:
         x = torch.tensor(windows, dtype=torch.int64)
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        batch = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        return batch if self.mixture is None else (*batch, torch.tensor(sources, dtype=torch.int64))
+
+    def _take(self, n: int) -> tuple[list, list]:
+        """The stream's next ``n`` windows (None at the end of finite data) and, for a mixture, their sources."""
+        s, windows, sources = self._stream, [], []
+        for _ in range(n):
+            windows.append(s.next_window())
+            sources.append(getattr(s, "last_source", None))
+        return windows, sources
 
     def __iter__(self):
         info = get_worker_info()
@@ -87,20 +114,20 @@ class PackedBatches(IterableDataset):
             k = self._next_step
             if not s.skip_windows(self.start_window + k * rounds - s.window):
                 return
-            windows = [s.next_window() for _ in range(rounds)]
+            windows, sources = self._take(rounds)
             if windows[-1] is None:
                 return
             self._next_step = k + workers  # before the yield: state_dict() is taken at the yield
-            yield self._to_batch(windows[self.dp_rank * self.batch:(self.dp_rank + 1) * self.batch])
+            mine = slice(self.dp_rank * self.batch, (self.dp_rank + 1) * self.batch)
+            yield self._to_batch(windows[mine], sources[mine])
 
     def _iter_document(self, workers: int):
-        s = self._stream
         while True:
-            windows = [s.next_window() for _ in range(self.batch)]
+            windows, sources = self._take(self.batch)
             if windows[-1] is None:
                 return
             self._next_step += workers
-            yield self._to_batch(windows)
+            yield self._to_batch(windows, sources)
 
     def state_dict(self) -> dict:
         if self._stream is None:  # not started yet: the (possibly loaded) start position

@@ -20,6 +20,14 @@ that point. ``load_state_dict`` applies these rules:
   epoch) at the new layout and logs that the rest of epoch E is skipped;
 - a different seq_len, seed, sharding mode or list of shards always raises.
 
+A mixture (``data.sources``) saves every source's stream state under its name inside each
+stream state (``mixture.MixtureStream``), its normalised weights and each source's shards in
+the layout; the rules above hold for it unchanged (window mode at another layout continues the
+global mixture stream at ``windows_done``; document mode with ``allow_document_reshard`` starts
+every source's next epoch). Other sources (names or files) always raise; other weights raise
+unless ``data.allow_weight_change`` is set, which continues every source from its saved
+position with the new weights (window mode: from the global stream at ``windows_done``).
+
 Finite data (``infinite = false``) and unused tokens per epoch
 --------------------------------------------------------------
 With ``L = seq_len + 1`` tokens per window and ``B = local_batch_size``:
@@ -53,6 +61,7 @@ import signal
 import threading
 from typing import Optional
 
+import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -60,6 +69,7 @@ from mhar_titan.data.balance import epoch_batches_per_rank
 from mhar_titan.config.data import DataConfig
 from mhar_titan.data.dataset import DataFault, PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
+from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
 from mhar_titan.data.stream import TokenStream
 from mhar_titan.errors import UserError
@@ -125,10 +135,18 @@ class TrainLoader:
 
     def __init__(self, cfg: DataConfig, shards: list, tokenizer, *, dp_rank: int, dp_world: int,
                  local_batch_size: int, seq_len: int, seed: int):
+        """``shards``: the training shards, or for a mixture one list per source (``cfg.mixture()`` order)."""
         self.cfg, self.shards, self.tokenizer = cfg, shards, tokenizer
+        specs = cfg.mixture()
+        self.mixture = ([m.name for m in specs], [m.weight for m in specs]) if specs else None
+        fingerprint = ({name: sources_fingerprint(s) for name, s in zip(self.mixture[0], shards)} if specs
+                       else sources_fingerprint(shards))
         self.layout = {"sharding": cfg.sharding, "dp_world": dp_world, "dp_rank": dp_rank,
                        "local_batch_size": local_batch_size, "seq_len": seq_len,
-                       "num_workers": cfg.num_workers, "seed": seed, "sources": sources_fingerprint(shards)}
+                       "num_workers": cfg.num_workers, "seed": seed, "sources": fingerprint}
+        if specs:
+            self.layout["weights"] = dict(zip(*self.mixture))
+        self._source_windows = np.zeros(len(specs), dtype=np.int64)  # rows per source since take_source_windows
         self._windows_base = 0  # global windows consumed before this loader's first step (window mode)
         self._steps = 0         # batches yielded by this loader since it was built or loaded
         self._batches_base = 0  # batches yielded before that since the start of the current layout's first epoch
@@ -139,6 +157,8 @@ class TrainLoader:
         self._start_stream, self._first_epoch = start_stream, start_epoch
         self.epoch_batches: Optional[list[int]] = None
         if lay["sharding"] == "document" and not self.cfg.infinite and lay["dp_world"] > 1:
+            if self.mixture is not None:
+                raise DataError(FINITE_DOCUMENT_MIXTURE)
             self.epoch_batches = epoch_batches_per_rank(
                 self.shards, self.tokenizer.encode, dp_world=lay["dp_world"], num_workers=self.cfg.num_workers,
                 local_batch_size=lay["local_batch_size"], seq_len=lay["seq_len"], seed=lay["seed"],
@@ -149,7 +169,7 @@ class TrainLoader:
             self.shards, self.tokenizer, sharding=lay["sharding"], dp_rank=lay["dp_rank"], dp_world=lay["dp_world"],
             local_batch_size=lay["local_batch_size"], seq_len=lay["seq_len"], seed=lay["seed"],
             shuffle=self.cfg.shuffle, shuffle_buffer=self.cfg.shuffle_buffer, infinite=self.cfg.infinite,
-            start_stream=start_stream, start_epoch=start_epoch)
+            start_stream=start_stream, start_epoch=start_epoch, mixture=self.mixture)
         kwargs = {}
         if self.cfg.num_workers > 0:
             kwargs = {"persistent_workers": False, "prefetch_factor": self.cfg.prefetch_factor,
@@ -195,6 +215,10 @@ class TrainLoader:
                 return
             if isinstance(batch, DataFault):
                 raise DataError(batch.message)
+            if self.mixture is not None:
+                *batch, sources = batch
+                self._source_windows += np.bincount(sources.numpy(), minlength=len(self._source_windows))
+                batch = tuple(batch)
             self._steps += 1
             yield batch
         logger.warning(
@@ -202,6 +226,19 @@ class TrainLoader:
             "epoch (batches per rank: %s; this rank leaves %d unused to keep ranks in step). Set data.infinite = "
             "true to train longer, or keep training.steps x gradient accumulation <= %d.", rank, limit,
             self.epoch_batches, self.epoch_batches[rank] - limit, limit)
+
+    @property
+    def source_names(self) -> Optional[list[str]]:
+        """The mixture's source names (None for one source)."""
+        return None if self.mixture is None else list(self.mixture[0])
+
+    def take_source_windows(self) -> Optional[list[int]]:
+        """Windows (batch rows) of each source this rank's loader yielded since the last call, in
+        ``source_names`` order; None for one source."""
+        if self.mixture is None:
+            return None
+        out, self._source_windows = self._source_windows.tolist(), np.zeros_like(self._source_windows)
+        return out
 
     # -- state -----------------------------------------------------------------
     def _worker_states(self, loader_state: dict) -> list[dict]:
@@ -225,6 +262,9 @@ class TrainLoader:
               "first_epoch": self._first_epoch, "loader": loader_state,
               "epoch": max([ws["stream"]["epoch"] for ws in self._worker_states(loader_state)
                             if ws["stream"] is not None] or [0])}
+        if self.mixture is not None:  # each source's highest epoch over this rank's workers
+            streams = [ws["stream"] for ws in self._worker_states(loader_state) if ws["stream"] is not None]
+            sd["epochs"] = {name: max([st["epochs"][name] for st in streams] or [0]) for name in self.mixture[0]}
         if self.layout["sharding"] == "window":
             sd["windows_done"] = self.windows_done
             sd["global_stream"] = self._global_stream_at(loader_state, self.windows_done)
@@ -238,10 +278,12 @@ class TrainLoader:
         if sd.get("format") != STATE_FORMAT:
             raise DataStateError(f"data-loader state format {sd.get('format')!r}, expected {STATE_FORMAT}")
         lay = self.layout
+        self._check_mixture_state(sd)
+        reweighted = self.mixture is not None and sd["weights"] != lay["weights"]
         for key, fix in (("sharding", "set data.sharding back"), ("seq_len", "resume with the same training.seq_len"),
                          ("seed", "resume with the same seed (data.seed / training seed)"),
                          ("sources", "resume with the same data files, or start a new run")):
-            if sd[key] != lay[key]:
+            if sd[key] != lay[key] and not (key == "sources" and self.mixture is not None):
                 saved, now = sd[key], lay[key]
                 if key == "sources":
                     saved, now = f"{len(saved)} shards", f"{len(now)} shards (changed: " \
@@ -250,16 +292,17 @@ class TrainLoader:
                                      f"{now}: the data position cannot carry over; {fix}")
         same = all(sd[k] == lay[k] for k in ("dp_world", "local_batch_size", "num_workers"))
         if lay["sharding"] == "window":
-            if same:
+            if same and not reweighted:
                 self._loader.load_state_dict(sd["loader"])
                 self._windows_base, self._steps = sd["windows_done"], 0
                 self._batches_base = sd.get("batches_done", 0)
                 self._start_stream = sd["global_stream"]
                 return
-            logger.warning("data: window-mode state saved at dp world %d x local batch %d (%d workers) resumes at "
-                           "dp world %d x local batch %d (%d workers) from global window %d",
-                           sd["dp_world"], sd["local_batch_size"], sd["num_workers"], lay["dp_world"],
-                           lay["local_batch_size"], lay["num_workers"], sd["windows_done"])
+            if not same:
+                logger.warning("data: window-mode state saved at dp world %d x local batch %d (%d workers) resumes "
+                               "at dp world %d x local batch %d (%d workers) from global window %d",
+                               sd["dp_world"], sd["local_batch_size"], sd["num_workers"], lay["dp_world"],
+                               lay["local_batch_size"], lay["num_workers"], sd["windows_done"])
             self._build(start_stream=sd["global_stream"])
             self._windows_base, self._steps, self._batches_base = sd["windows_done"], 0, 0
             return
@@ -282,8 +325,42 @@ class TrainLoader:
                        "(%d workers) with data.allow_document_reshard: the rest of epoch %d is skipped, epoch %d "
                        "starts now", sd["dp_world"], sd["num_workers"], lay["dp_world"], lay["num_workers"],
                        sd["epoch"], sd["epoch"] + 1)
-        self._build(start_epoch=sd["epoch"] + 1)
+        self._build(start_epoch=sd["epoch"] + 1 if self.mixture is None
+                    else [sd["epochs"][name] + 1 for name in self.mixture[0]])
         self._steps, self._batches_base = 0, 0
+
+    def _check_mixture_state(self, sd: dict) -> None:
+        """A mixture's state continues only a mixture of the same sources (files), and other
+        weights only with ``data.allow_weight_change`` (DataStateError otherwise)."""
+        saved = sd.get("weights")
+        now = self.layout.get("weights")
+        if (saved is None) != (now is None):
+            what = ("a data mixture (data.sources)", "one source") if saved is not None else \
+                ("one source", "a data mixture (data.sources)")
+            raise DataStateError(f"the checkpoint's data-loader state is of {what[0]}, this run reads {what[1]}: the "
+                                 f"data position cannot carry over; resume with the checkpoint's [data] form, or "
+                                 f"start a new run")
+        if now is None:
+            return
+        if list(saved) != list(now):
+            raise DataStateError(f"the checkpoint's data mixture has sources {list(saved)}, this run has {list(now)}: "
+                                 f"each source's position is saved under its name; resume with the same sources "
+                                 f"(weight 0 keeps a source without drawing from it), or start a new run")
+        for name in now:
+            if sd["sources"][name] != self.layout["sources"][name]:
+                changed = sorted(set(sd["sources"][name]) ^ set(self.layout["sources"][name]))[:4]
+                raise DataStateError(f"the checkpoint's data mixture source {name!r} read other files (changed: "
+                                     f"{changed}): its position cannot carry over; resume with the same files, "
+                                     f"or start a new run")
+        if saved != now:
+            diff = ", ".join(f"{n} {saved[n]:.6g} -> {now[n]:.6g}" for n in now if saved[n] != now[n])
+            if not self.cfg.allow_weight_change:
+                raise DataStateError(f"the checkpoint's data mixture was drawn with other weights ({diff}, normalised): "
+                                     f"set data.allow_weight_change = true to continue every source from its saved "
+                                     f"position with the new weights (the next phase of an anneal), or resume with "
+                                     f"the saved weights")
+            logger.warning("data: mixture weights changed on resume (%s; data.allow_weight_change): every source "
+                           "continues from its saved position", diff)
 
 
 def build_train_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
@@ -299,8 +376,13 @@ def build_train_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: in
         raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world={dp_world})")
     if local_batch_size < 1 or seq_len < 1:
         raise ValueError(f"local_batch_size ({local_batch_size}) and seq_len ({seq_len}) must be >= 1")
-    shards = train_shards(cfg)
-    _check_pretokenized(cfg, shards, tokenizer)
+    if cfg.is_mixture:
+        shards = [train_shards(m.data) for m in cfg.mixture()]
+        for source_shards in shards:
+            _check_pretokenized(cfg, source_shards, tokenizer)
+    else:
+        shards = train_shards(cfg)
+        _check_pretokenized(cfg, shards, tokenizer)
     return TrainLoader(cfg, shards, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
                        local_batch_size=local_batch_size, seq_len=seq_len,
                        seed=cfg.seed if cfg.seed is not None else seed)
@@ -368,6 +450,31 @@ class ValidationLoader:
         return iter(self._batches)
 
 
+def build_validation_sets(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
+                          seq_len: int, sequences: int) -> dict[str, ValidationLoader]:
+    """This rank's validation sets by source name: ``{"": loader}`` for one source; for a mixture
+    one set of ``sequences`` windows per source that has validation files (each source's own
+    held-out files, read as ``build_validation_loader`` reads them; the same sets whatever the
+    weights, so validation losses compare across the phases of an anneal).
+
+    Raises:
+        DataError: as ``build_validation_loader``, the message naming the source; no source
+            with validation files.
+    """
+    if cfg.is_mixture and not cfg.validation_configs():
+        raise DataError("no source of data.sources has validation_files: designate held-out files in at least one "
+                        "source, or set validation.enable = false")
+    out = {}
+    for name, data in cfg.validation_configs() if cfg.is_mixture else [("", cfg)]:
+        try:
+            out[name] = build_validation_loader(data, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
+                                                local_batch_size=local_batch_size, seq_len=seq_len,
+                                                sequences=sequences)
+        except DataError as e:
+            raise DataError(f"data.sources {name!r}: {e}" if name else str(e)) from e
+    return out
+
+
 def build_validation_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world: int, local_batch_size: int,
                             seq_len: int, sequences: int) -> ValidationLoader:
     """This rank's micro-batches of the validation set: the first ``sequences`` windows of
@@ -380,6 +487,8 @@ def build_validation_loader(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_worl
     """
     if sequences < 1 or local_batch_size < 1:
         raise ValueError(f"sequences ({sequences}) and local_batch_size ({local_batch_size}) must be >= 1")
+    if cfg.is_mixture:
+        raise ValueError("build_validation_loader reads one source; for a mixture use build_validation_sets")
     shards = validation_shards(cfg)
     _check_pretokenized(cfg, shards, tokenizer)
     windows = validation_windows(shards, tokenizer, seq_len=seq_len, sequences=sequences)

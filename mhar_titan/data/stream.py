@@ -82,6 +82,12 @@ def epoch_parts(n_shards: int, seed: int, epoch: int, shuffle: bool, consumer: l
     return parts
 
 
+def stream_label(consumer: list[tuple[int, int]]) -> str:
+    """A stream's label from its consumer splits: "global", or e.g. "1of2/0of1" for rank 1 of 2,
+    worker 0 of 1 (in log lines and the seeds of its shuffle buffer and mixture draws)."""
+    return "/".join(f"{i}of{n}" for n, i in consumer) or "global"
+
+
 def clean_document(value, shard_name: str, row: int, counts: dict, warn: bool = True) -> Optional[object]:
     """A row's document (str or token array), or None if it is empty or not valid UTF-8 (counted, warned)."""
     kind = None
@@ -124,7 +130,7 @@ class TokenStream:
         self.shards, self.encode, self.eos_id, self.window_len = shards, encode, eos_id, window_len
         self.seed, self.shuffle, self.buffer_size, self.infinite = seed, shuffle, shuffle_buffer, infinite
         self.consumer = consumer
-        self.label = "/".join(f"{i}of{n}" for n, i in consumer) or "global"
+        self.label = stream_label(consumer)
         self._pending: dict[int, bytes] = {}  # document sequence number -> its int32 tokens + EOS
         self._views: dict[int, np.ndarray] = {}  # the same blocks as arrays (not in the state)
         self._head = 0                # tokens of the first pending block already emitted

@@ -28,7 +28,7 @@ def _perplexity(args) -> dict:
     batches = loaded.validation_batches(args.files, args.batch_size, args.seq_len, args.batches)
     result = evaluate_perplexity(loaded.model, batches)
     return {"run": str(loaded.run_dir), "checkpoint": str(loaded.checkpoint), "step": loaded.step,
-            "files": args.files or loaded.data_config.validation_files, "seq_len": batches.seq_len,
+            "files": args.files or loaded.validation_data_config.validation_files, "seq_len": batches.seq_len,
             "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}
 
 

@@ -52,26 +52,38 @@ class LoadedModel:
         """The run's ``[data]`` section (a default one naming the tokenizer when there is no config)."""
         return self.cfg.data if self.cfg is not None else DataConfig(tokenizer=self.tokenizer.name)
 
+    @property
+    def validation_data_config(self) -> DataConfig:
+        """The one-source ``[data]`` whose validation files evaluations default to: the run's own, or
+        for a data mixture its first source with validation files (else its first source)."""
+        data = self.data_config
+        if data.is_mixture:
+            held_out = data.validation_configs()
+            data = held_out[0][1] if held_out else data.mixture()[0].data
+        return data
+
     def validation_batches(self, files: Optional[list[str]] = None, batch_size: Optional[int] = None,
                            seq_len: Optional[int] = None, steps: Optional[int] = None) -> ValidationLoader:
         """Held-out ``(inputs, labels)`` batches as the trainer's validation builds them.
 
-        Defaults come from the run's config: ``data.validation_files``, ``training.local_batch_size``,
-        ``training.seq_len`` and ``validation.sequences`` (8, 512 and 64 without a config);
-        ``steps`` batches instead means ``steps * batch_size`` sequences.
+        Defaults come from the run's config: ``data.validation_files`` (a data mixture: the first
+        source with validation files, whose source keys also read ``files``),
+        ``training.local_batch_size``, ``training.seq_len`` and ``validation.sequences`` (8, 512
+        and 64 without a config); ``steps`` batches instead means ``steps * batch_size`` sequences.
 
         Raises:
             ValueError: no validation files named anywhere. DataError: the files are too short.
         """
         cfg = self.cfg
-        files = list(files or self.data_config.validation_files)
+        data = self.validation_data_config
+        files = list(files or data.validation_files)
         if not files:
             raise ValueError(f"{self.run_dir} names no validation files (data.validation_files); pass some files")
         batch_size = batch_size or (cfg.training.local_batch_size if cfg is not None else 8)
         seq_len = seq_len or (cfg.training.seq_len if cfg is not None else 512)
         sequences = steps * batch_size if steps else (cfg.validation.sequences_for(seq_len) if cfg is not None else 64)
         return build_validation_loader(
-            dataclasses.replace(self.data_config, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,
+            dataclasses.replace(data, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,
             local_batch_size=batch_size, seq_len=seq_len,
             sequences=sequences)
 

@@ -1,4 +1,5 @@
-"""``python -m mhar_titan.experiments {list,run,slurm,results} SWEEP.toml``: paired experiments.
+"""``python -m mhar_titan.experiments {list,run,slurm,results} SWEEP.toml``: paired experiments;
+``python -m mhar_titan.experiments compare --check-schedule A B``: two arms schedule-matched.
 
 list SWEEP      the runs the sweep expands to, with their state and training command; with
                 --gpu-hours, each run's estimated GPU-hours at --mfu and --peak-tflops instead
@@ -9,8 +10,12 @@ slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per
                 world size first; extra sbatch options after `--`
 results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
                 default <dump_folder>/results)
+compare A B     --check-schedule: A and B (each a job config or a run folder) are schedule-matched:
+                the same LR at every step (planned or logged), tokens per step and data order
+                (mhar_titan.experiments.schedule); --world-size N for configs (default 1). Prints
+                what they share and exits 0, or names the first difference and exits 1
 
-Every command takes --set section.key=value (repeatable; added to the sweep's [sweep.set]) and
+The sweep commands take --set section.key=value (repeatable; added to the sweep's [sweep.set]) and
 --dump-folder DIR (instead of the sweep's), e.g. for a 2-step smoke run of a sweep's commands.
 Commands run from the repository root (the sweep's paths are relative to it). Bad input: a
 message on stderr and exit status 2.
@@ -80,7 +85,14 @@ def main(argv=None) -> int:
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
     p.add_argument("--dpi", type=int, default=200)
+    p = sub.add_parser("compare", help="check that two arms are schedule-matched")
+    p.add_argument("arms", nargs=2, metavar="CONFIG_OR_RUN", help="a job config (TOML) or a run folder, twice")
+    p.add_argument("--check-schedule", action="store_true",
+                   help="same LR at every step, tokens per step and data order (the check compare makes)")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks a config's plan is for")
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        return _compare(args, parser.prog)
     try:
         sweep = load_sweep(args.sweep, _settings(args.set), args.dump_folder)
         if args.command == "list" and args.gpu_hours:
@@ -129,6 +141,24 @@ def main(argv=None) -> int:
     except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _compare(args, prog: str) -> int:
+    from mhar_titan.experiments.schedule import check_schedule, load_schedule
+
+    try:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+        a, b = (load_schedule(arm, args.world_size) for arm in args.arms)
+    except (UserError, FileNotFoundError, ValueError) as e:
+        print(f"{prog} compare: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        print(check_schedule(a, b))
+    except ConfigError as e:
+        print(f"{prog} compare: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
