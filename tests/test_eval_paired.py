@@ -154,7 +154,6 @@ def test_different_example_sets_are_refused_naming_the_difference():
 
 
 @pytest.mark.lm_eval
-@pytest.mark.slow  # about 12 s of CPU (a 4-step debug run, 3 lm-eval scorings); 58 s wall on 2 busy cores
 def test_the_command_on_two_debug_checkpoints_prints_the_table_and_refuses_other_examples(tmp_path, monkeypatch,
                                                                                             capsys):
     """Two checkpoints of one real debug run (steps 2 and 4), the local multiple-choice and perplexity
@@ -211,3 +210,29 @@ def test_the_command_refuses_missing_runs_before_loading(tmp_path, capsys):
 
     assert eval_main(["paired", str(tmp_path / "nope"), str(tmp_path), "--tasks", "x"]) == 2
     assert "RUN_A" in capsys.readouterr().err
+
+
+@pytest.mark.lm_eval
+def test_an_exported_folder_pairs_with_its_checkpoint_answer_for_answer(tmp_path, monkeypatch, capsys):
+    """RUN_B an exported Llama folder (its own tokenizer files), RUN_A the checkpoint it came from:
+    the same model, so every answer agrees (no discordant example, p = 1, interval [0, 0])."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    from helpers import ROOT, trained_like_debug
+
+    from mhar_titan.convert.__main__ import main as convert_main
+    from mhar_titan.convert.dcp_io import save_model_dcp
+    from mhar_titan.eval.__main__ import main as eval_main
+    from mhar_titan.models import FAMILIES
+
+    monkeypatch.chdir(ROOT)
+    checkpoint = save_model_dcp(trained_like_debug(dict(FAMILIES["baseline"]), 50_304),
+                                tmp_path / "run" / "checkpoints" / "step-0", tokenizer="gpt2")
+    assert convert_main(["export", str(checkpoint), str(tmp_path / "llama"), "--format", "hf"]) == 0
+    capsys.readouterr()
+    assert eval_main(["paired", str(checkpoint), str(tmp_path / "llama"), "--tasks", "shakespeare_choice",
+                      "--include-path", "eval_tasks", "--output-path", str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "paired.json").read_text())["rows"]
+    assert (row["n"], row["a_only"], row["b_only"], row["p_value"]) == (8, 0, 0, 1.0)
+    assert row["a"] == row["b"] and (row["ci_low"], row["ci_high"]) == (0.0, 0.0)
+    assert "llama" in capsys.readouterr().out

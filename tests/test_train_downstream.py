@@ -78,7 +78,6 @@ def test_last_step_equals_standalone_loss_curve_unchanged_and_every_sink_gets_it
     assert history[4]["eval/shakespeare_rolling/bits_per_byte"] == last["eval/shakespeare_rolling/bits_per_byte"]
 
 
-@pytest.mark.slow  # four evaluations of two small tasks: ~12 s CPU, 39 s wall on busy cores
 def test_the_time_budget_admits_zero_or_a_counted_number_of_forwards(tmp_path, monkeypatch):
     """The clock is the number of evaluation forwards so far: a budget of b units admits exactly
     ceil(b) forwards, whatever the machine's speed. Model mode and random generators come back."""
