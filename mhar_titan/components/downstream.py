@@ -25,6 +25,7 @@ it are skipped. Logged per evaluation: ``eval/<task>/<metric>`` (a filter other 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import time
@@ -127,6 +128,18 @@ def untouched_training_state(model: torch.nn.Module):
             torch.cuda.set_rng_state_all(states[3])
 
 
+@contextlib.contextmanager
+def quiet_lm_eval():
+    """lm-eval's INFO lines (task building, request counts) off the training console; warnings stay."""
+    lm_eval_logger = logging.getLogger("lm_eval")
+    level = lm_eval_logger.level
+    lm_eval_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        lm_eval_logger.setLevel(level)
+
+
 def metric_rows(results: dict) -> dict:
     """lm-eval's ``results["results"]`` as ``{"eval/<task>/<metric>[/<filter>]": value}`` (numbers only,
     standard errors left out)."""
@@ -185,7 +198,7 @@ class DownstreamEval:
         began = time.perf_counter()
         budget = EvalBudget(self.cfg.time_budget_s, self.clock, self.world_size, self.device)
         row, over, sequences = {}, 0, 0
-        with untouched_training_state(model):
+        with untouched_training_state(model), quiet_lm_eval():
             budget.start()
             for task in self.cfg.tasks:
                 lm = ShardedLM(model, self.tokenizer, self.cfg.local_batch_size, self.rank, self.world_size, budget)
