@@ -9,10 +9,14 @@
 # which blocks datasets / torchdata / tiktoken / wandb and ignores an editable install.
 #
 # The plan is a list of rows (section, scale, family, impl, AC, budget), printed row by row before
-# anything runs and run in that order, most valuable first: the isolated 1b routing timing, then
-# per scale 1b before 350m before 100m the throughput rows (AC none and full side by side) and the
-# Triton routing rows, then the kernel tests, the eager routing rows, the sm_90 compile report, the
-# host-time and byte rows, and torch.compile last at one shape (1b). Each row is its own process
+# anything runs and run in that order, most valuable first: the isolated 1b routing timing, the
+# real trainer (train.py under torchrun on 100m MHAR and the baseline with local data, a checkpoint,
+# a SIGKILL and a bitwise resume; then 20 steps of 1b with and without training.cuda_graphs), then
+# per scale 1b before 100m the throughput rows (AC none and full side by side) and the Triton
+# routing rows, then the kernel tests, the eager routing rows, the sm_90 compile report, the
+# host-time row, and torch.compile last at one shape (1b). (The counted bytes are a CPU count:
+# `bench/routing.py --bytes` runs anywhere. 350m is left out to fit the window.) The trainer rows
+# need .whl/ carried (bench/gpu_wheels.sh), data/shakespeare and .cache/tiktoken. Each row is its own process
 # under its own `timeout`, writes OUT_DIR/NN-<row>.md (its table, rewritten as its measurements
 # finish) and OUT_DIR/NN-<row>.log, and is appended to OUT_DIR/rows.tsv as soon as it ends, so a
 # cut-off window keeps every finished row. Every row runs even when an earlier one fails. The
@@ -43,6 +47,8 @@ FAMILIES=baseline,mhar,mhar-grouped
 if (( TINY )); then
   PLAN="env - - - - 10
 isolated toy mhar,mhar-grouped triton none 30
+trainer debug mhar,baseline torchrun none 300
+graphs debug mhar torchrun full 150
 throughput debug $FAMILIES triton none 40
 throughput debug $FAMILIES triton full 40
 routing toy mhar,mhar-grouped triton none 30
@@ -53,24 +59,21 @@ host 1b mhar,mhar-grouped stubbed none 30
 bytes 100m,350m,1b mhar,mhar-grouped model none,full 20"
 else
   PLAN="env - - - - 8
-isolated 1b mhar,mhar-grouped triton none 35
-throughput 1b $FAMILIES triton none 35
-throughput 1b $FAMILIES triton full 30
-routing 1b mhar,mhar-grouped triton none 15
-throughput 350m $FAMILIES triton none 22
-throughput 350m $FAMILIES triton full 20
-routing 350m mhar,mhar-grouped triton none 12
-throughput 100m $FAMILIES triton none 22
-throughput 100m $FAMILIES triton full 20
-routing 100m mhar,mhar-grouped triton none 12
-tests - - triton - 40
-routing 1b mhar,mhar-grouped eager none 12
-routing 350m mhar,mhar-grouped eager none 8
-routing 100m mhar,mhar-grouped eager none 8
-compile sm_90 - triton - 15
-host 1b mhar,mhar-grouped stubbed none 12
-bytes 100m,350m,1b mhar,mhar-grouped model none,full 10
-routing 1b mhar compile none 15"
+isolated 1b mhar,mhar-grouped triton none 30
+trainer 100m mhar,baseline torchrun none 75
+graphs 1b mhar torchrun full 60
+throughput 1b $FAMILIES triton none 30
+throughput 1b $FAMILIES triton full 27
+routing 1b mhar,mhar-grouped triton none 12
+throughput 100m $FAMILIES triton none 18
+throughput 100m $FAMILIES triton full 16
+routing 100m mhar,mhar-grouped triton none 10
+tests - - triton - 30
+routing 1b mhar,mhar-grouped eager none 8
+routing 100m mhar,mhar-grouped eager none 6
+compile sm_90 - triton - 12
+host 1b mhar,mhar-grouped stubbed none 10
+routing 1b mhar compile none 8"
 fi
 
 # row_cmd SECTION SCALE FAMILY IMPL AC BUDGET TABLE: sets CMD to the row's command; it writes TABLE.
@@ -81,6 +84,18 @@ row_cmd() {
   (( TINY )) && shapes=(--shapes toy) && sizes=(--warmup 1 --iters 1)
   case $section in
     env) CMD=("${RUN[@]}" bench/suite_report.py env "$table") ;;
+    # the real trainer under torchrun (not plain_python: it needs torchdata and tiktoken; the wheels
+    # the GPU image lacks come from .whl/, bench/gpu_wheels.sh)
+    trainer)
+      local t_sizes=()
+      (( TINY )) && t_sizes=(--tiny --steps 8 --checkpoint-at 3)
+      CMD=("$PY" bench/trainer_row.py resume --scale "$scale" --families "$family" "${t_sizes[@]}"
+           --budget-s "$stop_s" --out "$table") ;;
+    graphs)
+      local g_sizes=()
+      (( TINY )) && g_sizes=(--tiny --steps 5)
+      CMD=("$PY" bench/trainer_row.py graphs --scale "$scale" --families "$family" --ac "$ac" "${g_sizes[@]}"
+           --budget-s "$stop_s" --out "$table") ;;
     isolated) CMD=("${RUN[@]}" bench/routing.py --isolated "${shapes[@]}" --scales "$scale" --group auto
                    "${sizes[@]}" --out "$table") ;;
     throughput)

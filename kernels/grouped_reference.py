@@ -36,6 +36,7 @@ and its gradient from site i's merge backward until phase 1's backward.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -75,6 +76,13 @@ def _reduce_to(grad: Tensor, source: Tensor) -> Tensor:
     return grad.to(source.dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _unread_mask(reads: tuple, device: torch.device) -> Tensor:
+    """(n, g, 1) bool: source n is not read by site j of the group. Made once per group shape and
+    device (a constant table: no host-to-device copy per call, and safe under CUDA-graph capture)."""
+    return ~torch.tensor(reads, device=device).T.unsqueeze(-1)
+
+
 class _Phase1(torch.autograd.Function):
     """Phase 1 of one group: forward(queries (g, d), norm_weights (g, d), reads (per site, one
     bool per source), heads, eps, *sources) -> (mix_1..mix_g, norm_1..norm_g, lse (..., g, H)).
@@ -86,7 +94,7 @@ class _Phase1(torch.autograd.Function):
         cdt = contract.compute_dtype(full.dtype)
         n_sites = queries.shape[0]
         qg = (queries.to(cdt) * norm_weights.to(cdt)).view(n_sites, heads, -1)
-        unread = ~torch.tensor(reads, device=full.device).T.unsqueeze(-1)  # (n, g, 1)
+        unread = _unread_mask(reads, full.device)  # (n, g, 1)
         lead = full.shape[:-1]
         m = torch.full((*lead, n_sites, heads), -torch.inf, dtype=cdt, device=full.device)
         z = torch.zeros_like(m)
@@ -114,7 +122,7 @@ class _Phase1(torch.autograd.Function):
         heads, cdt, n_sites = ctx.heads, lse.dtype, queries.shape[0]
         q = queries.to(cdt).view(n_sites, heads, -1)
         g = norm_weights.to(cdt).view(n_sites, heads, -1)
-        unread = ~torch.tensor(ctx.reads, device=lse.device).T.unsqueeze(-1)
+        unread = _unread_mask(ctx.reads, lse.device)
         dmix = torch.stack([torch.zeros(lse.shape[:-2] + (q.numel() // n_sites,), dtype=cdt, device=lse.device)
                             if d is None else d.to(cdt) for d in grads[:n_sites]], -2).unflatten(-1, (heads, -1))
         dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if d is None else d.to(cdt)

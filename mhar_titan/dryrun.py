@@ -57,6 +57,7 @@ import torch
 
 from mhar_kernels import dispatch
 from mhar_titan.components.batches import batch_geometry
+from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
@@ -122,6 +123,8 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
             "use -1 (all ranks) or the world size"
         )
     batch_geometry(cfg.training, world_size)
+    # the settings a CUDA graph cannot capture (the dry run checks a GPU job wherever it runs)
+    check_cuda_graphs(cfg, args, cuda_available=True)
     warnings = []
     if not cfg.data.is_mixture and cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")

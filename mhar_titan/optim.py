@@ -225,7 +225,8 @@ def clip_grad_norm_by_group(model: nn.Module, max_norm: float) -> tuple[torch.Te
     shards are summed over ranks with one all-reduce (of a vector of group sums).
     Gradients are scaled by ``min(1, max_norm / (total + 1e-6))`` when
     ``max_norm > 0`` and the total is finite (a non-finite step is skipped by the
-    caller, so it is left untouched).
+    caller, so it is left untouched). Nothing is read back to the host: the choice is a
+    ``torch.where`` on the device, so the call is safe inside a captured or asynchronous step.
 
     Returns:
         (total norm, {group: norm} for the groups that have gradients) as fp32 scalar
@@ -250,9 +251,9 @@ def clip_grad_norm_by_group(model: nn.Module, max_norm: float) -> tuple[torch.Te
     # Groups without parameters (gates exist only in delta mode) are left out.
     norms = {g: sq[i].sqrt() for i, g in enumerate(GRAD_NORM_GROUPS) if grads[g]}
     total = sq.sum().sqrt()
-    if max_norm > 0 and torch.isfinite(total):
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        flat = [g for gs in grads.values() for g in gs]
-        if flat:
-            torch._foreach_mul_(flat, coef.to(flat[0].dtype))
+    flat = [g for gs in grads.values() for g in gs]
+    if max_norm > 0 and flat:
+        # Decided on the device (no host read): a non-finite total leaves the gradients as they are.
+        coef = torch.where(torch.isfinite(total), torch.clamp(max_norm / (total + 1e-6), max=1.0), 1.0)
+        torch._foreach_mul_(flat, coef.to(flat[0].dtype))
     return total, norms

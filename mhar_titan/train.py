@@ -22,6 +22,12 @@ One optimizer step:
    (``components.downstream``), checkpoint, preemption check. With ``training.z_loss`` the
    summed loss of step 2 includes the z-loss (``components.loss``).
 
+Steps 2-4 read nothing back from the device (no ``.item()``, no data-dependent shapes; the
+token ids are checked on the host before the batch is copied): the loss, the gradient norm and
+the non-finite flag are read once, after the optimizer step (``components.step_guard``), when
+the optimizer skips a non-finite step on the device (fused AdamW); otherwise the flag is read
+once before the optimizer step. ``tests/test_capture_safe.py`` holds every family to this.
+
 The parts live with their owners: the run folder, loss, batch geometry, train state and
 profiling in ``mhar_titan.components``, checkpoints in ``mhar_titan.checkpoint``, the
 model build in ``mhar_titan.parallel``. ``main()`` turns every ``UserError`` (bad
@@ -32,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import sys
 import time
@@ -45,6 +50,7 @@ import torch.distributed as dist
 from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
+from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.downstream import DownstreamEval
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
@@ -52,6 +58,7 @@ from mhar_titan.components.memory import available_memory, check_memory_fit
 from mhar_titan.components.performance import MemorySnapshots, build_profiler, performance_row, startup_fields
 from mhar_titan.components.ranks import agree_on_data_error, agree_on_setup, seed_global_rngs
 from mhar_titan.components.run_folder import RunFolder, on_rank0
+from mhar_titan.components.step_guard import guarded_step, read_step
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
 from mhar_titan.console import LOG_FORMAT, summary_fields
@@ -116,12 +123,14 @@ class Trainer:
                                                  cfg.data.tokenizer)
         self.model_args = with_document_eos(self.model_args, self.tokenizer.eos_id)
         self.model = build_model(Transformer, self.model_args, cfg, env)
+        self.model.check_token_ids = False  # next_micro_batches checks each batch's ids on the host
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.loss_fn = build_loss_fn(cfg.compile, t.z_loss, t.loss_path, t.loss_chunk_tokens)
         self.eval_loss_fn = build_loss_fn(cfg.compile, 0.0, t.loss_path, t.loss_chunk_tokens) \
             if t.z_loss > 0 else self.loss_fn
         self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
+        self.graphed = GraphedMicroStep(self.model, self.loss_fn) if t.cuda_graphs else None
         self.flops = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.state = TrainState()
@@ -200,7 +209,7 @@ class Trainer:
         """Drop the model, optimizer, loaders and EMA (and collect): FSDP state must be gone before
         ``destroy_process_group``, or 2-rank gloo runs can abort at exit (SIGABRT)."""
         for name in ("checkpointer", "optimizer", "lr_scheduler", "model", "train_loader", "val_loader", "loss_fn",
-                     "eval_loss_fn", "ema"):
+                     "eval_loss_fn", "ema", "graphed"):
             setattr(self, name, None)
         self.env.mesh = None
         gc.collect()
@@ -218,24 +227,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, micro_batches) -> tuple[float, torch.Tensor, dict]:
-        """Forward/backward over the micro-batches and the gradient norm; no optimizer step.
+    def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor, dict, torch.Tensor]:
+        """Forward/backward over the micro-batches, the gradient norm and clipping; no optimizer
+        step and no host read (everything stays on the device).
 
-        Returns (global mean loss over target tokens in nats, total grad norm, group norms).
+        Returns 0-dim tensors: (global mean loss over target tokens in nats, total grad norm,
+        {group: norm}, finite: the loss and the norm are both finite).
         """
         n_local = sum(target_count(y) for _, y in micro_batches).to(self.device, torch.float32)
         n_global = self._all_reduce_sum(n_local.clone()).clamp_min(1.0)
         forced = (self.state.step + 1) in self.cfg.debug.force_nonfinite_loss_steps
         loss_total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
+            if self.graphed is not None:  # training.cuda_graphs (forced non-finite steps are refused with it)
+                loss_total += self.graphed.step(x, y, self.env.world_size / n_global)
+                continue
             loss_sum = self.model(x, y, loss_fn=self.loss_fn)
             if forced:  # debug: poison this step to exercise the non-finite guard
                 loss_sum = loss_sum * float("nan")
             (loss_sum / n_global * self.env.world_size).backward()
             loss_total += loss_sum.detach()
-        loss = (self._all_reduce_sum(loss_total) / n_global).item()
+        loss = self._all_reduce_sum(loss_total) / n_global
         grad_norm, group_norms = clip_grad_norm_by_group(self.model, self.cfg.training.max_norm)
-        return loss, grad_norm, group_norms
+        return loss, grad_norm, group_norms, torch.isfinite(loss) & torch.isfinite(grad_norm)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -287,26 +301,30 @@ class Trainer:
                     step = self.state.step + 1
                     micro, data_error = None, None
                     try:
-                        micro = next_micro_batches(it, self.grad_accum, self.device, step)
+                        micro = next_micro_batches(it, self.grad_accum, self.device, step,
+                                                   vocab_size=self.model_args.vocab_size)
                     except UserError as e:  # a bad row met while reading (DataError naming file and row)
                         data_error = e
                     agree_on_data_error(data_error, step, self.env.rank, self.env.world_size, self.device)
-                    loss, grad_norm, group_norms = self.train_step(micro)
-                    finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-                    if finite:
-                        self.optimizer.step()
-                        if self.ema is not None:
-                            self.ema.update()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    loss_t, grad_norm_t, group_norms_t, finite_t = self.train_step(micro)
+                    guarded_step(self.optimizer, self.ema, finite_t)
+                    # a captured backward accumulates into the gradients' storage: keep it (zero in place)
+                    self.optimizer.zero_grad(set_to_none=self.graphed is None)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     self.lr_scheduler.step()
+                    logged = step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps
+                    # the step's one host read (group norms only on logged steps)
+                    loss, grad_norm, finite, group_norms = read_step(loss_t, grad_norm_t, finite_t,
+                                                                     group_norms_t if logged else None)
                     self.state.count_step(finite, tokens_per_step, self._source_tokens(t.seq_len))
                     throughput.add(tokens_per_step)
 
                     if not finite:
                         logger.warning("step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
-                                       step, loss, grad_norm.item(), self.state.consecutive_nonfinite)
-                    if not finite or step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps:
+                                       step, loss, grad_norm, self.state.consecutive_nonfinite)
+                        if not logged:
+                            group_norms = {k: v.item() for k, v in group_norms_t.items()}
+                    if not finite or logged:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
@@ -346,8 +364,8 @@ class Trainer:
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
         row = {
             "loss": loss,
-            "grad_norm": grad_norm.item(),
-            **{f"grad_norm/{k}": v.item() for k, v in group_norms.items()},
+            "grad_norm": grad_norm,
+            **{f"grad_norm/{k}": v for k, v in group_norms.items()},
             "lr": lr,
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
             "routing_entropy": routing_entropy(self.model, tokens[:1]),
@@ -423,8 +441,10 @@ def check_config(cfg: JobConfig) -> ModelArgs:
     # the run folder can be created and written (not read-only, not under a file)
     check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
     batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
+    args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
                               cfg.data.tokenizer)
+    check_cuda_graphs(cfg, args)
+    return args
 
 
 def run_training(cfg: JobConfig) -> TrainState:

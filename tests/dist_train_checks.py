@@ -76,7 +76,8 @@ def main(out):
     dist.all_gather_object(states, trainer.state.state_dict())
     result["train_states"] = states
     assert trainer.grad_accum == 2
-    loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    loss, norm, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+    loss = loss.item()
     grads = full_grads(trainer.model)
     result["masked_loss"] = loss
     result["masked_grad_norm"] = norm.item()

@@ -38,7 +38,8 @@ def main(out):
 
             margs = trainer.model.args
             assert mhar_kernels.can_run(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
-        loss, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+        loss, _, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+        loss = loss.item()
         grads = {name.replace("._checkpoint_wrapped_module", ""): grad
                  for name, grad in full_grads(trainer.model).items()}
         results[name] = (loss, grads)

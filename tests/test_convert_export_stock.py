@@ -27,6 +27,7 @@ pytest.importorskip("safetensors")
 
 from helpers import ROOT, llama3_tokenizer_folder, trained_like_debug  # noqa: E402
 from mhar_titan.convert import export_pretrained  # noqa: E402
+from mhar_titan.convert.mhar_format import AUTO_MAP, REMOTE_FILES  # noqa: E402
 from mhar_titan.convert.tokenizer_files import write_tokenizer_files  # noqa: E402
 from mhar_titan.data import DataConfig, build_tokenizer  # noqa: E402
 from mhar_titan.data.hf_tokenizer import load_hf_tokenizer  # noqa: E402
@@ -80,13 +81,14 @@ def exported(tmp_path_factory):
         model = trained_like_debug(fields, 50_304 if tok_name == "gpt2" else 384)
         folder = tmp / "export" / name.replace(" ", "_")
         export_pretrained(model, folder, tokenizer=tokenizer)
-        tokens = tokenizer.encode("ROMEO: But soft, what light")
+        tokens = tokenizer.encode("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet")
+        assert len(tokens) >= 17  # the batched prompts are 1, 5 and 17 tokens long
         with torch.no_grad():
             logits = model(torch.tensor([tokens]))[0]
-        greedy = generate(model, tokens[:8], STEPS, stop_ids=[tokenizer.eos_id]).tolist()
+        greedy = generate(model, tokens[:8], STEPS, stop_ids=[tokenizer.eos_id], n_vocab=tokenizer.n_vocab).tolist()
         ours[name] = (logits, greedy, tokenizer.encode(TEXT), tokenizer.eos_id)
         cases.append(dict(name=name, folder=folder, remote=CASES[name][2] is None, tokens=tokens, prompt=tokens[:8],
-                          steps=STEPS, text=TEXT))
+                          steps=STEPS, text=TEXT, n_vocab=tokenizer.n_vocab))
     cl100k = build_tokenizer(DataConfig(tokenizer="cl100k_base"))
     (tmp / "export" / "cl100k_base").mkdir()
     write_tokenizer_files(cl100k, tmp / "export" / "cl100k_base", 512)
@@ -124,6 +126,9 @@ def check(seen: dict, ours: dict, site: Path) -> None:
     for name, (logits, greedy, ids, eos) in ours.items():
         case = seen["cases"][name]
         assert case["ids"] == ids, name
+        if name not in CASES or CASES[name][2] is not None or seen["transformers"].startswith("4."):
+            # transformers 5 asks before reading a remote-code folder's config.json, tokenizer or not
+            assert not case["tokenizer_questions"] and not case["tokenizer_warnings"], (name, case)
         assert case["eos_token_id"] == eos, name
         if logits is None:
             continue
@@ -134,6 +139,24 @@ def check(seen: dict, ours: dict, site: Path) -> None:
         diff = (torch.tensor(case["logits"]) - logits).abs().max().item()
         assert diff <= 1e-5, f"{name}: logits differ by {diff}"
         assert case["greedy"] == greedy, name
+        if CASES[name][2] is None:
+            check_remote(name, case)
+
+
+def check_remote(name: str, case: dict) -> None:
+    """A remote-code folder: batched generate() is generate_batch, whatever the padding; the
+    tokenizer pads on the left; save_pretrained writes the same folder kind."""
+    batched = case["batched"]
+    if CASES[name][1] == "bytes":
+        assert batched["lengths"] == [1, 5, 17], name
+    for way in ("left", "right", "left no cache"):
+        assert batched[way] == batched["reference"], (name, way)
+    assert batched["padding_side"] == "left", name
+    resaved = case["resaved"]
+    assert resaved["same_logits"], name
+    assert resaved["auto_map"] == AUTO_MAP, name
+    assert set(resaved["files"]) == {"config.json", "generation_config.json", "model.safetensors", *REMOTE_FILES}, name
+    assert resaved["modeling"] == REMOTE_FILES["modeling_mhar_titan.py"], name
 
 
 @pytest.mark.slow  # about 50 s of child process on 2 loaded cores

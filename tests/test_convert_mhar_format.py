@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_a_truncated_checkpoint_is_one_checkpoint_error_for_every_loader(tmp_pat
 
 def test_convert_errors_carry_the_program_and_command_prefix(tmp_path, capsys):
     """One line with the prefix the other commands print (``PROG COMMAND: error: ...``), exit 2."""
-    for command, expected in (("export", "records no tokenizer"), ("import", "no config.json")):
+    for command, expected in (("export", "does not exist; pass a run folder"), ("import", "no config.json")):
         assert convert_main([command, str(tmp_path / "missing"), str(tmp_path / f"out-{command}")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"python -m mhar_titan.convert {command}: error: ") and expected in err
@@ -119,4 +120,55 @@ def test_a_run_folder_given_for_a_checkpoint_names_its_step_folders(tmp_path):
         save_model_dcp(model, tmp_path / "run" / "checkpoints" / f"step-{step}")
     with pytest.raises(ConversionError, match=r"is a run folder, not a checkpoint.*newest: .*step-100"):
         load_model_dcp(tmp_path / "run")
-    assert convert_main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+
+
+def test_export_takes_a_run_folder_and_says_what_it_wrote(tmp_path, capsys):
+    """A run folder exports its newest complete checkpoint (or --step), as generate and eval read
+    it; the last line names the checkpoint, the step and the kind of folder; the errors say what
+    is wrong with the argument itself."""
+    import dataclasses
+
+    from mhar_titan.checkpoint import MARKER
+
+    routed = trained_like(routing_mode="replace", routing_granularity="sublayer")
+    standard = Transformer(ModelArgs(**{**dataclasses.asdict(routed.args), "residual": "standard"}))
+    standard.init_weights()
+    run = tmp_path / "run"
+    for step, model in ((20, standard), (100, routed)):
+        save_model_dcp(model, run / "checkpoints" / f"step-{step}", tokenizer="bytes")
+        marker = json.loads((run / "checkpoints" / f"step-{step}" / MARKER).read_text())
+        (run / "checkpoints" / f"step-{step}" / MARKER).write_text(json.dumps({**marker, "step": step}))
+    (run / "checkpoints" / "step-300").mkdir()  # a save that never finished: not complete
+    (run / "checkpoints" / "step-300" / ".metadata").write_bytes(b"")
+    capsys.readouterr()
+    assert convert_main(["export", str(run), str(tmp_path / "newest")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"wrote {tmp_path / 'newest'} from {run / 'checkpoints' / 'step-100'} (step 100, 1 shard(s)): "
+                           "a mhar_titan folder with remote code (MharTitanForCausalLM"), last
+    reloaded = load_mhar(tmp_path / "newest")
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS), routed(TOKENS))
+    assert convert_main(["export", str(run), str(tmp_path / "older"), "--step", "20"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "(step 20, 1 shard(s)): a stock Qwen3 folder (Qwen3ForCausalLM: transformers loads it without remote code)" \
+        in last, last
+    # what is wrong, said exactly; nothing written
+    cases = [
+        (["export", str(run), str(tmp_path / "a"), "--step", "50"], "has no complete checkpoint step-50; complete "
+                                                                    "steps: [20, 100]"),
+        (["export", str(run / "checkpoints" / "step-300"), str(tmp_path / "b")], "step-300 has no complete.json: "
+                                                                                  "its save did not finish"),
+        (["export", str(tmp_path / "nowhere"), str(tmp_path / "c")], "nowhere does not exist; pass a run folder"),
+        (["export", str(tmp_path), str(tmp_path / "d")], "holds no complete checkpoint"),
+        (["export", str(run), str(tmp_path / "e"), "--format", "hf"], "so format 'hf' cannot hold it; use format "
+                                                                      "'mhar' (--format mhar"),
+    ]
+    for argv, expected in cases:
+        assert convert_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1 and "mhar_titan.convert.export_mhar" not in err, (argv, err)
+        assert not Path(argv[2]).exists()
+    bare = save_model_dcp(routed, tmp_path / "converted")  # no tokenizer recorded
+    assert convert_main(["export", str(bare), str(tmp_path / "f")]) == 2
+    assert "names no tokenizer (the model was converted from a folder without tokenizer files); pass the one the " \
+           "model was trained with: --tokenizer" in capsys.readouterr().err

@@ -116,6 +116,24 @@ def test_adapter_generate_until_stops_before_the_stop_string(model, tok):
     assert cut == text[:text.index(stop)]
 
 
+def test_adapter_refuses_a_continuation_longer_than_the_context_and_warns_once_for_a_cut_context(model, tok,
+                                                                                                caplog):
+    lm = MharLM(model, tok, max_length=8)
+    long = " and tomorrow" * 5  # 10 tokens: more than max_length
+    with pytest.raises(ValueError, match=r"continuation of 10 tokens does not fit the model's context of 8 tokens"):
+        lm.loglikelihood([("Tomorrow,", long)])
+    context = "Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace"
+    with caplog.at_level("WARNING", logger="mhar_titan.eval.lm_eval_adapter"):
+        (cut, _), (again, _) = lm.loglikelihood([(context, " from day"), (context + " from", " day")])
+        lm.generate_until([(context, {"until": [], "max_gen_toks": 2})] * 2)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "the context loses its first tokens" in warned[0], warned
+    assert "generate_until: a prompt of" in warned[1] and "exceeds max_length 8" in warned[1], warned
+    # the cut context is scored on its last tokens (as lm-eval's hf model does)
+    ids = (tok.encode(context) + tok.encode(" from day"))[-9:]
+    assert cut == pytest.approx(logprobs(model, ids)[-2:].sum().item(), rel=1e-5, abs=1e-5)
+
+
 def test_perplexity_is_the_token_weighted_cross_entropy(model):
     g = torch.Generator().manual_seed(0)
     x1, x2 = torch.randint(0, 50_000, (2, 10), generator=g), torch.randint(0, 50_000, (1, 6), generator=g)

@@ -1,6 +1,9 @@
-"""lm-eval the way its users run it (issue 24, acceptance 3): our ``eval lm-eval`` command on the
-local YAML tasks shipped in eval_tasks/, and lm-eval's own ``hf`` model on the folder the export
-command writes, answer every request with the same log-likelihood (within 1e-4 nats).
+"""lm-eval the way its users run it (issue 24, acceptance 3; issue 32): our ``eval lm-eval`` command
+on the local YAML tasks shipped in eval_tasks/, and lm-eval's own ``hf`` model on the folder the
+export command writes, answer every request with the same log-likelihood (within 1e-4 nats) and
+generate the same text (lm-eval batches and left-pads the prompts of ``shakespeare_continue``);
+the results file is where ``--output-path`` says, printed, and names the run, checkpoint, step
+and family.
 
 Marked ``lm_eval``; needs the ``lm-eval`` extra (installed by ``make setup`` / ``.ci/run``).
 """
@@ -21,6 +24,7 @@ from mhar_titan.eval.__main__ import main as eval_main  # noqa: E402
 from mhar_titan.models import FAMILIES  # noqa: E402
 
 TASKS = ["shakespeare_choice", "shakespeare_rolling"]
+GENERATION = "shakespeare_continue"
 
 
 def loglikelihoods(samples: list[dict]) -> dict[int, list[float]]:
@@ -40,26 +44,60 @@ def test_our_adapter_and_lm_evals_hf_model_give_equal_loglikelihoods(tmp_path, m
     checkpoint = save_model_dcp(trained_like_debug(dict(FAMILIES[family]), 384), tmp_path / "run" / "checkpoints"
                                 / "step-0", tokenizer="bytes")
     out = tmp_path / "results"
-    assert eval_main(["lm-eval", str(checkpoint), "--tasks", ",".join(TASKS), "--include-path", "eval_tasks",
-                      "--output-path", str(out), "--log-samples", "--batch-size", "4"]) == 0
+    assert eval_main(["lm-eval", str(checkpoint), "--tasks", ",".join(TASKS + [GENERATION]), "--include-path",
+                      "eval_tasks", "--output-path", str(out), "--log-samples", "--batch-size", "4"]) == 0
     table = capsys.readouterr().out
     header = next(line for line in table.splitlines() if "Tasks" in line)  # lm-eval's markdown table
     assert "|Metric|" in header.replace(" ", "") and "shakespeare_choice" in table and "word_perplexity" in table
-    assert len(list(out.rglob("results_*.json"))) == 1
+    (results_file,) = out.rglob("results_*.json")
+    assert results_file.parent == out / "run_step-0"  # <run>_step-<N>, not a random name
+    printed = [line for line in table.splitlines() if line.startswith(("results: ", "samples: "))]
+    assert printed[0] == f"results: {results_file}"
+    assert sorted(printed[1:]) == sorted(f"samples: {p}" for p in out.rglob("samples_*.jsonl")) and len(printed) == 4
     ours = {}
-    for task in TASKS:
+    for task in TASKS + [GENERATION]:
         (path,) = out.rglob(f"samples_{task}_*.jsonl")
-        ours[task] = loglikelihoods([json.loads(line) for line in path.read_text().splitlines()])
+        ours[task] = [json.loads(line) for line in path.read_text().splitlines()]
 
     assert convert_main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0  # tokenizer from the checkpoint
     results = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32", tasks=TASKS,
-        task_manager=TaskManager(include_path=["eval_tasks"], include_defaults=False), log_samples=True, batch_size=4, device="cpu")
+        model="hf", model_args=f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32",
+        tasks=TASKS + [GENERATION], task_manager=TaskManager(include_path=["eval_tasks"], include_defaults=False),
+        log_samples=True, batch_size=4, device="cpu")
     for task in TASKS:
-        theirs = loglikelihoods(results["samples"][task])
-        assert sorted(theirs) == sorted(ours[task]) and len(theirs) >= 4
-        for doc, values in ours[task].items():
+        theirs, mine = loglikelihoods(results["samples"][task]), loglikelihoods(ours[task])
+        assert sorted(theirs) == sorted(mine) and len(theirs) >= 4
+        for doc, values in mine.items():
             assert values == pytest.approx(theirs[doc], abs=1e-4), (task, doc)
+    # generation: prompts of 1 to 60 characters, batched by lm-eval (4 per batch, left padded)
+    theirs = {s["doc_id"]: s["resps"][0][0] for s in results["samples"][GENERATION]}
+    mine = {s["doc_id"]: s["resps"][0][0] for s in ours[GENERATION]}
+    assert len(theirs) == 6 and theirs == mine and any(theirs.values())
+
+
+def test_the_results_file_is_where_the_user_said_and_names_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "my_run"
+    checkpoint = save_model_dcp(trained_like_debug(dict(FAMILIES["block H=8"]), 384), run / "checkpoints" / "step-0",
+                                tokenizer="bytes")
+    target = tmp_path / "scores" / "block.json"
+    target.parent.mkdir()
+    assert eval_main(["lm-eval", str(run), "--tasks", GENERATION, "--include-path", "eval_tasks", "--limit", "2",
+                      "--output-path", str(target)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {target}"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["block.json"]
+    results = json.loads(target.read_text())
+    config = results["config"]
+    assert config["model"] == "mhar_titan" and results["model_name"] == str(checkpoint)
+    assert config["model_args"] == {"run": str(run), "checkpoint": str(checkpoint), "step": 0, "device": "cpu",
+                                    "batch_size": 8}
+    assert config["family"] == "block H=8" and config["tokenizer"] == "bytes"
+    assert config["model_arguments"]["routing_granularity"] == "block"
+    # a .json path that is a folder is refused before the model is loaded
+    (tmp_path / "folder.json").mkdir()
+    assert eval_main(["lm-eval", str(tmp_path / "no_run"), "--tasks", GENERATION, "--include-path", "eval_tasks",
+                      "--output-path", str(tmp_path / "folder.json")]) == 2
+    assert "folder.json is a folder; name a new .json file" in capsys.readouterr().err
 
 
 def test_the_command_refuses_bad_task_options_before_loading(tmp_path, capsys):

@@ -53,8 +53,8 @@ def masked_step_grads(cfg, world_size=None):
     if world_size is not None:
         trainer.env.world_size = world_size
     try:
-        loss, norm, _ = trainer.train_step(masked_micro_batches(trainer, rank=0, world=1))
-        return loss, full_grads(trainer.model), trainer.grad_accum, norm.item()
+        loss, norm, _, _ = trainer.train_step(masked_micro_batches(trainer, rank=0, world=1))
+        return loss.item(), full_grads(trainer.model), trainer.grad_accum, norm.item()
     finally:
         trainer.close()
 
@@ -135,6 +135,35 @@ def test_forced_nan_step_is_skipped_and_counted(tmp_path):
         torch.testing.assert_close(after_skip[k], after_one[k], rtol=0, atol=0)
     rows = read_metrics(tmp_path / "nan")
     assert rows[1]["step"] == 2 and rows[1]["loss"] == "nan" and rows[1]["nonfinite_skipped"] == 1
+
+
+def _trained_state(cfg):
+    """Weights, optimizer state (moments and step counts) and EMA averages after training ``cfg``."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        state = {f"model.{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        for i, (p, st) in enumerate(trainer.optimizer.state.items()):
+            state.update({f"optim.{i}.{k}": v.detach().clone() for k, v in st.items()})
+        state.update({f"ema.{k}": v.clone() for k, v in trainer.ema.averages.items()})
+    finally:
+        trainer.close()
+    return state
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_skipped_step_leaves_weights_moments_and_ema_exactly(tmp_path, implementation):
+    """A non-finite step changes nothing: with fused AdamW the skip is decided on the device
+    (``components.step_guard``: found_inf, EMA weighted by the flag), with foreach on the host."""
+    common = ["--training.ema_decay=0.9", f"--optimizer.implementation={implementation}"]
+    after_one = _trained_state(debug_cfg(tmp_path, "one", "--training.steps=1", *common))
+    after_skip = _trained_state(debug_cfg(tmp_path, "skip", "--training.steps=2", *common,
+                                          "--debug.force_nonfinite_loss_steps=[2]",
+                                          "--training.max_consecutive_nonfinite=2"))
+    assert after_skip.keys() == after_one.keys()
+    for k in after_one:
+        torch.testing.assert_close(after_skip[k], after_one[k], rtol=0, atol=0, msg=k)
+    assert read_metrics(tmp_path / "skip")[1]["nonfinite_skipped"] == 1
 
 
 def test_consecutive_nan_steps_stop_the_run(tmp_path, capsys):

@@ -57,12 +57,20 @@ class WeightEMA:
             self.averages[name].copy_(p.detach())
 
     @torch.no_grad()
-    def update(self) -> None:
-        """One EMA step from the current weights (call after every optimizer step)."""
+    def update(self, keep: torch.Tensor | None = None) -> None:
+        """One EMA step from the current weights (call after every optimizer step).
+
+        ``keep``: a 0-dim bool tensor on the parameters' device; where it is False the averages stay
+        exactly as they are (a skipped step), decided on the device without a host read:
+        e <- e + w (p - e) with w = (1 - decay) * keep."""
         averages = list(self.averages.values())
         params = [p.detach().float() for p in self._params.values()]
-        torch._foreach_mul_(averages, self.decay)
-        torch._foreach_add_(averages, params, alpha=1.0 - self.decay)
+        if keep is None:
+            torch._foreach_mul_(averages, self.decay)
+            torch._foreach_add_(averages, params, alpha=1.0 - self.decay)
+            return
+        weight = keep.to(torch.float32) * (1.0 - self.decay)
+        torch._foreach_add_(averages, torch._foreach_mul(torch._foreach_sub(params, averages), weight))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averages by plain parameter name (the tensors themselves: DCP loads into them in place)."""

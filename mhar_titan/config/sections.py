@@ -127,6 +127,10 @@ class Training:
     ema_decay: float = 0.0
     """Decay of the weight EMA (components/ema.py) updated after every optimizer step, kept in
     checkpoints and used for validation and export; 0 disables it. The 8B recipe uses 0.999."""
+    cuda_graphs: bool = False
+    """Replay each micro-batch's forward and backward as a CUDA graph after one eager warm-up
+    (components/cuda_graphs.py); CUDA only, refused with settings that cannot be captured.
+    Experimental: it has not run on a GPU yet (off by default until the GPU suite's row has)."""
 
 
 @dataclass

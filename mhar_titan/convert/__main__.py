@@ -2,19 +2,21 @@
 
     python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--to-delta paper|clean] [--dtype bfloat16]
                                       [--max-seq-len 8192]
-    python -m mhar_titan.convert export CHECKPOINT OUT_FOLDER [--format auto|hf|mhar|authors] [--dtype bfloat16]
-                                      [--tokenizer NAME]
+    python -m mhar_titan.convert export RUN_OR_CHECKPOINT OUT_FOLDER [--step N] [--format auto|hf|mhar|authors]
+                                      [--dtype bfloat16] [--tokenizer NAME]
 
 ``import`` reads a pretrained folder (a Hugging Face Llama folder, one of our ``mhar_titan``
 folders or the authors' ``llama_attnres`` ones; streamed shard by shard) and writes a model-only
 DCP checkpoint for ``checkpoint.initial_load_path``; ``--to-delta`` converts a Llama model to
 delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the same logits).
-``export`` rebuilds the model of a DCP checkpoint (converted or trained; arguments from its
-``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and writes a Hugging
-Face Llama or Qwen3 folder (standard models), a ``mhar_titan`` folder (routing models, loaded by
-transformers with ``trust_remote_code=True``) or the authors' format, always with the tokenizer
-files of the tokenizer the checkpoint records (a training checkpoint's ``data.tokenizer``, an
-imported folder's own tokenizer) or ``--tokenizer``. Errors exit with status 2 and one message;
+``export`` rebuilds the model of a DCP checkpoint (a run folder's newest complete one, or
+``--step``, or a ``step-N`` / converted checkpoint folder, found as ``generate`` and ``eval`` find
+it; arguments from its ``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and
+writes a Hugging Face Llama or Qwen3 folder (standard models), a ``mhar_titan`` folder (routing
+models, loaded by transformers with ``trust_remote_code=True``) or the authors' format, always
+with the tokenizer files of the tokenizer the checkpoint records (a training checkpoint's
+``data.tokenizer``, an imported folder's own tokenizer) or ``--tokenizer``; its last line says
+which kind of folder it wrote. Errors exit with status 2 and one message;
 both refuse an output folder that exists and is not empty, is read-only or lies under a regular
 file before reading anything, so an earlier conversion is never overwritten. The output is
 written into a temporary sibling folder renamed to the output folder at the end: it exists only
@@ -38,9 +40,9 @@ from mhar_titan.data.tokenizer import HF_PREFIX, N_VOCAB, Tokenizer
 from mhar_titan.errors import UserError
 from mhar_titan.files import atomic_folder, check_output_folder
 
-from .dcp_io import load_model_dcp, save_model_dcp
+from .dcp_io import dcp_model_args, load_model_dcp, save_model_dcp
 from .delta import delta_fields
-from .folders import FORMATS, export_pretrained, folder_model_type, load_pretrained
+from .folders import FORMATS, export_pretrained, folder_kind, folder_model_type, load_pretrained, resolve_format
 from .hf_config import ConversionError, read_json
 from .hf_llama import hf_args
 
@@ -57,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--max-seq-len", type=int, default=None,
                      help="RoPE table length (default: config.json max_position_embeddings)")
     exp = sub.add_parser("export", help="DCP checkpoint -> pretrained folder")
-    exp.add_argument("checkpoint")
+    exp.add_argument("checkpoint", help="run folder (newest complete checkpoint), or a checkpoints/step-N folder, "
+                                        "or a converted checkpoint (python -m mhar_titan.convert import)")
     exp.add_argument("out")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
     exp.add_argument("--format", choices=FORMATS, default="auto",
                      help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
                           "names (routing models); auto: hf when possible, else mhar")
@@ -72,22 +76,46 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def export_tokenizer(checkpoint: str | Path, name: str | None) -> Tokenizer:
-    """The tokenizer an export writes: ``name``, else the one the checkpoint's ``complete.json``
-    records (``fingerprint.tokenizer`` of a training checkpoint, ``tokenizer`` of an imported
-    model), built with the run's ``[data]`` settings (tokenizer cache) when its config.toml is there.
+def export_checkpoint(path: str | Path, step: int | None) -> tuple[Path, Path]:
+    """(run folder, checkpoint folder) of ``export``'s first argument, found as ``generate`` and
+    ``eval`` find theirs (``eval.load.find_checkpoint``); the checkpoint must be complete.
 
     Raises:
-        ConversionError: no tokenizer named anywhere (the message says to pass --tokenizer).
+        ConversionError: no such path, no complete checkpoint (the message lists the complete
+            steps), a step given with a checkpoint folder, or a checkpoint whose save never finished.
+    """
+    from mhar_titan.eval.load import find_checkpoint
+
+    try:
+        run_dir, checkpoint = find_checkpoint(path, step)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConversionError(str(e)) from None
+    if not (checkpoint / MARKER).is_file():
+        raise ConversionError(f"{checkpoint} has no {MARKER}: its save did not finish, so it is not a complete "
+                              f"checkpoint; pass the run folder {run_dir} (its newest complete checkpoint) or another "
+                              "step-N folder")
+    return run_dir, checkpoint
+
+
+def export_tokenizer(checkpoint: str | Path, name: str | None, run_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer an export writes: ``name``, else the one the checkpoint's ``complete.json``
+    records (``fingerprint.tokenizer`` of a training checkpoint, ``tokenizer`` of an imported
+    model), built with the run's ``[data]`` settings (tokenizer cache) when the run folder
+    (default: two levels above the checkpoint) has its config.toml.
+
+    Raises:
+        ConversionError: the marker names no tokenizer (a converted folder without tokenizer files;
+            the message says to pass --tokenizer).
         TokenizerFileError / HFTokenizerError: its files cannot be found or read.
     """
     checkpoint = Path(checkpoint)
-    marker = read_json(checkpoint / MARKER) if (checkpoint / MARKER).is_file() else {}
+    marker = read_json(checkpoint / MARKER)
     name = name or (marker.get("fingerprint") or {}).get("tokenizer") or marker.get("tokenizer")
     if not name:
-        raise ConversionError(f"{checkpoint / MARKER} records no tokenizer; pass the one the model was trained "
-                              f"with: --tokenizer {' | '.join(N_VOCAB)} | {HF_PREFIX}<folder>")
-    run_config = checkpoint.parent.parent / "config.toml"
+        raise ConversionError(f"{checkpoint / MARKER} names no tokenizer (the model was converted from a folder "
+                              "without tokenizer files); pass the one the model was trained with: "
+                              f"--tokenizer {' | '.join(N_VOCAB)} | {HF_PREFIX}<folder>")
+    run_config = Path(run_dir if run_dir is not None else checkpoint.parent.parent) / "config.toml"
     data = load_config(str(run_config)).data if run_config.is_file() else DataConfig()
     return build_tokenizer(dataclasses.replace(data, tokenizer=name,
                                                tokenizer_file=data.tokenizer_file if name == data.tokenizer else None))
@@ -119,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                 save_model_dcp(model, tmp, source=str(opts.folder), **tokenizer)
             print(f"wrote {out} ({sum(p.numel() for p in model.parameters()):,} parameters, {opts.dtype})")
         else:
-            tokenizer = export_tokenizer(opts.checkpoint, opts.tokenizer)
-            model = load_model_dcp(opts.checkpoint, ema=not opts.no_ema)
+            run_dir, checkpoint = export_checkpoint(opts.checkpoint, opts.step)
+            fmt = resolve_format(dcp_model_args(checkpoint), opts.format)  # before the weights are read
+            tokenizer = export_tokenizer(checkpoint, opts.tokenizer, run_dir)
+            model = load_model_dcp(checkpoint, ema=not opts.no_ema)
             with atomic_folder(out) as tmp:
-                paths = export_pretrained(model, tmp, opts.format, getattr(torch, opts.dtype) if opts.dtype else None,
+                paths = export_pretrained(model, tmp, fmt, getattr(torch, opts.dtype) if opts.dtype else None,
                                           int(opts.max_shard_gb * 2**30), tokenizer)
-            print(f"wrote {opts.out} ({len(paths)} shard(s))")
+            step = read_json(checkpoint / MARKER).get("step", 0)
+            print(f"wrote {out} from {checkpoint} (step {step}, {len(paths)} shard(s)): {folder_kind(out)}")
     except UserError as e:  # ConversionError, an unwritable output folder, a full disk (WriteError)
         print(f"{parser.prog} {opts.command}: error: {e}", file=sys.stderr)
         return 2

@@ -96,9 +96,19 @@ def export_mhar(model: Transformer, folder: str | os.PathLike, dtype: torch.dtyp
         "model_args": dataclasses.asdict(model.args),
     }
     write_json(Path(folder) / CONFIG, config)
+    write_remote_files(folder)
+    return paths
+
+
+def write_remote_files(folder: str | os.PathLike) -> None:
+    """Write the two files of ``REMOTE_FILES`` into ``folder`` and name them in ``config.json``'s
+    ``auto_map`` (``AUTO_MAP``): what makes a folder load with ``trust_remote_code=True``, written by
+    the export and again by ``MharTitanForCausalLM.save_pretrained``."""
     for name, text in REMOTE_FILES.items():
         write_text(Path(folder) / name, text)
-    return paths
+    config = read_json(Path(folder) / CONFIG)
+    if config.get("auto_map") != AUTO_MAP:
+        write_json(Path(folder) / CONFIG, {**config, "auto_map": AUTO_MAP})
 
 
 def load_mhar_weights(model, folder: str | os.PathLike, args: ModelArgs | None = None) -> list[str]:

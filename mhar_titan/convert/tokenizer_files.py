@@ -14,7 +14,9 @@ Every tokenizer of the project is a byte-level BPE (``mhar_titan.data.tokenizer`
   tokenizer files are copied as they are.
 
 Written: ``tokenizer.json``, ``tokenizer_config.json`` (``PreTrainedTokenizerFast``, eos token,
-special tokens) and ``special_tokens_map.json``. ``encode(text, add_special_tokens=False)`` of the
+the eos token as pad token with left padding, so that ``tokenizer(prompts, padding=True)`` gives
+the batch ``generate()`` needs, special tokens) and ``special_tokens_map.json``; a copied folder's
+``tokenizer_config.json`` without a pad token gets the same pad token and padding side. ``encode(text, add_special_tokens=False)`` of the
 result equals the training ids (the project's ``encode``); the copied Llama-3 files keep their
 own begin-of-text post-processor. Files are created with ``open`` / ``copyfile`` (the umask applies).
 """
@@ -105,6 +107,25 @@ def _write_json(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
 
 
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
+"""What the tokenizer returns: the inputs every exported model's forward takes (transformers 4.x
+would add ``token_type_ids``, which ``generate(**tokenizer(prompts))`` then refuses)."""
+
+
+def _add_padding(path: Path) -> None:
+    """Give a copied ``tokenizer_config.json`` that names no pad token the eos token as its pad
+    token, and left padding (what batched generation needs); one that has a pad token is kept.
+    Without ``model_input_names`` it gets ``MODEL_INPUT_NAMES``."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    update = {} if "model_input_names" in config else {"model_input_names": list(MODEL_INPUT_NAMES)}
+    if config.get("pad_token") is None and config.get("eos_token") is not None:
+        update.update(pad_token=config["eos_token"], padding_side=config.get("padding_side", "left"))
+    if update:
+        _write_json(path, {**config, **update})
+
+
 def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int) -> list[Path]:
     """Write ``tokenizer``'s files into ``folder`` (module docstring); returns the paths written.
 
@@ -125,6 +146,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model
                 (folder / name).parent.mkdir(exist_ok=True)
                 shutil.copyfile(source / name, folder / name)  # copyfile: new files get the umask's mode
                 written.append(folder / name)
+        _add_padding(folder / "tokenizer_config.json")
         return written
     ranks, pattern, specials = bpe_arguments(tokenizer)
     eos = next((text for text, i in specials.items() if i == tokenizer.eos_id), None)
@@ -134,12 +156,14 @@ def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model
     bos = None if getattr(tokenizer, "bos_id", None) is None else next(
         (text for text, i in specials.items() if i == tokenizer.bos_id), None)
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
-        "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos, "pad_token": eos,
+        "padding_side": "left", "model_input_names": list(MODEL_INPUT_NAMES), "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(i): {"content": text, "special": True, "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False}
                                  for text, i in sorted(specials.items(), key=lambda item: item[1])},
     }
     _write_json(folder / "tokenizer_config.json", config)
-    _write_json(folder / "special_tokens_map.json", {"eos_token": eos, **({"bos_token": bos} if bos else {})})
+    _write_json(folder / "special_tokens_map.json", {"eos_token": eos, "pad_token": eos,
+                                                    **({"bos_token": bos} if bos else {})})
     return [folder / "tokenizer.json", folder / "tokenizer_config.json", folder / "special_tokens_map.json"]

@@ -5,7 +5,9 @@ perplexity: validation loss and perplexity on held-out files (default: the run's
 lm-eval: run lm-eval tasks through ``MharLM`` (needs ``pip install 'mhar-titan[lm-eval]'``; stock
 tasks download their data from the hub, local YAML tasks in an ``--include-path`` folder run
 offline) and print lm-eval's results table; ``--output-path`` saves lm-eval's results file (and,
-with ``--log-samples``, every sample's requests and answers) as lm-eval's own command does.
+with ``--log-samples``, every sample's requests and answers): exactly there for a ``.json`` path,
+else in ``FOLDER/<run>_step-<N>/``; the command prints the paths, and the results record the run
+folder, checkpoint, step and family (``eval/lm_eval_results.py``).
 paired: both of two checkpoints on the same lm-eval examples, the paired differences with their
 exact McNemar p-values and bootstrap intervals (``mhar_titan.eval.paired``).
 Bad input: a message on stderr and exit status 2.
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
 
 from mhar_titan.eval import paired
@@ -35,29 +36,35 @@ def _perplexity(args) -> dict:
 def _lm_eval(args) -> str:
     """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
     require_lm_eval("the lm-eval command")
-    from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
+
+    from mhar_titan.eval import lm_eval_results
     from mhar_titan.eval.lm_eval_adapter import MharLM
 
     if args.log_samples and not args.output_path:
         raise ValueError("--log-samples writes the samples under --output-path; pass one")
+    if args.output_path:
+        lm_eval_results.check_output_path(args.output_path)
     tasks = args.tasks.split(",")
     manager = task_manager(tasks, args.include_path)
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
-    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8)
-    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
-    results = run_tasks(lm, tasks, manager, limit=args.limit, num_fewshot=args.num_fewshot,
+    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8, source=loaded.source())
+    tracker = lm_eval_results.tracker(args.output_path) if args.output_path else None
+    model_args = {**loaded.source(), "device": args.device, "batch_size": lm.batch_size}
+    results = run_tasks(lm, tasks, manager, model_args=model_args, limit=args.limit, num_fewshot=args.num_fewshot,
                         log_samples=args.log_samples, evaluation_tracker=tracker)
     samples = results.pop("samples", None)
+    lm_eval_results.attribute(results, model_args)
+    written = []
     if tracker is not None:
-        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
-        if args.log_samples:
-            for task in results["configs"]:
-                tracker.save_results_samples(task_name=task, samples=samples[task])
+        results_file, samples_files = lm_eval_results.save_results(
+            tracker, results, samples, output_path=args.output_path, model_name=str(loaded.checkpoint),
+            folder_name=f"{loaded.run_dir.name}_step-{loaded.step}", log_samples=args.log_samples)
+        written = [f"results: {results_file}"] + [f"samples: {p}" for p in samples_files]
     header = f"mhar_titan ({loaded.checkpoint}, step {loaded.step}), limit: {args.limit}, " \
              f"num_fewshot: {args.num_fewshot}, batch_size: {lm.batch_size}"
     tables = [make_table(results)] + ([make_table(results, "groups")] if "groups" in results else [])
-    return "\n".join([header, *tables])
+    return "\n".join([header, *tables, *written])
 
 
 def main(argv=None) -> int:
@@ -78,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="examples per task")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--output-path", default=None,
-                   help="folder for lm-eval's results file (and samples), laid out as lm-eval --output_path does")
+                   help="results file (a .json path: written exactly there) or folder (FOLDER/<run>_step-<N>/"
+                        "results_<date>.json); samples beside it; the paths are printed")
     p.add_argument("--log-samples", action="store_true", help="also save every sample (needs --output-path)")
     p.add_argument("--include-path", action="append", default=None,
                    help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")

@@ -78,6 +78,31 @@ def choose_token(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def left_padded_forward(model: torch.nn.Module, rows: Sequence[Sequence[int]], extra_slots: int = 0
+                        ) -> tuple[Tensor, KVCache]:
+    """Run rows of different lengths as one left-padded batch, each exactly as if it ran alone.
+
+    Row b is padded with ``PAD_ID`` on the left to the longest row's length T; its real tokens
+    get RoPE positions 0, 1, ... and attend only to each other (the ``KVCache`` keeps each row's
+    padding count). Returns the logits (B, T, V) in the model's dtype (row b's real tokens are the
+    last ``len(rows[b])`` columns; padding columns hold finite values of no meaning) and the cache,
+    which holds ``extra_slots`` more slots per row for tokens appended later.
+
+    Raises:
+        ValueError: an empty row, or a row longer than the model's ``max_seq_len``.
+    """
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("every row needs at least one real (unpadded) token")
+    longest = max(len(r) for r in rows)
+    if longest > model.args.max_seq_len:
+        raise ValueError(f"a row of {longest} tokens exceeds the model's max_seq_len={model.args.max_seq_len}")
+    device = next(model.parameters()).device
+    pad = [longest - len(r) for r in rows]
+    tokens = torch.tensor([[PAD_ID] * p + [int(t) for t in r] for p, r in zip(pad, rows)], device=device)
+    cache = KVCache(model.args.n_layers, pad, longest + extra_slots, model.args.max_seq_len, device)
+    return model(tokens, cache=cache), cache
+
+
 class Decoding:
     """The next-token logits of a batch of token sequences, kept current as tokens are appended.
 
@@ -112,12 +137,8 @@ class Decoding:
 
     def _prefill(self) -> Tensor:
         """Run every row's window left-padded into a fresh cache; the last column's logits."""
-        windows = self._windows()
-        longest = max(len(w) for w in windows)
-        pad = [longest - len(w) for w in windows]
-        tokens = torch.tensor([[PAD_ID] * p + w for p, w in zip(pad, windows)], device=self.device)
-        self.cache = KVCache(self.model.args.n_layers, pad, longest + self.capacity, self.max_len, self.device)
-        return _mask_vocab(self.model(tokens, cache=self.cache)[:, -1].float(), self.n_vocab)
+        logits, self.cache = left_padded_forward(self.model, self._windows(), self.capacity)
+        return _mask_vocab(logits[:, -1].float(), self.n_vocab)
 
     def _recompute(self) -> Tensor:
         """Without a cache: each row's window through the model (equal lengths in one batch)."""

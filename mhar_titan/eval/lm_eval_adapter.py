@@ -16,6 +16,11 @@ Tokenization: the context's trailing spaces move to the continuation; the pair i
 one text and split after the context's own tokens, so the continuation tokens are the ones the
 model would read after the context.
 
+Inputs longer than ``max_length``: a context that does not fit beside its continuation, or a
+prompt longer than ``max_length``, loses its first tokens, with one warning per run and kind (as
+lm-eval's ``hf`` model warns); a continuation longer than ``max_length`` cannot be scored whole
+and raises ValueError (lm-eval's ``hf`` model stops on it too).
+
 lm-eval is optional: without it ``MharLM`` is a plain class with the same methods (the tests
 use it that way); with it, ``MharLM`` subclasses ``LM`` and importing this module registers it
 under the name ``mhar_titan``, so ``lm_eval.simple_evaluate(model="mhar_titan",
@@ -24,13 +29,18 @@ model_args="run=outputs/debug_mhar,device=cuda", tasks=[...])`` works after the 
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from mhar_titan.eval.generation import generate_batch
+from mhar_titan.models.args import family_name
 from mhar_titan.progress import progress
+
+logger = logging.getLogger(__name__)
 
 try:  # optional dependency
     from lm_eval.api.model import LM as _Base
@@ -53,9 +63,12 @@ class MharLM(_Base):
         tokenizer: ``mhar_titan.data.Tokenizer`` (encode, decode, eos_id, n_vocab).
         batch_size: sequences per forward in the log-likelihood requests.
         max_length: longest model input in tokens (default: the model's ``max_seq_len``).
+        source: what the model is, recorded by ``get_model_info`` in lm-eval's results (the
+            command passes the run folder, checkpoint and step).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 8, max_length: Optional[int] = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 8, max_length: Optional[int] = None,
+                 source: Optional[dict] = None):
         if _Base is not object:
             super().__init__()
         self.model = model.eval()
@@ -65,6 +78,22 @@ class MharLM(_Base):
         if self.max_length > model.args.max_seq_len:
             raise ValueError(f"max_length {self.max_length} exceeds the model's max_seq_len {model.args.max_seq_len}")
         self._device = next(model.parameters()).device
+        self.source = dict(source or {})
+        self._warned: set[str] = set()
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("%s (warned once per run)", message)
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records in its results file's ``config``: ``source`` (run folder,
+        checkpoint, step), the family (``models.args.family_name``), the model's arguments, its
+        parameter count and dtype, the tokenizer and ``max_length``."""
+        return {**self.source, "family": family_name(self.model.args), "tokenizer": self.tokenizer.name,
+                "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "max_length": self.max_length, "model_arguments": dataclasses.asdict(self.model.args)}
 
     @property
     def device(self) -> torch.device:
@@ -85,7 +114,7 @@ class MharLM(_Base):
                           routing_kernel=kv.get("routing_kernel", "auto"))
         batch = kv.get("batch_size", extra.get("batch_size", 8))
         return cls(loaded.model, loaded.tokenizer, batch_size=int(batch) if str(batch).isdigit() else 8,
-                   max_length=int(kv["max_length"]) if "max_length" in kv else None)
+                   max_length=int(kv["max_length"]) if "max_length" in kv else None, source=loaded.source())
 
     # ------------------------------------------------------------------ tokens
 
@@ -132,6 +161,14 @@ class MharLM(_Base):
             ctx, cont = self.encode_pair(context, continuation)
             if not cont:
                 raise ValueError(f"empty continuation after tokenization in request {(context, continuation)!r}")
+            if len(cont) > self.max_length:
+                raise ValueError(f"a continuation of {len(cont)} tokens does not fit the model's context of "
+                                 f"{self.max_length} tokens, so it cannot be scored whole (request "
+                                 f"{(context[:40], continuation[:40])!r}...); evaluate at a longer max_length")
+            if len(ctx) + len(cont) > self.max_length + 1:
+                self._warn_once("context", f"loglikelihood: context ({len(ctx)} tokens) and continuation "
+                                           f"({len(cont)}) exceed max_length {self.max_length}; the context loses "
+                                           "its first tokens")
             tokens = (ctx + cont)[-(self.max_length + 1):]
             pieces.append((tokens, min(len(cont), len(tokens) - 1)))
         return self._score(pieces)
@@ -160,7 +197,11 @@ class MharLM(_Base):
             until = [until] if isinstance(until, str) else list(until)
             sample = kwargs.get("do_sample", False)
             temperature = float(kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
-            prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-self.max_length:]
+            prompt = self.tokenizer.encode(context) or [self.tokenizer.eos_id]
+            if len(prompt) > self.max_length:
+                self._warn_once("prompt", f"generate_until: a prompt of {len(prompt)} tokens exceeds max_length "
+                                          f"{self.max_length}; it loses its first tokens")
+                prompt = prompt[-self.max_length:]
             new = generate_batch(self.model, [prompt], int(kwargs.get("max_gen_toks", 256)), temperature=temperature,
                                  top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), n_vocab=self.tokenizer.n_vocab,
                                  stop_ids=[self.tokenizer.eos_id], stop_strings=[s for s in until if s],

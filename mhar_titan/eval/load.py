@@ -47,6 +47,11 @@ class LoadedModel:
     cfg: Optional[JobConfig]
     """The run's resolved ``config.toml``; None when the folder has none."""
 
+    def source(self) -> dict:
+        """Where the weights came from: ``{"run": run folder, "checkpoint": step-N folder, "step": N}``
+        (paths as strings), what evaluation results record."""
+        return {"run": str(self.run_dir), "checkpoint": str(self.checkpoint), "step": self.step}
+
     @property
     def data_config(self) -> DataConfig:
         """The run's ``[data]`` section (a default one naming the tokenizer when there is no config)."""

@@ -265,23 +265,23 @@ def score(path: str, tasks: Sequence[str], manager, out: pathlib.Path, *, step: 
     ``out`` in lm-eval's layout; a scored folder is read instead. Returns (results, description)."""
     if is_scored_folder(path):
         return read_scored(path), f"{path} (scored earlier)"
-    from lm_eval.loggers import EvaluationTracker
-
+    from mhar_titan.eval import lm_eval_results
     from mhar_titan.eval.lm_eval_adapter import MharLM
     from mhar_titan.eval.load import load_model
     from mhar_titan.eval.tasks import run_tasks
 
     loaded = load_model(path, step, device, routing_kernel="auto")
-    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=batch_size)
-    tracker = EvaluationTracker(output_path=str(out))
-    results = run_tasks(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, log_samples=True,
-                        evaluation_tracker=tracker, bootstrap_iters=0)
-    # the files go through lm-eval's tracker (its layout, read back by read_scored); pairing reads
-    # the same JSON text, so a rerun from the folder gives the same table
+    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=batch_size, source=loaded.source())
+    model_args = {**loaded.source(), "device": device, "batch_size": batch_size}
+    tracker = lm_eval_results.tracker(out)
+    results = run_tasks(lm, tasks, manager, model_args=model_args, limit=limit, num_fewshot=num_fewshot,
+                        log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0)
+    # the files go through lm-eval's tracker (lm_eval_results: the results' layout and attribution);
+    # pairing reads them back, so a rerun from the folder gives the same table
     samples = results.pop("samples")
-    tracker.save_results_aggregated(results=results, samples=samples)
-    for task in results["configs"]:
-        tracker.save_results_samples(task_name=task, samples=samples[task])
+    lm_eval_results.attribute(results, model_args)
+    lm_eval_results.save_results(tracker, results, samples, output_path=out, model_name=str(loaded.checkpoint),
+                                 folder_name=f"{loaded.run_dir.name}_step-{loaded.step}", log_samples=True)
     return read_scored(out), f"{loaded.checkpoint} (step {loaded.step})"
 
 

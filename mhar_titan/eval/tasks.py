@@ -58,7 +58,7 @@ def task_manager(tasks: Sequence[str], include_path: Optional[Sequence[str]] = N
     return manager
 
 
-def run_tasks(lm, tasks: Sequence[str], manager, *, limit: Optional[int] = None,
+def run_tasks(lm, tasks: Sequence[str], manager, *, model_args=None, limit: Optional[int] = None,
               num_fewshot: Optional[int] = None, log_samples: bool = False, evaluation_tracker=None,
               bootstrap_iters: int = 100_000, seeded: bool = True) -> dict:
     """``lm_eval.simple_evaluate`` of ``tasks`` on ``lm`` (an ``MharLM``); returns lm-eval's results dict
@@ -67,6 +67,7 @@ def run_tasks(lm, tasks: Sequence[str], manager, *, limit: Optional[int] = None,
     ``seeded=False`` leaves the process's random generators alone (lm-eval seeds Python's,
     NumPy's and torch's global generators by default; few-shot sampling keeps its own seed).
     ``bootstrap_iters``: lm-eval's resamples for its standard errors (0: none, faster).
+    ``model_args``: what lm-eval records as the model's arguments in its results.
 
     Raises:
         ValueError: a task's data could not be downloaded (no hub access); the message says how
@@ -76,7 +77,8 @@ def run_tasks(lm, tasks: Sequence[str], manager, *, limit: Optional[int] = None,
 
     seeds = {} if seeded else dict(random_seed=None, numpy_random_seed=None, torch_random_seed=None)
     try:
-        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
+        return lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=list(tasks), limit=limit,
+                                       num_fewshot=num_fewshot,
                                        log_samples=log_samples, evaluation_tracker=evaluation_tracker,
                                        task_manager=manager, bootstrap_iters=bootstrap_iters, **seeds)
     except ConnectionError as e:  # datasets / huggingface_hub without hub access (offline mode, no network)

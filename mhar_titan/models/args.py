@@ -280,6 +280,26 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+FAMILY_FIELDS = ("residual", "routing_heads", "routing_granularity", "routing_block_layers", "routing_mode",
+                 "routing_null_source", "routing_layout", "routing_head_layout")
+"""The ``ModelArgs`` fields that tell one residual-path family from another."""
+
+
+def family_name(args: "ModelArgs") -> str:
+    """The ``FAMILIES`` row ``args`` belongs to, e.g. ``"mhar H=8"``; with `` + field=value`` for
+    each family field (``FAMILY_FIELDS``) that differs from the nearest row (fewest differences,
+    the first row on a tie), e.g. ``"delta block H=8 +null + routing_layout='paper'"``."""
+    defaults = ModelArgs()
+
+    def differences(row: dict) -> list[str]:
+        return [f"{k}={getattr(args, k)!r}" for k in FAMILY_FIELDS
+                if getattr(args, k) != row.get(k, getattr(defaults, k))
+                and (args.residual != "standard" or k == "residual")]  # a baseline has no routing fields
+
+    name, diffs = min(((n, differences(row)) for n, row in FAMILIES.items()), key=lambda item: len(item[1]))
+    return " + ".join([name, *diffs])
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of a model. `non_embedding` excludes the vocabulary-sized matrices

@@ -233,7 +233,13 @@ class Transformer(nn.Module):
     (attention_mask.py).
 
     forward / hidden_states raise ValueError for an empty batch, T > max_seq_len, or token ids
-    outside [0, vocab_size) (a tokenizer / vocab_size mismatch)."""
+    outside [0, vocab_size) (a tokenizer / vocab_size mismatch). The id range check reads the
+    batch's min and max back from the device (a synchronisation); a caller that checks its ids
+    on the host before the copy (the trainer: ``components.batches.check_token_ids``) sets
+    ``check_token_ids = False``."""
+
+    check_token_ids: bool = True
+    """Whether forward reads the token ids' range back from the device (see the class docstring)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -310,7 +316,8 @@ class Transformer(nn.Module):
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in
         [0, vocab_size), or longer than max_seq_len. The id range check reads one min/max pair
-        back from the device (skipped on the meta device and while torch.compile traces)."""
+        back from the device (skipped on the meta device, while torch.compile traces, and with
+        ``check_token_ids = False``)."""
         if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
             raise ValueError(f"tokens must be a (B, T) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
@@ -318,7 +325,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens must hold at least one token per sequence, got shape {(B, T)}")
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.args.max_seq_len}; raise max_seq_len")
-        if torch.compiler.is_compiling() or tokens.device.type == "meta":
+        if not self.check_token_ids or torch.compiler.is_compiling() or tokens.device.type == "meta":
             return
         low, high = (int(v) for v in torch.aminmax(tokens))
         if low < 0 or high >= self.args.vocab_size:
