@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MHAR paper's mid-training experiment end to end at toy size on CPU (README, "The mid-training
-# experiment on CPU"): a debug baseline trained briefly and exported as a Llama folder, two arms
+# experiment on CPU"): a debug baseline trained briefly and exported as a Hugging Face folder, two arms
 # mid-trained from it (plain and delta-MHAR) on a two-source local mixture with matched schedules,
 # and the paired downstream table of the two on a held-out multiple-choice task.
 #
@@ -27,7 +27,7 @@ echo "== 1. base model: debug baseline, $BASE_STEPS steps"
 "$PY" train.py --config train_configs/debug_baseline.toml --job.dump_folder="$OUT" --job.name=toy_base \
     --training.steps="$BASE_STEPS" --checkpoint.interval="$BASE_STEPS" --validation.enable=false \
     --metrics.log_freq=50
-echo "== 2. export as a Llama folder"
+echo "== 2. export as a Hugging Face folder (Qwen3 layout: the debug flavor has q/k norm)"
 "$PY" -m mhar_titan.convert export "$OUT/toy_base/checkpoints/step-$BASE_STEPS" "$OUT/toy_base_llama" --format hf
 echo "== 3. the two arms are schedule-matched"
 "$PY" -m mhar_titan.experiments compare --check-schedule train_configs/toy_midtrain_plain.toml \

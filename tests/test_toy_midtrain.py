@@ -25,7 +25,8 @@ def test_the_toy_midtraining_experiment_runs_end_to_end(tmp_path):
     out = proc.stdout
     assert "schedule-matched: train_configs/toy_midtrain_plain.toml (planned) and " in out
     assert (tmp_path / "toy_base_llama" / "config.json").is_file()
-    assert json.loads((tmp_path / "toy_base_llama" / "config.json").read_text())["model_type"] == "llama"
+    # a standard model with q/k norm (the debug flavor) exports in Qwen3's layout, else Llama's
+    assert json.loads((tmp_path / "toy_base_llama" / "config.json").read_text())["model_type"] == "qwen3"
 
     plain, mhar = (read_metrics(tmp_path / f"toy_{arm}") for arm in ("plain", "delta_mhar"))
     # both arms start from the same base: delta-MHAR's zero gates give the base's logits at step 1
