@@ -20,7 +20,6 @@ Target: ~0.5 M tokens/s feeds a 100M-parameter model on one H200. ``--append FIL
 adds the table, with the command, machine (CPU model, cores, load), library versions
 and date, at the end of the "## Data loader" section of FILE (created if missing).
 """
-import argparse
 import datetime
 import os
 import platform
@@ -35,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_int
 from mhar_titan.data.pretokenize import main as pretokenize_main
 from mhar_titan.files import write_text
 
@@ -106,14 +106,14 @@ def append_section(path: Path, text: str, title: str) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python bench/data.py", description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("data/shakespeare"),
                         help="folder with train-*.parquet (python -m mhar_titan.data.prepare_shakespeare --out DIR)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence")
-    parser.add_argument("--batch", type=int, default=8, help="local batch size (sequences per batch)")
-    parser.add_argument("--tokens", type=int, default=3_000_000, help="input tokens delivered per loader row")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loader worker counts to measure")
-    parser.add_argument("--long-chars", type=int, default=8_000_000,
+    parser.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per training sequence")
+    parser.add_argument("--batch", type=positive_int, default=8, help="local batch size (sequences per batch)")
+    parser.add_argument("--tokens", type=positive_int, default=3_000_000, help="input tokens delivered per loader row")
+    parser.add_argument("--workers", type=non_negative_int, nargs="+", default=[0, 1, 2], help="loader worker counts to measure")
+    parser.add_argument("--long-chars", type=positive_int, default=8_000_000,
                         help="characters per document of the long-document rows (0 = no such rows)")
     parser.add_argument("--append", type=Path, default=None,
                         help="append the table with command, machine, versions and date to this BENCHMARKS.md")

@@ -11,7 +11,6 @@ Both paths produce the same greedy tokens (checked here; tests/test_kv_cache.py 
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import pathlib
@@ -25,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mhar_titan.eval.generation import generate  # noqa: E402
+from mhar_titan.cli_args import ArgumentParser, device, positive_int  # noqa: E402
 from mhar_titan.files import write_text  # noqa: E402
 from mhar_titan.models.args import FAMILIES, ModelArgs  # noqa: E402
 from mhar_titan.models.model import Transformer  # noqa: E402
@@ -75,13 +75,13 @@ def append(path: pathlib.Path, text: str) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python bench/generation.py", description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="debug")
     p.add_argument("--families", default="mhar H=8", help=f"comma list of {', '.join(FAMILIES)}")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
-    p.add_argument("--tokens", type=int, default=40, help="new tokens")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompt", type=positive_int, default=256, help="prompt tokens")
+    p.add_argument("--tokens", type=positive_int, default=40, help="new tokens")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--append", type=pathlib.Path, default=None, help="append the table to this BENCHMARKS.md")
     args = p.parse_args(argv)
     if args.threads:

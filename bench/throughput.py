@@ -29,7 +29,6 @@ that many seconds have passed (the rows not run are listed as skipped).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import pathlib
@@ -46,6 +45,7 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int  # noqa: E402
 from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
 from mhar_titan.models.args import FAMILIES as MODEL_FAMILIES, ModelArgs  # noqa: E402
 from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy, plain_linear_cross_entropy  # noqa: E402
@@ -173,7 +173,7 @@ def table(rows: list[dict], device, kernel: str, settings: str, skipped=(), fail
 
 def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python bench/throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--scales", default="100m,350m,1b" if cuda else "debug")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--ac", default="none,full", help="comma list of AC modes (none, full)")
@@ -183,17 +183,17 @@ def main(argv=None) -> None:
                         "whole model, embedding to loss (components=['whole_model'])")
     p.add_argument("--mask", default="causal", choices=["causal", "block_causal"], help="model.attn_mask_type")
     p.add_argument("--rope-per-document", action="store_true", help="model.rope_per_document (block_causal)")
-    p.add_argument("--doc-len", type=int, default=512, help="mean synthetic document length under block_causal")
+    p.add_argument("--doc-len", type=positive_int, default=512, help="mean synthetic document length under block_causal")
     p.add_argument("--loss", default="chunked", choices=["chunked", "plain"], help="training.loss_path")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="training.loss_chunk_tokens")
-    p.add_argument("--batch", type=int, help="override the micro-batch size")
-    p.add_argument("--seq", type=int, help="override the sequence length")
-    p.add_argument("--vocab", type=int, help="override the vocabulary size (CPU smoke runs)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--loss-chunk", type=positive_int, default=1024, help="training.loss_chunk_tokens")
+    p.add_argument("--batch", type=positive_int, help="override the micro-batch size")
+    p.add_argument("--seq", type=positive_int, help="override the sequence length")
+    p.add_argument("--vocab", type=positive_int, help="override the vocabulary size (CPU smoke runs)")
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every run")
-    p.add_argument("--budget-s", type=float, help="start no new run after this many seconds")
+    p.add_argument("--budget-s", type=positive_float, help="start no new run after this many seconds")
     a = p.parse_args(argv)
     if a.rope_per_document and a.mask != "block_causal":
         p.error("--rope-per-document needs --mask block_causal")

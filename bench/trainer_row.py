@@ -8,7 +8,8 @@ train_configs/<family>_<scale>.toml` on the local Shakespeare sample (`data/shak
 config's own tokenizer from the offline cache `.cache/tiktoken`), `--steps` steps of micro-batch
 `--batch` x `--seq`, logging every step. For the first family it then runs the same job again,
 SIGKILLs it (the whole torchrun process group) once the checkpoint of step `--checkpoint-at` is
-complete, launches the same command again (it resumes from that checkpoint) and compares its
+complete (the launcher and its workers: torchrun starts them in sessions of their own), launches
+the same command again (it resumes from that checkpoint) and compares its
 losses with the straight run's, bitwise, at every step.
 
 `graphs`: the same job `--steps` steps with `training.cuda_graphs` off and on (AC full, as the 1b
@@ -86,6 +87,47 @@ def step_ms(run: Path, a) -> float | None:
     return 1e3 * a.batch * a.seq / statistics.median(rates) if rates else None
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, deepest first (from /proc: torchrun starts its workers in
+    sessions of their own, so killing its process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    order, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        order.append(p)
+        stack += children.get(p, [])
+    return order[::-1]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it, and wait until they are gone."""
+    tree = process_tree(proc.pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in tree) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("State:")).lower()
+    except (OSError, StopIteration):
+        return "zombie"
+
+
 def launch(argv, env, log: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -96,8 +138,7 @@ def run_to_end(argv, env, log: Path, budget_s: float) -> int:
     try:
         return proc.wait(timeout=budget_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_tree(proc)
         return 124
 
 
@@ -110,13 +151,11 @@ def kill_after_checkpoint(argv, env, log: Path, run: Path, step: int, budget_s: 
     folder = run / "checkpoints" / f"step-{step}"
     while time.monotonic() < deadline and proc.poll() is None:
         if folder.is_dir() and is_complete(folder):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)
             return max(losses(run), default=0)
         time.sleep(0.02)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_tree(proc)
     return None
 
 
@@ -145,7 +184,7 @@ def resume_row(a, env) -> bool:
             at = kill_after_checkpoint(argv, env, a.runs / f"{killed.name}.log", killed, a.checkpoint_at, a.budget_s)
             resumed = run_to_end(argv, env, a.runs / f"{killed.name}.log", a.budget_s)
             again = losses(killed)
-            same = resumed == 0 and at is not None and again == got and len(got) == a.steps
+            same = resumed == 0 and at is not None and at < a.steps and again == got and len(got) == a.steps
             verdict = (f"killed at step {at}, resumed from {a.checkpoint_at}: losses bitwise equal at all "
                        f"{len(got)} steps" if same else
                        f"FAILED (kill at {at}, resume exit {resumed}, {sum(again.get(s) == v for s, v in got.items())}"

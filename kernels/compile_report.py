@@ -5,7 +5,9 @@
     python -m mhar_kernels.compile_report --kernels phase1_forward,phase1_backward --group 11 --shapes 1280x8
 
 Uses Triton's ahead-of-time path (`triton.compile` with `GPUTarget("cuda", 90, 64)`) and the
-ptxas that ships with Triton, so it runs on a CPU-only machine; run it with another Triton
+ptxas that ships with Triton, so it runs on a CPU-only machine. The registers and spills are those of
+Triton's own build (the cubin a launch loads: ptxas with Triton's options, whose `-v` report Triton
+prints on request), not of a second ptxas run with other flags; run it with another Triton
 (for example 3.6 in a second environment) to compare versions. For each kernel and variant it
 reports registers per thread, spill bytes, sites per program (phase 1), the widest global/async
 source access in the PTX and whether the loop over sources is software-pipelined (cp.async groups).
@@ -18,7 +20,9 @@ Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
+import io
 import json
 import os
 import re
@@ -49,13 +53,30 @@ GROUP = 11
 _SCALAR_ARGS = dict(N="i32", NG="i32", C="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
 
 
-def _ptxas():
-    from triton.backends.nvidia import compiler
+def _triton_build(triton, src, num_warps: int, maxnreg: int | None) -> tuple:
+    """(the compiled kernel, ptxas's ``-v`` report) of Triton's own build for sm_90: ``triton.compile``
+    runs ptxas itself, with its own options (line info, ``--regAllocOptLevel``, ``PTXAS_OPTIONS``);
+    its report is captured through Triton's ``dump_ptxas_log`` knob, with the cache bypassed
+    (``always_compile``) so that ptxas runs every time. The cubin it returns is the one a launch loads.
 
-    try:
-        return compiler.get_ptxas(90).path
-    except TypeError:  # older Triton: no arch argument
-        return compiler.get_ptxas().path
+    Raises RuntimeError when Triton's ptxas fails or printed no report."""
+    from triton.backends.compiler import GPUTarget
+
+    knobs = triton.knobs
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope():
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        try:
+            with contextlib.redirect_stdout(log):
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
+        except Exception as exc:  # PTXASError, CompilationError
+            raise RuntimeError(f"Triton's sm_90 build failed: {str(exc)[-2000:]}") from None
+    report = log.getvalue()
+    if "Used " not in report:
+        raise RuntimeError("Triton's build printed no ptxas report (TRITON_DUMP_PTXAS_LOG ignored by this Triton?)")
+    return compiled, report
 
 
 def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
@@ -71,7 +92,11 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
     for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
     null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). The launch's
-    warps and register limit (maxnreg) are the launcher's. Returns {'registers', 'spill_bytes',
+    warps and register limit (maxnreg) are the launcher's. The numbers are those of Triton's own
+    build (`_triton_build`: ptxas run by Triton with Triton's options; the cubin it returns is read
+    back with cuobjdump). Returns {'registers', 'spill_bytes' (spill stores + loads, bytes per
+    thread), 'spill_store_bytes', 'spill_load_bytes', 'cubin_registers', 'cubin_stack_bytes' (the
+    cubin's own resource usage), 
     'num_warps', 'site_block' (phase 1, else None), 'block_t', 'pipelined' (sources prefetched by
     16-byte cp.async in a multi-stage loop), 'ptxas' (its -v report)} and `access_counts`'s counts
     ('scalar_16bit_loads', 'accesses_128bit', 'async_copies_128bit' / '_8byte' / '_4byte',
@@ -119,20 +144,15 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     src = ASTSource(fn, {k: types.get(k, "constexpr") for k in names},
                     {(names.index(k),): v for k, v in constexprs.items()},
                     {(names.index(k),): [["tt.divisibility", 16]] for k in divisible})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    compiled, report = _triton_build(triton, src, num_warps, maxnreg)
     ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.ptx"
-        path.write_text(ptx)
-        proc = subprocess.run([_ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", str(path.with_suffix(".cubin"))],
-                              capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
-    report = proc.stdout + proc.stderr
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    stores = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
+    loads = sum(int(x) for x in re.findall(r"(\d+) bytes spill loads", report))
+    cubin = cubin_usage(triton, compiled.asm["cubin"])
     counts = access_counts(ptx, _source_tile_load(tr))
-    return dict(registers=regs, spill_bytes=spills, num_warps=num_warps, site_block=cfg.get("SB"),
+    return dict(registers=regs, spill_bytes=stores + loads, spill_store_bytes=stores, spill_load_bytes=loads,
+                cubin_registers=cubin["registers"], cubin_stack_bytes=cubin["stack"], num_warps=num_warps, site_block=cfg.get("SB"),
                 block_t=cfg["BLOCK_T"], scalar_16bit_loads=counts["scalar_16bit"],
                 accesses_128bit=counts["128bit"], async_copies_128bit=counts["async_128bit"],
                 async_copies_8byte=counts["async_8byte"], async_copies_4byte=counts["async_4byte"],
@@ -140,6 +160,21 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
                 source_copies_4byte=counts["source_4byte"],
                 loads_128bit=counts["load_128bit"], stores_128bit=counts["store_128bit"],
                 pipelined=counts["async_128bit"] > 0 and "cp.async.wait_group" in ptx, ptxas=report.strip())
+
+
+def cubin_usage(triton, cubin: bytes) -> dict:
+    """{'registers', 'stack'} (bytes of stack frame, where spills go) of the kernel in ``cubin``, as
+    ``cuobjdump --dump-resource-usage`` (shipped with Triton) reads them from the binary itself.
+    Raises RuntimeError when cuobjdump fails or reports no kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        proc = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                              capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", proc.stdout)
+    if proc.returncode or not found:
+        raise RuntimeError(f"cuobjdump could not read the cubin: {(proc.stderr or proc.stdout)[-2000:]}")
+    return dict(registers=int(found.group(1)), stack=int(found.group(2)))
 
 
 def _source_tile_load(triton_routing) -> tuple[str, int]:
@@ -196,6 +231,24 @@ def report(shapes=SHAPES, variants=("aligned", "general"), kernels=("forward", "
     return rows
 
 
+def markdown(rows: list[dict], title: str) -> str:
+    """The report's rows as its Markdown table under ``title`` (what the command prints)."""
+    lines = [title, "",
+             "| kernel | d | H | variant | sites per program | warps | registers | spill bytes (stores / loads) "
+             "| 16-bit loads | 128-bit accesses | async copies 16 / 8 / 4 bytes | of source tiles | 128-bit loads "
+             "| 128-bit stores | pipelined |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
+    lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
+              f"{r['num_warps']} | {r['registers']} | "
+              f"{r['spill_store_bytes']} / {r['spill_load_bytes']} | {r['scalar_16bit_loads']} | "
+              f"{r['accesses_128bit']} | "
+              f"{r['async_copies_128bit']} / {r['async_copies_8byte']} / {r['async_copies_4byte']} | "
+              f"{r['source_copies_128bit']} / {r['source_copies_8byte']} / {r['source_copies_4byte']} | "
+              f"{r['loads_128bit']} | {r['stores_128bit']} | "
+              f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
@@ -218,21 +271,8 @@ def main(argv=None) -> None:
         text = json.dumps(dict(triton=triton.__version__, rows=rows), indent=2)
     else:
         group = f", phase-1 group of {a.group} sites" if "phase1" in a.kernels else ""
-        lines = [f"triton {triton.__version__}, compiled for sm_90 (no GPU), bf16, N = {N_SOURCES}, {TOKENS} tokens"
-                 f"{group}",
-                 "",
-                 "| kernel | d | H | variant | sites per program | warps | registers | spill bytes | 16-bit loads "
-                 "| 128-bit accesses | async copies 16 / 8 / 4 bytes | of source tiles | 128-bit loads "
-                 "| 128-bit stores | pipelined |",
-                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
-        lines += [f"| {r['kernel']} | {r['d']} | {r['H']} | {r['variant']} | {r['site_block'] or '-'} | "
-                  f"{r['num_warps']} | {r['registers']} | "
-                  f"{r['spill_bytes']} | {r['scalar_16bit_loads']} | {r['accesses_128bit']} | "
-                  f"{r['async_copies_128bit']} / {r['async_copies_8byte']} / {r['async_copies_4byte']} | "
-                  f"{r['source_copies_128bit']} / {r['source_copies_8byte']} / {r['source_copies_4byte']} | "
-                  f"{r['loads_128bit']} | {r['stores_128bit']} | "
-                  f"{'yes' if r['pipelined'] else 'no'} |" for r in rows]
-        text = "\n".join(lines)
+        text = markdown(rows, f"triton {triton.__version__}, Triton's own sm_90 build (no GPU), bf16, N = {N_SOURCES}, "
+                              f"{TOKENS} tokens{group}")
     print(text)
     if a.out:
         a.out.write_text(text + "\n")

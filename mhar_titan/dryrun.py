@@ -16,6 +16,9 @@ Memory estimate (bytes per rank; W data-parallel ranks, FSDP2 over all of them;
 c = compute bytes: 2 for bf16 on CUDA, 4 for fp32 on CPU; b x T tokens per micro-batch):
 
     sharded state      16 N / W        fp32 params 4, grads 4, AdamW exp_avg + exp_avg_sq 8
+                                       (optimizer.name = "Muon": its matrices' momentum 4 instead
+                                       of 8, plus the largest matrix's gathered update and
+                                       Newton-Schulz buffers, 4 x its size in that dtype, unsharded)
                                        (+ 4 N / W for the weight EMA, training.ema_decay > 0)
     gathered params    (2 P_block + P_root) c    two blocks in flight (current + prefetch)
                                                  and the root unit (embedding, routing, norms);
@@ -46,8 +49,8 @@ buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ from typing import Optional
 import torch
 
 from mhar_kernels import dispatch
+from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
@@ -65,7 +69,7 @@ from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_ar
 from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
-from mhar_titan.optim import warmup_warning
+from mhar_titan.optim import describe_split, muon_comm_bytes, optimizer_split, resolved_ns_dtype, schedule_warnings
 
 GIB = 2**30
 
@@ -129,8 +133,7 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
     if not cfg.data.is_mixture and cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
     warnings += _check_tokenizer(cfg, args)
-    warmup = warmup_warning(cfg.lr_scheduler, cfg.training.steps)
-    return warnings + ([warmup] if warmup else [])
+    return warnings + schedule_warnings(cfg.lr_scheduler, cfg.training.steps)
 
 
 def _check_tokenizer(cfg: JobConfig, args: ModelArgs) -> list[str]:
@@ -196,6 +199,21 @@ def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str)
     return total + recompute + keys(plan.sites[2 * args.n_layers:])  # + the final routing site
 
 
+def _optimizer_bytes(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> int:
+    """Optimizer state per rank: AdamW's two fp32 moments (8 B per parameter) and Muon's fp32 momentum
+    (4 B per matrix element), sharded over the ranks, plus, unsharded on every rank, the whole update
+    of the largest Muon matrix and the Newton-Schulz work buffers (about 4 of its size in the
+    Newton-Schulz dtype)."""
+    split = optimizer_split(model, cfg.optimizer)
+    adamw = sum(math.prod(s) for _, s in split["AdamW"])
+    muon = sum(math.prod(s) for _, s in split["Muon"])
+    sharded = (8 * adamw + 4 * muon) // world_size
+    if not muon:
+        return sharded
+    largest = max(math.prod(s) for _, s in split["Muon"])
+    return sharded + 4 * largest * (2 if resolved_ns_dtype(cfg.optimizer, device) == "bfloat16" else 4)
+
+
 def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> MemoryEstimate:
     """Per-rank bytes for ``model`` (meta) trained with ``cfg`` on ``world_size`` ranks of ``device``.
 
@@ -213,12 +231,31 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     return MemoryEstimate(
         params=4 * n // world_size,
         grads=4 * n // world_size,
-        optimizer=(8 + (4 if cfg.training.ema_decay > 0 else 0)) * n // world_size,  # AdamW (+ weight EMA)
+        optimizer=_optimizer_bytes(model, cfg, world_size, device)
+        + (4 * n // world_size if cfg.training.ema_decay > 0 else 0),  # (+ weight EMA)
         gathered_params=(n if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2 * p_block + p_root) * c,
         unsharded_grads=(p_block + p_root) * 4,
         activations=int(act),
         loss_path=loss,
     )
+
+
+def optimizer_lines(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> list[str]:
+    """Which parameters each optimizer updates (``optim.optimizer_split``) and, for Muon, the
+    modelled all-gather bytes per step and rank (``optim.muon_comm_bytes``)."""
+    o = cfg.optimizer
+    split = optimizer_split(model, o)
+    lines = [f"optimizer: {o.name}" + (" (Muon for the matrices of optimizer.muon_groups, AdamW for the rest)"
+                                       if o.name == "Muon" else "")]
+    lines += [f"  {line}" for line in describe_split(split)]
+    if split["Muon"]:
+        dtype = resolved_ns_dtype(o, device)
+        comm = muon_comm_bytes([s for _, s in split["Muon"]], world_size, dtype)
+        lines.append(f"  Muon communication: all-gather of every matrix's update in {dtype}, {comm / 2**20:,.1f} MiB "
+                     f"received per rank per step on {world_size} FSDP ranks (modelled: numel x (W - 1) / W x "
+                     f"{2 if dtype == 'bfloat16' else 4} B); Newton-Schulz {o.muon_ns_steps} steps, redundant on "
+                     "every rank")
+    return lines
 
 
 def report(cfg: JobConfig, world_size: int, device: str,
@@ -265,6 +302,7 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"batch: {world_size} ranks x local {t.local_batch_size} x grad accumulation {accum} = "
         f"{world_size * t.local_batch_size * accum} sequences x {t.seq_len} tokens "
         f"= {world_size * t.local_batch_size * accum * t.seq_len:,} tokens per step",
+        *optimizer_lines(model, cfg, world_size, device),
         f"memory estimate per rank ({device}, {world_size} FSDP ranks, activation checkpointing "
         f"{cfg.activation_checkpoint.mode}; formula in mhar_titan/dryrun.py):",
     ]
@@ -338,17 +376,17 @@ def _available(known) -> Optional[tuple[int, str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m mhar_titan.dryrun",
         description="Validate a job config, build the model on the meta device, print parameter counts, "
         "a memory estimate and the resolved config. Opens no data and no network connection.",
         epilog="Other arguments are --section.key=value overrides, as for train.py.",
     )
     parser.add_argument("--config", "--job.config_file", dest="config", required=True, help="TOML job file")
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks of the planned job")
+    parser.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks of the planned job")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="device the estimate is for (default cuda: bf16 compute as configured)")
-    parser.add_argument("--memory-gib", type=float, default=None,
+    parser.add_argument("--memory-gib", type=positive_float, default=None,
                         help="memory per rank of the planned machine in GiB, checked against the estimate "
                              "(default: this machine's, when it has the device: free memory of cuda:0, or "
                              "the host's available memory for cpu)")

@@ -17,13 +17,20 @@ prepared data, sweep and analysis outputs) goes through this module:
   a folder can be created and written (not read-only, not under a regular file).
 
 A failed write raises ``WriteError`` (a ``UserError`` and an ``OSError``) naming the file,
-the OS error and, when the disk is full, the free space left. This module imports nothing
+the OS error and, when the disk is full, the free space left. This module is the one owner of
+recognising such failures (``os_error_of``): libraries that write report them in their own
+exceptions (safetensors' ``SafetensorError: ... No space left on device (os error 28)``, DCP's
+``CheckpointException`` over per-rank failures, tensorboard's writer thread, pyarrow's
+``OSError`` with its own text), and every writer turns them into the same one-line
+``WriteError``: ``atomic_path`` / ``atomic_folder`` for files written whole, ``writing(path)``
+for files a library writes in place (event files, appended logs). This module imports nothing
 of the project but the errors, so every layer can use it.
 """
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -33,8 +40,9 @@ from typing import IO, Iterator, Optional
 
 from mhar_titan.errors import UserError
 
-__all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text", "atomic_path",
-           "atomic_open", "write_text", "write_bytes", "atomic_folder", "check_output_folder"]
+__all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text",
+           "os_error_of", "write_error", "writing", "swallowed_write_error", "atomic_path", "atomic_open",
+           "write_text", "write_bytes", "atomic_folder", "check_output_folder"]
 
 
 class WriteError(UserError, OSError):
@@ -102,6 +110,111 @@ def os_error_text(e: OSError, path: Path, needed: Optional[int] = None) -> str:
     return f"{e.strerror or e} ({name})"
 
 
+_TEXT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+_ERRNO_IN_TEXT = re.compile(r"(?:os error|errno)\s*(\d+)", re.IGNORECASE)
+
+
+def _errno_in_text(text: str) -> Optional[int]:
+    """The errno a library's own message names (``(os error 28)``, ``[errno 28]``, or the OS's words
+    for a full disk, a quota, a read-only filesystem, a permission or an I/O error), or None."""
+    found = _ERRNO_IN_TEXT.search(text)
+    if found and int(found.group(1)) in errno.errorcode:
+        return int(found.group(1))
+    return next((n for n in _TEXT_ERRNOS if os.strerror(n).lower() in text.lower()), None)
+
+
+_STREAM_WRITE_FAILURE = re.compile(r"unexpected pos \d+ vs \d+|iostream error|PytorchStreamWriter failed", re.I)
+"""torch's zip writer (``torch.save``, DCP's files) on a short write: a ``RuntimeError`` without errno."""
+
+NEARLY_FULL_BYTES = 1 << 20
+"""Free space below which a write failure that names no errno is taken for a full disk."""
+
+
+def os_error_of(e: BaseException, path: Optional[str | os.PathLike] = None) -> Optional[OSError]:
+    """The OS error behind ``e``, or None when ``e`` is not about the OS (a bug: re-raise it).
+
+    Looked for in ``e`` and its causes and contexts, DCP's per-rank failures
+    (``CheckpointException.failures``) and exception groups: the first ``OSError`` with an errno,
+    else the errno a library's exception names in its text (safetensors' ``SafetensorError: ...
+    No space left on device (os error 28)``) as an ``OSError`` of that errno, else, for torch's
+    zip writer's short write (``RuntimeError: ... unexpected pos``, no errno) while writing
+    ``path``: ENOSPC when the filesystem there has less than ``NEARLY_FULL_BYTES`` free, EIO otherwise.
+    """
+    seen: set[int] = set()
+    todo, named, short_write = [e], None, False
+    while todo:
+        err = todo.pop(0)
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        if named is None and not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            number = _errno_in_text(str(err))
+            if number is not None:
+                named = OSError(number, os.strerror(number))
+            short_write = short_write or bool(_STREAM_WRITE_FAILURE.search(str(err)))
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            for f in failures.values():
+                todo.append(f[0] if isinstance(f, tuple) and f else f)
+        for f in getattr(err, "exceptions", ()) or ():  # an ExceptionGroup
+            todo.append(f)
+        todo += [err.__cause__, err.__context__]
+    if named is None and short_write and path is not None:
+        free = free_bytes(path)
+        number = errno.ENOSPC if free is not None and free < NEARLY_FULL_BYTES else errno.EIO
+        named = OSError(number, os.strerror(number))
+    return named
+
+
+def write_error(e: BaseException, path: str | os.PathLike) -> Optional[WriteError]:
+    """The one-line ``WriteError`` for a failed write of ``path`` (``cannot write PATH: ...``, the
+    disk-full case naming the free space), or None when ``e`` is not an OS failure (or is a
+    ``UserError`` of the caller's other than ``WriteError``)."""
+    if isinstance(e, WriteError):
+        return e
+    if isinstance(e, (UserError, KeyboardInterrupt, SystemExit, GeneratorExit)):  # a refusal, an interrupt
+        return None
+    err = os_error_of(e, path)
+    if err is None:
+        return None
+    return WriteError(f"cannot write {path}: {os_error_text(err, Path(path))}")
+
+
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Around a library that writes ``path`` (a file or folder) in place (an event file, an appended
+    log, a results file): an OS failure raised inside, in whatever exception the library uses,
+    becomes ``WriteError`` (``write_error``); other errors propagate unchanged. What the library
+    already wrote stays (it is not a whole-file write: use ``atomic_path`` where it can be one).
+
+    Raises:
+        WriteError: the library failed on an OS error (disk full, read-only, permissions).
+    """
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        error = write_error(e, path)
+        if error is None:
+            raise
+        raise error from None
+
+
+def swallowed_write_error(path: str | os.PathLike, logged: str) -> WriteError:
+    """The ``WriteError`` for a library that caught its own failed write of ``path`` and only logged
+    it (``logged``: what it logged, e.g. lm-eval's ``Could not save results aggregated``): the OS
+    error its log names, else a full disk when the filesystem there has less than
+    ``NEARLY_FULL_BYTES`` free, else the log's own words."""
+    path = Path(path)
+    err = os_error_of(RuntimeError(logged), path)
+    free = free_bytes(path)
+    if err is None and free is not None and free < NEARLY_FULL_BYTES:
+        err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    why = os_error_text(err, path) if err is not None else logged.strip() or "the library did not say why"
+    return WriteError(f"cannot write {path}: {why}")
+
+
 def _fsync_folder(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -123,9 +236,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     ``fsync``s it, sets its mode to ``0o666 & ~umask`` and ``os.replace``s it over ``path``.
 
     Raises:
-        WriteError: an ``OSError`` while writing, syncing or renaming (the temporary file is
-            removed, ``path`` keeps its earlier content). Other errors propagate unchanged,
-            also after removing the temporary file.
+        WriteError: an OS failure while writing (an ``OSError``, or a library's exception over one,
+            ``os_error_of``), syncing or renaming (the temporary file is removed, ``path`` keeps its
+            earlier content). Other errors propagate unchanged, also after removing the temporary file.
     """
     path = Path(path)
     try:
@@ -141,8 +254,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                 os.fsync(f.fileno())
             os.chmod(tmp, file_mode())
             os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+        except BaseException as e:  # an OSError, or a library's own exception over one (SafetensorError, DCP's)
+            error = write_error(e, path)
+            if error is None:
+                raise
+            raise error from None
     finally:
         tmp.unlink(missing_ok=True)  # gone already after the rename
     _fsync_folder(path.parent)
@@ -186,7 +302,8 @@ def atomic_folder(path: str | os.PathLike, *, replace: bool = False) -> Iterator
     temporary folder is removed and ``path`` is as before.
 
     Raises:
-        WriteError: ``path`` exists (not empty, without ``replace``), or an ``OSError`` while writing.
+        WriteError: ``path`` exists (not empty, without ``replace``), or an OS failure while writing
+            (an ``OSError``, or a library's exception over one, ``os_error_of``).
     """
     path = Path(path)
     if path.exists() and not replace and (not path.is_dir() or any(path.iterdir())):
@@ -216,11 +333,14 @@ def atomic_folder(path: str | os.PathLike, *, replace: bool = False) -> Iterator
             elif path.is_dir():
                 path.rmdir()
             os.replace(tmp, path)
-        except OSError as e:
+        except BaseException as e:  # an OSError, or a library's own exception over one (SafetensorError, DCP's)
             if old is not None and not path.exists():
                 os.replace(old, path)
                 old = None
-            raise WriteError(f"cannot write {path}: {os_error_text(e, path.parent)}") from None
+            error = write_error(e, path)
+            if error is None:
+                raise
+            raise WriteError(str(error).replace(str(tmp), str(path))) from None  # name the folder asked for
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:

@@ -26,13 +26,14 @@ import os
 import pathlib
 import resource
 import sys
+import threading
 import time
 from typing import Optional
 
 import torch
 
 from mhar_titan import console
-from mhar_titan.files import write_text
+from mhar_titan.files import os_error_of, write_text, writing
 from mhar_titan.models.plan import RoutingPlan
 
 # --------------------------------------------------------------------------- FLOPs
@@ -173,7 +174,10 @@ class ConsoleSink:
             if math.isfinite(value) and (self.best is None or value < self.best):
                 self.best = value
             best = [] if self.best is None else [f"best {console.loss_text(self.best)}"]
-            self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best], "val", self.color))
+            sources = [f"{k[len('val_loss/'):]} {console.loss_text(v)}" for k, v in metrics.items()
+                       if k.startswith("val_loss/")]  # a data mixture's sources
+            self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best, *sources], "val",
+                                     self.color))
         downstream = [f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/") and v is not None]
         if downstream:
             self._print(console.line(tag, ["eval", *downstream], "val", self.color))
@@ -193,20 +197,45 @@ class ConsoleSink:
         pass
 
 
+def read_jsonl_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a metrics JSONL file, in file order. A last line that is not whole JSON (the
+    write of a full disk or a killed process stopped inside it) is left out; a broken line before
+    the last is an error.
+
+    Raises:
+        ValueError: a line other than the last is not JSON (the message names the file and line).
+    """
+    lines = [(i, line) for i, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for k, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k == len(lines) - 1:
+                break  # torn by the failed write
+            raise ValueError(f"{path} line {number} is not JSON; the metrics file is damaged (repair or move "
+                             f"it away)") from None
+    return rows
+
+
 class JSONLSink:
-    """One JSON object per log call, appended (a resumed run continues the same file).
+    """One JSON object per log call, appended (a resumed run continues the same file; a torn last
+    row, left by a full disk or a kill, is dropped first).
 
     ``resume_step``: a run resumed from the checkpoint of that step first drops the rows the
     interrupted run wrote after it, so every step appears once, with the resumed run's values.
     """
 
     def __init__(self, path: pathlib.Path, resume_step: Optional[int] = None):
-        if resume_step is not None and path.exists():
-            rows = [line for line in path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line).get("step", 0) <= resume_step]
-            if len(kept) != len(rows):
+        if path.exists():  # a torn last row (a full disk, a kill) is dropped before rows are appended
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            rows = read_jsonl_rows(path)
+            kept = [line for line, r in zip(lines, rows) if resume_step is None or r.get("step", 0) <= resume_step]
+            if len(kept) != len(lines):
                 write_text(path, "".join(line + "\n" for line in kept))
-        self.f = open(path, "a", buffering=1)
+        self.path = path
+        with writing(path):
+            self.f = open(path, "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step}
@@ -215,15 +244,20 @@ class JSONLSink:
                 continue
             # JSON has no NaN/inf: a skipped step's loss is written as the string "nan"/"inf".
             row[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
-        self.f.write(json.dumps(row) + "\n")
+        with writing(self.path):  # a full disk: WriteError (one line), not a traceback
+            self.f.write(json.dumps(row) + "\n")
 
     def flush(self) -> None:
         """Rows written so far reach the disk (fsync): they survive a crash of the machine too."""
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        with writing(self.path):
+            self.f.flush()
+            os.fsync(self.f.fileno())
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:  # the write that failed already raised WriteError; nothing more to say
+            pass
 
 
 PERF_KEYS = ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "routing_flops_share",
@@ -270,23 +304,50 @@ class TensorBoardSink:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         purge = resume_step + 1 if resume_step is not None else None
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
-        if hparams and resume_step is None:  # the run's hyperparameters, once, in this run's own event file
-            for summary in hparams_summary(flat_hparams(hparams), {"val/loss": 0.0, "train/loss": 0.0}):
-                self.writer.file_writer.add_summary(summary)
-            self.writer.flush()
+        self.folder = folder
+        _quiet_event_writer_threads()
+        with writing(folder):  # a full disk (raised by tensorboard's writer thread): WriteError, one line
+            self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+            if hparams and resume_step is None:  # the run's hyperparameters, once, in this run's own event file
+                for summary in hparams_summary(flat_hparams(hparams), {"val/loss": 0.0, "train/loss": 0.0}):
+                    self.writer.file_writer.add_summary(summary)
+                self.writer.flush()
 
     def log(self, step: int, metrics: dict) -> None:
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                self.writer.add_scalar(tensorboard_tag(k), v, step)
-        self.writer.flush()
+        with writing(self.folder):
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                    self.writer.add_scalar(tensorboard_tag(k), v, step)
+            self.writer.flush()
 
     def flush(self) -> None:
-        self.writer.flush()
+        with writing(self.folder):
+            self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except Exception as e:  # the failed write already raised WriteError; a bug still shows
+            if os_error_of(e) is None:
+                raise
+
+
+def _quiet_event_writer_threads() -> None:
+    """tensorboard's event-writer thread hands a failed write (a full disk) to the writing thread,
+    which reports it once as ``WriteError``, and then re-raises it, so ``threading`` would print a
+    second, raw traceback: such OS failures of that thread are kept off stderr (anything else is
+    printed as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_event_writers", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and os_error_of(args.exc_value) is not None:
+            return
+        previous(args)
+
+    hook.quiet_event_writers = True
+    threading.excepthook = hook
 
 
 WANDB_FLUSH_INTERVAL_S = 1.0
@@ -387,7 +448,7 @@ class MetricsLogger:
         included), in step order; [] on ranks other than 0."""
         if self.console is None or not self.jsonl_path.exists():
             return []
-        rows = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        rows = read_jsonl_rows(self.jsonl_path)
         return sorted((r["step"], float(r["val_loss"])) for r in rows if "val_loss" in r)
 
     def flush(self) -> None:

@@ -17,9 +17,10 @@ One optimizer step:
 3. global gradient norm (and per group: routing pseudo-queries, gates, the
    rest), clipping; a non-finite loss or norm skips the step (counted), and
    ``training.max_consecutive_nonfinite`` consecutive ones stop the run;
-4. AdamW step, weight EMA update (``training.ema_decay``; validation runs on the EMA
-   weights), LR schedule step, validation and the ``[eval]`` downstream tasks when due
-   (``components.downstream``), checkpoint, preemption check. With ``training.z_loss`` the
+4. optimizer step (AdamW, or Muon with AdamW: ``optim.build_optimizer``), weight EMA update
+   (``training.ema_decay``; validation runs on the EMA weights), LR schedule step, validation
+   and the ``[eval]`` downstream tasks when due (``components.downstream``), checkpoint,
+   preemption check. With ``training.z_loss`` the
    summed loss of step 2 includes the z-loss (``components.loss``).
 
 Steps 2-4 read nothing back from the device (no ``.item()``, no data-dependent shapes; the
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mhar_titan.analysis.routing import routing_entropy
-from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint
+from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.downstream import DownstreamEval
@@ -74,7 +75,7 @@ from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
 from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
-from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group
+from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
 from mhar_titan.parallel import build_model, init_distributed
 from mhar_titan.preemption import PreemptionHandler
 
@@ -114,6 +115,8 @@ class Trainer:
         # Checks that need only the config first: a resume at another seq_len, the memory estimate.
         on_rank0(env.rank, env.world_size, self.run_folder.refuse_changed_seq_len)
         agree_on_setup(self._check_memory, env.world_size)
+        agree_on_setup(lambda: refuse_optimizer_switch(cfg.checkpoint, self.run_dir, cfg.optimizer.name),
+                       env.world_size)
         # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
@@ -158,6 +161,8 @@ class Trainer:
         self.metrics.event(self.state.step, *startup_fields(
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
             self.grad_accum, self.flops))
+        self.metrics.event(self.state.step, *optimizer_fields(self.model, cfg.optimizer, env.world_size,
+                                                              self.device.type))
         self.metrics.event(self.state.step, "run folder", str(self.run_dir))
 
     def _check_memory(self) -> None:
@@ -316,7 +321,8 @@ class Trainer:
                     # the step's one host read (group norms only on logged steps)
                     loss, grad_norm, finite, group_norms = read_step(loss_t, grad_norm_t, finite_t,
                                                                      group_norms_t if logged else None)
-                    self.state.count_step(finite, tokens_per_step, self._source_tokens(t.seq_len))
+                    self.state.count_step(finite, tokens_per_step)
+                    self._count_source_windows(t.seq_len)
                     throughput.add(tokens_per_step)
 
                     if not finite:
@@ -353,13 +359,13 @@ class Trainer:
             gc.enable()
         return self.state
 
-    def _source_tokens(self, seq_len: int) -> Optional[dict]:
-        """Target tokens of this step per mixture source, all ranks together (None for one source)."""
+    def _count_source_windows(self, seq_len: int) -> None:
+        """Add this step's windows per mixture source, all ranks together, to the train state (on
+        the device: read on logged steps and at checkpoints only). Nothing for one source."""
         windows = self.train_loader.take_source_windows()
-        if windows is None:
-            return None
-        counts = self._all_reduce_sum(torch.tensor(windows, dtype=torch.int64, device=self.device))
-        return {name: int(c) * seq_len for name, c in zip(self.train_loader.source_names, counts.tolist())}
+        if windows is not None:
+            counts = self._all_reduce_sum(torch.tensor(windows, dtype=torch.int64, device=self.device))
+            self.state.add_source_windows(self.train_loader.source_names, counts, seq_len)
 
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
         row = {
@@ -370,7 +376,7 @@ class Trainer:
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
             "routing_entropy": routing_entropy(self.model, tokens[:1]),
             "tokens_seen": self.state.tokens_seen,
-            **{f"tokens_seen/{name}": n for name, n in self.state.source_tokens.items()},
+            **{f"tokens_seen/{name}": n for name, n in self.state.settled_source_tokens().items()},
             "nonfinite_skipped": self.state.nonfinite_skipped,
         }
         self._log(step, row)

@@ -61,7 +61,7 @@ def main(out):
         positions = [None] * dist.get_world_size()
         dist.all_gather_object(positions, source_positions(trainer.train_loader))
         result[f"positions_{name}"] = positions
-        result[f"source_tokens_{name}"] = dict(trainer.state.source_tokens)
+        result[f"source_tokens_{name}"] = dict(trainer.state.settled_source_tokens())
         trainer.close(destroy_process_group=False)
         result[f"losses_{name}"] = metric_losses(trainer.run_dir)
         result[f"rows_{name}"] = read_metrics(trainer.run_dir)

@@ -6,10 +6,47 @@ scripts run from tests/ have it as their script folder).
 """
 import json
 import math
+import os
 import pathlib
+import subprocess
+from contextlib import contextmanager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 """The repository root."""
+
+
+@contextmanager
+def tmpfs(path, size, *, leave=None):
+    """A real tmpfs of ``size`` (bytes, or mount's ``256k`` / ``1m``) mounted at ``path``; with
+    ``leave``, filled by a file ``fill`` until the kernel answers ENOSPC, then shortened so that
+    ``leave`` bytes are free (a real full disk). Unmounted at the end whatever happens; the test
+    is skipped, saying why, where mounting is not allowed (it needs root with CAP_SYS_ADMIN)."""
+    import pytest
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs at {path} ({done.stderr.strip() or done.returncode}): the real "
+                    "filesystem tests need root with mount permission")
+    try:
+        if leave is not None:
+            fd = os.open(path / "fill", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                written = 0
+                while True:
+                    try:
+                        written += os.write(fd, b"\0" * (1 << 16))
+                    except OSError as e:
+                        assert e.errno == 28, e  # ENOSPC: the filesystem is full
+                        break
+                os.ftruncate(fd, max(0, written - leave))
+            finally:
+                os.close(fd)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def read_metrics(run_dir, name: str = "metrics.jsonl") -> list[dict]:

@@ -3,6 +3,8 @@ order) trained here, then the comparison table and plot, the heatmap command on 
 checkpoint, perplexity and the sample printer."""
 import json
 import math
+import re
+import shlex
 
 import numpy as np
 import pytest
@@ -111,31 +113,83 @@ def test_perplexity_command_matches_the_trainers_last_validation(runs, capsys):
     assert result["step"] == STEPS and result["tokens"] == 2 * 32
     assert result["loss"] == pytest.approx(last_val, rel=1e-5)
     assert eval_main(["perplexity", str(run / "missing")]) == 2
+    capsys.readouterr()
+    window = load_run(run).args.max_seq_len  # a longer --seq-len: one line naming it and the limit
+    for command in (eval_main, analysis_main):
+        argv = ["perplexity" if command is eval_main else "heatmap", str(run), "--seq-len", str(window + 1)]
+        assert command(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--seq-len" in err[0] and f"max_seq_len {window}" in err[0], err
+
+
+RATE = re.compile(r"--- (\d+) new tokens in \d+\.\d\d s: \d+\.\d tokens/s \((KV cache|no cache), cpu\) ---")
+
+
+def _sample(out: str) -> str:
+    """The sample of generate's output (its last line, the tokens-per-second line, checked and dropped)."""
+    head, last = out.rstrip("\n").rsplit("\n", 1)
+    assert RATE.fullmatch(last), last
+    return head + "\n"
 
 
 def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys):
     run = runs / "debug_mhar"
     assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5"]) == 0
-    first = capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert RATE.fullmatch(out.rstrip("\n").rsplit("\n", 1)[1]).group(1) == "5"  # tokens/s of the 5 new tokens
+    first = _sample(out)
     assert f"step-{STEPS}" in first and "\nROMEO:" in first
     assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5"]) == 0
-    assert capsys.readouterr().out == first  # greedy: the same text again
+    assert _sample(capsys.readouterr().out) == first  # greedy: the same text again
     # the training command line names the same run folder (as `make train` calls it)
     assert generate_main(["--config", str(ROOT / "train_configs" / "debug_mhar.toml"), f"--job.dump_folder={runs}",
                           "--optimizer.lr", "1e-3", "--prompt", "ROMEO:", "--tokens", "5"]) == 0
-    assert capsys.readouterr().out == first
+    assert _sample(capsys.readouterr().out) == first
     assert generate_main([str(runs / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
     # the KV cache changes nothing; a stop string cuts the sample before it
     assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--no-cache"]) == 0
-    assert capsys.readouterr().out == first
+    assert _sample(capsys.readouterr().out) == first
     text = first.split("\nROMEO:", 1)[1][:-1]  # the sample without print's newline
     assert text
     stop = text[-2:]
     assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--stop", stop]) == 0
-    assert capsys.readouterr().out.split("\nROMEO:", 1)[1] == text[:text.index(stop)] + "\n"
-    assert generate_main([str(run), "--tokens", "3", "--temperature", "0.8", "--top-p", "1.5"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert _sample(capsys.readouterr().out).split("\nROMEO:", 1)[1] == text[:text.index(stop)] + "\n"
+    # the same stop string spelt with backslash escapes (as a shell passes "\u0041"): the same cut
+    escaped = "".join(f"\\u{ord(c):04x}" for c in stop)
+    assert generate_main([str(run), "--prompt", "ROMEO:", "--tokens", "5", "--stop", escaped]) == 0
+    assert _sample(capsys.readouterr().out).split("\nROMEO:", 1)[1] == text[:text.index(stop)] + "\n"
+    with pytest.raises(SystemExit) as exit_:
+        generate_main([str(run), "--tokens", "3", "--temperature", "0.8", "--top-p", "1.5"])
+    assert exit_.value.code == 2 and "argument --top-p" in capsys.readouterr().err
+
+
+def test_the_readme_sampling_line_stops_at_a_blank_line(runs, capsys):
+    """README's ``generate ... --stop "\\n\\n"`` as written (split as the shell splits it, on the
+    fixture's run): its sample is the one without ``--stop`` cut before the first blank line."""
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("python -m mhar_titan.generate") and "--stop" in line)
+    argv = shlex.split(line, comments=True)[3:]
+    assert "\\n\\n" in argv  # the shell hands over backslash, n, backslash, n
+    argv = [str(runs / "debug_mhar") if a == "outputs/debug_mhar" else a for a in argv]
+    assert generate_main(argv) == 0
+    cut = _sample(capsys.readouterr().out)
+    at = argv.index("--stop")
+    assert generate_main(argv[:at] + argv[at + 2:]) == 0
+    whole = _sample(capsys.readouterr().out)
+    header, sample = whole.split("\n", 1)
+    assert cut == header + "\n" + (sample[:sample.index("\n\n")] + "\n" if "\n\n" in sample else sample)
+
+
+def test_generate_warns_when_the_prompt_is_longer_than_the_context(runs, capsys):
+    """A prompt past ``max_seq_len`` is kept to its last ``max_seq_len`` tokens, with a warning naming both."""
+    run = runs / "debug_mhar"
+    window = load_run(run).args.max_seq_len
+    assert generate_main([str(run), "--prompt", " a" * (window + 8), "--tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --prompt is" in err and f"max_seq_len {window:,}" in err and f"last {window:,}" in err
+    assert generate_main([str(run), "--prompt", "ab", "--tokens", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_runs_with_another_seed_are_not_paired(runs, tmp_path):

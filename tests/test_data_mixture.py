@@ -110,6 +110,21 @@ def test_three_sources_drawn_within_two_points_of_their_weights(corpus, tok, sha
                                   local_batch_size=8, batches=250).tolist() == counts.tolist()
 
 
+def test_planned_windows_match_two_ranks_with_loader_workers(corpus, tok):
+    """Document sharding, 2 ranks x 2 workers: the windows per source the ranks yield (read off their
+    letters) are the dry run's plan."""
+    cfg = _mixture(corpus, sharding="document", num_workers=2)
+    counts = np.zeros(3, dtype=np.int64)
+    for rank in range(2):
+        loader = _loader(cfg, tok, rank, 2, batch=2)
+        for x, _ in itertools.islice(loader, 7):
+            for row in x:
+                counts[_source_of_row(row)] += 1
+    planned = planned_source_windows(list(WEIGHTS), seed=5, sharding="document", dp_world=2, num_workers=2,
+                                     local_batch_size=2, batches=7)
+    assert counts.sum() == 28 and planned.tolist() == counts.tolist()
+
+
 def test_draws_are_a_pure_function_and_zero_weight_is_never_drawn():
     a = window_sources(3, "global", [0.5, 0.0, 0.5], 0, 5000)
     assert not (a == 1).any() and set(a.tolist()) == {0, 2}
@@ -163,6 +178,26 @@ def test_window_mode_mixture_resumes_exactly_at_another_world_size(corpus, tok):
     resumed.load_state_dict(state)
     tail = [x for x, _ in itertools.islice(resumed, 6)]
     assert len(head + tail) == len(ref) and all(torch.equal(a, b) for a, b in zip(head + tail, ref))
+
+
+def test_document_mode_mixture_at_another_world_size_starts_every_sources_next_epoch(corpus, tok, caplog):
+    old = _loader(_mixture(corpus, sharding="document"), tok, 0, 2, batch=8)
+    with caplog.at_level("INFO", logger="mhar_titan.data.stream"):
+        list(itertools.islice(old, 60))
+    assert "data: stream 0of2/0of1 of source 's0' starts epoch 1" in caplog.text  # log lines name the source
+    state = old.state_dict()
+    saved = state["epochs"]
+    assert sorted(saved) == ["s0", "s1", "s2"] and saved["s0"] > saved["s2"]  # s0 (weight 0.5) ran through more
+    with pytest.raises(DataStateError, match="allow_document_reshard"):
+        _loader(_mixture(corpus, sharding="document"), tok, batch=8).load_state_dict(state)
+    resumed = _loader(_mixture(corpus, sharding="document", allow_document_reshard=True), tok, batch=8)
+    resumed.load_state_dict(state)
+    batches = list(itertools.islice(resumed, 3))
+    assert resumed.state_dict()["epochs"] == {name: e + 1 for name, e in saved.items()}
+    # the same as a fresh world-1 loader that starts each source at that epoch
+    fresh = _loader(_mixture(corpus, sharding="document"), tok, batch=8)
+    fresh._build(start_epoch=[saved[f"s{i}"] + 1 for i in range(3)])
+    assert _digest(batches) == _digest(itertools.islice(fresh, 3))
 
 
 def _windows_by_source(batches) -> list[list[list[int]]]:
@@ -260,6 +295,26 @@ def test_bad_mixture_config_exits_2_in_one_line_before_anything_is_built(tmp_pat
     assert not runs.exists() and not dist.is_initialized()  # no run folder, no process group, no model
 
 
+def test_mixture_config_reads_tables_and_writes_back_to_an_equal_config(tmp_path):
+    from mhar_titan.config import to_toml
+
+    path = tmp_path / "job.toml"
+    path.write_text(_sources_toml('name = "web"\nweight = 3\nsource = "hub"\nhub_name = "sample-100BT"\n'
+                                  'validation_files = ["sample/100BT/000_00000.parquet"]',
+                                  'name = "code"\nweight = 1\nfiles = ["c/*.jsonl"]\ntext_field = "content"'))
+    cfg = load_config(str(path), ["--data.allow_weight_change=true"])
+    web, code = cfg.data.mixture()
+    assert (web.name, web.weight, web.data.source, web.data.hub_name) == ("web", 0.75, "hub", "sample-100BT")
+    assert (code.weight, code.data.files, code.data.text_field, code.data.tokenizer) == (0.25, ["c/*.jsonl"],
+                                                                                        "content", "bytes")
+    assert not code.data.is_mixture and web.data.validation_files == ["sample/100BT/000_00000.parquet"]
+    text = to_toml(cfg)
+    assert "\nfiles =" not in text and "\nsource =" not in text  # the top-level source keys are the sources'
+    again = tmp_path / "again.toml"
+    again.write_text(text)
+    assert load_config(str(again)) == cfg
+
+
 def test_top_level_source_keys_beside_sources_are_refused():
     with pytest.raises(ValueError, match=r"data.files is set at the top of \[data\] beside data.sources"):
         DataConfig(files=["x"], sources=[dict(name="a", weight=1.0, files=["y"])])
@@ -299,6 +354,9 @@ def test_bad_mixture_files_are_one_line_naming_the_sources(corpus, tmp_path):
         check_data_files(cfg, dp_world=1, seed=0, validation=False)
     msg = str(err.value)
     assert "made with different tokenizers" in msg and "'a'" in msg and "'gpt2'" in msg and "\n" not in msg
+    # validation asked for, but no source has validation files
+    with pytest.raises(DataError, match="no source of data.sources has validation_files"):
+        check_data_files(_two(corpus, dict(files=t0), dict(files=t1)), dp_world=1, seed=0, validation=True)
     # a finite mixture in document sharding on several ranks
     cfg = _two(corpus, dict(files=t0), dict(files=t1))
     cfg.sharding, cfg.infinite = "document", False

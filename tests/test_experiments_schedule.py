@@ -59,7 +59,9 @@ def test_the_command_refuses_with_the_setting_and_the_first_step(tmp_path, capsy
     ("--data.seed=7", "data order: different data.seed"),
     ("--data.shuffle_buffer=64", "data order: different data.shuffle_buffer"),
     ('--data.sources=[{name = "fineweb_edu", weight = 1.0, source = "hub", hub_name = "sample-100BT"}]',
-     "data order: different data.sources"),
+     "data order: different data.sources (fineweb_edu.hub_name 'sample-10BT' vs 'sample-100BT')"),
+    ('--data.sources=[{name = "fineweb_edu", weight = 1.0, source = "hub"}, {name = "code", weight = 0.2, '
+     'files = ["x"]}]', "data order: different data.sources (sources ['fineweb_edu'] vs ['fineweb_edu', 'code'])"),
 ])
 def test_tokens_per_step_and_data_order_are_checked(override, needle):
     a = planned_schedule(load_config(str(PLAIN)), 8)

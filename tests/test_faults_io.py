@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import tmpfs  # noqa: E402
 from train_common import SAMPLE, debug_argv  # noqa: E402
 
 from mhar_titan.checkpoint.layout import is_complete, step_folders  # noqa: E402
@@ -35,20 +36,6 @@ def losses(run_dir):
 
 def err_lines(capsys):
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-
-
-@contextmanager
-def tmpfs(path: Path, size: int):
-    """A tmpfs of ``size`` bytes mounted at ``path``; skips the test where mounting is not allowed."""
-    path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @needs_sample

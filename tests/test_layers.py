@@ -15,7 +15,7 @@ KERNELS = ROOT / "kernels"
 
 LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status",
           "mhar_titan.files",
-          "mhar_titan.console")
+          "mhar_titan.console", "mhar_titan.cli_args")
 MODEL_ARGUMENTS = ("mhar_titan.models.args", "mhar_titan.models.plan")  # the model's argument leaf
 CONFIG = ("mhar_titan.config",)
 BUILDERS = ("mhar_titan.models", "mhar_titan.data", "mhar_titan.checkpoint", "mhar_titan.optim",
@@ -126,3 +126,43 @@ def test_the_file_writer_imports_nothing_of_the_project_but_the_errors():
     """Every layer writes its files through mhar_titan.files, so it sits with the leaves."""
     assert [n for n in imports(PACKAGE / "files.py") if n.startswith("mhar_titan")]
     assert violations(("mhar_titan.files",), OURS, ("mhar_titan.errors",)) == []
+
+
+def import_cycles() -> list[list[str]]:
+    """Every set of our modules that import each other round a circle (module level or inside a
+    function, as `imports` reads them), each sorted; empty when imports flow one way."""
+    mods = {module_name(p): p for p in sources("mhar_titan", "mhar_kernels")}
+    graph = {m: sorted({n for n in imports(p) if n in mods and n != m}) for m, p in mods.items()}
+    order, low, stack, cycles = {}, {}, [], []
+    for root in graph:  # Tarjan's strongly connected components, iteratively
+        if root in order:
+            continue
+        work = [(root, iter(graph[root]))]
+        order[root] = low[root] = len(order)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == order[node]:
+                    comp = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(comp) > 1:
+                        cycles.append(sorted(comp))
+            elif nxt not in order:
+                order[nxt] = low[nxt] = len(order)
+                stack.append(nxt)
+                work.append((nxt, iter(graph[nxt])))
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+    return sorted(cycles)
+
+
+def test_no_two_modules_import_each_other():
+    """Imports flow one way inside a layer too: no circle of modules (a function-level import
+    counts), e.g. the tokenizer builders and the tokenizer type they share."""
+    assert import_cycles() == []
+    assert "mhar_titan.data.tokenizer_base" in imports(PACKAGE / "data" / "hf_tokenizer.py")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import ROOT, tiny_model
 
 from mhar_titan.config import LRScheduler, Optimizer
 from mhar_titan.optim import (
@@ -98,10 +98,43 @@ def test_warmup_as_long_as_the_run_warns_and_ends_inside_the_warmup(caplog, warm
 
 
 def test_warmup_shorter_than_the_run_does_not_warn_and_ends_at_the_floor(caplog):
-    cfg = LRScheduler(warmup_steps=9, decay_type="linear", min_lr_factor=0.1)
+    cfg = LRScheduler(warmup_steps=5, decay_type="linear", min_lr_factor=0.1)
     with caplog.at_level("WARNING", logger="mhar_titan.optim"):
         got, _ = lrs(cfg, 10)
     assert caplog.text == "" and got[-1] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("warmup, ratio, steps, asked, got", [
+    (8, 0.5, 10, 5, 2),     # WSD: the warm-up ends after the decay should have started
+    (9, None, 10, 1, 1),    # warm-up then decay: the whole decay in one step
+    (60, 0.5, 100, 50, 40),
+])
+def test_a_decay_cut_short_warns_in_the_trainer_and_the_dry_run(caplog, warmup, ratio, steps, asked, got):
+    from mhar_titan.dryrun import validate_job, build_model_args
+    from mhar_titan.config import load_config
+    from mhar_titan.optim import decay_steps
+
+    cfg = LRScheduler(warmup_steps=warmup, decay_ratio=ratio, decay_type="linear", min_lr_factor=0.1)
+    assert decay_steps(cfg, steps)[1] == asked
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        lr, _ = lrs(cfg, steps)
+    # the schedule itself: peak at the end of the warm-up, then `got` decay steps to the floor
+    assert lr[warmup - 1] == pytest.approx(2.0) and lr[-1] == pytest.approx(0.2)
+    assert sum(1 for x in lr[warmup:] if x < 2.0 - 1e-12) == got
+    assert f"gets {got} step" in caplog.text or f"leaves the decay {got} step" in caplog.text
+    job = load_config(str(ROOT / "train_configs" / "debug_mhar.toml"), ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
+                             *(["--lr_scheduler.decay_ratio", str(ratio)] if ratio is not None else [])])
+    warnings = validate_job(job, build_model_args(job), 1)
+    assert any(f"{got} step" in w and "lr_scheduler.warmup_steps" in w for w in warnings)
+
+
+def test_wsd_without_overlap_decays_over_the_ratio_silently(caplog):
+    cfg = LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.0)
+    with caplog.at_level("WARNING", logger="mhar_titan.optim"):
+        lr, _ = lrs(cfg, 10)
+    assert caplog.text == ""
+    assert lr[:5] == pytest.approx([1.0, 2.0, 2.0, 2.0, 2.0])  # decay_start = 10 - round(0.5 * 10) = 5
+    assert lr[5:] == pytest.approx([2.0 * (1 - k / 5) for k in range(1, 6)])
 
 
 def test_param_groups_and_no_decay():

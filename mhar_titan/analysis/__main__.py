@@ -6,15 +6,15 @@ probe RUN     the query probe of a single-head model (Markdown, and a per-site P
 compare RUN RUN ...  loss against tokens (PNG) and a tail-mean validation-loss table (Markdown)
 
 Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
-Bad input: a message on stderr and exit status 2.
+Every flag is checked before anything is loaded. Bad input: a message on stderr and exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 
+from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
 from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
 from mhar_titan.files import check_output_folder, write_text
 
@@ -95,28 +95,28 @@ def _compare(args) -> list[pathlib.Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("heatmap", "probe"):
         p = sub.add_parser(name)
         p.add_argument("run", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
-        p.add_argument("--step", type=int, default=None)
-        p.add_argument("--batches", type=int, default=2, help="validation batches to read")
-        p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
-        p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--step", type=non_negative_int, default=None, help="checkpoint step of the run folder")
+        p.add_argument("--batches", type=positive_int, default=2, help="validation batches to read")
+        p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per batch (default: the run's)")
+        p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's)")
+        p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
         p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
-    sub.choices["heatmap"].add_argument("--dpi", type=int, default=200, help="pixels per inch (3.5 in wide)")
+    sub.choices["heatmap"].add_argument("--dpi", type=positive_int, default=200, help="pixels per inch (3.5 in wide)")
     p = sub.choices["probe"]
-    p.add_argument("--slices", type=int, default=4, help="contiguous query slices S")
-    p.add_argument("--draws", type=int, default=4, help="random-query draws in the reference")
+    p.add_argument("--slices", type=positive_int, default=4, help="contiguous query slices S")
+    p.add_argument("--draws", type=positive_int, default=4, help="random-query draws in the reference")
     p.add_argument("--seed", type=int, default=0, help="seed of the random queries")
     p = sub.add_parser("compare")
     p.add_argument("runs", nargs="+", help="run folders")
     p.add_argument("--baseline", default=None, help="name (folder name) of the baseline run; default: the first")
-    p.add_argument("-k", type=int, default=11, help="evaluations in the tail mean")
+    p.add_argument("-k", type=positive_int, default=11, help="evaluations in the tail mean")
     p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
-    p.add_argument("--dpi", type=int, default=200)
+    p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
     args = parser.parse_args(argv)
     command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
     try:

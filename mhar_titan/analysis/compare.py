@@ -17,7 +17,6 @@ rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Optional, Sequence
@@ -42,9 +41,23 @@ def data_order(cfg, tokens_per_step: float) -> dict:
 
 
 def order_differences(a: dict, b: dict) -> list[str]:
-    """The keys in which two ``data_order`` results differ ("data.seed", "tokens_per_step", ...)."""
-    keys = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
+    """The keys in which two ``data_order`` results differ ("data.seed", "tokens_per_step", ...; a
+    mixture's sources as "data.sources (web.weight 0.7 vs 0.5)")."""
+    keys = [f"data.{k}" if k != "sources" else f"data.sources ({_sources_difference(a['data'][k], b['data'][k])})"
+            for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
     return keys + [k for k in ("seq_len", "tokens_per_step") if a[k] != b[k]]
+
+
+def _sources_difference(a: Optional[list], b: Optional[list]) -> str:
+    """The first difference of two mixtures' source tables (lists of dicts, ``DataConfig.sources``)."""
+    names_a, names_b = [s["name"] for s in a or []], [s["name"] for s in b or []]
+    if names_a != names_b:
+        return f"sources {names_a} vs {names_b}"
+    for sa, sb in zip(a, b):
+        for key in sa:
+            if sa[key] != sb.get(key):
+                return f"{sa['name']}.{key} {sa[key]!r} vs {sb.get(key)!r}"
+    return "differ"
 
 
 @dataclasses.dataclass
@@ -98,16 +111,15 @@ def run_metrics(path: pathlib.Path) -> tuple:
         FileNotFoundError: no metrics file in the folder.
     """
     from mhar_titan.eval.load import read_run_config
+    from mhar_titan.metrics import read_jsonl_rows
 
     cfg = read_run_config(path)
     metrics = path / (cfg.metrics.jsonl_file if cfg is not None else "metrics.jsonl")
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} not found: is {path} a run folder (<dump_folder>/<job.name>)?")
     by_step: dict[int, dict] = {}
-    for line in metrics.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
+    for row in read_jsonl_rows(metrics):  # a torn last row (a full disk, a kill) is left out
+        by_step.setdefault(int(row["step"]), {}).update(row)  # a resumed run rewrites rows: last one wins
     return cfg, by_step, metrics
 
 

@@ -23,7 +23,7 @@ _EXPORTS = {
     "CheckpointError": _SECTION, "CheckpointMismatchError": _SECTION,
     "MARKER": "layout", "is_complete": "layout", "read_marker": "layout", "step_folders": "layout",
     "LEGACY_MODEL_DEFAULTS": "fingerprint", "checkpoint_fingerprint": "fingerprint",
-    "CheckpointManager": "manager", "CheckpointSaveError": "guards",
+    "CheckpointManager": "manager", "refuse_optimizer_switch": "manager", "CheckpointSaveError": "guards",
 }
 
 __all__ = sorted(_EXPORTS)

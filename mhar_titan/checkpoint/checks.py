@@ -14,13 +14,42 @@ Every check raises before any tensor is read, so nothing in memory or on disk ch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from mhar_titan.config.checkpoint import CheckpointError, CheckpointMismatchError
 from mhar_titan.checkpoint.layout import is_complete, step_folders, step_of
+
+
+def optimizer_kind(keys) -> Optional[str]:
+    """The optimizer whose state these flattened DCP keys hold: "Muon" (``MuonWithAdamW``: a
+    ``momentum_buffer`` beside AdamW's moments), "AdamW" (``exp_avg`` only), None (no optimizer state)."""
+    kind = None
+    for key in keys:
+        if key.startswith("optimizer.state."):
+            if key.endswith(".momentum_buffer"):
+                return "Muon"
+            if key.endswith(".exp_avg"):
+                kind = "AdamW"
+    return kind
+
+
+def check_optimizer(path: Path, saved: Optional[str], current: Optional[str], model_only_hint: str) -> None:
+    """A checkpoint's optimizer state loads only into the optimizer it was saved with.
+
+    Raises:
+        CheckpointMismatchError: ``saved`` and ``current`` are both known and differ; the message names
+            both and the two ways on (the saved optimizer, or ``model_only_hint``: loading without the
+            optimizer state).
+    """
+    if saved is None or current is None or saved == current:
+        return
+    raise CheckpointMismatchError(
+        f"{path} holds {saved} optimizer state and this run has optimizer.name = \"{current}\": switching "
+        f"optimizer at a resume is refused. Resume with --optimizer.name={saved}, or {model_only_hint} (the "
+        f"{current} state then starts fresh)")
 
 
 def check_no_newer(folder: Path, wanted: int, complete: list[int]) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from mhar_titan.config.checkpoint import CheckpointError
-from mhar_titan.files import free_bytes, os_error_text
+from mhar_titan.files import free_bytes, os_error_of, os_error_text
 
 
 class CheckpointSaveError(CheckpointError):
@@ -99,36 +99,17 @@ def space_warning(folder: Path, size: int, keep_latest_k: int, complete: int) ->
             f"job.dump_folder to a larger filesystem")
 
 
-def _os_error(e: BaseException) -> Optional[OSError]:
-    """The first ``OSError`` in ``e``'s causes, contexts and DCP's per-rank failures."""
-    seen: set[int] = set()
-    todo = [e]
-    while todo:
-        err = todo.pop(0)
-        if not isinstance(err, BaseException) or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno is not None:
-            return err
-        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-        if isinstance(failures, dict):
-            for f in failures.values():
-                todo.append(f[0] if isinstance(f, tuple) and f else f)
-        for f in getattr(err, "exceptions", ()) or ():  # an ExceptionGroup
-            todo.append(f)
-        todo += [err.__cause__, err.__context__]
-    return None
-
-
 def save_failure(e: BaseException, path: Path, needed: int) -> Optional[CheckpointSaveError]:
     """The error to raise for a save of ``path`` that failed with ``e``; None when ``e`` is not about the
     disk (a bug: re-raise it as it is).
 
-    A disk-full failure is recognised by its ``ENOSPC`` / ``EDQUOT`` anywhere in ``e``'s chain, or,
+    A disk-full failure is recognised as every writer's is (``mhar_titan.files.os_error_of``: its
+    ``ENOSPC`` / ``EDQUOT`` anywhere in ``e``'s chain or DCP's per-rank failures, also when only a
+    library's message names it), or,
     since torch's zip writer can report a short write as ``RuntimeError: ... unexpected pos``,
     by the filesystem having less free space than the checkpoint needs.
     """
-    err = _os_error(e)
+    err = os_error_of(e)
     free = free_bytes(path)
     if err is None and free is not None and free < needed:
         err = OSError(errno.ENOSPC, "No space left on device")

@@ -72,7 +72,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mhar_titan.checkpoint.checks import check_keys, check_no_newer, unreadable_error
+from mhar_titan.checkpoint.checks import (check_keys, check_no_newer, check_optimizer, optimizer_kind,
+                                         unreadable_error)
 from mhar_titan.config.checkpoint import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
 from mhar_titan.checkpoint.guards import nonfinite_entries, nonfinite_error, save_failure, space_warning, state_bytes
@@ -105,6 +106,52 @@ def _flatten(tree: dict) -> dict:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     return flatten_state_dict(tree)[0]
+
+
+# --------------------------------------------------------------------------- before the build
+
+_EXCLUDE_HINT = "load the rest without it: --checkpoint.exclude_from_loading='[\"optimizer\"]'"
+_MODEL_ONLY_HINT = "load the model only: --checkpoint.initial_load_model_only=true"
+
+
+def _optimizer_source(cfg: CheckpointConfig, run_dir: Path) -> Optional[tuple[Path, str]]:
+    """The DCP folder whose optimizer state ``CheckpointManager.load`` would restore, with the hint
+    for loading without it; None when no optimizer state would be loaded."""
+    if "optimizer" in cfg.exclude_from_loading:
+        return None
+    if cfg.enable:
+        folders = {s: p for s, p in step_folders(run_dir / cfg.folder).items() if is_complete(p)}
+        if cfg.load_step >= 0:
+            chosen = folders.get(cfg.load_step)
+        else:
+            chosen = folders[max(folders)] if folders else None
+        if chosen is not None:
+            return None if read_marker(chosen).get("model_only") else (chosen, _EXCLUDE_HINT)
+    path = Path(cfg.initial_load_path) if cfg.initial_load_path else None
+    if path is None or cfg.initial_load_model_only or not (path / ".metadata").is_file():
+        return None
+    if (path / MARKER).is_file() and read_marker(path).get("model_only"):
+        return None
+    return path, _MODEL_ONLY_HINT
+
+
+def refuse_optimizer_switch(cfg: CheckpointConfig, run_dir: str | os.PathLike, optimizer_name: str) -> None:
+    """Refuse, before the model is built, a start that would load optimizer state saved by another
+    optimizer (``optimizer.name``): the resumed run folder's checkpoint, or ``initial_load_path`` with
+    ``initial_load_model_only = false``. Reads only the DCP metadata (no tensor); a checkpoint that
+    cannot be read is left to ``CheckpointManager.load`` to report.
+
+    Raises:
+        CheckpointMismatchError: naming the folder, both optimizers and how to load without the state.
+    """
+    try:
+        source = _optimizer_source(cfg, Path(run_dir))
+        if source is None:
+            return
+        metadata = dcp.FileSystemReader(str(source[0])).read_metadata()
+    except (Exception, CheckpointException):  # noqa: BLE001 - load() names an unreadable checkpoint
+        return
+    check_optimizer(source[0], optimizer_kind(metadata.state_dict_metadata), optimizer_name, source[1])
 
 
 # --------------------------------------------------------------------------- manager
@@ -446,7 +493,11 @@ class CheckpointManager:
         if "fingerprint" in marker:
             check_fingerprint(path, marker["fingerprint"], self.fingerprint)
         state = self._state_for_load(parts, metadata, int(marker.get("world_size", 1)))
-        check_keys(path, _flatten(state), metadata, has_model="model" in state)
+        requested = _flatten(state)
+        if "optimizer" in state:
+            hint = _EXCLUDE_HINT if path.parent == self.folder else _MODEL_ONLY_HINT
+            check_optimizer(path, optimizer_kind(metadata.state_dict_metadata), optimizer_kind(requested), hint)
+        check_keys(path, requested, metadata, has_model="model" in state)
 
         try:
             with _quiet_single_process():

@@ -23,9 +23,11 @@ class TrainState:
     """Training tokens per data-mixture source (name -> tokens; empty for one source)."""
 
     def state_dict(self) -> dict:
+        self.settled_source_tokens()
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        self._pending = None
         for key, value in state.items():
             if hasattr(self, key):
                 setattr(self, key, value)
@@ -44,13 +46,31 @@ class TrainState:
             dist.broadcast_object_list(box, src=0)
             self.wandb_id = box[0]
 
-    def count_step(self, finite: bool, tokens: int, source_tokens: Optional[dict] = None) -> None:
-        """Advance by one optimizer step of ``tokens`` tokens (``source_tokens``: of them, per mixture
-        source); a non-finite one is counted as skipped."""
+    def __post_init__(self):
+        self._pending = None  # (names, windows not yet in source_tokens (a device tensor), seq_len)
+
+    def add_source_windows(self, names: list[str], windows, seq_len: int) -> None:
+        """Count a step's windows per mixture source: ``windows`` int64 ``(len(names),)``, on any
+        device; added to ``source_tokens`` (x ``seq_len``) only when read (``settled_source_tokens``,
+        ``state_dict``), so counting needs no host read."""
+        if self._pending is None:
+            self._pending = (list(names), windows.clone(), seq_len)
+        else:
+            self._pending[1].add_(windows)
+
+    def settled_source_tokens(self) -> dict:
+        """``source_tokens`` with every counted window in it (one host read when some are pending)."""
+        if self._pending is not None:
+            names, windows, seq_len = self._pending
+            for name, n in zip(names, windows.tolist()):
+                self.source_tokens[name] = self.source_tokens.get(name, 0) + int(n) * seq_len
+            self._pending = None
+        return self.source_tokens
+
+    def count_step(self, finite: bool, tokens: int) -> None:
+        """Advance by one optimizer step of ``tokens`` tokens; a non-finite one is counted as skipped."""
         self.step += 1
         self.tokens_seen += tokens
-        for name, n in (source_tokens or {}).items():
-            self.source_tokens[name] = self.source_tokens.get(name, 0) + n
         if finite:
             self.consecutive_nonfinite = 0
         else:

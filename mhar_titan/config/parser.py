@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mhar_titan.config.sections import NO_DECAY_GROUPS, SECTIONS, JobConfig
+from mhar_titan.config.sections import MUON_GROUPS, NO_DECAY_GROUPS, SECTIONS, JobConfig
 from mhar_titan.errors import ConfigError
 
 
@@ -37,7 +37,9 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
 
 # Allowed values of string keys (checked in ``validate``).
 _CHOICES = {
-    ("optimizer", "name"): ("AdamW",),
+    ("optimizer", "name"): ("AdamW", "Muon"),
+    ("optimizer", "muon_lr_scale"): ("match_rms_adamw", "original"),
+    ("optimizer", "muon_ns_dtype"): ("auto", "bfloat16", "float32"),
     ("optimizer", "implementation"): ("foreach", "fused", "for-loop"),
     ("lr_scheduler", "decay_type"): ("linear", "sqrt", "cosine"),
     ("parallelism", "fsdp_reshard_after_forward"): ("default", "always", "never"),
@@ -62,6 +64,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "unset"
+    if _table_class(tp) is not None:
+        return f"a list of tables (one [[...]] table or {{key = value, ...}} per {_table_class(tp).__name__})"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -334,6 +338,41 @@ def _check_run_folder_names(cfg: JobConfig) -> None:
                 f"absolute, no '..'); use a plain name such as {getattr(type(getattr(cfg, section))(), key)!r}")
 
 
+def _check_muon(o) -> None:
+    """The Muon settings of ``[optimizer]`` (checked whatever ``name`` is, so a config that switches
+    to Muon later holds no bad value). Raises ConfigError naming the key and what it may be."""
+    for key in ("lr", "eps", "weight_decay"):
+        if not math.isfinite(getattr(o, key)):
+            raise ConfigError(f"'optimizer.{key}' must be finite, got {getattr(o, key)}")
+    groups = o.muon_groups
+    if not isinstance(groups, list) or not groups:
+        raise ConfigError(f"'optimizer.muon_groups' must list at least one of {', '.join(MUON_GROUPS)}, got {groups!r}")
+    if "routing" in groups:
+        raise ConfigError("'optimizer.muon_groups' names \"routing\": routing parameters (pseudo-queries, key norms, "
+                          f"null sources, delta gates) are never orthogonalised; use any of {', '.join(MUON_GROUPS)}")
+    bad = [g for g in groups if g not in MUON_GROUPS]
+    if bad:
+        raise ConfigError(f"'optimizer.muon_groups' has unknown or non-matrix groups {bad}; valid: "
+                          f"{', '.join(MUON_GROUPS)} (norms and biases are vectors and stay with AdamW)")
+    if o.muon_lr is not None and not (math.isfinite(o.muon_lr) and o.muon_lr > 0):
+        raise ConfigError(f"'optimizer.muon_lr' must be a finite number > 0 (or unset: optimizer.lr), got {o.muon_lr}")
+    if o.muon_weight_decay is not None and not (math.isfinite(o.muon_weight_decay) and o.muon_weight_decay >= 0):
+        raise ConfigError("'optimizer.muon_weight_decay' must be a finite number >= 0 (or unset: "
+                          f"optimizer.weight_decay), got {o.muon_weight_decay}")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"'optimizer.muon_momentum' must be in [0, 1), got {o.muon_momentum}")
+    coefficients = o.muon_ns_coefficients
+    if (not isinstance(coefficients, list) or len(coefficients) != 3
+            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                       for c in coefficients)):
+        raise ConfigError("'optimizer.muon_ns_coefficients' must be three finite numbers (a, b, c), e.g. "
+                          f"[3.4445, -4.775, 2.0315], got {coefficients!r}")
+    if not 1 <= o.muon_ns_steps <= 99:
+        raise ConfigError(f"'optimizer.muon_ns_steps' must be 1 to 99 Newton-Schulz iterations, got {o.muon_ns_steps}")
+    if not (math.isfinite(o.muon_eps) and o.muon_eps > 0):
+        raise ConfigError(f"'optimizer.muon_eps' must be a finite number > 0, got {o.muon_eps}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Cross-field and value checks that need no model, data or process group.
 
@@ -367,6 +406,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"'optimizer.eps' must be > 0, got {o.eps}")
     if not o.weight_decay >= 0:
         raise ConfigError(f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
+    _check_muon(o)
     from mhar_titan.models.args import resolve_model_args  # the tokenizer's vocabulary is checked at build
 
     resolve_model_args(cfg.model, cfg.training.seq_len)

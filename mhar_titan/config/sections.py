@@ -14,12 +14,18 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from mhar_titan.config.checkpoint import CheckpointConfig
-from mhar_titan.config.data import DataConfig
+from mhar_titan.config.data import SOURCE_KEYS, DataConfig
 
-PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "other")
-"""Parameter groups of the optimizer (``mhar_titan.optim.param_groups`` assigns them)."""
+PARAM_GROUPS = ("routing", "embeddings", "norms", "biases", "head", "other")
+"""Parameter groups of the optimizer (``mhar_titan.optim.param_group_of`` assigns them; "head" is the
+untied LM head, "other" the hidden matrices of attention and MLP)."""
 NO_DECAY_GROUPS = PARAM_GROUPS[:-1]
 """Groups ``optimizer.no_decay`` may name (every group but "other")."""
+MUON_GROUPS = ("other", "head", "embeddings")
+"""Groups ``optimizer.muon_groups`` may name: groups of matrices. Routing parameters are never
+orthogonalised; norms and biases are vectors."""
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic Newton-Schulz coefficients (a, b, c), torch.optim.Muon's default."""
 
 
 @dataclass
@@ -54,11 +60,18 @@ class Model:
 
 @dataclass
 class Optimizer:
-    """``[optimizer]``: AdamW (the only optimizer)."""
+    """``[optimizer]``: AdamW, or Muon for the hidden matrices with AdamW for the rest.
+
+    ``name = "Muon"`` (``mhar_titan.optim.MuonWithAdamW``): the 2-D parameters of the groups in
+    ``muon_groups`` (default the hidden matrices: attention q/k/v/o, MLP w1/w2/w3) get Muon; every
+    other parameter (embedding, LM head, norms, all routing parameters) gets AdamW with ``lr``,
+    ``beta1``, ``beta2``, ``eps`` and ``weight_decay`` below, as under ``name = "AdamW"``.
+    """
 
     name: str = "AdamW"
+    """"AdamW" or "Muon"."""
     lr: float = 8e-4
-    """Peak learning rate."""
+    """Peak learning rate (of AdamW; with Muon, of its AdamW part, and Muon's unless ``muon_lr`` is set)."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -66,7 +79,29 @@ class Optimizer:
     no_decay: list = field(default_factory=list)
     """Parameter groups excluded from weight decay: any of ``NO_DECAY_GROUPS``."""
     implementation: str = "foreach"
-    """"foreach", "fused" or "for-loop"."""
+    """"foreach", "fused" or "for-loop" (AdamW's implementation)."""
+    muon_groups: list = field(default_factory=lambda: ["other"])
+    """Parameter groups whose matrices Muon updates: any of ``MUON_GROUPS`` ("other": the hidden
+    matrices; "head", "embeddings" to try Muon there too)."""
+    muon_lr: Optional[float] = None
+    """Muon's peak learning rate; None: ``lr`` (meant for ``muon_lr_scale = "match_rms_adamw"``)."""
+    muon_weight_decay: Optional[float] = None
+    """Muon's decoupled weight decay; None: ``weight_decay``."""
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_lr_scale: str = "match_rms_adamw"
+    """Shape-dependent scale of Muon's step on a (rows, cols) matrix: "match_rms_adamw"
+    (0.2 sqrt(max(rows, cols)): an update RMS like AdamW's, so AdamW's LR and weight decay carry
+    over; Moonlight, arXiv:2502.16982) or "original" (sqrt(max(1, rows / cols)), Keller Jordan's)."""
+    muon_ns_coefficients: list = field(default_factory=lambda: list(MUON_NS_COEFFICIENTS))
+    """Newton-Schulz coefficients (a, b, c): three finite numbers."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations, 1 to 99."""
+    muon_eps: float = 1e-7
+    """Floor of the Frobenius norm the update is divided by before the iterations (> 0)."""
+    muon_ns_dtype: str = "auto"
+    """Arithmetic of the Newton-Schulz iterations: "bfloat16", "float32", or "auto" (bfloat16 on
+    CUDA, float32 on CPU). bfloat16 is torch.optim.Muon's arithmetic."""
 
 
 @dataclass
@@ -75,7 +110,10 @@ class LRScheduler:
 
     ``decay_ratio`` unset: decay starts right after warmup (warmup + cosine, the
     paper's schedule with ``decay_type="cosine"``). ``decay_ratio = r``: the last
-    ``r * steps`` steps decay and the ones before are stable (WSD).
+    ``round(r * steps)`` steps decay and the ones before are stable (WSD); a warm-up that ends
+    later than ``steps - round(r * steps)`` delays the decay's start to its end, so the decay gets
+    fewer steps (a warning says so, as for a warm-up-then-decay whose decay is shorter than its
+    warm-up: ``mhar_titan.optim.decay_warning``).
     """
 
     warmup_steps: int = 200
@@ -299,10 +337,14 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
-        """Nested plain dict; ``[model]`` overrides are flattened back into the section."""
+        """Nested plain dict; ``[model]`` overrides are flattened back into the section; a data
+        mixture's ``[data]`` leaves out the top-level source keys (unset: its sources hold them)."""
         out = dataclasses.asdict(self)
         overrides = out["model"].pop("overrides")
         out["model"].update(overrides)
+        if self.data.sources:
+            for key in SOURCE_KEYS:
+                out["data"].pop(key)
         return out
 
 

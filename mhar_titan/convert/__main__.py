@@ -24,7 +24,6 @@ complete, its files with the umask's mode.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from mhar_titan.checkpoint import MARKER
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int
 from mhar_titan.config.checkpoint import EXPORT_DTYPES
 from mhar_titan.config import load_config
 from mhar_titan.data import DataConfig, build_tokenizer
@@ -47,8 +47,8 @@ from .hf_config import ConversionError, read_json
 from .hf_llama import hf_args
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mhar_titan.convert", description=__doc__.split("\n\n")[0])
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m mhar_titan.convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="pretrained folder -> model-only DCP checkpoint")
     imp.add_argument("folder")
@@ -56,18 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the written weights")
     imp.add_argument("--to-delta", choices=("paper", "clean"), default=None,
                      help="convert a Llama model to delta-MHAR in this routing layout")
-    imp.add_argument("--max-seq-len", type=int, default=None,
+    imp.add_argument("--max-seq-len", type=positive_int, default=None,
                      help="RoPE table length (default: config.json max_position_embeddings)")
     exp = sub.add_parser("export", help="DCP checkpoint -> pretrained folder")
     exp.add_argument("checkpoint", help="run folder (newest complete checkpoint), or a checkpoints/step-N folder, "
                                         "or a converted checkpoint (python -m mhar_titan.convert import)")
     exp.add_argument("out")
-    exp.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
+    exp.add_argument("--step", type=non_negative_int, default=None, help="checkpoint step of the run folder")
     exp.add_argument("--format", choices=FORMATS, default="auto",
                      help="hf: Llama folder (standard models); mhar: our model type; authors: the authors' "
                           "names (routing models); auto: hf when possible, else mhar")
     exp.add_argument("--dtype", choices=EXPORT_DTYPES, default=None, help="dtype of the exported weights (default: float32)")
-    exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--max-shard-gb", type=positive_float, default=5.0,
+                     help="largest weight file, in GB (2**30 bytes)")
     exp.add_argument("--tokenizer", default=None,
                      help=f"the tokenizer whose files the folder gets ({', '.join(N_VOCAB)} or {HF_PREFIX}<folder>); "
                           "default: the one the checkpoint records")

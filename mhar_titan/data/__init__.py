@@ -23,7 +23,7 @@ from mhar_titan.lazy import lazy_exports
 
 _EXPORTS = {
     "DataConfig": "mhar_titan.config.data", "DataError": "sources", "DataStateError": "loader", "ManifestError": "manifest",
-    "Tokenizer": "tokenizer", "TokenizerFileError": "tokenizer", "TrainLoader": "loader",
+    "Tokenizer": "tokenizer_base", "TokenizerFileError": "tokenizer", "TrainLoader": "loader",
     "ValidationLoader": "loader", "build_tokenizer": "tokenizer", "build_train_loader": "loader",
     "build_validation_loader": "loader", "build_validation_sets": "loader",
 }

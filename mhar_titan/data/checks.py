@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mhar_titan.config.data import DataConfig
 from mhar_titan.data.manifest import load_pretokenized
-from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE
+from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE, NO_VALIDATION_SOURCE
 from mhar_titan.data.sources import DataError, JsonlShard, ParquetShard, expand_files, train_shards, validation_shards
 from mhar_titan.data.stream import epoch_parts
 
@@ -132,8 +132,7 @@ def check_data_files(cfg: DataConfig, *, dp_world: int, seed: int, validation: b
     if cfg.is_mixture:
         check_mixture(cfg, dp_world=dp_world)
         if validation and not cfg.validation_configs():
-            raise DataError("no source of data.sources has validation_files: designate held-out files in at least "
-                            "one source, or set validation.enable = false")
+            raise DataError(NO_VALIDATION_SOURCE)
         for m in cfg.mixture():
             try:
                 check_data_files(m.data, dp_world=dp_world, seed=seed,

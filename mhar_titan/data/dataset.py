@@ -61,18 +61,18 @@ class PackedBatches(IterableDataset):
     def _new_stream(self, worker: int, workers: int) -> TokenStream:
         consumer = [] if self.sharding == "window" else [(self.dp_world, self.dp_rank), (workers, worker)]
 
-        def token_stream(shards, start_epoch):
+        def token_stream(shards, start_epoch, source=""):
             return TokenStream(shards, self.encode, self.eos_id, self.seq_len + 1, seed=self.seed,
                                shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, infinite=self.infinite,
-                               consumer=consumer, start_epoch=start_epoch)
+                               consumer=consumer, start_epoch=start_epoch, source=source)
 
         if self.mixture is None:
             stream = token_stream(self.shards, self.start_epoch)
         else:  # start_epoch: one for every source, or a list (a document-mode reshard)
             names, weights = self.mixture
             epochs = self.start_epoch if isinstance(self.start_epoch, (list, tuple)) else [self.start_epoch] * len(names)
-            stream = MixtureStream([token_stream(s, e) for s, e in zip(self.shards, epochs)], names, weights,
-                                   seed=self.seed)
+            stream = MixtureStream([token_stream(s, e, n) for s, e, n in zip(self.shards, epochs, names)], names,
+                                   weights, seed=self.seed)
         if self.start_stream is not None and self.sharding == "window":
             stream.load_state_dict(self.start_stream)
         return stream

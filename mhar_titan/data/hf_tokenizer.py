@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import tiktoken
 
-from mhar_titan.data.tokenizer import Tokenizer
+from mhar_titan.data.tokenizer_base import Tokenizer
 from mhar_titan.errors import UserError
 
 LLAMA3_PATTERN = (

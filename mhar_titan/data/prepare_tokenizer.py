@@ -14,11 +14,11 @@ Each file is checked against tiktoken's published SHA-256 before it is written t
 else <repo>/.cache/tiktoken. Already-present, valid entries are left alone, so the
 command is cheap to repeat (milliseconds).
 """
-import argparse
 import gzip
 import importlib.util
 from pathlib import Path
 
+from mhar_titan.cli_args import ArgumentParser
 from mhar_titan.data.tokenizer import ENCODING_FILES, TokenizerFileError, default_cache_dir, sha256_bytes
 from mhar_titan.files import write_bytes
 
@@ -67,7 +67,7 @@ def prepare_encoding(name: str, cache_dir: Path) -> list[tuple[str, Path, str]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.data.prepare_tokenizer", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR or <repo>/.cache/tiktoken)")
     parser.add_argument("--encodings", nargs="+", default=["gpt2", "cl100k_base", "o200k_base"],

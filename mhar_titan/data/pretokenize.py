@@ -19,7 +19,6 @@ format at training time lives in ``mhar_titan.data.manifest`` (this module is on
 Bad input (a missing file, an already pretokenized folder, a missing tokenizer file) prints
 the problem and exits with status 2.
 """
-import argparse
 import hashlib
 import json
 import time
@@ -28,6 +27,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from mhar_titan.cli_args import ArgumentParser
 from mhar_titan.data.manifest import FORMAT, MANIFEST, ManifestError
 from mhar_titan.files import WriteError, atomic_folder
 from mhar_titan.progress import progress
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     from mhar_titan.data.sources import DataError
     from mhar_titan.data.tokenizer import TokenizerFileError, build_tokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.data.pretokenize", description=__doc__.splitlines()[0])
     parser.add_argument("--files", nargs="+", required=True,
                         help="source parquet/jsonl files or globs (quote globs); one token shard per file")
     parser.add_argument("--out", type=Path, required=True,

@@ -122,15 +122,18 @@ class TokenStream:
         seed, shuffle, shuffle_buffer, infinite: see ``DataConfig``.
         consumer: ``[(n, i), ...]`` splits applied to the epoch's shard order, e.g.
             ``[(dp_world, dp_rank), (num_workers, worker_id)]``; ``[]`` = the whole stream.
+        source: the data-mixture source this stream reads ("" for one source): named in its
+            log lines and errors only (the seeds do not depend on it).
     """
 
     def __init__(self, shards: list, encode: Callable[[str], list[int]], eos_id: int, window_len: int, *,
                  seed: int, shuffle: bool, shuffle_buffer: int, infinite: bool,
-                 consumer: list[tuple[int, int]], start_epoch: int = 0):
+                 consumer: list[tuple[int, int]], start_epoch: int = 0, source: str = ""):
         self.shards, self.encode, self.eos_id, self.window_len = shards, encode, eos_id, window_len
         self.seed, self.shuffle, self.buffer_size, self.infinite = seed, shuffle, shuffle_buffer, infinite
         self.consumer = consumer
         self.label = stream_label(consumer)
+        self.what = f"{self.label} of source {source!r}" if source else self.label  # in log lines and errors
         self._pending: dict[int, bytes] = {}  # document sequence number -> its int32 tokens + EOS
         self._views: dict[int, np.ndarray] = {}  # the same blocks as arrays (not in the state)
         self._head = 0                # tokens of the first pending block already emitted
@@ -155,7 +158,7 @@ class TokenStream:
         self._rows = None
         if epoch > 0:
             logger.info("data: stream %s starts epoch %d (shard order and shuffle seeded by seed=%d, epoch=%d)",
-                        self.label, epoch, self.seed, epoch)
+                        self.what, epoch, self.seed, epoch)
 
     def _parts_of(self, epoch: int) -> list[Part]:
         return epoch_parts(len(self.shards), self.seed, epoch, self.shuffle, self.consumer)
@@ -204,7 +207,7 @@ class TokenStream:
             if doc is None:
                 if self._epoch_docs == 0:
                     names = ", ".join(self.shards[s].name for s, _, _ in self._parts[:3]) or "none"
-                    raise DataError(f"data stream {self.label} got no documents in epoch {self.epoch} from its "
+                    raise DataError(f"data stream {self.what} got no documents in epoch {self.epoch} from its "
                                     f"{len(self._parts)} part(s) of {len(self.shards)} shard(s) (files: {names}): "
                                     f"too few shards or rows for the number of ranks x workers, or every "
                                     f"document empty or null ({self.skipped or 'none'} skipped)")

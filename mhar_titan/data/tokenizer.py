@@ -14,12 +14,12 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import tiktoken
 
 from mhar_titan.config import ConfigError
 from mhar_titan.config.data import DataConfig
+from mhar_titan.data.tokenizer_base import Tokenizer
 from mhar_titan.errors import UserError
 from mhar_titan.files import write_bytes
 
@@ -105,29 +105,6 @@ def default_cache_dir() -> Path:
 
 def resolve_cache_dir(cfg: DataConfig) -> Path:
     return Path(cfg.tokenizer_cache_dir) if cfg.tokenizer_cache_dir else default_cache_dir()
-
-
-@dataclass
-class Tokenizer:
-    """A text -> token ids encoder with a single end-of-text id.
-
-    ``encode`` is tiktoken's *ordinary* encoding: special-token strings inside the
-    text (e.g. the literal "<|endoftext|>") are encoded as plain text, never as
-    ``eos_id``; only the packer inserts ``eos_id`` between documents.
-    """
-
-    name: str
-    n_vocab: int
-    eos_id: int
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    bpe: Optional[dict] = None
-    """The ``tiktoken.Encoding`` arguments of a BPE tokenizer (``pat_str``, ``mergeable_ranks``:
-    token bytes -> id, ``special_tokens``: text -> id), from which an export writes the same
-    tokenizer in Hugging Face's format (``convert.tokenizer_files``); None for the byte tokenizer."""
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
 
 
 def _read_local(path: Path) -> bytes:

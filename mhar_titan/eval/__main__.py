@@ -10,18 +10,24 @@ else in ``FOLDER/<run>_step-<N>/``; the command prints the paths, and the result
 folder, checkpoint, step and family (``eval/lm_eval_results.py``).
 paired: both of two checkpoints on the same lm-eval examples, the paired differences with their
 exact McNemar p-values and bootstrap intervals (``mhar_titan.eval.paired``).
-Bad input: a message on stderr and exit status 2.
+Every flag is checked before anything is loaded (``--device cuda`` on a CPU-only torch, a batch
+size below 1, ...). Bad input: one line on stderr naming it, exit status 2; a full disk while
+lm-eval writes its results too (``lm_eval_results.save_results``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
 from mhar_titan.eval import paired
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
 from mhar_titan.eval.tasks import require_lm_eval, run_tasks, task_manager
+
+
+DEFAULT_LM_EVAL_BATCH_SIZE = 8
+"""Requests per forward of ``lm-eval`` without ``--batch-size``."""
 
 
 def _perplexity(args) -> dict:
@@ -48,7 +54,8 @@ def _lm_eval(args) -> str:
     tasks = args.tasks.split(",")
     manager = task_manager(tasks, args.include_path)
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
-    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or 8, source=loaded.source())
+    lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or DEFAULT_LM_EVAL_BATCH_SIZE,
+                source=loaded.source())
     tracker = lm_eval_results.tracker(args.output_path) if args.output_path else None
     model_args = {**loaded.source(), "device": args.device, "batch_size": lm.batch_size}
     results = run_tasks(lm, tasks, manager, model_args=model_args, limit=args.limit, num_fewshot=args.num_fewshot,
@@ -68,22 +75,25 @@ def _lm_eval(args) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhar_titan.eval", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("perplexity", "validation loss and perplexity"), ("lm-eval", "lm-eval tasks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("run", help="run folder (newest checkpoint) or a checkpoints/step-N folder")
-        p.add_argument("--step", type=int, default=None, help="checkpoint step of the run folder")
-        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-        p.add_argument("--batch-size", type=int, default=None, help="sequences per forward")
+        p.add_argument("--step", type=non_negative_int, default=None, help="checkpoint step of the run folder")
+        p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
+        p.add_argument("--batch-size", type=positive_int, default=None,
+                       help="sequences per forward (perplexity: default the run's; lm-eval: default "
+                            f"{DEFAULT_LM_EVAL_BATCH_SIZE})")
     p = sub.choices["perplexity"]
     p.add_argument("--files", nargs="+", default=None, help="held-out parquet/jsonl files or globs")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
-    p.add_argument("--batches", type=int, default=None, help="batches to score (default: the run's validation.sequences)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's)")
+    p.add_argument("--batches", type=positive_int, default=None,
+                   help="batches to score (default: the run's validation.sequences)")
     p = sub.choices["lm-eval"]
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    p.add_argument("--limit", type=int, default=None, help="examples per task")
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=positive_int, default=None, help="examples per task")
+    p.add_argument("--num-fewshot", type=non_negative_int, default=None, help="few-shot examples per prompt")
     p.add_argument("--output-path", default=None,
                    help="results file (a .json path: written exactly there) or folder (FOLDER/<run>_step-<N>/"
                         "results_<date>.json); samples beside it; the paths are printed")

@@ -69,17 +69,23 @@ def save_results(evaluation_tracker, results: dict, samples: Optional[dict], *, 
         folder_name: the subfolder of a folder ``output_path`` (``<run>_step-<N>``).
 
     Raises:
-        ResultsWriteError: lm-eval wrote no results file (a full disk, a permission change).
+        WriteError: lm-eval could not write (a full disk): it logged that and went on; the files it
+            left are removed and the failure is the one-line error of every writer (``_lm_eval_writes``).
+        ResultsWriteError: lm-eval wrote no results file (and logged nothing).
     """
     path = Path(output_path)
     general = evaluation_tracker.general_config_tracker
     general.model_name, general.model_name_sanitized = model_name, folder_name
     where = path.parent if path.suffix == ".json" else path / folder_name
     before = set(where.glob("*")) if where.is_dir() else set()
-    evaluation_tracker.save_results_aggregated(results=results, samples=samples if log_samples else None)
-    if log_samples:
-        for task in results["configs"]:
-            evaluation_tracker.save_results_samples(task_name=task, samples=samples[task])
+
+    def save():
+        evaluation_tracker.save_results_aggregated(results=results, samples=samples if log_samples else None)
+        if log_samples:
+            for task in results["configs"]:
+                evaluation_tracker.save_results_samples(task_name=task, samples=samples[task])
+
+    _lm_eval_writes(where, save)
     new = sorted(set(where.glob("*")) - before) if where.is_dir() else []
     written = [p for p in new if p.suffix == ".json"]
     if len(written) != 1:
@@ -90,3 +96,45 @@ def save_results(evaluation_tracker, results: dict, samples: Optional[dict], *, 
         os.replace(result_file, path)
         result_file = path
     return result_file, [p for p in new if p.suffix == ".jsonl"]
+
+
+def _lm_eval_writes(folder: Path, save) -> None:
+    """Run lm-eval's own writer ``save()``. lm-eval catches a failed write (a full disk) and only
+    logs it, leaving a partial file: its log is read here instead; then what it wrote under
+    ``folder`` in this call is removed and the failure raised, in one line, through the project's
+    full-disk handling (``mhar_titan.files.swallowed_write_error``). What lm-eval logs on success
+    is printed on stderr as before.
+
+    Raises:
+        WriteError: lm-eval logged that it could not save (the message names the folder and the disk).
+    """
+    import logging
+    import sys
+
+    from mhar_titan.files import swallowed_write_error
+
+    class Log(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    before = set(folder.rglob("*")) if folder.is_dir() else set()
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # folders lm-eval may create
+    logger, handler = logging.getLogger("lm_eval"), Log()  # its modules log under lm_eval.*
+    logger.addHandler(handler)
+    try:
+        save()
+    finally:
+        logger.removeHandler(handler)
+    if any(line.startswith("Could not save") for line in handler.lines):
+        for p in sorted(set(folder.rglob("*")) - before, reverse=True) if folder.is_dir() else ():
+            p.unlink() if p.is_file() else p.rmdir()  # files first, then the folders they were in
+        for p in created:  # innermost first
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise swallowed_write_error(folder, "; ".join(handler.lines))
+    for line in handler.lines:
+        print(f"lm-eval: {line}", file=sys.stderr)

@@ -77,7 +77,8 @@ class LoadedModel:
         and 64 without a config); ``steps`` batches instead means ``steps * batch_size`` sequences.
 
         Raises:
-            ValueError: no validation files named anywhere. DataError: the files are too short.
+            ValueError: no validation files named anywhere, or ``seq_len`` longer than the model's
+                ``max_seq_len``. DataError: the files are too short.
         """
         cfg = self.cfg
         data = self.validation_data_config
@@ -86,6 +87,10 @@ class LoadedModel:
             raise ValueError(f"{self.run_dir} names no validation files (data.validation_files); pass some files")
         batch_size = batch_size or (cfg.training.local_batch_size if cfg is not None else 8)
         seq_len = seq_len or (cfg.training.seq_len if cfg is not None else 512)
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(f"a sequence length of {seq_len} tokens (--seq-len, or the run's training.seq_len) is "
+                             f"longer than the model's max_seq_len {self.args.max_seq_len}; pass --seq-len "
+                             f"{self.args.max_seq_len} or less")
         sequences = steps * batch_size if steps else (cfg.validation.sequences_for(seq_len) if cfg is not None else 64)
         return build_validation_loader(
             dataclasses.replace(data, validation_files=files), self.tokenizer, dp_rank=0, dp_world=1,

@@ -324,15 +324,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     parser.add_argument("--include-path", action="append", default=None,
                         help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")
-    parser.add_argument("--step-a", type=int, default=None, help="checkpoint step of run A's run folder")
-    parser.add_argument("--step-b", type=int, default=None, help="checkpoint step of run B's run folder")
-    parser.add_argument("--limit", type=int, default=None, help="examples per task (the same for both)")
-    parser.add_argument("--num-fewshot", type=int, default=None)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    from mhar_titan.cli_args import device, non_negative_int, positive_int
+
+    parser.add_argument("--step-a", type=non_negative_int, default=None, help="checkpoint step of run A's run folder")
+    parser.add_argument("--step-b", type=non_negative_int, default=None, help="checkpoint step of run B's run folder")
+    parser.add_argument("--limit", type=positive_int, default=None, help="examples per task (the same for both)")
+    parser.add_argument("--num-fewshot", type=non_negative_int, default=None)
+    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward")
     parser.add_argument("--output-path", default="paired_eval",
                         help="folder for paired.json and both runs' lm-eval results and samples (a/, b/)")
-    parser.add_argument("--bootstrap-resamples", type=int, default=10_000)
+    parser.add_argument("--bootstrap-resamples", type=positive_int, default=10_000)
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's resampling")
 
 

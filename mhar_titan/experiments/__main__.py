@@ -22,7 +22,6 @@ message on stderr and exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
@@ -31,6 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, probability
 from mhar_titan.config import ConfigError
 from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
@@ -63,7 +63,7 @@ def _settings(pairs) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhar_titan.experiments", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.experiments", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("list", "run", "slurm", "results"):
         p = sub.add_parser(name)
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
         p.add_argument("--dump-folder", default=None, help="parent folder of the run folders instead of the sweep's")
     p = sub.choices["list"]
     p.add_argument("--gpu-hours", action="store_true", help="estimated GPU-hours per run and in all")
-    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989, H100)")
+    p.add_argument("--mfu", type=probability, default=0.35, help="assumed model FLOPs utilisation, in (0, 1] (default 0.35)")
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0, help="bf16 dense peak per GPU (default 989, H100)")
     sub.choices["run"].add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     for name in ("run", "slurm"):
         sub.choices[name].add_argument("--only", nargs="+", default=None, help="run names to restrict to")
@@ -84,12 +84,12 @@ def main(argv=None) -> int:
     p.add_argument("sbatch_args", nargs="*", help="extra sbatch options, after --")
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
-    p.add_argument("--dpi", type=int, default=200)
+    p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
     p = sub.add_parser("compare", help="check that two arms are schedule-matched")
     p.add_argument("arms", nargs=2, metavar="CONFIG_OR_RUN", help="a job config (TOML) or a run folder, twice")
     p.add_argument("--check-schedule", action="store_true",
                    help="same LR at every step, tokens per step and data order (the check compare makes)")
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks a config's plan is for")
+    p.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks a config's plan is for")
     args = parser.parse_args(argv)
     if args.command == "compare":
         return _compare(args, parser.prog)

@@ -1,0 +1,139 @@
+"""What every command line of the project shares: its parser and the checks of its flags.
+
+* ``ArgumentParser``: argparse's, but a bad command line ends in one line on stderr,
+  ``PROG: error: argument --flag: what is wrong (see PROG --help)``, and exit status 2 (argparse's
+  own usage block is left out; ``--help`` prints it).
+* argparse ``type=`` functions that check a flag's value while the command line is parsed, so a
+  bad value stops the command before anything is loaded, with the flag's name:
+  ``positive_int``, ``non_negative_int``, ``positive_float``, ``non_negative_float``,
+  ``probability`` (in (0, 1]), ``device`` (a torch device this machine has: ``cuda`` on a CPU-only
+  torch is refused) and ``escaped_text``.
+
+``escaped_text`` reads backslash escapes, so that a shell's ``--stop "\\n\\n"`` (the shell passes the
+four characters backslash, n, backslash, n) means two newlines: ``\\n`` (newline), ``\\t`` (tab),
+``\\r`` (carriage return), ``\\\\`` (one backslash), ``\\xHH`` and ``\\uHHHH`` (that code point, hex).
+A backslash before any other character stays as it is. ``$'\\n\\n'`` (bash's own quoting) passes
+real newlines, which are kept.
+
+This module imports nothing of the project (torch only inside ``device``), so every command can use it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "non_negative_float",
+           "probability", "device", "escaped_text", "cuda_unavailable_reason"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line (``PROG: error: MESSAGE (see PROG --help)``)
+    on stderr with exit status 2. Its subcommand parsers are of the same class."""
+
+    def error(self, message: str):  # noqa: D401 (argparse's hook)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count: tokens, batches, sequences per batch)."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a step, a number of few-shot examples)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a size, a rate)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a temperature: 0 = greedy)."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1] (top-p, a utilisation)."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why ``cuda`` cannot be used here (a CPU-only torch build, or no GPU visible), or None when it can."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to this process (driver, CUDA_VISIBLE_DEVICES?)"
+    return None
+
+
+def device(text: str) -> str:
+    """A torch device this machine has: ``cpu``, ``cuda``, ``cuda:N`` (N below the GPU count) or
+    ``mps``; returned as torch spells it. ``cuda`` on a CPU-only torch, or without a visible GPU, is
+    refused with the reason."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        why = cuda_unavailable_reason()
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"{text}: {why}; use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), cuda:0 to "
+                                             f"cuda:{count - 1}")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise argparse.ArgumentTypeError(f"{text}: MPS is not available on this machine; use --device cpu")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: the commands run on cpu, cuda, cuda:N or mps")
+    return str(dev)
+
+
+_ESCAPE = re.compile(r"\\(\\|n|t|r|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4})")
+_SIMPLE = {"\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
+
+
+def escaped_text(text: str) -> str:
+    """``text`` with its backslash escapes read (``\\n``, ``\\t``, ``\\r``, ``\\\\``, ``\\xHH``,
+    ``\\uHHHH``; any other backslash stays). Non-ASCII text is kept as it is."""
+    return _ESCAPE.sub(lambda m: _SIMPLE.get(m.group(1)) or chr(int(m.group(1)[1:], 16)), text)
