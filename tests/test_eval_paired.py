@@ -214,7 +214,8 @@ def test_the_command_refuses_missing_runs_before_loading(tmp_path, capsys):
 
 @pytest.mark.lm_eval
 def test_an_exported_folder_pairs_with_its_checkpoint_answer_for_answer(tmp_path, monkeypatch, capsys):
-    """RUN_B an exported Llama folder (its own tokenizer files), RUN_A the checkpoint it came from:
+    """RUN_B an exported Hugging Face folder (Qwen3 layout: the debug flavor has q/k norm; its own
+    tokenizer files), RUN_A the checkpoint it came from:
     the same model, so every answer agrees (no discordant example, p = 1, interval [0, 0])."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("transformers")
