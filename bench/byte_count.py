@@ -21,7 +21,7 @@ AdamW update.
     python bench/byte_count.py --flavor debug --family mhar --ac none      # one step's entries by kind
 
 Only CPU (the launches are counted inside Triton's interpreter); GB figures at the paper's
-micro-batches come from `bench/routing.py --bytes`, which extrapolates counts like these.
+micro-batches come from `bench/routing.py --bytes --measure` (`bench/routing_bytes.py`), which extrapolates counts like these.
 """
 from __future__ import annotations
 
@@ -257,17 +257,17 @@ def count_harness(d: int, n: int, family: str, tokens: int, group: int = 1, head
                   dtype: torch.dtype = torch.bfloat16) -> dict:
     """Counted bytes of one step of the routing-only harness over n (1, tokens, d) sources: every
     site of the step routes over the sources before it (the real per-call plan of sublayer
-    routing; `routing.one_step`), or, for family "mhar-grouped", in groups of `group` consecutive
-    sites (`routing.one_grouped_step`), Triton kernels, forward and backward. What stands in for
+    routing; `routing_harness.one_step`), or, for family "mhar-grouped", in groups of `group` consecutive
+    sites (`routing_harness.one_grouped_step`), Triton kernels, forward and backward. What stands in for
     the sublayers (each site's output summed in fp32, `_cheap_end`) is counted alone and
     subtracted. Returns {'bytes' (the routing's), 'launches' (inside Triton launches), 'end'}."""
-    import routing
+    import routing_harness
 
-    sources, query, norm_weight = routing.make_inputs(1, tokens, d, n, dtype, torch.device("cpu"))
+    sources, query, norm_weight = routing_harness.make_inputs(1, tokens, d, n, dtype, torch.device("cpu"))
     if family == "mhar":
-        run = routing.one_step("triton", sources, query, norm_weight, heads)
+        run = routing_harness.one_step("triton", sources, query, norm_weight, heads)
     else:
-        run = routing.one_grouped_step("triton", sources, query, norm_weight, heads, group)
+        run = routing_harness.one_grouped_step("triton", sources, query, norm_weight, heads, group)
     with ByteCounter() as c:
         run()
     end = n * _cheap_end(dtype, 1, tokens, d)

@@ -52,7 +52,8 @@ from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy, plain_
 from mhar_titan.models.model import Transformer  # noqa: E402
 from mhar_titan.parallel import apply_ac, apply_compile, compile_whole_model  # noqa: E402
 
-from routing import MICRO_BATCH, append_section, write_table  # noqa: E402  (bench/ is on sys.path as a script)
+from routing_harness import MICRO_BATCH  # noqa: E402  (bench/ is on sys.path as a script)
+from tables import append_section, write_table  # noqa: E402
 
 # The paper's three families (models/args.py FAMILIES) under the short names of the tables, and
 # MHAR with grouped routing at the group size "auto" picks per flavor (docs/DESIGN.md "Grouped routing").
@@ -142,6 +143,12 @@ def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device,
     return result
 
 
+def _rate(tokens_per_s: float) -> str:
+    """tokens/s for the table: whole numbers, three significant digits below 100 (a CPU smoke run
+    on a loaded machine can be below 1)."""
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.3g}"
+
+
 def table(rows: list[dict], device, kernel: str, settings: str, skipped=(), failed=()) -> str:
     import triton
 
@@ -161,7 +168,7 @@ def table(rows: list[dict], device, kernel: str, settings: str, skipped=(), fail
         m = "-" if r["mfu"] is None else f"{r['mfu']:.1f}%"
         lines.append(
             f"| {r['scale']} | {r['ac']} | {r['family']} | {r['group'] if r['family'] != 'baseline' else '-'} | "
-            f"{r['batch']}x{r['seq']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['batch']}x{r['seq']} | {_rate(r['tokens_per_s'])} | "
             f"{ratio} | {m} | {r['peak_gib']:.2f} |"
         )
     if failed:

@@ -13,7 +13,8 @@ the same command again (it resumes from that checkpoint) and compares its
 losses with the straight run's, bitwise, at every step.
 
 `graphs`: the same job `--steps` steps with `training.cuda_graphs` off and on (AC full, as the 1b
-recipe), losses at every logged step compared bitwise, and the median time per step of each:
+recipe; routing on the eager path in both, since the fused kernels' per-step pointer tables cannot
+be captured), losses at every logged step compared bitwise, and the median time per step of each:
 host-inclusive eager steps beside graph replays. Needs CUDA; elsewhere the graphs half is reported
 as not run (the eager half still runs, so the row's command is tested on CPU).
 
@@ -24,7 +25,6 @@ table is written as its measurements finish; the process exits 1 when a check fa
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -212,7 +212,8 @@ def graphs_row(a, env) -> bool:
             runs[on] = None
             continue
         run = a.runs / f"{family}-graphs-{'on' if on else 'off'}"
-        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false",
+        # both halves on the eager routing path: the fused kernels' per-step pointer tables cannot be captured
+        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false", "--model.routing_kernel=eager",
                                    f"--training.cuda_graphs={'true' if on else 'false'}"),
                           env, a.runs / f"{run.name}.log", a.budget_s)
         runs[on] = (code, losses(run), step_ms(run, a))
@@ -233,18 +234,21 @@ def graphs_row(a, env) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sys.path.insert(0, str(ROOT))
+    from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
+
+    p = ArgumentParser(prog="bench/trainer_row.py", description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=("resume", "graphs"))
     p.add_argument("--scale", default="100m")
     p.add_argument("--families", default="mhar,baseline")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--checkpoint-at", type=int, default=10, help="resume: the checkpoint step the kill follows")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--checkpoint-at", type=positive_int, default=10, help="resume: the checkpoint step the kill follows")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=1024)
     p.add_argument("--ac", default=None, help="activation_checkpoint.mode (default: none for resume, full for graphs)")
     p.add_argument("--tiny", action="store_true", help="debug configs at toy sizes (CPU)")
     p.add_argument("--runs", type=Path, default=None, help="run folders (default: next to --out)")
-    p.add_argument("--budget-s", type=float, default=300, help="limit per launch")
+    p.add_argument("--budget-s", type=positive_float, default=300, help="limit per launch")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     a.families = a.families.split(",")
@@ -252,6 +256,8 @@ def main(argv=None) -> int:
     if a.tiny:
         a.batch, a.seq = 2, 32
     a.steps = a.steps or (30 if a.mode == "resume" else 20)
+    if a.mode == "resume" and a.checkpoint_at >= a.steps:
+        p.error(f"argument --checkpoint-at: {a.checkpoint_at} must be below --steps ({a.steps}): the kill follows it")
     a.log_freq = 1 if a.mode == "resume" else 5
     a.runs = (a.runs or a.out.with_suffix(".runs")).resolve()
     a.runs.mkdir(parents=True, exist_ok=True)

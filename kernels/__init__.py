@@ -16,6 +16,9 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
 - `route_phase1(queries, norm_weights, reads, heads, eps, *sources)`: the fused phase 1 of a
   grouped routing group (forward and backward, `triton_grouped.py`); `triton_merge.merge`, the
   fused merge (phase 2) of a grouped site on the per-call kernels.
+- `launch`: the launch side of a routing call: the per-micro-batch source table the shared
+  sources are registered in (a call over consecutive entries launches on slices of it) and the
+  lean `autograd.Function` call (torch only).
 - `traffic`: bytes each routing launch reads and writes, against the floor.
 - `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
   mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
@@ -28,7 +31,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "triton_merge", "traffic", "compile_report")
+               "triton_merge", "launch", "traffic", "compile_report")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -23,7 +23,19 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import contract, grouped_reference, reference
+from . import contract, grouped_reference, launch, reference
+
+_loaded: dict = {}  # the Triton-side modules, imported on first use (a function-level import costs per call)
+
+
+def _module(name: str):
+    found = _loaded.get(name)
+    if found is None:
+        import importlib
+
+        found = _loaded[name] = importlib.import_module(f"{__package__}.{name}")
+    return found
+
 
 KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routing_kernel field
 BACKENDS = ("eager", "compile", "triton")
@@ -45,9 +57,7 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
         device = torch.device(device)
     if kernel == "auto" and device.type != "cuda":
         return "eager"
-    from . import op
-
-    return "triton" if op.can_run(device, dim, heads) else "eager"
+    return "triton" if _module("op").can_run(device, dim, heads) else "eager"
 
 
 def route(
@@ -78,15 +88,17 @@ def route(
     null_source, full = contract.split_null_source(sources)
     if kernel not in KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
+    # sources that are consecutive entries of one source table were checked against each other when
+    # they were shared (`launch.SourceTable.accepts`): only the first is checked against the rest
+    uniform = len(full) > 1 and launch.lookup(launch.sinks(full)) is not None
+    heads = contract.check_route_args(full[:1] if uniform else full, query, norm_weight, heads, partial, alpha,
+                                      null_source)
     if permutation is not None and kernel != "eager":
         raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
                          "set routing_kernel='eager'")
     chosen = backend(kernel, full[0].device, full[0].shape[-1], heads)
     if chosen == "triton":
-        from . import op
-
-        return op.route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+        return _module("op").route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
                                   null_source=null_source)
     sources = contract.with_null_source(null_source, full)
     if chosen == "compile":
@@ -107,9 +119,7 @@ def share_gradient(source: Tensor, kernel: str, heads: int) -> Tensor:
         return source
     if backend(kernel, source.device, source.shape[-1], heads) != "triton":
         return source
-    from . import op
-
-    return op.share_gradient(source)
+    return _module("op").share_gradient(source)
 
 
 def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,
@@ -121,9 +131,7 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
     mixes are in the sources' dtype), else the eager reference (mixes in the compute dtype)."""
     full = sources[-1]
     if backend(kernel, full.device, full.shape[-1], heads) == "triton":
-        from .triton_grouped import route_phase1
-
-        return route_phase1(queries, norm_weights, reads, heads, float(eps), *sources)
+        return _module("triton_grouped").route_phase1(queries, norm_weights, reads, heads, float(eps), *sources)
     return grouped_reference.phase1(queries, norm_weights, reads, heads, eps, *sources)
 
 
@@ -138,8 +146,6 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
     `dtype`."""
     if (backend(kernel, mix.device, mix.shape[-1], heads) == "triton" and not torch.compiler.is_compiling()
             and mix.dtype == dtype):
-        from . import triton_merge
-
-        return triton_merge.merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial, alpha=alpha)
+        return _module("triton_merge").merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial, alpha=alpha)
     out = grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
     return out if partial is None else partial + alpha.to(out.dtype) * out

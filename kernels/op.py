@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import contract
+from . import contract, launch
 
 try:
     from . import triton_routing
@@ -185,11 +185,13 @@ def _setup_context(ctx, inputs, output):
                           null_source, *sources)
 
 
-def _gradients(ctx, grad_out, backward) -> tuple:
+def _gradients(ctx, grad_out, backward, saved=None) -> tuple:
     """(source gradients, dq, dg, dpartial, dalpha, dnull) of the call saved in ctx (None for
     what the call did not have), from backward = the backward op (under torch.compile, whose
-    optional tensors are empty (0,) ones) or `_backward_values` (eager)."""
-    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = ctx.saved_tensors
+    optional tensors are empty (0,) ones) or `_backward_values` (eager). saved: ctx.saved_tensors
+    where the caller already unpacked them (they can be unpacked once)."""
+    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = \
+        ctx.saved_tensors if saved is None else saved
     grads, dq, dg, dalpha, dnull = backward(
         grad_out, sources, mix, residual, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
     )
@@ -214,13 +216,15 @@ class GradientSink:
     reverse) writes it; later readers add into it in their kernel; `share_gradient`'s node
     hands it on and empties the sink."""
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "table", "slot")
 
     def __init__(self):
         self.grad: Optional[Tensor] = None
+        self.table = None  # the `launch.SourceTable` the source is registered in, and its slot
+        self.slot = 0
 
 
-SINK_ATTRIBUTE = "_mhar_gradient_sink"
+SINK_ATTRIBUTE = launch.SINK_ATTRIBUTE
 
 
 class _ShareGradient(torch.autograd.Function):
@@ -237,7 +241,10 @@ class _ShareGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        total, ctx.sink.grad = ctx.sink.grad, None
+        sink = ctx.sink
+        total, sink.grad = sink.grad, None
+        if sink.table is not None:
+            sink.table.handed_on(sink.slot)
         if grad is None:
             return total, None
         return (grad if total is None else grad + total), None
@@ -281,8 +288,10 @@ def share_gradient(source: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and source.requires_grad):
         return source
     sink = GradientSink()
-    view = _ShareGradient.apply(source, sink)
+    view = launch.apply(_ShareGradient, source, sink)
     setattr(view, SINK_ATTRIBUTE, sink)
+    if source.dim() > 1:
+        launch.register(sink, view)
     return view
 
 
@@ -290,15 +299,34 @@ class _EagerRoute(torch.autograd.Function):
     """The same forward and backward as the custom ops, called directly: outside torch.compile
     this skips the custom-op dispatch and pytree handling of the N sources (host time per call).
     Sources made by `share_gradient` get their gradient added into their sink by the kernel and
-    return None here."""
+    return None here. Sources that are consecutive entries of one `launch.SourceTable` (the
+    models' per-call sites) reach the kernels through the table's rows (no per-call table)."""
 
     @staticmethod
     def forward(ctx, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
         sources = list(sources)
-        inputs = (sources, query, norm_weight, heads, eps, partial, alpha, null_source)
-        output = _forward_values(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.sinks = sinks_of(sources)
+        sinks = launch.sinks(sources)
+        found = launch.lookup(sinks)
+        ctx.found = None
+        if found is not None:
+            table, first = found
+            cast = table.null_source(null_source) if null_source is not None else None
+            if null_source is None or (cast is not None and first == 1):
+                lo, hi = first - (cast is not None), first + len(sources)
+                pointers, strides, _, _ = table.views(lo, hi)
+                full = sources[0]
+                residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
+                    if triton_routing.needs_mix_residual(full.dtype) else None
+                srcs = sources if cast is None else [cast, *sources]
+                out, mix, logits, lse = triton_routing.route_forward(
+                    srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha, mix_residual=residual,
+                    tables=(pointers, strides, table.aligned))
+                ctx.found = (table, lo, hi, cast)
+                output = (out, mix, residual, logits, lse)
+        if ctx.found is None:
+            output = _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
+        _setup_context(ctx, (sources, query, norm_weight, heads, eps, partial, alpha, null_source), output)
+        ctx.sinks = sinks
         return output[0]
 
     @staticmethod
@@ -306,15 +334,48 @@ class _EagerRoute(torch.autograd.Function):
     def backward(ctx, grad_out):
         # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
         sinks = ctx.sinks
-        buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
+        if ctx.found is not None:
+            result = _table_backward(ctx, grad_out)
+            if result is not None:
+                return result
+            buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
+            _, dq, dg, dpartial, dalpha, dnull = _gradients(
+                ctx, grad_out, lambda *args: _backward_values(*args, grads=buffers, accumulate=accumulate),
+                saved=ctx.unpacked)
+        else:
+            buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
 
-        def backward(*args):
-            return _backward_values(*args, grads=buffers, accumulate=accumulate)
-        _, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, backward)
+            def backward(*args):
+                return _backward_values(*args, grads=buffers, accumulate=accumulate)
+            _, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, backward)
         if all(sinks):  # every source shared (the models' case): nothing to hand to autograd
             return (dq, dg, None, None, dpartial, dalpha, dnull) + (None,) * len(sinks)
         returned = [None if sink is not None else buffer for sink, buffer in zip(sinks, buffers)]
         return (dq, dg, None, None, dpartial, dalpha, dnull, *returned)
+
+
+def _table_backward(ctx, grad_out) -> Optional[tuple]:
+    """The backward of a call whose forward read a `launch.SourceTable` (ctx.found), through the
+    table's rows, or None (ctx.unpacked then holds the saved tensors) where the saved sources are
+    not the registered ones (a recomputed block under activation checkpointing) or their
+    gradient buffers are in mixed states: the caller takes the general path."""
+    table, lo, hi, cast = ctx.found
+    saved = ctx.saved_tensors
+    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = saved
+    rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device)
+    if rows is None:
+        ctx.unpacked = saved
+        return None
+    srcs = sources if cast is None else [cast, *sources]
+    buffers, accumulate = table.gradient_buffers(lo + (cast is not None), hi, rows[3] is not None)
+    _, dq, dg, dalpha, dnull = triton_routing.route_backward(
+        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
+        accumulate=accumulate, mix_residual=residual,
+        param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
+    dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
+    return (dq.to(query.dtype), dg.to(norm_weight.dtype), None, None, dpartial,
+            dalpha.to(alpha.dtype) if alpha is not None else None,
+            dnull.to(null_source.dtype) if null_source is not None else None) + (None,) * len(sources)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -375,4 +436,4 @@ def route_unchecked(
     if torch.compiler.is_compiling():  # an opaque node in the graph
         return route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)[0]
     _require(sources[0].device, sources[0].shape[-1], heads)
-    return _EagerRoute.apply(query, norm_weight, heads, float(eps), partial, alpha, null_source, *sources)
+    return launch.apply(_EagerRoute, query, norm_weight, heads, float(eps), partial, alpha, null_source, *sources)

@@ -64,7 +64,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import contract
+from . import contract, launch
 from .op import can_run, gradient_buffers, sinks_of
 from .triton_routing import (
     _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _next_pow2, _source_base, _source_table,
@@ -511,4 +511,4 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
         mixes, norms, lse = phase1_op(list(sources), queries, norm_weights, [bool(x) for r in reads for x in r],
                                       int(heads), float(eps))
         return (*mixes, *norms, lse)
-    return Phase1.apply(queries, norm_weights, reads, int(heads), float(eps), *sources)
+    return launch.apply(Phase1, queries, norm_weights, reads, int(heads), float(eps), *sources)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import triton_routing
-from .op import can_run, gradient_buffers, sinks_of
+from . import launch, triton_routing
+from .op import can_run, gradient_buffers
 
 
 class Merge(torch.autograd.Function):
@@ -52,15 +52,22 @@ class Merge(torch.autograd.Function):
         state_lse = lse1.reshape(bt, heads)
         ctx.heads, ctx.eps, ctx.shape = heads, eps, mix.shape
         ctx.has_partial = partial is not None
-        ctx.sinks = sinks_of(late)
+        ctx.sinks = launch.sinks(late)
+        ctx.found = None
         if not late and partial is None:  # the group's first site: its state is its mix
             ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None, *late)
             return mix.view_as(mix)
         residual = torch.empty(mix.shape, dtype=mix.dtype, device=mix.device) \
             if late and triton_routing.needs_mix_residual(mix.dtype) else None
+        found = launch.lookup(ctx.sinks) if late else None
+        rows = None
+        if found is not None:  # consecutive entries of one source table: its rows, no table built
+            table, first = found
+            ctx.found = (table, first, first + len(late))
+            rows = (*table.views(first, first + len(late))[:2], table.aligned)
         out, mixed, logits, lse = triton_routing.route_forward(
             list(late), query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
-            out_dtype=mix.dtype, mix_residual=residual)
+            out_dtype=mix.dtype, mix_residual=residual, tables=rows)
         ctx.save_for_backward(out if partial is None else mixed, residual, query, norm_weight, logits, lse, state_lse,
                               alpha, *late)
         return out
@@ -73,7 +80,16 @@ class Merge(torch.autograd.Function):
         bt, heads = state_lse.shape
         if logits is None:  # first site of its group: w0 = 1, dmix_1 = dout
             logits = state_lse.new_empty((0, bt, heads))
-        buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
+        rows = None
+        if ctx.found is not None:
+            table, lo, hi = ctx.found
+            rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device)
+        if rows is None:
+            buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
+            returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
+        else:  # every in-group source is shared: its gradient is in its buffer
+            buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
+            returned = [None] * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
         write_state = bool(late) or alpha is not None
@@ -81,8 +97,7 @@ class Merge(torch.autograd.Function):
         _, dq, dg, dalpha, _ = triton_routing.route_backward(
             grad_out, list(late), mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
-            state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight))
-        returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
+            state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight), tables=rows)
         return (dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
                 dq.to(query.dtype), dg.to(norm_weight.dtype), grad_out if ctx.has_partial else None,
                 None if alpha is None else dalpha.to(alpha.dtype), None, None, *returned)
@@ -117,4 +132,4 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
     if any(t.dtype != mix.dtype for t in late) or (partial is not None and partial.dtype != mix.dtype):
         raise ValueError(f"the fused merge needs the phase-1 mix ({mix.dtype}) in the sources' dtype "
                          f"({[t.dtype for t in late]}); phase 1 on the fused kernels writes it so")
-    return Merge.apply(mix, norm, lse, query, norm_weight, partial, alpha, int(heads), float(eps), *late)
+    return launch.apply(Merge, mix, norm, lse, query, norm_weight, partial, alpha, int(heads), float(eps), *late)

@@ -432,6 +432,7 @@ def route_forward(
     state: Optional[tuple[Tensor, Tensor]] = None,
     out_dtype: Optional[torch.dtype] = None,
     mix_residual: Optional[Tensor] = None,
+    tables: Optional[tuple[Tensor, Tensor, bool]] = None,
 ) -> tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
 
@@ -440,7 +441,9 @@ def route_forward(
     routing's phase 1); the result then covers both sets, and `sources` may be empty.
     mix_residual: optional (B, T, d) contiguous tensor (the sources' dtype) that receives
     fp32 mix - the saved mix rounded to the storage dtype (`needs_mix_residual`), for the
-    backward. Returns (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
+    backward. tables: (pointers (N,), row strides (N,), whether every source is 16-byte aligned)
+    of the sources as `launch.SourceTable.views` gives them (no table is built then). Returns
+    (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
     sources' dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse
     (B*T, H)), statistics in fp32 (fp64 for fp64 sources)."""
     n = len(sources)
@@ -455,17 +458,22 @@ def route_forward(
     lse = torch.empty((bt, heads), dtype=cdt, device=device)
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
         return out, mix, logits, lse
-    tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], _empty_table(device))
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
         state = (state[0].contiguous(), state[1].contiguous())
-    is_aligned = aligned(ptrs + _pointers(partial, out, mix, mix_residual, state[0] if state else None), strides,
-                         head_dim)
+    others = _pointers(partial, out, mix, mix_residual, state[0] if state else None)
+    if tables is not None:  # a `launch.SourceTable`'s rows: nothing to build
+        pointer_rows, stride_rows, sources_aligned = tables
+        is_aligned = sources_aligned and aligned(others, (), head_dim)
+    else:
+        tensors, ptrs, strides, table = _source_table(sources, d) if n else ([full], [], [], _empty_table(device))
+        is_aligned = aligned(ptrs + others, strides, head_dim)
+        pointer_rows, stride_rows = table[:n], table[n:]
     cfg = _launch_config(bt, heads, head_dim, False)
     grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
-        table[:n], table[n:], tensors[0], query.contiguous(), norm_weight.contiguous(),
+        pointer_rows, stride_rows, full, query.contiguous(), norm_weight.contiguous(),
         partial if partial is not None else out, alpha if alpha is not None else logits,
         state[0] if state is not None else out, state[1] if state is not None else lse,
         out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, logits, lse,
@@ -494,6 +502,7 @@ def route_backward(
     state_grad: Optional[Tensor] = None,
     state_norm_grad: Optional[Tensor] = None,
     param_dtype: Optional[torch.dtype] = None,
+    tables: Optional[tuple] = None,
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
     normalised mix that call produced (its output in replacement mode, its mix in delta mode),
@@ -512,6 +521,10 @@ def route_backward(
     param_dtype: the dtype of dq, dg and dnull (default the compute dtype), cast once; pass it
     only when the query, norm weight and null source share it (`common_dtype`).
 
+    tables: (pointers, row strides, gradient pointers, accumulate flags or None, aligned) of the
+    sources and their gradient buffers as `launch.SourceTable.backward_rows` gives them (the
+    buffers already made): no table is built; grads / accumulate are then only returned / not read.
+
     Returns (gradients of the (B, T, d) sources in their dtype, dq, dg, dalpha (1,) or None,
     dnull (d,) or None); dalpha is in the compute dtype. All are reduced over the per-program
     partial sums in a fixed order (bitwise repeatable)."""
@@ -522,28 +535,36 @@ def route_backward(
     bt, head_dim = full.numel() // d, d // heads
     cdt = logits.dtype
     device = full.device
-    if grads is None:
+    if grads is None and tables is None:
         grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
-    has_accum = accumulate is not None and any(accumulate)
+    has_accum = (tables[3] is not None) if tables is not None else accumulate is not None and any(accumulate)
     if bt == 0:  # no tokens: empty source gradients, zero parameter gradients
         dq, dg = (torch.zeros(d, dtype=param_dtype or cdt, device=device) for _ in range(2))
         dalpha = torch.zeros(1, dtype=cdt, device=device) if alpha is not None else None
         return grads, dq, dg, dalpha, dq.new_zeros(d) if has_null else None
-    dptrs = list(map(Tensor.data_ptr, grads))
-    extra = [0] + dptrs if has_null else dptrs
-    if has_accum:
-        extra += [0] + list(map(int, accumulate)) if has_null else list(map(int, accumulate))
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=extra) if n else \
-        ([grad_out], [], [], _empty_table(device))
     grad_out, mix = grad_out.contiguous(), mix.contiguous()
-    is_aligned = aligned(ptrs + dptrs + _pointers(grad_out, mix, mix_residual, state_grad), strides, head_dim)
+    others = _pointers(grad_out, mix, mix_residual, state_grad)
+    if tables is not None:  # a `launch.SourceTable`'s rows: nothing to build
+        pointer_rows, stride_rows, grad_rows, accum_rows, sources_aligned = tables
+        is_aligned = sources_aligned and aligned(others, (), head_dim)
+        accum_rows = accum_rows if has_accum else pointer_rows
+    else:
+        dptrs = list(map(Tensor.data_ptr, grads))
+        extra = [0] + dptrs if has_null else dptrs
+        if has_accum:
+            extra += [0] + list(map(int, accumulate)) if has_null else list(map(int, accumulate))
+        _, ptrs, strides, table = _source_table(sources, d, extra=extra) if n else \
+            ([grad_out], [], [], _empty_table(device))
+        is_aligned = aligned(ptrs + dptrs + others, strides, head_dim)
+        pointer_rows, stride_rows, grad_rows = table[:n], table[n:2 * n], table[2 * n:3 * n]
+        accum_rows = table[3 * n:] if has_accum else table
     cfg = _launch_config(bt, heads, head_dim, True)
     programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     parts = torch.empty((2 + has_null, programs, d), dtype=cdt, device=device)
     dalpha_part = torch.empty((programs,), dtype=cdt, device=device) if alpha is not None else parts
     # the table's parts as separate arguments: pointers computed in the kernel would hold registers
     _route_bwd_kernel[(programs,)](
-        table[:n], table[n:2 * n], table[2 * n:3 * n], table[3 * n:] if has_accum else table, tensors[0],
+        pointer_rows, stride_rows, grad_rows, accum_rows, full if n else grad_out,
         query.contiguous(), norm_weight.contiguous(),
         alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
         logits, lse, parts, dalpha_part,

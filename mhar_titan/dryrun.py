@@ -63,6 +63,7 @@ from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
+from mhar_titan.components.performance import HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, step_verdict
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
@@ -319,9 +320,45 @@ def report(cfg: JobConfig, world_size: int, device: str,
             warnings.append(warning)
         lines.append(f"  fit             {'does not fit' if warning else 'fits'} in {available[0] / GIB:.2f} GiB "
                      f"({available[1]})")
+    if device == "cuda":
+        lines += step_time_lines(cfg, args, world_size, accum)
     lines += mixture_lines(cfg, world_size, accum)
     lines += ["resolved config:", to_toml(cfg)]
     return "\n".join(lines), warnings
+
+
+def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int,
+                    host_ms: Optional[dict] = None) -> list[str]:
+    """The host-vs-GPU verdict of one micro-batch step (`performance.step_verdict`: the measured
+    host time of the flavor, family and AC mode beside the modelled H200 time) and, when the
+    step is host-bound, what to change. host_ms: the measured host times (default
+    `performance.HOST_STEP_MS`)."""
+    t, ac = cfg.training, cfg.activation_checkpoint.mode
+    v = step_verdict(cfg.model.flavor, args, ac, t.local_batch_size, t.seq_len, accum, world_size, host_ms)
+    head = f"step time per micro-batch ({t.local_batch_size} x {t.seq_len} tokens, AC {ac}; model in " \
+        "mhar_titan/components/performance.py):"
+    if v is None:
+        measured = sorted({k[0] for k in (host_ms if host_ms is not None else HOST_STEP_MS)})
+        return [head, f"  not modelled: no measured host time for flavor {cfg.model.flavor!r} with AC {ac!r} "
+                f"(bench/step_host.py measured {', '.join(measured) or 'none'}, AC none and full)"]
+    lines = [head,
+             f"  host            {v['host_ms']:>8.1f} ms  measured (bench/step_host.py, launches stubbed, shared CPU: "
+             "an upper bound)",
+             f"  GPU             {v['gpu_ms']:>8.1f} ms  modelled (H200, {100 * MODEL_MFU:.0f}% MFU, routing bytes at "
+             f"{MODEL_BANDWIDTH / 1e12:.1f} TB/s)"]
+    if v["bound"] == "GPU-bound":
+        return lines + [f"  verdict         GPU-bound by {v['by']:.2f}x: the host keeps ahead of the GPU"]
+    lines.append(f"  verdict         host-bound by {v['by']:.2f}x: the GPU waits for the host")
+    global_batch = world_size * t.local_batch_size * accum
+    if v["local_batch"] is not None:
+        lines.append(f"  to change       training.local_batch_size = {v['local_batch']} with gradient accumulation "
+                     f"{v['accumulation']} (the same global batch of {global_batch} sequences), "
+                     "or CUDA graphs (training.cuda_graphs = true)")
+    else:
+        lines.append("  to change       CUDA graphs, training.cuda_graphs = true (no larger local batch keeps the "
+                     f"global batch of {global_batch} sequences at {world_size} ranks: the gradient accumulation is "
+                     f"{accum}), or a larger global batch")
+    return lines
 
 
 def mixture_lines(cfg: JobConfig, world_size: int, accum: int) -> list[str]:

@@ -12,11 +12,13 @@ import sys
 import pytest
 import torch
 
+from mhar_kernels.traffic import routing_traffic
 from mhar_titan.models.args import ModelArgs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import byte_count  # noqa: E402
-import routing as routing_bench  # noqa: E402
+import routing_bytes  # noqa: E402
+import routing_harness  # noqa: E402
 
 BATCH, SEQ = 2, 8
 
@@ -61,7 +63,7 @@ def test_modelled_per_call_routing_bytes_equal_the_complete_count(baselines, ac,
     args = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, vocab_size=512,
                                  routing_kernel="triton", routing_null_source=null)
     counted = byte_count.routing_count(args, BATCH, SEQ, ac, baseline=baselines[ac])
-    modelled = routing_bench.step_traffic(args, BATCH * SEQ, torch.bfloat16, ac, programs=1).total
+    modelled = routing_bytes.step_traffic(args, BATCH * SEQ, torch.bfloat16, ac, programs=1).total
     assert abs(counted["routing"] / modelled - 1) <= 0.02, (counted, modelled)
     assert counted["launches"] < counted["routing"]  # the eager side is in the count, not only launches
     row = BATCH * SEQ * args.dim * 2
@@ -80,7 +82,7 @@ def test_modelled_grouped_routing_bytes_equal_the_complete_count(baselines, g, n
     args = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, vocab_size=512,
                                  routing_kernel="triton", routing_group_size=g, routing_null_source=null)
     counted = byte_count.routing_count(args, BATCH, SEQ, ac, baseline=baselines[ac])
-    modelled = routing_bench.grouped_step_traffic(args, BATCH * SEQ, torch.bfloat16, ac, programs=1)
+    modelled = routing_bytes.grouped_step_traffic(args, BATCH * SEQ, torch.bfloat16, ac, programs=1)
     assert {launch.phase for launch in modelled.launches} >= {"phase1", "merge"}
     assert 0 <= counted["routing"] / modelled.total - 1 <= 0.02, (counted, modelled.total)
     per_call = byte_count.routing_count(dataclasses.replace(args, routing_group_size=1), BATCH, SEQ, ac,
@@ -94,8 +96,8 @@ def test_harness_counts_are_linear_and_equal_the_model():
     2 x 64 micro-batch; per-call and grouped routing's measured bytes equal the model within 2%;
     the grouped path makes no fp32 (B, T, d) tensor (every aten op outside the launches handles
     per-token statistics or (d,) vectors)."""
-    shapes, micro = {"toy": routing_bench.SHAPES["toy"]["toy"]}, {"toy": (2, 64)}
-    result = routing_bench.measured_bytes(("toy",), tokens=(4, 8, 12), shapes=shapes, micro_batch=micro)["toy"]
+    shapes, micro = {"toy": routing_harness.SHAPES["toy"]["toy"]}, {"toy": (2, 64)}
+    result = routing_bytes.measured_bytes(("toy",), tokens=(4, 8, 12), shapes=shapes, micro_batch=micro)["toy"]
     assert set(result) == {"mhar", "mhar-grouped"}
     for family in ("mhar", "mhar-grouped"):
         counts = result[family]["counts"]
@@ -111,7 +113,7 @@ def test_grouped_path_makes_no_fp32_copy_of_a_source():
     launches reads or writes an fp32 tensor of a source's size (B, T, d) or more; the eager merge
     (the eager backend, run as the comparison) does."""
     d, heads, n, g = 1280, 8, 9, 3
-    sources, query, norm_weight = routing_bench.make_inputs(1, 8, d, n, torch.bfloat16, torch.device("cpu"))
+    sources, query, norm_weight = routing_harness.make_inputs(1, 8, d, n, torch.bfloat16, torch.device("cpu"))
     row = sources[0].numel()
 
     def fp32_rows(kernel: str) -> list[str]:
@@ -124,7 +126,7 @@ def test_grouped_path_makes_no_fp32_copy_of_a_source():
             big.extend(str(func) for t in tensors if t.dtype == torch.float32 and t.numel() >= row)
             return out
 
-        run = routing_bench.one_grouped_step(kernel, sources, query, norm_weight, heads, g, end=lambda out: out.sum())
+        run = routing_harness.one_grouped_step(kernel, sources, query, norm_weight, heads, g, end=lambda out: out.sum())
         byte_count.ByteCounter.__torch_dispatch__ = spy
         try:
             with byte_count.ByteCounter() as counter:
@@ -146,16 +148,16 @@ def test_grouped_moves_at_most_055x_per_call_at_1b():
     routing; per-call routing (its model, which equals its count: the debug-flavor step above,
     and `bench/routing.py --bytes --measure`, 58.54 GB counted against 58.54 modelled) is at
     most 1.40x its floor. Measured: 0.28x, 1.35x."""
-    _, _, d, n = routing_bench.SHAPES["paper"]["1b"]
-    b, t = routing_bench.MICRO_BATCH["1b"]
-    g = routing_bench.auto_group("1b")
+    _, _, d, n = routing_harness.SHAPES["paper"]["1b"]
+    b, t = routing_harness.MICRO_BATCH["1b"]
+    g = routing_harness.auto_group("1b")
     cpu = torch.device("cpu")
     counts = {k: byte_count.count_harness(d, n, "mhar-grouped", k, g)["bytes"] for k in (4, 8)}
     measured = counts[4] + (counts[8] - counts[4]) / 4 * (b * t - 4)
-    modelled = routing_bench.grouped_moved_bytes(b, t, d, n, 8, torch.bfloat16, cpu, g)
+    modelled = routing_bytes.grouped_moved_bytes(b, t, d, n, 8, torch.bfloat16, cpu, g)
     assert measured == pytest.approx(modelled, rel=0.02)
-    per_call = routing_bench.moved_bytes("step", b, t, d, n, 8, torch.bfloat16, cpu)
-    floor = routing_bench.routing_traffic([list(range(s)) for s in range(1, n + 1)], dim=d, tokens=b * t,
+    per_call = routing_bytes.moved_bytes("step", b, t, d, n, 8, torch.bfloat16, cpu)
+    floor = routing_traffic([list(range(s)) for s in range(1, n + 1)], dim=d, tokens=b * t,
                                           dtype=torch.bfloat16, heads=8).floor
     assert measured <= 0.55 * per_call, (measured / per_call)
     assert per_call <= 1.40 * floor, (per_call / floor)

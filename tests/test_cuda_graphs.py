@@ -34,6 +34,8 @@ def test_cpu_run_is_refused_before_anything_is_built(tmp_path, capsys):
     ("--compile.enable=true", "compile.enable"),
     ("--model.attn_mask_type=block_causal", "model.attn_mask_type"),
     ("--model.routing_kernel=compile", "model.routing_kernel"),
+    ("--model.routing_kernel=triton", "model.routing_kernel"),
+    ("--model.routing_kernel=auto", "model.routing_kernel"),
     ("--debug.force_nonfinite_loss_steps=[2]", "debug.force_nonfinite_loss_steps"),
 ])
 def test_settings_that_cannot_be_captured_are_named(tmp_path, override, key):

@@ -19,7 +19,7 @@ from mhar_titan.models.args import ROUTING_KERNELS, ModelArgs
 from mhar_titan.models.model import Transformer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import routing as routing_bench  # noqa: E402
+import routing_harness  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -75,9 +75,9 @@ def test_dry_run_takes_the_patched_choice(patched):
 
 
 def test_benchmarks_take_the_patched_choice(patched):
-    sources, query, norm_weight = routing_bench.make_inputs(1, 4, 32, 4, torch.float32, torch.device("cpu"))
-    routing_bench.one_call("triton", sources, query, norm_weight, 2)()
-    routing_bench.one_grouped_step("triton", sources, query, norm_weight, 2, 2)()
+    sources, query, norm_weight = routing_harness.make_inputs(1, 4, 32, 4, torch.float32, torch.device("cpu"))
+    routing_harness.one_call("triton", sources, query, norm_weight, 2)()
+    routing_harness.one_grouped_step("triton", sources, query, norm_weight, 2, 2)()
     assert patched and set(patched) == {("triton", "cpu")}
 
 

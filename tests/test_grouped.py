@@ -104,8 +104,8 @@ def fused_phase1_calls(monkeypatch) -> list:
     """Spy on the fused phase 1: one entry per call (so that a test knows the kernels ran)."""
     from mhar_kernels import triton_grouped
 
-    calls, real = [], triton_grouped.Phase1.apply
-    monkeypatch.setattr(triton_grouped.Phase1, "apply", lambda *a: calls.append(len(a)) or real(*a))
+    calls, real = [], triton_grouped.phase1_forward
+    monkeypatch.setattr(triton_grouped, "phase1_forward", lambda *a: calls.append(len(a)) or real(*a))
     return calls
 
 
@@ -150,8 +150,8 @@ def test_grouped_triton_bf16_model_step(monkeypatch):
 
     eager = errors(loss_and_grads("delta null", 8, 1, kernel="eager", dtype=torch.bfloat16))
     calls = fused_phase1_calls(monkeypatch)
-    merges, real = [], triton_merge.Merge.apply
-    monkeypatch.setattr(triton_merge.Merge, "apply", lambda *a: merges.append(len(a)) or real(*a))
+    merges, real = [], triton_merge.merge
+    monkeypatch.setattr(triton_merge, "merge", lambda *a, **k: merges.append(len(a)) or real(*a, **k))
     fused = errors(loss_and_grads("delta null", 8, 3, kernel="triton", dtype=torch.bfloat16))
     assert len(calls) == 3 and len(merges) == 9  # every site (3 groups of 3) merges on the fused kernels
     for name, err in fused.items():
@@ -392,8 +392,8 @@ def test_fused_grouped_path_saves_what_docs_state(monkeypatch):
 
     runs = {"eager": saved("eager")}
     calls = fused_phase1_calls(monkeypatch)
-    merges, real = [], triton_merge.Merge.apply
-    monkeypatch.setattr(triton_merge.Merge, "apply", lambda *a: merges.append(len(a) - 9) or real(*a))
+    merges, real = [], triton_merge.merge  # merge(mix, norm, lse, query, norm_weight, heads, eps, *late)
+    monkeypatch.setattr(triton_merge, "merge", lambda *a, **k: merges.append(len(a) - 7) or real(*a, **k))
     runs["triton"] = saved("triton")
     args = ModelArgs.from_flavor("debug", **FAMILIES["mhar H=8"], routing_group_size=3)
     plan, H = RoutingPlan.from_args(args), args.resolved_routing_heads

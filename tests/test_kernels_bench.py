@@ -12,6 +12,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import routing as routing_bench  # noqa: E402
+import routing_bytes  # noqa: E402
 import throughput as throughput_bench  # noqa: E402
 
 
@@ -37,12 +38,12 @@ def test_bytes_charged_to_a_call_and_a_step():
 
     b, t, d, n, heads = 1, 8, 64, 5, 4
     row = b * t * d * 2  # bf16
-    call = routing_bench.moved_bytes("call", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
+    call = routing_bytes.moved_bytes("call", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
     launches = traffic.site_launches(0, n, dim=d, tokens=b * t, dtype=torch.bfloat16, heads=heads, programs=1)
     assert call == sum(launch.bytes for launch in launches)
     assert call >= (3 * n + 2) * row  # at least the floor (plus the mix residual's two rows)
-    step = routing_bench.moved_bytes("step", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
-    sites = sum(routing_bench.moved_bytes("call", b, t, d, s, heads, torch.bfloat16, torch.device("cpu"))
+    step = routing_bytes.moved_bytes("step", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
+    sites = sum(routing_bytes.moved_bytes("call", b, t, d, s, heads, torch.bfloat16, torch.device("cpu"))
                 for s in range(1, n + 1))
     assert step == sites + (1 + 2 + 3 + 4) * row  # source k is read by n - k + 1 sites
 
@@ -78,3 +79,59 @@ def test_throughput_bench_options_apply_to_every_family(tmp_path):
 def test_throughput_rejects_unknown_scale():
     with pytest.raises(SystemExit):
         throughput_bench.main(["--scales", "7b"])
+
+
+def test_bench_modules_import_no_circle():
+    """bench/'s modules import one another in one direction only: the import graph of the files
+    in bench/ (top-level and in-function imports alike) has no cycle, and each routing benchmark
+    job has its own file under the `bench/routing.py` entry."""
+    import ast
+
+    names = {p.stem for p in BENCH.glob("*.py")}
+    graph = {}
+    for path in BENCH.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+        graph[path.stem] = imported & names - {path.stem}
+    assert {"routing_bytes", "routing_host", "routing_gpu", "routing_harness"} <= graph["routing"]
+    assert "routing" not in graph["byte_count"]
+
+    def cycle_from(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            found = cycle_from(nxt, path + [nxt])
+            if found:
+                return found
+        return None
+    cycles = [c for c in (cycle_from(n, [n]) for n in sorted(graph)) if c]
+    assert not cycles, f"circular imports in bench/: {cycles[0]}"
+
+
+def test_step_host_bench_rows(tmp_path):
+    """`bench/step_host.py` at 100m, baseline and per-call MHAR, AC none, one timed step: one row per
+    family with its host time (a measurement, not asserted beyond its sign), the GPU time of each
+    micro-batch as `performance.modelled_gpu_ms` gives it, and the verdict that follows from the two."""
+    import step_host
+    from mhar_titan.components import performance
+    from mhar_titan.models.args import ModelArgs
+
+    step_host.main(["--scales", "100m", "--families", "baseline,mhar", "--ac", "none", "--repeats", "1",
+                    "--out", str(tmp_path / "step.md")])
+    text = (tmp_path / "step.md").read_text()
+    assert "launches stubbed" in text and "a model, not a measurement" in text and "load average" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 100m | none |")]
+    assert [r[2].strip() for r in rows] == ["baseline", "mhar"]
+    for r in rows:
+        host = float(r[3])
+        assert host > 0
+        args = ModelArgs.from_flavor("100m", **step_host.FAMILIES[r[2].strip()])
+        for i, mb in enumerate(performance.MICRO_BATCHES):
+            gpu = performance.modelled_gpu_ms(args, mb, 2048, "none")["total_ms"]
+            assert abs(float(r[6 + i]) - gpu) < 0.06
+            bound = r[6 + len(performance.MICRO_BATCHES) + i].split()[0]
+            assert bound == ("host-bound" if host > gpu else "GPU-bound")

@@ -87,3 +87,51 @@ def test_share_gradient_passes_through_where_nothing_needs_a_gradient():
         assert op.share_gradient(y) is y
     view = op.share_gradient(y * 1)
     assert torch.equal(view, y) and hasattr(view, op.SINK_ATTRIBUTE)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_source_table_path_equals_the_general_path(monkeypatch, recompute):
+    """Shared sources are registered in one `launch.SourceTable`; every call over consecutive
+    entries launches on slices of its rows (no per-launch table: `_source_table` is not called)
+    and the gradients are bitwise those of the general path (the table lookup switched off), with
+    and without activation checkpointing recompute (where the recomputed sources' pointers decide
+    which path a backward takes)."""
+    from mhar_kernels import launch, triton_routing
+
+    built = []
+    real = triton_routing._source_table
+    monkeypatch.setattr(triton_routing, "_source_table", lambda *a, **k: built.append(1) or real(*a, **k))
+    leaves, queries, norm, weights = _inputs(torch.float32, seed=3)
+    fast = _step(leaves, queries, norm, weights, share=True, recompute=recompute)
+    if not recompute:
+        assert built == []  # every forward and backward launch read the table's rows
+    built.clear()
+    monkeypatch.setattr(launch, "lookup", lambda sinks: None)
+    general = _step(leaves, queries, norm, weights, share=True, recompute=recompute)
+    assert built  # the general path built its tables
+    for a, b in zip(fast, general):
+        assert torch.equal(a, b)
+
+
+def test_source_table_registration():
+    """A table takes sources of one shape, dtype and device that are contiguous, in sharing order;
+    a source it cannot take starts a new table; a call whose sources are not consecutive entries
+    of one table is not looked up; a table whose every buffer was handed on lets its sinks go."""
+    from mhar_kernels import launch
+
+    x = [torch.randn(2, 3, 8, requires_grad=True) * 1 for _ in range(3)]
+    views = [op.share_gradient(s) for s in x]
+    sinks = launch.sinks(views)
+    table = sinks[0].table
+    assert table is not None and all(s.table is table for s in sinks) and [s.slot for s in sinks] == [1, 2, 3]
+    assert table.pointers == [v.data_ptr() for v in views]
+    assert table.rows[0, 1:4].tolist() == table.pointers and table.rows[1, 1:4].tolist() == [8, 8, 8]
+    assert launch.lookup(sinks) == (table, 1) and launch.lookup(sinks[1:]) == (table, 2)
+    assert launch.lookup([sinks[0], sinks[2]]) is None and launch.lookup([None, *sinks[1:]]) is None
+    other = op.share_gradient(torch.randn(2, 3, 16, requires_grad=True) * 1)  # another shape: a new table
+    assert launch.sinks([other])[0].table is not table
+    odd = op.share_gradient((torch.randn(2, 8, 3, requires_grad=True) * 1).transpose(1, 2))  # not contiguous
+    assert launch.sinks([odd])[0].table is None
+    loss = sum(op.route(views[:k], torch.randn(8), torch.ones(8), 2).sum() for k in (1, 2, 3))
+    loss.backward()
+    assert table.closed and table.sinks == [] and all(s.grad is None for s in sinks)

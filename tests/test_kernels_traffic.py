@@ -18,6 +18,8 @@ from mhar_titan.models.model import Transformer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import routing as routing_bench  # noqa: E402
+import routing_bytes  # noqa: E402
+from mhar_titan.components import performance  # noqa: E402
 
 FP32 = traffic.FP32
 
@@ -85,9 +87,9 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
                                  routing_kernel="triton")
     tokens = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
     measured = _measured_step(monkeypatch, args, tokens)
-    sites = routing_bench.plan_sources(args)
+    sites = performance.plan_sources(args)
     assert [len(ids) for ids in sites] == list(range(1, 2 * args.n_layers + 2))  # site s reads s sources
-    counted = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
+    counted = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1)
     kinds = counted.by_kind()
 
     assert measured["launches"] == len(sites)
@@ -98,7 +100,7 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
     assert measured["returned"] == 0
     assert len(measured["buffers"]) == len({j for ids in sites for j in ids})
     # separate per-site gradients summed by autograd would cost more
-    unshared = routing_bench.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)
+    unshared = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)
     assert unshared.total - counted.total == 2 * counted.row_bytes * (sum(map(len, sites)) - len(measured["buffers"]))
 
 
@@ -108,9 +110,9 @@ def test_counted_traffic_at_1b_is_within_1_5x_of_the_floor():
     summing per-site gradients). The debug flavor is not the target: its per-token logits and
     lse (H = 8 fp32 per source at d = 64) are a large share of a row there."""
     args = ModelArgs.from_flavor("1b", residual="attn_res", routing_heads=8)
-    counted = routing_bench.step_traffic(args, 2 * 1024, torch.bfloat16)
+    counted = routing_bytes.step_traffic(args, 2 * 1024, torch.bfloat16)
     assert 1.0 < counted.ratio <= 1.5, counted.ratio
-    assert routing_bench.step_traffic(args, 2 * 1024, torch.bfloat16, shared=False).ratio > 1.9
+    assert routing_bytes.step_traffic(args, 2 * 1024, torch.bfloat16, shared=False).ratio > 1.9
 
 
 def test_traffic_floor_and_rows_by_hand():
@@ -143,10 +145,24 @@ def test_host_row_is_its_own_mode(tmp_path):
     its value is not asserted), with the machine's load stated."""
     routing_bench.main(["--host", "--iters", "2", "--out", str(tmp_path / "host.md")])
     text = (tmp_path / "host.md").read_text()
-    assert text.startswith("Host time of one forward+backward routing call (N = 73") and "2 calls" in text
+    assert text.startswith("Host time (host CPU time") and "routing call (N = 73" in text and "2 calls" in text
     assert "load average" in text and "Grouped" not in text
     # the whole-step rows: the harness, the harness without routing, and their difference
     assert text.count("of which the harness without routing") == 2 and "mhar-grouped (g = 11" in text
+
+
+def test_host_row_as_json(tmp_path):
+    """`bench/routing.py --host --json`: family -> the routing's host time per 1b step (minimum
+    and median), one call's minimum in microseconds and the load, as one object (values are
+    measurements, not asserted beyond their kind)."""
+    import json
+
+    routing_bench.main(["--host", "--json", "--iters", "2", "--out", str(tmp_path / "host.json")])
+    result = json.loads((tmp_path / "host.json").read_text())
+    assert sorted(result) == ["mhar", "mhar-grouped"]
+    for row in result.values():
+        assert sorted(row) == ["call_us_min", "load", "step_ms_median", "step_ms_min"]
+        assert row["call_us_min"] > 0 and row["load"] >= 0
 
 
 def test_bytes_table_reports_every_scale(tmp_path):
@@ -213,6 +229,6 @@ def _grouped_rows(text: str) -> list[list[str]]:
 def test_design_doc_shows_the_grouped_bytes_table():
     """docs/DESIGN.md "Grouped routing" shows what `bench/routing.py --bytes` prints for grouped
     routing (the columns that do not depend on the per-call launches' accounting)."""
-    printed = _grouped_rows(routing_bench.grouped_bytes_table())
+    printed = _grouped_rows(routing_bytes.grouped_bytes_table())
     assert len(printed) == 6
     assert _grouped_rows((pathlib.Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()) == printed

@@ -214,3 +214,40 @@ def test_memory_estimate_counts_the_loss_path_as_built():
     assert mems["plain"].activations == mems["chunked"].activations
     text, _ = report(load_config(config, ["--training.local_batch_size=8"]), 8, "cuda")
     assert f"  {'loss_path':<16}{mems['chunked'].loss_path / 2**30:>10.2f} GiB" in text, text
+
+
+def test_dry_run_says_whether_the_step_is_host_bound():
+    """For a CUDA job the dry run prints the host-vs-GPU verdict of one micro-batch step by the
+    benchmark's own figures (`performance.HOST_STEP_MS`, measured by bench/step_host.py, beside
+    `performance.modelled_gpu_ms`): the paper's 1b MHAR recipe at one sequence per micro-batch on
+    one rank is host-bound and is told the local batch (with the accumulation that keeps the 32
+    sequences) at which the GPU time covers the host's, or CUDA graphs; at 32 sequences per
+    micro-batch it is GPU-bound. A flavor with no measured host time says so."""
+    from mhar_titan.components import performance
+
+    config = str(ROOT / "train_configs" / "mhar_1b.toml")
+    cfg = load_config(config, ["--training.local_batch_size=1"])
+    args = build_model_args(cfg)
+    host = performance.HOST_STEP_MS[("1b", "mhar", "full")]
+    small = performance.modelled_gpu_ms(args, 1, 1024, "full")["total_ms"]
+    assert host > small  # the figures themselves: one sequence of 1b is host-bound
+    text, _ = report(cfg, 1, "cuda")
+    verdict = re.search(r"verdict +host-bound by ([\d.]+)x", text)
+    assert verdict and abs(float(verdict.group(1)) - host / small) < 0.01, text
+    change = re.search(r"training\.local_batch_size = (\d+) with gradient accumulation (\d+) \(the same global "
+                       r"batch of 32 sequences\), or CUDA graphs", text)
+    assert change, text
+    local, accum = int(change.group(1)), int(change.group(2))
+    assert local * accum == 32 and local & (local - 1) == 0
+    # the suggested split is the smallest power of two at which the modelled GPU time covers the host's
+    assert performance.modelled_gpu_ms(args, local, 1024, "full")["total_ms"] >= host
+    assert local == 2 or performance.modelled_gpu_ms(args, local // 2, 1024, "full")["total_ms"] < host
+
+    big, _ = report(load_config(config, ["--training.local_batch_size=32"]), 1, "cuda")
+    assert re.search(r"verdict +GPU-bound by [\d.]+x", big) and "to change" not in big, big
+    # eight ranks with no accumulation left: no larger local batch keeps the global batch
+    eight, _ = report(load_config(config, ["--training.local_batch_size=4"]), 8, "cuda")
+    if "host-bound" in eight:
+        assert "training.cuda_graphs = true (no larger local batch keeps the global batch of 32 sequences" in eight
+    debug, _ = report(load_config(DEBUG, []), 1, "cuda")
+    assert "not modelled: no measured host time for flavor 'debug'" in debug

@@ -38,7 +38,11 @@ def capture_blockers(cfg, args) -> list[str]:
         blockers.append("compile.enable = true (compiled graphs guard and recompile on the host at every call; "
                         "capture only eager blocks: set compile.enable = false)")
     if args.routing_kernel == "compile":
-        blockers.append("model.routing_kernel = \"compile\" (use \"triton\", \"auto\" or \"eager\")")
+        blockers.append("model.routing_kernel = \"compile\" (use \"eager\")")
+    if args.residual == "attn_res" and args.routing_kernel in ("triton", "auto"):
+        blockers.append(f"model.routing_kernel = {args.routing_kernel!r} (the fused kernels' pointer tables are "
+                        "written from host buffers during forward and backward, which a replayed graph would read "
+                        "stale; capture the eager routing path: model.routing_kernel = \"eager\")")
     if args.attn_mask_type != "causal":
         blockers.append(f"model.attn_mask_type = {args.attn_mask_type!r} (its block mask is built from each "
                         "batch's document ends outside the graph's buffers; use \"causal\")")

@@ -1,5 +1,8 @@
-"""Performance: the per-step throughput/MFU/memory metrics, and ``[profiling]`` (torch.profiler
-traces and CUDA memory snapshots inside the run folder)."""
+"""Performance: the per-step throughput/MFU/memory metrics, ``[profiling]`` (torch.profiler
+traces and CUDA memory snapshots inside the run folder), and the step-time model: the counted
+routing bytes of a training step, the modelled GPU time of a step on an H200 beside the measured
+host time of the same step, and the verdict (host-bound or GPU-bound, by how much) that
+`bench/step_host.py` prints per micro-batch and the dry run prints for the configured job."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +11,12 @@ from typing import Callable, Optional
 
 import torch
 
+from mhar_kernels.traffic import H200_PROGRAMS, Launch, Traffic, element_bytes, grouped_traffic, routing_traffic
 from mhar_titan.config import Profiling
 from mhar_titan.console import count
-from mhar_titan.metrics import FlopsPerToken, mfu, peak_memory_gib
+from mhar_titan.metrics import FlopsPerToken, flops_per_token, mfu, peak_memory_gib
+from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.plan import RoutingPlan
 
 
 def performance_row(tokens_per_s: float, world_size: int, flops: FlopsPerToken, peak: Optional[float],
@@ -88,3 +94,172 @@ class MemorySnapshots:
         out = self.run_dir / self.cfg.save_memory_snapshot_folder / f"iteration_{step}"
         out.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(out / f"rank{self.rank}_memory_snapshot.pickle"))
+
+
+# ---------------------------------------------------------------------------- routing bytes of a step
+def plan_sources(args: ModelArgs) -> list[list[int]]:
+    """For each routing site of the model's routing plan, the entries (ids) of the (B, T, d)
+    sources it reads; the null source is not a row and is left out."""
+    plan = RoutingPlan.from_args(args)
+    return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
+
+
+def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
+    """Bytes autograd moves to assemble the gradients of the routing parameters of one step
+    (kind "parameters"; independent of the tokens), as models/model.py lays them out: the
+    pseudo-queries and key-norm weights are (S, d) parameters, layer i's blocks get the (2, d)
+    slice of its two sites and each site selects its row, the final site selects its row of the
+    whole parameter. Per parameter, backward then runs: per layer site a select backward ((d,)
+    read, (2, d) written) and per layer one (2, d) addition of its two sites and a slice backward
+    ((2, d) read, (S, d) written); for the final site a select backward ((d,) read, (S, d)
+    written); and L additions of (S, d) summing the L + 1 contributions. Per-call routing
+    (routing_group_size 1); grouped routing adds, per group of g > 1 sites, the slice backward of
+    the group's (g, d) rows its phase 1 reads ((g, d) read, (S, d) written) and one more (S, d)
+    addition. The null source and delta gates not included."""
+    el, d, layers, s = element_bytes(dtype), args.dim, args.n_layers, args.n_routing_sites
+    row, pair, whole = d * el, 2 * d * el, s * d * el
+    groups = [g.size for g in RoutingPlan.from_args(args).groups if g.size > 1]
+    read = 2 * layers * row + layers * 2 * pair + layers * pair + row + layers * 2 * whole
+    written = 2 * layers * pair + layers * pair + layers * whole + whole + layers * whole
+    read += sum(g * row + 2 * whole for g in groups)
+    written += 2 * whole * len(groups)
+    return Launch(None, "parameters", read=2 * read, written=2 * written)
+
+
+def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
+                 programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
+    """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
+    (shared: the sources' gradient buffers shared between sites, as the models run), with the
+    routing parameters' gradient assembly (`parameter_gradients`)."""
+    sites = plan_sources(args)
+    t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
+                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
+
+
+def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
+    """Per routing group of the plan (args.routing_group_size): the entries (ids) of the (B, T, d)
+    sources its phase 1 reads, and per site those of its in-group sources; the grouped
+    counterpart of `plan_sources` (null source left out)."""
+    plan = RoutingPlan.from_args(args)
+    rows = lambda entries: [j for j in entries if plan.sources[j].kind != "null"]  # noqa: E731
+    return [(rows(group.reads), [rows(late) for late in group.late]) for group in plan.groups]
+
+
+def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
+                         programs: int = H200_PROGRAMS) -> Traffic:
+    """Counted routing bytes of one grouped training step (`mhar_kernels.traffic.grouped_traffic`),
+    with the phase-1 backward's site chunks of the fused kernels' launch configuration."""
+    from mhar_kernels.triton_grouped import launch_config
+
+    groups = plan_groups(args)
+    heads = args.resolved_routing_heads
+    g = max(len(late) for _, late in groups)
+    block = launch_config(tokens, g, heads, args.dim // heads, backward=True)["SB"]
+    t = grouped_traffic(groups, dim=args.dim, tokens=tokens, dtype=dtype, heads=heads,
+                        delta=args.routing_mode == "delta", null_source=args.routing_null_source,
+                        programs=programs, backward_site_block=block,
+                        recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0)
+    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
+
+
+
+def routing_step_bytes(args: ModelArgs, tokens: int, ac: str = "none") -> int:
+    """Counted routing bytes of one training step at `tokens` tokens per micro-batch (bf16): per
+    call (`step_traffic`) or grouped (`grouped_step_traffic`) as args.routing_group_size gives it;
+    0 for the standard residual."""
+    if args.residual == "standard":
+        return 0
+    if RoutingPlan.from_args(args).group_size > 1:
+        return grouped_step_traffic(args, tokens, torch.bfloat16, ac).total
+    return step_traffic(args, tokens, torch.bfloat16, ac).total
+
+
+# ---------------------------------------------------------------------------- host vs GPU
+H200_PEAK_FLOPS = 989e12  # dense bf16 (metrics.PEAK_FLOPS)
+MODEL_MFU = 0.45  # the fraction of peak the modelled step reaches on its FLOPs
+MODEL_BANDWIDTH = 4.0e12  # bytes/s the modelled routing launches reach (H200: 4.8 TB/s peak)
+MICRO_BATCHES = (2, 4, 8, 16)  # the micro-batches the verdict is given for
+STEP_SEQ = {"100m": 2048, "1b": 1024}  # the paper's sequence lengths of the measured scales
+
+# Host time (ms, minimum) of one whole training step (forward, backward, clipping, AdamW step) of
+# each scale, family ("baseline", "mhar" per call, "mhar-grouped") and activation checkpointing
+# mode, measured by `python bench/step_host.py` (real depth and routing plan, tiny tensors, kernel
+# launches stubbed; host CPU time of the step's thread) on a shared 2-core CPU at load average 27,
+# 2026-12-01 (BENCHMARKS.md "Whole-step host time and the host-bound verdict"): a loaded machine
+# stretches even CPU time (shared caches), so these are upper bounds to be measured again on an
+# idle machine. The host work of a step does not depend on the micro-batch.
+HOST_STEP_MS = {
+    ("100m", "baseline", "none"): 33.2,
+    ("100m", "mhar", "none"): 49.3,
+    ("100m", "mhar-grouped", "none"): 55.8,
+    ("100m", "baseline", "full"): 77.9,
+    ("100m", "mhar", "full"): 112.9,
+    ("100m", "mhar-grouped", "full"): 116.5,
+    ("1b", "baseline", "none"): 155.8,
+    ("1b", "mhar", "none"): 229.5,
+    ("1b", "mhar-grouped", "none"): 225.9,
+    ("1b", "baseline", "full"): 240.0,
+    ("1b", "mhar", "full"): 389.3,
+    ("1b", "mhar-grouped", "full"): 374.3,
+}
+
+
+def modelled_gpu_ms(args: ModelArgs, micro_batch: int, seq: int, ac: str = "none", mfu: float = MODEL_MFU,
+                    peak: float = H200_PEAK_FLOPS, bandwidth: float = MODEL_BANDWIDTH) -> dict:
+    """Modelled GPU time (ms) of one training step of one micro-batch of `micro_batch` x `seq`
+    tokens on one H200 (a model, not a measurement): the model FLOPs (`metrics.flops_per_token`:
+    dense, attention and LM head; AC "full" adds the blocks' forward again, a third of their
+    training FLOPs) at `mfu` of `peak` FLOP/s, plus the counted routing bytes
+    (`routing_step_bytes`) at `bandwidth` bytes/s. Returns {'flops_ms', 'bytes_ms', 'total_ms',
+    'routing_bytes', 'mfu', 'peak', 'bandwidth'}."""
+    tokens = micro_batch * seq
+    f = flops_per_token(args, seq)
+    flops = f.model + (f.dense + f.attention) / 3 * (ac == "full")
+    flops_ms = 1e3 * flops * tokens / (mfu * peak)
+    routing = routing_step_bytes(args, tokens, ac)
+    bytes_ms = 1e3 * routing / bandwidth
+    return dict(flops_ms=flops_ms, bytes_ms=bytes_ms, total_ms=flops_ms + bytes_ms, routing_bytes=routing, mfu=mfu,
+                peak=peak, bandwidth=bandwidth)
+
+
+def verdict(host_ms: float, gpu_ms: float) -> dict:
+    """{'bound': "host-bound" when the host takes longer than the GPU (the GPU waits) else
+    "GPU-bound", 'by': the longer time over the shorter}."""
+    if host_ms > gpu_ms:
+        return dict(bound="host-bound", by=host_ms / gpu_ms)
+    return dict(bound="GPU-bound", by=gpu_ms / host_ms)
+
+
+def host_family(args: ModelArgs) -> str:
+    """The row of HOST_STEP_MS `args` runs like: "baseline", "mhar" (per-call routing, any H) or
+    "mhar-grouped" (routing_group_size > 1)."""
+    if args.residual == "standard":
+        return "baseline"
+    return "mhar-grouped" if RoutingPlan.from_args(args).group_size > 1 else "mhar"
+
+
+def step_verdict(flavor: str, args: ModelArgs, ac: str, local_batch: int, seq: int, accumulation: int,
+                 world_size: int, host_ms: Optional[dict] = None) -> Optional[dict]:
+    """The dry run's verdict for a job: the measured host time of its scale / family / AC mode
+    (`host_ms`, default HOST_STEP_MS), the modelled GPU time of one micro-batch
+    (`modelled_gpu_ms`) and `verdict`; when host-bound, the smallest local batch (a power-of-two
+    multiple of `local_batch`) at which the GPU time covers the host time and the gradient
+    accumulation that keeps the global batch (world_size x local x accumulation), or None where
+    no such split exists. Returns None when the flavor's host time was not measured.
+
+    Returns {'host_ms', 'gpu_ms', 'bound', 'by', 'local_batch', 'accumulation'}."""
+    measured = (host_ms if host_ms is not None else HOST_STEP_MS).get((flavor, host_family(args), ac))
+    if measured is None:
+        return None
+    gpu = modelled_gpu_ms(args, local_batch, seq, ac)["total_ms"]
+    result = dict(host_ms=measured, gpu_ms=gpu, **verdict(measured, gpu), local_batch=None, accumulation=None)
+    if result["bound"] == "host-bound":
+        per_sequence = gpu / local_batch
+        factor = 2
+        while local_batch * factor * per_sequence < measured:
+            factor *= 2
+        if accumulation % factor == 0:
+            result.update(local_batch=local_batch * factor, accumulation=accumulation // factor)
+    return result

@@ -1,0 +1,92 @@
+"""Host time of routing with the kernel launches stubbed: one call at N = 73 and one whole 1b
+step's routing, per call and grouped. Run through `bench/routing.py --host`.
+"""
+from __future__ import annotations
+
+import statistics
+
+import os
+import pathlib
+import sys
+
+import torch
+
+if not torch.cuda.is_available():  # Triton runs on CPU only through its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from mhar_kernels.dispatch import route as model_route, share_gradient  # noqa: E402
+from routing_harness import (SHAPES, auto_group, make_inputs, one_grouped_step, one_step,  # noqa: E402
+                             standin_step, stubbed_launches, host_timer)
+
+
+def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dict:
+    """Host time (ms) of routing with the two kernel launches stubbed out (argument check,
+    pointer table, allocations, autograd; no device work), through the models' route
+    (kernel="triton") and over sources shared as the models share them (`share_gradient`).
+    CUDA tensors where there is a GPU; CPU tensors otherwise (needs TRITON_INTERPRET=1 so that
+    the op accepts them).
+
+    Returns {'call': median and 'call_min': minimum of one forward+backward call over n sources
+    whose gradient buffers deeper sites already wrote (every site but a source's last reader),
+    'share': median per source of `share_gradient` forward + backward (once per source and
+    step, i.e. about once per call), 'total' = call + share}."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    with stubbed_launches():
+        grad_out = torch.ones_like(sources[0])
+        shared = [share_gradient(x, "triton", heads) for x in sources]
+
+        def call():  # gradients of q and g only: the shared buffers stay with their sinks, as mid-step
+            out = model_route(shared, query, norm_weight, heads, kernel="triton")
+            torch.autograd.grad(out, [query, norm_weight], grad_out)
+
+        def share():  # n sources shared, used, and their gradients handed on
+            views = [share_gradient(x, "triton", heads) for x in sources]
+            torch.autograd.grad([v.sum() for v in views], sources)
+
+        def plain():  # the same without share_gradient, subtracted from share()
+            torch.autograd.grad([x.sum() for x in sources], sources)
+        measure = host_timer  # host CPU time: there is no device work
+        result = {}
+        for name, fn in (("call", call), ("share", share), ("plain", plain)):
+            for _ in range(10):
+                fn()
+            times = [measure(fn) for _ in range(iters)]
+            result[name], result[name + "_min"] = statistics.median(times), min(times)
+        result["share"] = max(0.0, result["share"] - result.pop("plain")) / n
+        result["total"] = result["call"] + result["share"]
+        return result
+
+
+def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters: int = 5) -> dict:
+    """Host time (ms) of one whole step's routing with every kernel launch stubbed out (the
+    per-call and phase-1 kernels do nothing): `one_step` (family "mhar") or `one_grouped_step` at
+    `auto_group(shape)` ("mhar-grouped") over SHAPES["paper"][shape]'s N sources of d, 4 tokens,
+    bf16, forward and backward, AC none. CUDA tensors where there is a GPU, else CPU tensors
+    (TRITON_INTERPRET=1).
+
+    Returns {'median', 'min'} of the whole harness step over `iters` steps after one warm-up,
+    {'standin_median', 'standin_min'} of the same loop with no routing (`standin_step`: each
+    site's output is its newest source, the harness's sums and backward stay), and 'routing' =
+    median - standin_median, the routing's own host time (sharing the sources included)."""
+    _, _, d, n = SHAPES["paper"][shape]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    if family == "mhar":
+        run = one_step("triton", sources, query, norm_weight, heads)
+    else:
+        run = one_grouped_step("triton", sources, query, norm_weight, heads, auto_group(shape))
+    with stubbed_launches():
+        measure = host_timer  # host CPU time: there is no device work
+        result = {}
+        for key, fn in (("", run), ("standin_", standin_step(sources, query, norm_weight))):
+            fn()
+            times = [measure(fn) for _ in range(iters)]
+            result[key + "median"], result[key + "min"] = statistics.median(times), min(times)
+        result["routing"] = result["median"] - result["standin_median"]
+        return result
+

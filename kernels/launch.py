@@ -1,0 +1,246 @@
+"""The routing kernels' launch side: per-step source tables and a lean `autograd.Function` call.
+
+A routing call's host work must not grow with the number of sources N in Python (N = 73 at 1b,
+73 calls per step). Two pieces make it so:
+
+`SourceTable`: every (B, T, d) source shared for routing (`op.share_gradient`, once per source
+and micro-batch) is appended to one table, checked once (shape, dtype, device, contiguity,
+alignment) and its data pointer, row stride and, once the first reader's backward has made it,
+its gradient buffer's pointer written once into a device-resident int64 table (4, capacity):
+
+    row 0: source pointers   row 1: row strides   row 2: gradient-buffer pointers   row 3: ones
+
+Slot 0 holds the call's (d,) null source (row stride 0, broadcast over tokens), sources take
+slots 1, 2, ... in the order they were shared. A call whose sources are consecutive entries of
+one table (per-call routing reads every earlier source; a grouped site's merge reads its
+in-group ones) hands the kernels slices of these rows: no table is built from a Python list,
+no per-source check runs (one C-level comparison of the call's gradient sinks with the table's
+proves that the sources are the registered ones). Other calls (sources of several tables, a
+recomputed block's fresh sources under activation checkpointing, mixed gradient-buffer states)
+take the general path, which builds a table per launch as before; both give the same values.
+
+Tables are per micro-batch: a table is referenced by its sources' gradient sinks (no tensor of
+the step's activations is held), so it goes when the step's autograd graph goes; a table stops
+taking new sources at `MAX_ENTRIES` (a new one starts), so a graph kept alive across steps
+cannot grow one without bound.
+
+`apply(function, *args)`: `torch.autograd.Function.apply` without its Python pass over every
+argument (functorch's dead-wrapper unwrapping, a generator over the N sources per call): where no
+functorch transform is active, the C++ entry is called directly; otherwise the public
+`Function.apply`.
+"""
+from __future__ import annotations
+
+import array
+import weakref
+from itertools import repeat
+from operator import attrgetter
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+SINK_ATTRIBUTE = "_mhar_gradient_sink"  # the attribute of a shared view that holds its gradient sink
+MAX_ENTRIES = 1024  # sources per table (a new table starts beyond)
+_CAPACITY = 128  # initial slots; doubled as sources come
+
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_bound: dict = {}
+
+
+def apply(function: type, *args):
+    """`function.apply(*args)` (a `torch.autograd.Function` subclass) with the host cost of one
+    C++ call: functorch's unwrapping (a Python pass over the arguments) only runs where a
+    functorch transform is active, as in `Function.apply` itself; under torch.compile the public
+    `Function.apply` is called."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return function.apply(*args)  # (torch.compile traces Function.apply, not the C++ entry)
+    fast = _bound.get(function)
+    if fast is None:
+        fast = _bound[function] = _C_APPLY.__get__(None, function)
+    return fast(*args)
+
+
+def _device_rows(values: Sequence[int], device: torch.device) -> Tensor:
+    """int64 tensor of `values` on `device` (pinned + asynchronous copy on CUDA: no host wait)."""
+    table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+class SourceTable:
+    """The shared (B, T, d) sources of one micro-batch, in sharing order (module docstring).
+
+    Attributes: `sinks` (the `op.GradientSink` of the source in slot i + 1), `pointers` (their
+    data pointers, a list), `rows` (4, capacity) int64 on the sources' device, `written`
+    (bytearray: 1 where the slot's gradient buffer exists and its pointer is in row 2),
+    `aligned` (every registered pointer and gradient pointer on a 16-byte boundary, d % 8 == 0),
+    `shape`, `dtype`, `device`."""
+
+    __slots__ = ("sinks", "pointers", "rows", "written", "aligned", "shape", "dtype", "device", "null",
+                 "closed", "handed", "_views", "__weakref__")
+
+    def __init__(self, like: Tensor):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.sinks: list = []
+        self.pointers: list[int] = []
+        self.rows = torch.zeros((4, _CAPACITY), dtype=torch.int64, device=like.device)
+        self.rows[1].fill_(like.shape[-1])
+        self.rows[3].fill_(1)
+        self.written = bytearray(_CAPACITY)
+        self.aligned = like.shape[-1] % 8 == 0
+        self.null: Optional[tuple] = None  # (null parameter, its version, the cast in slot 0)
+        self.closed = False  # takes no more sources (its backward has begun)
+        self.handed = 0
+        self._views: dict = {}
+
+    def accepts(self, source: Tensor) -> bool:
+        """True when `source` can take the next slot: same shape, dtype and device, contiguous."""
+        return (not self.closed and len(self.sinks) < MAX_ENTRIES and source.shape == self.shape
+                and source.dtype is self.dtype and source.device == self.device and source.is_contiguous())
+
+    def append(self, sink, source: Tensor) -> None:
+        """Register `source` (accepted by `accepts`) in the next slot; sets sink.table, sink.slot."""
+        slot = len(self.sinks) + 1
+        if slot >= self.rows.shape[1]:
+            self._grow()
+        pointer = source.data_ptr()
+        self.sinks.append(sink)
+        self.pointers.append(pointer)
+        self.aligned = self.aligned and pointer % 16 == 0
+        self._write(0, slot, [pointer])
+        sink.table, sink.slot = self, slot
+
+    def _grow(self) -> None:
+        rows = torch.zeros((4, 2 * self.rows.shape[1]), dtype=torch.int64, device=self.device)
+        rows[1].fill_(self.shape[-1])
+        rows[3].fill_(1)
+        rows[:, :self.rows.shape[1]].copy_(self.rows)
+        self.rows = rows
+        self.written.extend(bytearray(len(self.written)))
+        self._views.clear()
+
+    def _write(self, row: int, slot: int, values: Sequence[int]) -> None:
+        if self.device.type == "cuda":
+            self.rows[row, slot:slot + len(values)].copy_(_device_rows(values, self.device))
+        else:
+            self.rows[row, slot:slot + len(values)] = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+    def slots(self, sinks: list) -> Optional[int]:
+        """The first slot of the call whose sources have these gradient sinks, when they are
+        consecutive entries of this table (else None)."""
+        slot = sinks[0].slot
+        return slot if self.sinks[slot - 1:slot - 1 + len(sinks)] == sinks else None
+
+    def views(self, first: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(pointers, row strides, gradient pointers, ones) of slots first..stop-1, views of
+        `rows` (made once per range and table)."""
+        key = (first, stop)
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = self.rows[:, first:stop].unbind(0)
+        return found
+
+    def null_source(self, null: Tensor) -> Optional[Tensor]:
+        """The (d,) null source cast to the sources' dtype (a copy the table owns), in slot 0; made
+        once per table, parameter version and storage. None when slot 0 holds another null source
+        or an older version of this one (the caller takes the general path)."""
+        key = (null._version, null.data_ptr())
+        if self.null is None:
+            # an owned copy: the parameter's own storage may move (FSDP2 frees and regathers it)
+            cast = null.to(self.dtype, copy=True)
+            self.rows[1, 0] = 0
+            self._write(0, 0, [cast.data_ptr()])
+            self.aligned = self.aligned and cast.data_ptr() % 16 == 0
+            self.null = (null, key, cast)
+        held, held_key, cast = self.null
+        return cast if held is null and held_key == key else None
+
+    def buffers(self, first: int, stop: int, shape, device) -> Optional[bool]:
+        """Make sure slots first..stop-1 have gradient buffers with pointers in row 2: True when
+        each already had one (the kernel adds into them), False when none had and new ones were
+        made (written, not added), None when some had (the caller takes the general path)."""
+        if self.written.find(0, first, stop) == -1:
+            return True
+        if self.written.find(1, first, stop) != -1:
+            return None
+        sinks = self.sinks[first - 1:stop - 1]
+        if len(sinks) != stop - first or any(s.grad is not None for s in sinks):  # released, or made elsewhere
+            return None
+        grads = [torch.empty(shape, dtype=self.dtype, device=device) for _ in sinks]
+        pointers = [g.data_ptr() for g in grads]
+        for sink, grad in zip(sinks, grads):
+            sink.grad = grad
+        self._write(2, first, pointers)
+        self.written[first:stop] = b"\x01" * (stop - first)
+        self.aligned = self.aligned and all(p % 16 == 0 for p in pointers)
+        return False
+
+    def backward_rows(self, lo: int, hi: int, has_null: bool, sources: Sequence[Tensor], shape, device
+                      ) -> Optional[tuple]:
+        """For the backward launch of a call whose forward read slots lo..hi-1 (slot 0 its null
+        source when has_null): (pointers, row strides, gradient pointers, ones or None (the
+        buffers were just made: written, not added), aligned), the rows `route_backward` takes as
+        `tables`; None where the saved `sources` are not the registered tensors (a block
+        recomputed under activation checkpointing) or their buffers are in mixed states (the
+        caller takes the general path)."""
+        first = lo + has_null
+        if list(map(Tensor.data_ptr, sources)) != self.pointers[first - 1:hi - 1]:
+            return None
+        written = self.buffers(first, hi, shape, device)
+        if written is None:
+            return None
+        pointers, strides, grads, ones = self.views(lo, hi)
+        return pointers, strides, grads, ones if written else None, self.aligned
+
+    def gradient_buffers(self, first: int, stop: int, added: bool) -> tuple[list[Tensor], list[bool]]:
+        """The gradient buffers of slots first..stop-1 (made: `backward_rows`) and whether the
+        launch adds into them, as `route_backward` returns and takes them."""
+        return list(map(_grad, self.sinks[first - 1:stop - 1])), [added] * (stop - first)
+
+    def handed_on(self, slot: int) -> None:
+        """Slot's gradient buffer was handed to autograd (its sink emptied). The table then takes
+        no new source; once every slot's was, it lets its sinks go (sinks and table refer to each
+        other: without this the pair would wait for Python's cycle collector)."""
+        self.written[slot] = 0
+        self.closed = True
+        self.handed += 1
+        if self.handed >= len(self.sinks):
+            self.sinks = []
+            self._views.clear()
+
+
+_grad = attrgetter("grad")
+_current: Optional[weakref.ref] = None
+
+
+def register(sink, source: Tensor) -> None:
+    """Append the shared `source` (B, T, d) with gradient sink `sink` to the current table, or
+    to a new one when the current one is gone or cannot take it (`SourceTable.accepts`)."""
+    global _current
+    table = _current() if _current is not None else None
+    if table is None or not table.accepts(source):
+        if not source.is_contiguous():
+            return
+        table = SourceTable(source)
+        _current = weakref.ref(table)
+    table.append(sink, source)
+
+
+def sinks(sources: Sequence[Tensor]) -> list:
+    """The gradient sink of each source (None for a source not shared), in one C-level pass."""
+    return list(map(getattr, sources, repeat(SINK_ATTRIBUTE), repeat(None)))
+
+
+def lookup(sinks: list) -> Optional[tuple[SourceTable, int]]:
+    """(table, first slot) when the sources with these gradient sinks (a list; None entries for
+    unshared sources) are consecutive entries of one table, else None."""
+    first = sinks[0]
+    if first is None:
+        return None
+    table = first.table
+    if table is None:
+        return None
+    slot = table.slots(sinks)
+    return None if slot is None else (table, slot)
