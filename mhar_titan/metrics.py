@@ -187,6 +187,9 @@ class ConsoleSink:
                        if k.startswith("val_loss/")]  # a data mixture's sources
             self._print(console.line(tag, [f"val loss {console.loss_text(value)}", *best, *sources], "val",
                                      self.color))
+        downstream = [f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/") and v is not None]
+        if downstream:
+            self._print(console.line(tag, ["eval", *downstream], "val", self.color))
 
     def event(self, step: int, fields: list[str], kind: str = "event") -> None:
         """A line of the run that is not a metrics row (start, preemption, summary)."""
@@ -271,11 +274,13 @@ PERF_KEYS = ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mf
 
 
 def tensorboard_tag(key: str) -> str:
-    """The grouped TensorBoard tag of a metrics key: ``val_loss`` -> ``val/loss``, throughput and
+    """The grouped TensorBoard tag of a metrics key: ``val_loss`` -> ``val/loss``, ``eval/...`` as it is, throughput and
     memory under ``perf/``, ``routing_entropy`` -> ``routing/entropy``, the rest under ``train/``
     (``loss`` -> ``train/loss``, ``grad_norm/routing`` -> ``train/grad_norm/routing``)."""
     if key.startswith("val_"):
         return "val/" + key[4:]
+    if key.startswith("eval/"):  # downstream tasks (components.downstream): eval/<task>/<metric>
+        return key
     if key in PERF_KEYS:
         return "perf/" + key
     if key.startswith("routing_"):

@@ -17,8 +17,10 @@ One optimizer step:
 3. global gradient norm (and per group: routing pseudo-queries, gates, the
    rest), clipping; a non-finite loss or norm skips the step (counted), and
    ``training.max_consecutive_nonfinite`` consecutive ones stop the run;
-4. optimizer step (AdamW, or Muon with AdamW: ``optim.build_optimizer``), weight EMA update (``training.ema_decay``; validation runs on the EMA
-   weights), LR schedule step, checkpoint, preemption check. With ``training.z_loss`` the
+4. optimizer step (AdamW, or Muon with AdamW: ``optim.build_optimizer``), weight EMA update
+   (``training.ema_decay``; validation runs on the EMA weights), LR schedule step, validation
+   and the ``[eval]`` downstream tasks when due (``components.downstream``), checkpoint,
+   preemption check. With ``training.z_loss`` the
    summed loss of step 2 includes the z-loss (``components.loss``).
 
 Steps 2-4 read nothing back from the device (no ``.item()``, no data-dependent shapes; the
@@ -50,6 +52,7 @@ from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
+from mhar_titan.components.downstream import DownstreamEval
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import build_loss_fn, target_count
 from mhar_titan.components.memory import available_memory, check_memory_fit
@@ -118,6 +121,7 @@ class Trainer:
         # Inputs next, before anything expensive: every data check that needs only the config
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
+        agree_on_setup(self._build_downstream, env.world_size)  # the [eval] tasks, checked before the model
         if self.model_args is None:
             self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
                                                  cfg.data.tokenizer)
@@ -204,6 +208,12 @@ class Trainer:
                 local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
                 seq_len=t.seq_len, sequences=v.sequences_for(t.seq_len),
             )
+
+    def _build_downstream(self) -> None:
+        """The ``[eval]`` tasks (``components.downstream``); DownstreamEvalError names a task that cannot run."""
+        cfg, env = self.cfg, self.env
+        self.downstream = DownstreamEval(cfg.eval, self.tokenizer, env.rank, env.world_size, self.device) \
+            if cfg.eval.enable else None
 
     def _release(self) -> None:
         """Drop the model, optimizer, loaders and EMA (and collect): FSDP state must be gone before
@@ -332,6 +342,9 @@ class Trainer:
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
                             self._log(step, self.validate())
+                    if self.downstream is not None and self.downstream.due(step, t.steps):
+                        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+                            self._log(step, self.downstream.evaluate(self.model))
                     self.state.check_health(t.max_consecutive_nonfinite)
                     if self.checkpointer is not None and self.checkpointer.save(step, last=step == t.steps):
                         self.metrics.flush()  # everything logged up to a checkpoint survives a crash

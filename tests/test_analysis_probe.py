@@ -99,20 +99,43 @@ def test_probe_refuses_multi_head_and_baseline_models():
 
 
 def test_probe_figure_shows_learned_against_random_per_site_at_column_width(tmp_path):
+    from matplotlib.text import Text
+
     from mhar_titan.analysis.plots import pyplot
     from mhar_titan.analysis.probe import plot_probe
 
     model = tiny_model(random_queries=True, residual="attn_res", routing_heads=1)
-    result = query_probe(model, [random_tokens(seed=3)], slices=S, draws=2, seed=1)
+    result = query_probe(model, [random_tokens(seed=3)], slices=S, draws=3, seed=1)
     fig = plot_probe(result, model.args.n_routing_sites, tmp_path / "probe.png")
     ax, = fig.axes
-    learned, random = ax.lines
+    draws, random, learned = ax.lines
     assert list(learned.get_ydata()) == [kl for _, kl, _ in result.per_site]
     assert list(random.get_ydata()) == [kl for _, _, kl in result.per_site]
+    # the spread of the random draws: every draw's value per site, and their range as a band
+    assert len(result.site_draws) == len(result.per_site) and all(len(d) == 3 for d in result.site_draws)
+    for (_, _, mean), per_draw in zip(result.per_site, result.site_draws):
+        assert sum(per_draw) / 3 == pytest.approx(mean, rel=1e-12) and max(per_draw) > min(per_draw)
+    assert list(draws.get_ydata()) == [v for d in result.site_draws for v in d]
+    assert list(draws.get_xdata()) == [i for i, d in enumerate(result.site_draws) for _ in d]
+    band, = ax.collections
+    (path,) = band.get_paths()
+    top = {round(x, 9): y for x, y in path.vertices}
+    for i, per_draw in enumerate(result.site_draws):
+        assert min(per_draw) - 1e-12 <= top[i] <= max(per_draw) + 1e-12
+    ys = path.vertices[:, 1]
+    assert ys.min() == pytest.approx(min(min(d) for d in result.site_draws))
+    assert ys.max() == pytest.approx(max(max(d) for d in result.site_draws))
+    assert sum(result.random_draws) / 3 == pytest.approx(result.random_kl, rel=1e-12)
+    report = result.report("tiny")
+    assert f"{min(result.random_draws):.4f} to {max(result.random_draws):.4f}" in report
+    # labels, legend, fonts at column width
     assert [t.get_text() for t in ax.get_xticklabels()] == ["L0.mlp", "L1.attn", "L1.mlp", "final"]
+    assert ax.get_xlabel() == "routing site" and ax.get_ylabel() == "KL(p || p_j), nats"
+    legend, = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["learned query", "range of the 3 draws", "each random draw",
+                                                         "random query, mean"]
     width = fig.get_size_inches()[0]
-    texts = [t for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title, ax.yaxis.label,
-                         *ax.get_legend().get_texts()) if t.get_text()]
-    assert width <= 3.5 + 1e-9 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    assert width <= 3.5 + 1e-9 and len(texts) > 10 and min(t.get_fontsize() for t in texts) >= 8
     assert (tmp_path / "probe.png").stat().st_size > 10_000
     pyplot().close(fig)

@@ -54,6 +54,7 @@ def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, t
         assert (filled.sum(1) == n_of_site[:, 0]).all()
         assert np.abs(np.where(filled, array, 0.0)).max() < 1e-6, name  # log2(w N) = 0: uniform
     assert heat.heads_agree and len(heat.panels) == 1  # identical heads are collapsed into one panel
+    assert heat.heads_path is None and heat.heads_figure is None and sorted(tmp_path.iterdir()) == [heat.path]
     # uniform routing is drawn in the colour map's neutral middle colour
     pixels = read_png(heat.path)
     neutral = np.array(pyplot().get_cmap(heat.cmap)(0.5)[:3])
@@ -63,16 +64,90 @@ def test_fresh_model_routes_uniformly_and_heatmap_means_are_one_over_n(family, t
     pyplot().close(heat.figure)
 
 
-def test_heatmap_fonts_are_readable_at_column_width(tmp_path):
-    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=4, n_layers=6)
+def _texts(figure):
+    """Every visible, non-empty text of a figure (ticks, titles, labels, legends, colour bars)."""
+    from matplotlib.text import Text
+
+    return [t for t in figure.findobj(Text) if t.get_visible() and t.get_text()]
+
+
+def test_heatmap_mean_fits_a_column_and_the_heads_get_a_compact_grid(tmp_path):
+    model = tiny_model(random_queries=True, residual="attn_res", routing_heads=8, n_layers=6)
     heat = plot_routing_heatmaps(routing_summary(model, [random_tokens()]), tmp_path / "h.png", title="t")
-    width = heat.figure.get_size_inches()[0]
-    assert width <= 3.5 + 1e-9 and not heat.heads_agree and len(heat.panels) == 5
-    texts = [t for ax in heat.figure.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title,
-                                                     ax.xaxis.label, ax.yaxis.label) if t.get_text()]
-    texts += [t for ax in heat.figure.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
-    assert len(texts) > 40 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
-    pyplot().close(heat.figure)
+    assert not heat.heads_agree and len(heat.panels) == 9
+    # the mean over heads: a column-sized square with one heatmap, its side panel and one colour bar
+    assert tuple(heat.figure.get_size_inches()) == (3.5, 3.5)
+    assert [ax.get_title() for ax in heat.figure.axes if ax.get_title()] == ["mean over heads", "spread"]
+    assert heat.path_of("mean over heads") == heat.path and heat.path.stat().st_size > 10_000
+    # its effective-sources panel: a named axis and a legend for both curves
+    side = heat.axes["effective sources"]
+    assert side.get_xlabel() == "effective sources"
+    assert [t.get_text() for t in side.get_legend().get_texts()] == ["exp(entropy)", "N (uniform)"]
+    eff, uniform = side.lines
+    assert np.allclose(eff.get_xdata(), routing_summary(model, [random_tokens()]).effective_sources())
+    assert list(uniform.get_xdata()) == list(range(1, 2 * 6 + 2))  # N of site s = s + 1 sources
+    # the heads: their own file, a 2 x 4 grid on a page's width, site names on the first column only,
+    # source names on the bottom row only, one colour bar
+    assert heat.heads_path == tmp_path / "h_heads.png" and heat.heads_path.stat().st_size > 10_000
+    assert all(heat.path_of(f"head {h}") == heat.heads_path for h in range(8))
+    width, height = heat.heads_figure.get_size_inches()
+    assert width == 7.0 and height < width
+    for h in range(8):
+        ax = heat.axes[f"head {h}"]
+        assert ax.figure is heat.heads_figure
+        assert ax.yaxis.get_tick_params()["labelleft"] == (h % 4 == 0)
+        assert ax.xaxis.get_tick_params()["labelbottom"] == (h >= 4)
+        assert ax.get_xlabel() == "" and ax.get_ylabel() == ""
+    assert heat.heads_figure.get_supxlabel() == "source" and heat.heads_figure.get_supylabel() == "routing site"
+    assert len(heat.heads_figure.axes) == 8 + 1  # the panels and one colour bar
+    # fonts: at least 8 pt everywhere
+    for figure in (heat.figure, heat.heads_figure):
+        texts = _texts(figure)
+        assert len(texts) > 20 and min(t.get_fontsize() for t in texts) >= 8
+    heat.close()
+    # two heads fit a column
+    two = plot_routing_heatmaps(routing_summary(tiny_model(random_queries=True, residual="attn_res", routing_heads=2),
+                                                [random_tokens()]), tmp_path / "two.png")
+    assert two.heads_figure.get_size_inches()[0] == 3.5 and not two.heads_agree
+    two.close()
+
+
+def test_heatmap_fixed_colour_range_is_honoured_in_both_figures(tmp_path):
+    summaries = [routing_summary(tiny_model(random_queries=True, residual="attn_res", routing_heads=2, seed=seed),
+                                 [random_tokens()]) for seed in (0, 1)]
+    automatic = [plot_routing_heatmaps(s, tmp_path / f"auto{k}.png") for k, s in enumerate(summaries)]
+    assert automatic[0].vmax != automatic[1].vmax  # each run's own range by default
+    for k, summary in enumerate(summaries):
+        heat = plot_routing_heatmaps(summary, tmp_path / f"fixed{k}.png", vmax=0.5)
+        assert (heat.vmin, heat.vmax) == (-0.5, 0.5)
+        images = [image for figure in (heat.figure, heat.heads_figure) for ax in figure.axes for image in ax.images]
+        assert len(images) == 3 and all(image.get_clim() == (-0.5, 0.5) for image in images)
+        bars = [ax for figure in (heat.figure, heat.heads_figure) for ax in figure.axes if ax.get_label() == "<colorbar>"]
+        assert len(bars) == 2 and all(bar.get_xlim() == (-0.5, 0.5) or bar.get_ylim() == (-0.5, 0.5) for bar in bars)
+        # the pixels: values beyond the range take its end colours
+        step = 1.0 / (pyplot().get_cmap(heat.cmap).N - 1)
+        for name, array in heat.panels.items():
+            pixels = read_png(heat.path_of(name))
+            for row, col in zip(*np.nonzero(np.isfinite(array))):
+                got = decode_heatmap_cell(pixels, heat, name, row, col)
+                assert abs(got - np.clip(array[row, col], -0.5, 0.5)) <= 3 * step, (name, row, col)
+        assert any(np.nanmax(np.abs(a)) > 0.5 for a in heat.panels.values())  # some cells are clipped
+        heat.close()
+    for heat in automatic:
+        heat.close()
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="vmax must be a finite number > 0"):
+            plot_routing_heatmaps(summaries[0], tmp_path / "bad.png", vmax=bad)
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_heatmap_command_refuses_a_bad_vmax_before_loading(tmp_path, capsys):
+    from mhar_titan.analysis.__main__ import main
+
+    assert main(["heatmap", str(tmp_path / "no_such_run"), "--vmax", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m mhar_titan.analysis heatmap: error: --vmax: vmax must be a finite number > 0")
+    assert "\n" not in err and "no_such_run" not in err  # refused before the run folder is read
 
 
 @pytest.mark.parametrize("family", ["attn_res H=1", "mhar H=8", "delta+null"])
@@ -111,11 +186,12 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
     summary = routing_summary(model, [x])
     heat = plot_routing_heatmaps(summary, tmp_path / "heat.png", title="tiny")
     assert_not_blank(heat.path)
-    pixels = read_png(heat.path)
+    assert_not_blank(heat.heads_path)
     weights = model_weights(model, x)
     step = (heat.vmax - heat.vmin) / (pyplot().get_cmap(heat.cmap).N - 1)
     assert not heat.heads_agree and set(heat.panels) == {"mean over heads", "head 0", "head 1"}
     for name in heat.panels:
+        pixels = read_png(heat.path_of(name))
         for row, w in enumerate(weights):
             per_head = w.double().mean((1, 2)).T.numpy()  # (H, N)
             mean = per_head.mean(0) if name.startswith("mean") else per_head[int(name.split()[-1])]
@@ -125,7 +201,7 @@ def test_heatmap_png_pixels_decode_to_the_mean_weights(tmp_path):
             for col, value in enumerate(expected):
                 got = decode_heatmap_cell(pixels, heat, name, row, col)
                 assert abs(got - np.clip(value, heat.vmin, heat.vmax)) <= 3 * step, (name, row, col, got, value)
-    pyplot().close(heat.figure)
+    heat.close()
 
 
 def test_heatmap_columns_are_the_models_sources():

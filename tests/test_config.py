@@ -14,7 +14,7 @@ def write(tmp_path, text, name="job.toml"):
 def test_sections_use_torchtitan_names():
     assert SECTIONS == [
         "job", "model", "data", "optimizer", "lr_scheduler", "training", "parallelism",
-        "activation_checkpoint", "compile", "checkpoint", "metrics", "validation", "profiling", "debug",
+        "activation_checkpoint", "compile", "checkpoint", "metrics", "validation", "eval", "profiling", "debug",
     ]
 
 

@@ -124,12 +124,31 @@ def test_the_study_plot_draws_the_seed_mean_with_a_standard_error_band_at_column
     assert [b for b in mhar.val_band if b[0] == 4] == [(4, pytest.approx(mean - se), pytest.approx(mean + se))]
     fig = plot_comparison(list(curves.values()), comparison_table(list(curves.values()), "baseline", 3),
                           tmp_path / "p.png")
-    train_ax, val_ax = fig.axes
+    train_ax, val_ax, diff_ax = fig.axes
     assert len(val_ax.collections) == 2  # one band per family (both have 3 seeds)
-    assert val_ax.get_ylabel() == "loss (nats per token)"
+    assert val_ax.get_ylabel() == "loss (nats per token)" and diff_ax.get_ylabel() == "difference (nats per token)"
+    # the difference panel: mhar_h4 - baseline paired seed by seed, mean and band of -/+ 1 SE over the seeds
+    (diff_line, zero) = diff_ax.lines
+    assert list(zero.get_ydata()) == [0, 0]
+    for k, step in enumerate(range(1, 7)):
+        per_seed = [VAL[f"mhar_h4_s{s}"][step - 1] - VAL[f"baseline_s{s}"][step - 1] for s in (1, 2, 3)]
+        mean, se = mean_and_se(per_seed)
+        assert diff_line.get_xdata()[k] == step * TOKENS_PER_STEP
+        assert diff_line.get_ydata()[k] == pytest.approx(mean, abs=1e-12)
+    band, = diff_ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    step3 = mean_and_se([VAL[f"mhar_h4_s{s}"][2] - VAL[f"baseline_s{s}"][2] for s in (1, 2, 3)])  # -2.0 +/- 2.0
+    assert step3 == (pytest.approx(-2.0), pytest.approx(2.0)) and ys.min() == pytest.approx(-4.0)
+    # legends in every panel, named for the runs
+    for ax in (train_ax, val_ax):
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["baseline, 3 seeds", "mhar_h4, 3 seeds"]
+    assert [t.get_text() for t in diff_ax.get_legend().get_texts()] == ["mhar_h4, 3 paired seeds, +/- 1 SE",
+                                                                       "baseline"]
+    assert diff_ax.get_title() == "validation loss minus baseline's" and diff_ax.get_xlabel() == "tokens"
     width = fig.get_size_inches()[0]
     texts = [t for ax in fig.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title, ax.xaxis.label,
-                                            ax.yaxis.label) if t.get_text()] + list(val_ax.get_legend().get_texts())
+                                            ax.yaxis.label) if t.get_text()]
+    texts += [t for ax in fig.axes for t in ax.get_legend().get_texts()]
     assert width <= 3.5 + 1e-9 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
     pyplot().close(fig)
     # a single run has no band; the byte tokenizer's losses are drawn in bits per byte
@@ -139,3 +158,34 @@ def test_the_study_plot_draws_the_seed_mean_with_a_standard_error_band_at_column
     assert val_ax.get_ylabel() == "loss (bits per byte)" and not val_ax.collections
     assert val_ax.lines[0].get_ydata()[-1] == pytest.approx(one.val[-1][1] / math.log(2))
     pyplot().close(fig)
+
+
+def test_the_comparison_plot_takes_fixed_y_ranges(tmp_path, capsys):
+    from mhar_titan.analysis.compare import comparison_table, plot_comparison
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.experiments.results import group_curves
+
+    sweep = constructed_sweep(tmp_path)
+    curves = group_curves(collect(sweep)[0])
+    rows = comparison_table(curves, "baseline", 3)
+    auto = plot_comparison(curves, rows, tmp_path / "auto.png")
+    assert auto.axes[0].get_ylim() != auto.axes[1].get_ylim()  # each loss panel its own range by default
+    pyplot().close(auto)
+    fig = plot_comparison(curves, rows, tmp_path / "fixed.png", ylim=(1.5, 6.0), diff_ylim=(-0.5, 0.25))
+    train_ax, val_ax, diff_ax = fig.axes
+    assert train_ax.get_ylim() == val_ax.get_ylim() == (1.5, 6.0) and diff_ax.get_ylim() == (-0.5, 0.25)
+    pyplot().close(fig)
+    for bad in ((2.0, 1.0), (0.0, float("nan")), (1.0,)):
+        with pytest.raises(ValueError, match="ylim must be"):
+            plot_comparison(curves, rows, tmp_path / "bad.png", ylim=bad)
+    assert not (tmp_path / "bad.png").exists()
+    # the results command: the same ranges from its flags; a bad range is refused before anything is read
+    out = tmp_path / "results"
+    assert experiments_main(["results", str(sweep.path), "--out", str(out), "--ylim", "1.5", "6",
+                             "--diff-ylim", "-0.5", "0.25"]) == 0
+    assert (out / "loss_vs_tokens.png").stat().st_size > 10_000
+    capsys.readouterr()
+    assert experiments_main(["results", str(sweep.path), "--out", str(tmp_path / "never"), "--ylim", "3", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m mhar_titan.experiments results: error: --ylim must be two finite numbers with "
+                   "LOW < HIGH, got 3 1") and not (tmp_path / "never").exists()

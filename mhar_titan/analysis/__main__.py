@@ -1,9 +1,11 @@
 """``python -m mhar_titan.analysis {heatmap,probe,compare}``: figures and reports for runs.
 
-heatmap RUN   routing heatmaps (PNG), per-site entropy / effective sources (Markdown, JSON)
-              on validation batches of the run's newest (or --step) checkpoint
+heatmap RUN   routing heatmaps (PNG: the mean over heads, and the heads one by one when they
+              differ), per-site entropy / effective sources (Markdown, JSON) on validation
+              batches of the run's newest (or --step) checkpoint; --vmax fixes the colour range
 probe RUN     the query probe of a single-head model (Markdown, and a per-site PNG)
-compare RUN RUN ...  loss against tokens (PNG) and a tail-mean validation-loss table (Markdown)
+compare RUN RUN ...  loss against tokens and the difference to the baseline (PNG; --ylim,
+              --diff-ylim fix the y ranges) and a tail-mean validation-loss table (Markdown)
 
 Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
 Every flag is checked before anything is loaded. Bad input: a message on stderr and exit status 2.
@@ -14,6 +16,7 @@ import json
 import pathlib
 import sys
 
+from mhar_titan.analysis.compare import add_ylim_arguments
 from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
 from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
 from mhar_titan.files import check_output_folder, write_text
@@ -31,9 +34,13 @@ def _check_out(args) -> None:
 
 
 def _heatmap(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.heatmap import plot_routing_heatmaps, routing_report
+    from mhar_titan.analysis.heatmap import check_vmax, plot_routing_heatmaps, routing_report
     from mhar_titan.analysis.routing import routing_summary
 
+    try:
+        check_vmax(args.vmax)
+    except ValueError as e:
+        raise ValueError(f"--vmax: {e}") from None
     _check_out(args)
     loaded = load_run(args.run, args.step, args.device)
     if loaded.model.routing is None:
@@ -41,13 +48,16 @@ def _heatmap(args) -> list[pathlib.Path]:
     summary = routing_summary(loaded.model, _validation_tokens(loaded, args))
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     title = f"{loaded.run_dir.name}, step {loaded.step}: routing weight vs uniform"
-    png = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi).path
+    heat = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi,
+                                 vmax=args.vmax)
+    heat.close()
+    pngs = [heat.path] + ([heat.heads_path] if heat.heads_path is not None else [])
     md = out / f"routing_step{loaded.step}.md"
     write_text(md, routing_report(summary, f"Routing of {loaded.run_dir.name} at step {loaded.step}"))
     js = out / f"routing_step{loaded.step}.json"
     write_text(js, json.dumps(summary.to_dict(), indent=1))
     print(md.read_text())
-    return [png, md, js]
+    return [*pngs, md, js]
 
 
 def _probe(args) -> list[pathlib.Path]:
@@ -73,8 +83,12 @@ _PROG = "python -m mhar_titan.analysis"
 
 
 def _compare(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.compare import comparison_table, plot_comparison, read_run, short_tails, table_markdown
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.analysis.compare import (check_ylim, comparison_table, plot_comparison, read_run, short_tails,
+                                             table_markdown)
 
+    check_ylim(args.ylim, "--ylim")
+    check_ylim(args.diff_ylim, "--diff-ylim")
     paths = [pathlib.Path(p) for p in args.runs]
     out = pathlib.Path(args.out or paths[0].resolve().parent / "comparison")
     check_output_folder(out, "--out")
@@ -87,7 +101,7 @@ def _compare(args) -> list[pathlib.Path]:
                                      if r.paired is False]:
         print(f"{_PROG} compare: warning: {note}", file=sys.stderr)
     png = out / "loss_vs_tokens.png"
-    plot_comparison(runs, rows, png, dpi=args.dpi)
+    pyplot().close(plot_comparison(runs, rows, png, dpi=args.dpi, ylim=args.ylim, diff_ylim=args.diff_ylim))
     md = out / "comparison.md"
     write_text(md, f"# Run comparison\n\n![loss against tokens]({png.name})\n\n" + table_markdown(rows, args.k))
     print(table_markdown(rows, args.k))
@@ -106,7 +120,11 @@ def main(argv=None) -> int:
         p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's)")
         p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
         p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
-    sub.choices["heatmap"].add_argument("--dpi", type=positive_int, default=200, help="pixels per inch (3.5 in wide)")
+    p = sub.choices["heatmap"]
+    p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch (3.5 in wide)")
+    p.add_argument("--vmax", type=float, default=None,
+                   help="fixed colour range -VMAX..+VMAX of log2(weight x N), the same for every run drawn with it "
+                        "(default: the 95th percentile of the run's own values)")
     p = sub.choices["probe"]
     p.add_argument("--slices", type=positive_int, default=4, help="contiguous query slices S")
     p.add_argument("--draws", type=positive_int, default=4, help="random-query draws in the reference")
@@ -117,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=positive_int, default=11, help="evaluations in the tail mean")
     p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
     p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
+    add_ylim_arguments(p)
     args = parser.parse_args(argv)
     command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
     try:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import statistics
 from typing import Optional, Sequence
 
-from mhar_titan.analysis.plots import new_figure
-from mhar_titan.files import atomic_path
+from mhar_titan.analysis.plots import new_figure, save_figure
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries, resume permissions).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
@@ -86,6 +86,9 @@ class RunCurves:
     train_band: Optional[list[tuple[int, float, float]]] = None
     """(step, low, high): mean -/+ one standard error over the seeds (None for a single run)."""
     val_band: Optional[list[tuple[int, float, float]]] = None
+    seed_val: Optional[dict[int, list[tuple[int, float]]]] = None
+    """seed -> (step, val_loss) of each run averaged into these curves (None for a single run):
+    what the paired difference to a baseline family is taken over (``val_difference``)."""
 
     def tokens(self, step: int) -> float:
         return step * self.tokens_per_step
@@ -94,6 +97,54 @@ class RunCurves:
         """(mean of the last k validation losses, how many were averaged); NaN, 0 without any."""
         tail = [v for _, v in self.val[-k:]]
         return (sum(tail) / len(tail), len(tail)) if tail else (float("nan"), 0)
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of ``values``: SE = sd / sqrt(n) with the sample
+    standard deviation sd = sqrt(sum (x_i - mean)^2 / (n - 1)); SE is NaN for fewer than 2 values.
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("mean_and_se needs at least one value")
+    mean = math.fsum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, statistics.stdev(values) / math.sqrt(len(values))
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """Validation loss of a run minus that of the baseline, at the steps both logged."""
+
+    steps: list[int]
+    mean: list[float]
+    """(nats per token) the difference, averaged over the paired seeds when both are seed means."""
+    band: Optional[list[tuple[float, float]]]
+    """(low, high) per step: mean -/+ one standard error of the per-seed differences (None
+    without two paired seeds)."""
+    seeds: int
+    """Seeds the difference is paired over (1 for two single runs)."""
+
+
+def val_difference(run: RunCurves, base: RunCurves) -> Difference:
+    """``run.val`` minus ``base.val`` (B - A). For two seed means (``seed_val`` on both), the
+    difference is taken seed by seed over the seeds both have (same seed = same tokens: a paired
+    difference) at the steps all of them logged, then averaged, with a band of -/+ one standard
+    error over those seeds; otherwise at the steps both curves have, without a band."""
+    seeds = sorted(set(run.seed_val or ()) & set(base.seed_val or ()))
+    if seeds:
+        a = {seed: dict(run.seed_val[seed]) for seed in seeds}
+        b = {seed: dict(base.seed_val[seed]) for seed in seeds}
+        steps = sorted(set.intersection(*(set(a[seed]) & set(b[seed]) for seed in seeds)))
+        stats = [mean_and_se([a[seed][step] - b[seed][step] for seed in seeds]) for step in steps]
+        band = [(m - se, m + se) for m, se in stats] if len(seeds) > 1 else None
+        return Difference(steps, [m for m, _ in stats], band, len(seeds))
+    other = dict(base.val)
+    steps = [step for step, _ in run.val if step in other]
+    values = dict(run.val)
+    return Difference(steps, [values[step] - other[step] for step in steps], None, 1)
 
 
 def _finite(value) -> Optional[float]:
@@ -244,42 +295,99 @@ def table_markdown(rows: Sequence[TableRow], k: int) -> str:
     return "\n".join(lines) + "\n" + "".join(f"\nNote: {n}.\n" for n in notes)
 
 
+def check_ylim(ylim, what: str = "ylim") -> Optional[tuple[float, float]]:
+    """``ylim`` as (low, high) floats, None for an automatic range.
+
+    Raises:
+        ValueError: not two finite numbers with low < high."""
+    if ylim is None:
+        return None
+    try:
+        low, high = (float(v) for v in ylim)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be two numbers LOW HIGH, got {ylim!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"{what} must be two finite numbers with LOW < HIGH, got {low:g} {high:g}")
+    return low, high
+
+
+def add_ylim_arguments(parser) -> None:
+    """--ylim and --diff-ylim of an argparse parser: the fixed y ranges of ``plot_comparison``."""
+    parser.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                        help="y range of the two loss panels, in the plot's unit (the same range for several plots)")
+    parser.add_argument("--diff-ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                        help="y range of the difference panel (validation loss minus the baseline's)")
+
+
 def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,
-                    dpi: int = 200):
-    """Training (top) and validation (bottom) loss against tokens on shared axes, one colour per
-    run, drawn at a paper's column width (`heatmap.COLUMN_WIDTH_IN`, fonts `heatmap.FONT_PT`).
-    Curves averaged over seeds get a band of -/+ one standard error; the legend marks the
-    baseline, the runs paired with it and the seed counts. Loss unit: `loss_unit` (bits per byte
-    for the byte tokenizer). Saves a PNG without version metadata (the same runs give the same
-    bytes); returns the figure."""
+                    dpi: int = 200, ylim: Optional[tuple[float, float]] = None,
+                    diff_ylim: Optional[tuple[float, float]] = None):
+    """Three panels against tokens, drawn at a paper's column width (`heatmap.COLUMN_WIDTH_IN`,
+    fonts `heatmap.FONT_PT`), one colour per run: training loss (top), validation loss
+    (middle), each with a legend marking the baseline, the runs paired with it and the seed
+    counts; and the difference to the baseline, validation loss B - A for every other run
+    (`val_difference`: paired seed by seed for seed means, with a band of -/+ one standard
+    error over the seeds; 0 = the baseline, below = lower loss), with its own legend. Curves
+    averaged over seeds get a band of -/+ one standard error. Loss unit: `loss_unit` (bits per
+    byte for the byte tokenizer).
+
+    Args:
+        ylim: (low, high) of both loss panels in that unit, e.g. to draw several comparisons on
+            the same range (default: each panel's own).
+        diff_ylim: (low, high) of the difference panel (default: its own range).
+
+    Saves a PNG without version metadata (the same runs give the same bytes); returns the figure.
+
+    Raises:
+        ValueError: ylim or diff_ylim is not two finite numbers with low < high.
+    """
     from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
 
+    ylim, diff_ylim = check_ylim(ylim), check_ylim(diff_ylim, "diff_ylim")
     unit, scale = loss_unit(runs)
-    fig, (train_ax, val_ax) = new_figure(2, 1, panel_size=(COLUMN_WIDTH_IN, 2.4), dpi=dpi)
-    train_ax.sharex(val_ax)
-    for run, row in zip(runs, rows):
-        label = run.name + (" (baseline)" if row.baseline else " (paired)" if row.paired else "")
+    fig, (train_ax, val_ax, diff_ax) = new_figure(3, 1, panel_size=(COLUMN_WIDTH_IN, 1.75), dpi=dpi, sharex=True,
+                                                  height_ratios=(1, 1, 0.9))
+    base_row = next((k for k, row in enumerate(rows) if row.baseline), 0)
+    base = runs[base_row]
+    for k, (run, row) in enumerate(zip(runs, rows)):
+        label = run.name + (" (baseline)" if row.baseline and run.name != "baseline" else
+                            " (paired)" if row.paired and not row.baseline else "")
         label += f", {run.seeds} seeds" if run.seeds > 1 else ""
         line, = train_ax.plot([run.tokens(s) for s, _ in run.train], [v * scale for _, v in run.train], lw=1,
                               label=label)
+        color = line.get_color()
         val_ax.plot([run.tokens(s) for s, _ in run.val], [v * scale for _, v in run.val], "o-",
-                    color=line.get_color(), lw=1, ms=2.5, label=label)
+                    color=color, lw=1, ms=2.5, label=label)
         for ax, band in ((train_ax, run.train_band), (val_ax, run.val_band)):
             if band:
                 ax.fill_between([run.tokens(s) for s, _, _ in band], [lo * scale for _, lo, _ in band],
-                                [hi * scale for _, _, hi in band], color=line.get_color(), alpha=0.25, lw=0)
-    banded = any(r.train_band or r.val_band for r in runs)
-    for ax, title in ((train_ax, "training loss"), (val_ax, "validation loss")):
-        ax.set_title(title + (" (mean, band = +/- 1 SE over seeds)" if banded else ""), fontsize=FONT_PT)
-        ax.set_ylabel(f"loss ({unit})", fontsize=FONT_PT)
+                                [hi * scale for _, _, hi in band], color=color, alpha=0.25, lw=0)
+        if k == base_row:
+            continue
+        diff = val_difference(run, base)
+        x = [run.tokens(s) for s in diff.steps]
+        diff_ax.plot(x, [v * scale for v in diff.mean], "o-", color=color, lw=1, ms=2.5,
+                     label=run.name + (f", {diff.seeds} paired seeds, +/- 1 SE" if diff.band else ""))
+        if diff.band:
+            diff_ax.fill_between(x, [lo * scale for lo, _ in diff.band], [hi * scale for _, hi in diff.band],
+                                 color=color, alpha=0.25, lw=0)
+    diff_ax.axhline(0.0, color="k", lw=0.8, label=base.name + ("" if base.name == "baseline" else " (baseline)"))
+    banded = " (mean, band = +/- 1 SE over seeds)" if any(r.train_band or r.val_band for r in runs) else ""
+    for ax, title in ((train_ax, "training loss" + banded), (val_ax, "validation loss" + banded),
+                      (diff_ax, f"validation loss minus {base.name}'s")):
+        ax.set_title(title, fontsize=FONT_PT)
+        ax.set_ylabel(f"loss ({unit})" if ax is not diff_ax else f"difference ({unit})", fontsize=FONT_PT)
         ax.tick_params(labelsize=FONT_PT)
         ax.xaxis.get_offset_text().set_fontsize(FONT_PT)
         ax.yaxis.get_offset_text().set_fontsize(FONT_PT)
         ax.grid(alpha=0.3)
-    val_ax.set_xlabel("tokens", fontsize=FONT_PT)
-    val_ax.legend(fontsize=FONT_PT, frameon=False)
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=dpi, metadata={"Software": None}, format=path.suffix.lstrip(".") or "png")
+        ax.legend(fontsize=FONT_PT, frameon=False, loc="upper right" if ax is not diff_ax else "best",
+                  handlelength=1.5, labelspacing=0.25, borderaxespad=0.2)
+    if ylim is not None:
+        train_ax.set_ylim(*ylim)
+        val_ax.set_ylim(*ylim)
+    if diff_ylim is not None:
+        diff_ax.set_ylim(*diff_ylim)
+    diff_ax.set_xlabel("tokens", fontsize=FONT_PT)
+    save_figure(fig, path, dpi)
     return fig

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from mhar_kernels.reference import routing_logits
-from mhar_titan.files import atomic_path
 from mhar_titan.progress import progress
 
 
@@ -72,6 +71,12 @@ class ProbeResult:
     tokens: int
     per_site: tuple = ()
     """(site index, learned KL, random-query KL) per probed site: means over its slices and tokens."""
+    site_draws: tuple = ()
+    """Per probed site (the order of ``per_site``), the random-query KL of each draw (``draws``
+    values, means over the site's slices and tokens): the spread of the reference."""
+    random_draws: tuple = ()
+    """The random-query mean KL of each draw over all probed sites (``draws`` values; their
+    mean is ``random_kl``)."""
 
     @property
     def excess_kl(self) -> float:
@@ -79,11 +84,13 @@ class ProbeResult:
         return self.raw_kl - self.random_kl
 
     def report(self, heading: str) -> str:
-        """A short Markdown report."""
+        """A short Markdown report: the three means and the range of the random draws."""
+        low, high = (min(self.random_draws), max(self.random_draws)) if self.random_draws else (float("nan"),) * 2
         return (f"# {heading}\n\nQuery probe (MHAR_SPEC 3.3), S = {self.slices} slices, {self.sites} sites, "
                 f"{self.tokens} tokens, random reference over {self.draws} draws.\n\n"
-                "| raw KL (nats) | random-query KL | learned-excess KL |\n|---:|---:|---:|\n"
-                f"| {self.raw_kl:.4f} | {self.random_kl:.4f} | {self.excess_kl:.4f} |\n")
+                "| raw KL (nats) | random-query KL | random draws (min to max) | learned-excess KL |\n"
+                "|---:|---:|---:|---:|\n"
+                f"| {self.raw_kl:.4f} | {self.random_kl:.4f} | {low:.4f} to {high:.4f} | {self.excess_kl:.4f} |\n")
 
 
 class ProbeTrace:
@@ -99,6 +106,7 @@ class ProbeTrace:
         self.random = [[random_query_like(q[s], generator) for s in range(self.n_sites)] for _ in range(draws)]
         self.sums = torch.zeros(2, dtype=torch.float64)  # learned, random (summed over draws)
         self.by_site: dict[int, list[float]] = {}  # site -> [learned sum, random sum, count]
+        self.by_draw: dict[int, list[float]] = {}  # site -> KL sum of each draw
         self.count = 0
         self.sites = 0
         self._calls = 0
@@ -111,12 +119,15 @@ class ProbeTrace:
         q, g = self.routing.query[site].detach(), self.routing.key_norm[site].detach()
         kl = slice_kl(sources, q, g, self.slices, self.eps)
         learned = kl.double().sum().item()
-        random = sum(slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item()
-                     for draw in self.random) / self.draws
+        per_draw = [slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item()
+                    for draw in self.random]
+        random = sum(per_draw) / self.draws
         self.sums[0] += learned
         self.sums[1] += random
         entry = self.by_site.setdefault(site, [0.0, 0.0, 0])
         entry[0], entry[1], entry[2] = entry[0] + learned, entry[1] + random, entry[2] + kl.numel()
+        draws = self.by_draw.setdefault(site, [0.0] * self.draws)
+        self.by_draw[site] = [a + b for a, b in zip(draws, per_draw)]
         self.count += kl.numel()
         self.sites += 1
 
@@ -147,38 +158,49 @@ def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int =
             tokens += x.numel()
     if trace.count == 0:
         raise ValueError("no routing site with two or more sources was probed (no batches?)")
+    sites = sorted(trace.by_site)
     return ProbeResult(raw_kl=float(trace.sums[0]) / trace.count, random_kl=float(trace.sums[1]) / trace.count,
                        slices=slices, draws=draws, sites=trace.sites // (trace._calls // trace.n_sites), tokens=tokens,
-                       per_site=tuple((site, lo / n, ra / n) for site, (lo, ra, n) in sorted(trace.by_site.items())))
+                       per_site=tuple((site, trace.by_site[site][0] / trace.by_site[site][2],
+                                       trace.by_site[site][1] / trace.by_site[site][2]) for site in sites),
+                       site_draws=tuple(tuple(v / trace.by_site[site][2] for v in trace.by_draw[site])
+                                        for site in sites),
+                       random_draws=tuple(sum(trace.by_draw[site][k] for site in sites) / trace.count
+                                          for k in range(draws)))
 
 
 def plot_probe(result: ProbeResult, n_sites: int, path, title: str = "", dpi: int = 200):
     """Per-site mean KL(p || p_j) of the learned pseudo-queries against the random-query
     reference of equal norm (nats), one point per probed site (rows of the routing heatmaps,
-    ``routing.site_names(n_sites)``), drawn at a paper's column width; saves a PNG at ``path``
-    and returns the figure. A learned curve above the reference: the slices disagree more than
-    chance (the quantity MHAR_SPEC 3.3 tracks)."""
-    import pathlib
-
+    ``routing.site_names(n_sites)``), drawn at a paper's column width: the mean over the draws
+    (dashed), each draw (small grey dots) and their range (grey band, min to max over the draws);
+    the random queries have the learned query's norm. Saves a PNG at ``path`` and returns the figure. A learned curve above the band: the slices
+    disagree more than any random query of the same norm did (the quantity MHAR_SPEC 3.3 tracks)."""
     from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
-    from mhar_titan.analysis.plots import new_figure
+    from mhar_titan.analysis.plots import new_figure, save_figure
     from mhar_titan.analysis.routing import site_names
 
     names = site_names(n_sites)
-    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.6), dpi=dpi)
+    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.8), dpi=dpi)
     x = list(range(len(result.per_site)))
-    ax.plot(x, [kl for _, kl, _ in result.per_site], "o-", ms=3, lw=1, label="learned query")
-    ax.plot(x, [kl for _, _, kl in result.per_site], "s--", ms=3, lw=1, color="0.5",
-            label=f"random query, same norm ({result.draws} draws)")
+    if result.site_draws:
+        ax.fill_between(x, [min(d) for d in result.site_draws], [max(d) for d in result.site_draws], color="0.5",
+                        alpha=0.25, lw=0, label=f"range of the {result.draws} draws")
+        ax.plot([i for i, d in zip(x, result.site_draws) for _ in d], [v for d in result.site_draws for v in d],
+                ".", ms=2, color="0.45", label="each random draw")
+    ax.plot(x, [kl for _, _, kl in result.per_site], "s--", ms=3, lw=1, color="0.3",
+            label="random query, mean")
+    ax.plot(x, [kl for _, kl, _ in result.per_site], "o-", ms=3, lw=1, color="C0", label="learned query")
     ax.set_xticks(x, [names[site] for site, _, _ in result.per_site], rotation=90, fontsize=FONT_PT)
     ax.tick_params(labelsize=FONT_PT)
+    ax.set_xlabel("routing site", fontsize=FONT_PT)
     ax.set_ylabel("KL(p || p_j), nats", fontsize=FONT_PT)
     ax.set_title(title or f"query probe, S = {result.slices} slices: excess {result.excess_kl:.4f} nats",
                  fontsize=FONT_PT)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=FONT_PT, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=1)
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:  # all-or-nothing, the umask's mode
-        fig.savefig(tmp, dpi=dpi, metadata={"Software": None}, format=path.suffix.lstrip(".") or "png")
+    handles, labels = ax.get_legend_handles_labels()
+    order = [labels.index("learned query"), *(k for k, label in enumerate(labels) if label != "learned query")]
+    fig.legend([handles[k] for k in order], [labels[k] for k in order], fontsize=FONT_PT, frameon=False,
+               loc="outside lower center", ncol=2, handlelength=1.5, columnspacing=1.0)
+    save_figure(fig, path, dpi)
     return fig

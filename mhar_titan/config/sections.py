@@ -254,6 +254,47 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    """``[eval]``: downstream tasks scored during training (lm-eval tasks by name, local YAML
+    folders through ``include_path``), every ``freq`` steps and at the last step, on the weights
+    validation uses (the EMA when there is one). Needs the ``lm-eval`` extra. Only log-likelihood
+    tasks (multiple choice, log-likelihood, rolling perplexity) run in training; generation tasks
+    are refused (evaluate them on a checkpoint with ``python -m mhar_titan.eval lm-eval``). The
+    metrics go to every sink as ``eval/<task>/<metric>`` (``mhar_titan.components.downstream``).
+    """
+
+    enable: bool = False
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names."""
+    include_path: list[str] = field(default_factory=list)
+    """Folders of local lm-eval task YAML files (e.g. ``["eval_tasks"]``; relative to the working folder)."""
+    freq: int = 1000
+    """An evaluation every this many steps (and at the last step)."""
+    limit: Optional[int] = None
+    """Examples per task (lm-eval's ``limit``); None scores every example."""
+    num_fewshot: Optional[int] = None
+    local_batch_size: int = 8
+    """Sequences per forward on each rank (memory only: it does not change the numbers beyond float rounding)."""
+    time_budget_s: Optional[float] = None
+    """Seconds one evaluation may take (None: no limit). Before every forward the ranks agree, on
+    rank 0's clock, whether time is left: once it is spent, the task being scored stops (its partial
+    numbers are not logged) and the remaining tasks are skipped; the overrun is at most one forward."""
+
+    def validate(self) -> None:
+        if not self.enable:
+            return
+        if not self.tasks:
+            raise ValueError("'eval.tasks' names no task; list lm-eval task names or set eval.enable = false")
+        if self.freq < 1 or self.local_batch_size < 1:
+            raise ValueError(f"'eval.freq' and 'eval.local_batch_size' must be >= 1, got {self.freq} and "
+                             f"{self.local_batch_size}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"'eval.limit' must be >= 1 (or unset for every example), got {self.limit}")
+        if self.time_budget_s is not None and not self.time_budget_s >= 0:
+            raise ValueError(f"'eval.time_budget_s' must be >= 0 seconds (or unset for no limit), got {self.time_budget_s}")
+
+
+@dataclass
 class Profiling:
     """``[profiling]``: torch.profiler traces and CUDA memory snapshots."""
 
@@ -291,6 +332,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 

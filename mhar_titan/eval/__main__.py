@@ -1,4 +1,4 @@
-"""``python -m mhar_titan.eval {perplexity,lm-eval} RUN ...``: evaluate a run's checkpoint.
+"""``python -m mhar_titan.eval {perplexity,lm-eval,paired} RUN ...``: evaluate a run's checkpoint.
 
 perplexity: validation loss and perplexity on held-out files (default: the run's
 ``data.validation_files``, at its ``training.seq_len``, its ``validation.sequences``).
@@ -8,6 +8,8 @@ offline) and print lm-eval's results table; ``--output-path`` saves lm-eval's re
 with ``--log-samples``, every sample's requests and answers): exactly there for a ``.json`` path,
 else in ``FOLDER/<run>_step-<N>/``; the command prints the paths, and the results record the run
 folder, checkpoint, step and family (``eval/lm_eval_results.py``).
+paired: both of two checkpoints on the same lm-eval examples, the paired differences with their
+exact McNemar p-values and bootstrap intervals (``mhar_titan.eval.paired``).
 Every flag is checked before anything is loaded (``--device cuda`` on a CPU-only torch, a batch
 size below 1, ...). Bad input: one line on stderr naming it, exit status 2; a full disk while
 lm-eval writes its results too (``lm_eval_results.save_results``).
@@ -15,12 +17,13 @@ lm-eval writes its results too (``lm_eval_results.save_results``).
 from __future__ import annotations
 
 import json
-import pathlib
 import sys
 
 from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
+from mhar_titan.eval import paired
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
+from mhar_titan.eval.tasks import require_lm_eval, run_tasks, task_manager
 
 
 DEFAULT_LM_EVAL_BATCH_SIZE = 8
@@ -38,12 +41,9 @@ def _perplexity(args) -> dict:
 
 def _lm_eval(args) -> str:
     """Run the tasks; returns lm-eval's results table (and its groups table when there are groups)."""
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import make_table
-    except ImportError:
-        raise ValueError("the lm-eval command needs lm-eval: pip install 'mhar-titan[lm-eval]'") from None
+    require_lm_eval("the lm-eval command")
+    from lm_eval.utils import make_table
+
     from mhar_titan.eval import lm_eval_results
     from mhar_titan.eval.lm_eval_adapter import MharLM
 
@@ -51,33 +51,15 @@ def _lm_eval(args) -> str:
         raise ValueError("--log-samples writes the samples under --output-path; pass one")
     if args.output_path:
         lm_eval_results.check_output_path(args.output_path)
-    for folder in args.include_path or ():
-        if not pathlib.Path(folder).is_dir():
-            raise FileNotFoundError(f"--include-path {folder} is not a folder of lm-eval task YAML files")
     tasks = args.tasks.split(",")
-    # Indexing lm-eval's thousands of built-in task files takes a while: local tasks alone first.
-    task_manager = TaskManager(include_path=args.include_path, include_defaults=False) if args.include_path else None
-    if task_manager is None or not all(task_manager.match_tasks([t]) for t in tasks):
-        task_manager = TaskManager(include_path=args.include_path or None)
-    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
-    if unknown:
-        where = f" (nor in {', '.join(args.include_path)})" if args.include_path else " (local tasks: --include-path FOLDER)"
-        raise ValueError(f"lm-eval knows no task {', '.join(unknown)}{where}")
+    manager = task_manager(tasks, args.include_path)
     loaded = load_run(args.run, args.step, args.device, routing_kernel="auto")
     lm = MharLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size or DEFAULT_LM_EVAL_BATCH_SIZE,
                 source=loaded.source())
     tracker = lm_eval_results.tracker(args.output_path) if args.output_path else None
     model_args = {**loaded.source(), "device": args.device, "batch_size": lm.batch_size}
-    try:
-        results = lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=tasks, limit=args.limit,
-                                          num_fewshot=args.num_fewshot, log_samples=args.log_samples,
-                                          evaluation_tracker=tracker, task_manager=task_manager)
-    except ConnectionError as e:  # datasets / huggingface_hub without hub access (offline mode, no network)
-        raise ValueError(
-            f"lm-eval could not download the data of task(s) {', '.join(tasks)} ({str(e).rstrip('.')}). Without "
-            "hub access, describe each task in a local YAML file whose dataset_path and dataset_kwargs point at "
-            "local files (as eval_tasks/shakespeare/ does) and pass its folder with --include-path DIR, or fill "
-            "the datasets cache (HF_HOME) where the hub is reachable") from None
+    results = run_tasks(lm, tasks, manager, model_args=model_args, limit=args.limit, num_fewshot=args.num_fewshot,
+                        log_samples=args.log_samples, evaluation_tracker=tracker)
     samples = results.pop("samples", None)
     lm_eval_results.attribute(results, model_args)
     written = []
@@ -118,9 +100,13 @@ def main(argv=None) -> int:
     p.add_argument("--log-samples", action="store_true", help="also save every sample (needs --output-path)")
     p.add_argument("--include-path", action="append", default=None,
                    help="a folder of local lm-eval task YAML files (repeatable), e.g. eval_tasks")
+    paired.add_arguments(sub.add_parser("paired", help="two checkpoints on the same examples: paired differences"))
     args = parser.parse_args(argv)
     try:
-        out = json.dumps(_perplexity(args), indent=1, default=str) if args.command == "perplexity" else _lm_eval(args)
+        if args.command == "paired":
+            out = paired.run(args)
+        else:
+            out = json.dumps(_perplexity(args), indent=1, default=str) if args.command == "perplexity" else _lm_eval(args)
     except USER_ERRORS as e:
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2

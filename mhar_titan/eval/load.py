@@ -199,3 +199,34 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
     model = model.to(device).eval()
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,
                        step=int(marker.get("step", 0)), cfg=cfg)
+
+
+def is_pretrained_folder(path: str | pathlib.Path) -> bool:
+    """A pretrained model folder (``config.json`` beside the weights: a Hugging Face Llama or Qwen3
+    folder, one of our ``mhar_titan`` folders, the authors' format), as the export command writes."""
+    return (pathlib.Path(path) / "config.json").is_file()
+
+
+def load_model(path: str | pathlib.Path, step: Optional[int] = None, device: str | torch.device = "cpu",
+               routing_kernel: str = "eager") -> LoadedModel:
+    """``load_run`` for a run or ``step-N`` folder; a pretrained folder (``is_pretrained_folder``) is
+    streamed in through ``mhar_titan.convert.load_pretrained`` with the tokenizer of its own
+    tokenizer files (``hf:<folder>``), ``step`` 0 and no run config.
+
+    Raises:
+        FileNotFoundError / ValueError: see ``find_checkpoint`` (also: a step given for a pretrained folder).
+        ConversionError: the folder's config or weights cannot be read.
+        TokenizerFileError: the folder has no readable tokenizer files.
+    """
+    from mhar_titan.convert import load_pretrained
+    from mhar_titan.data.tokenizer import HF_PREFIX
+
+    if not is_pretrained_folder(path):
+        return load_run(path, step, device, routing_kernel=routing_kernel)
+    if step is not None:
+        raise ValueError(f"{path} is a pretrained model folder (config.json) and has no steps; drop the step ({step})")
+    folder = pathlib.Path(path)
+    tokenizer = build_tokenizer(DataConfig(tokenizer=f"{HF_PREFIX}{folder.resolve()}"))
+    model = load_pretrained(folder, routing_kernel=routing_kernel).to(device).eval()
+    return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, run_dir=folder, checkpoint=folder,
+                       step=0, cfg=None)

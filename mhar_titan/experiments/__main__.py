@@ -9,7 +9,7 @@ slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per
                 default stdout); --check runs the trainer's dry run of every run at the job's
                 world size first; extra sbatch options after `--`
 results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
-                default <dump_folder>/results)
+                default <dump_folder>/results; --ylim, --diff-ylim fix the plot's y ranges)
 compare A B     --check-schedule: A and B (each a job config or a run folder) are schedule-matched:
                 the same LR at every step (planned or logged), tokens per step and data order
                 (mhar_titan.experiments.schedule); --world-size N for configs (default 1). Prints
@@ -30,6 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from mhar_titan.analysis.compare import add_ylim_arguments
 from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, probability
 from mhar_titan.config import ConfigError
 from mhar_titan.errors import UserError
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
     p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
+    add_ylim_arguments(p)
     p = sub.add_parser("compare", help="check that two arms are schedule-matched")
     p.add_argument("arms", nargs=2, metavar="CONFIG_OR_RUN", help="a job config (TOML) or a run folder, twice")
     p.add_argument("--check-schedule", action="store_true",
@@ -132,10 +134,17 @@ def main(argv=None) -> int:
             else:
                 print(text, end="")
             return 0
+        from mhar_titan.analysis.compare import check_ylim
         from mhar_titan.experiments.results import write_results
 
+        try:
+            check_ylim(args.ylim, "--ylim")
+            check_ylim(args.diff_ylim, "--diff-ylim")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_output_folder(args.out or sweep.dump_folder / "results", "--out")
-        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi):
+        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi, ylim=args.ylim,
+                                  diff_ylim=args.diff_ylim):
             print(f"wrote {path}")
         return 0
     except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk

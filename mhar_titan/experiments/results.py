@@ -15,7 +15,8 @@ k = ``sweep.tail_evals``:
   of the logged training rows after step 1.
 
 The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged)
-with a band of -/+ one standard error, in the tokenizer's unit (bits per byte for the byte
+with a band of -/+ one standard error, and each family's paired validation-loss difference to the
+baseline family with its band over seeds, in the tokenizer's unit (bits per byte for the byte
 tokenizer), through ``mhar_titan.analysis.compare.plot_comparison``. Nothing in either file depends on the
 time or the software version: rerunning on the same run folders rewrites the same bytes.
 """
@@ -27,24 +28,11 @@ import pathlib
 import statistics
 from typing import Optional, Sequence
 
-from mhar_titan.analysis.compare import RunCurves, comparison_table, loss_unit, plot_comparison, read_run
+from mhar_titan.analysis.compare import (RunCurves, comparison_table, loss_unit, mean_and_se, plot_comparison,
+                                         read_run)
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline
 from mhar_titan.files import write_text
-
-
-def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, standard error of the mean) of ``values``; SE is NaN for fewer than 2 values.
-
-    Raises:
-        ValueError: no values.
-    """
-    if not values:
-        raise ValueError("mean_and_se needs at least one value")
-    mean = math.fsum(values) / len(values)
-    if len(values) < 2:
-        return mean, float("nan")
-    return mean, statistics.stdev(values) / math.sqrt(len(values))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,25 +145,30 @@ def _mean_curve(points: Sequence[Sequence[tuple[int, float]]]) -> tuple[list, Op
 
 def group_curves(results: Sequence[RunResult]) -> list[RunCurves]:
     """One curve per family and grid point: training and validation loss averaged over its seeds,
-    with a band of -/+ one standard error when it has several."""
+    with a band of -/+ one standard error when it has several, and each seed's validation curve
+    (``RunCurves.seed_val``: the plot's paired difference to the baseline family)."""
     out = []
     for group in dict.fromkeys(r.run.group for r in results):
         members = [r.curves for r in results if r.run.group == group and r.curves is not None]
         if members:
             train, train_band = _mean_curve([m.train for m in members])
             val, val_band = _mean_curve([m.val for m in members])
+            seeds = [r.run.seed for r in results if r.run.group == group and r.curves is not None]
             out.append(RunCurves(name=group, path=members[0].path, train=train, val=val,
                                  tokens_per_step=members[0].tokens_per_step, data_order=None,
                                  tokenizer=members[0].tokenizer, seeds=len(members), train_band=train_band,
-                                 val_band=val_band))
+                                 val_band=val_band, seed_val=dict(zip(seeds, (m.val for m in members)))))
     return out
 
 
-def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200) -> list[pathlib.Path]:
-    """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png``; returns the paths written.
+def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=None,
+                  diff_ylim=None) -> list[pathlib.Path]:
+    """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png`` (``ylim``, ``diff_ylim``: the
+    plot's fixed y ranges, as ``plot_comparison``); returns the paths written.
 
     Raises:
         FileNotFoundError: no run of the sweep has a metrics file yet.
+        ValueError: ylim or diff_ylim is not two finite numbers with low < high.
     """
     results, groups = collect(sweep)
     if not groups:
@@ -189,7 +182,8 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200) -> list
     baseline = next((r.run.group for r in results if r.run.family == sweep.baseline and r.run.group in names),
                     names[0])
     png = out / "loss_vs_tokens.png"
-    fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi)
+    fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi, ylim=ylim,
+                          diff_ylim=diff_ylim)
     pyplot().close(fig)
     md = out / "RESULTS.md"
     write_text(md, results_markdown(sweep, results, groups, png.name))
