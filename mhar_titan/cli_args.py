@@ -52,6 +52,11 @@ def _number(text: str) -> float:
     return value
 
 
+def number(text: str) -> float:
+    """Any finite number (a plot's axis limit)."""
+    return _number(text)
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (a count: tokens, batches, sequences per batch)."""
     value = _integer(text)

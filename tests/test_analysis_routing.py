@@ -144,9 +144,11 @@ def test_heatmap_fixed_colour_range_is_honoured_in_both_figures(tmp_path):
 def test_heatmap_command_refuses_a_bad_vmax_before_loading(tmp_path, capsys):
     from mhar_titan.analysis.__main__ import main
 
-    assert main(["heatmap", str(tmp_path / "no_such_run"), "--vmax", "0"]) == 2
+    with pytest.raises(SystemExit) as stop:  # the shared parser's one line (mhar_titan.cli_args)
+        main(["heatmap", str(tmp_path / "no_such_run"), "--vmax", "0"])
+    assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m mhar_titan.analysis heatmap: error: --vmax: vmax must be a finite number > 0")
+    assert err.startswith("python -m mhar_titan.analysis heatmap: error: argument --vmax: must be a number > 0")
     assert "\n" not in err and "no_such_run" not in err  # refused before the run folder is read
 
 

@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 from mhar_titan.analysis.compare import add_ylim_arguments
-from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
+from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_float, positive_int
 from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
 from mhar_titan.files import check_output_folder, write_text
 
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         p.add_argument("--out", default=None, help="output folder (default: <run>/analysis)")
     p = sub.choices["heatmap"]
     p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch (3.5 in wide)")
-    p.add_argument("--vmax", type=float, default=None,
+    p.add_argument("--vmax", type=positive_float, default=None,
                    help="fixed colour range -VMAX..+VMAX of log2(weight x N), the same for every run drawn with it "
                         "(default: the 95th percentile of the run's own values)")
     p = sub.choices["probe"]

@@ -313,9 +313,11 @@ def check_ylim(ylim, what: str = "ylim") -> Optional[tuple[float, float]]:
 
 def add_ylim_arguments(parser) -> None:
     """--ylim and --diff-ylim of an argparse parser: the fixed y ranges of ``plot_comparison``."""
-    parser.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+    from mhar_titan.cli_args import number
+
+    parser.add_argument("--ylim", type=number, nargs=2, metavar=("LOW", "HIGH"), default=None,
                         help="y range of the two loss panels, in the plot's unit (the same range for several plots)")
-    parser.add_argument("--diff-ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), default=None,
+    parser.add_argument("--diff-ylim", type=number, nargs=2, metavar=("LOW", "HIGH"), default=None,
                         help="y range of the difference panel (validation loss minus the baseline's)")
 
 
