@@ -85,9 +85,8 @@ class SourceTable:
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
         self.sinks: list = []
         self.pointers: list[int] = []
-        self.rows = torch.zeros((4, _CAPACITY), dtype=torch.int64, device=like.device)
-        self.rows[1].fill_(like.shape[-1])
-        self.rows[3].fill_(1)
+        # slots are written as sources come (pointer, row stride, one): nothing is cleared up front
+        self.rows = torch.empty((4, _CAPACITY), dtype=torch.int64, device=like.device)
         self.written = bytearray(_CAPACITY)
         self.aligned = like.shape[-1] % 8 == 0
         self.null: Optional[tuple] = None  # (null parameter, its version, the cast in slot 0)
@@ -109,17 +108,23 @@ class SourceTable:
         self.sinks.append(sink)
         self.pointers.append(pointer)
         self.aligned = self.aligned and pointer % 16 == 0
-        self._write(0, slot, [pointer])
+        self._write_column(slot, pointer, self.shape[-1])
         sink.table, sink.slot = self, slot
 
     def _grow(self) -> None:
-        rows = torch.zeros((4, 2 * self.rows.shape[1]), dtype=torch.int64, device=self.device)
-        rows[1].fill_(self.shape[-1])
-        rows[3].fill_(1)
-        rows[:, :self.rows.shape[1]].copy_(self.rows)
+        rows = torch.empty((4, 2 * self.rows.shape[1]), dtype=torch.int64, device=self.device)
+        used = len(self.sinks) + 1  # slot 0 and the sources so far
+        rows[:, :used].copy_(self.rows[:, :used])
         self.rows = rows
         self.written.extend(bytearray(len(self.written)))
         self._views.clear()
+
+    def _write_column(self, slot: int, pointer: int, stride: int) -> None:
+        """Slot's pointer, row stride and one (rows 0, 1 and 3) in one write."""
+        if self.device.type == "cuda":
+            self.rows[[0, 1, 3], slot].copy_(_device_rows([pointer, stride, 1], self.device))
+        else:
+            self.rows[[0, 1, 3], slot] = torch.frombuffer(array.array("q", [pointer, stride, 1]), dtype=torch.int64)
 
     def _write(self, row: int, slot: int, values: Sequence[int]) -> None:
         if self.device.type == "cuda":
@@ -150,8 +155,7 @@ class SourceTable:
         if self.null is None:
             # an owned copy: the parameter's own storage may move (FSDP2 frees and regathers it)
             cast = null.to(self.dtype, copy=True)
-            self.rows[1, 0] = 0
-            self._write(0, 0, [cast.data_ptr()])
+            self._write_column(0, cast.data_ptr(), 0)  # row stride 0: broadcast over tokens
             self.aligned = self.aligned and cast.data_ptr() % 16 == 0
             self.null = (null, key, cast)
         held, held_key, cast = self.null
@@ -186,8 +190,18 @@ class SourceTable:
         recomputed under activation checkpointing) or their buffers are in mixed states (the
         caller takes the general path)."""
         first = lo + has_null
-        if list(map(Tensor.data_ptr, sources)) != self.pointers[first - 1:hi - 1]:
-            return None
+        now = list(map(Tensor.data_ptr, sources))
+        if now != self.pointers[first - 1:hi - 1]:
+            # the same sources recomputed under activation checkpointing, at other addresses (or, by
+            # the allocator's chance, at the same ones): point their slots at the recomputed tensors,
+            # so that such a call takes the table path whatever the allocator did. Safe: the backward
+            # runs from the last block to the first, and a block's recomputed sources are read only
+            # by that block's own sites.
+            if any(s.shape != self.shape or s.dtype is not self.dtype or not s.is_contiguous() for s in sources):
+                return None
+            self.pointers[first - 1:hi - 1] = now
+            self._write(0, first, now)
+            self.aligned = self.aligned and all(p % 16 == 0 for p in now)
         written = self.buffers(first, hi, shape, device)
         if written is None:
             return None
@@ -217,8 +231,14 @@ _current: Optional[weakref.ref] = None
 
 def register(sink, source: Tensor) -> None:
     """Append the shared `source` (B, T, d) with gradient sink `sink` to the current table, or
-    to a new one when the current one is gone or cannot take it (`SourceTable.accepts`)."""
+    to a new one when the current one is gone or cannot take it (`SourceTable.accepts`).
+
+    Nothing is registered while a backward pass runs: that is a block recomputed under activation
+    checkpointing, whose forward only remakes the saved tensors (the backward reads the first
+    forward's table), so a table made there would be allocated and written for nothing."""
     global _current
+    if torch._C._current_graph_task_id() != -1:
+        return
     table = _current() if _current is not None else None
     if table is None or not table.accepts(source):
         if not source.is_contiguous():
