@@ -120,11 +120,12 @@ class SourceTable:
         self._views.clear()
 
     def _write_column(self, slot: int, pointer: int, stride: int) -> None:
-        """Slot's pointer, row stride and one (rows 0, 1 and 3) in one write."""
+        """Slot's column in one write: pointer, row stride, no gradient buffer yet (0), one."""
+        values = [pointer, stride, 0, 1]
         if self.device.type == "cuda":
-            self.rows[[0, 1, 3], slot].copy_(_device_rows([pointer, stride, 1], self.device))
+            self.rows[:, slot].copy_(_device_rows(values, self.device))
         else:
-            self.rows[[0, 1, 3], slot] = torch.frombuffer(array.array("q", [pointer, stride, 1]), dtype=torch.int64)
+            self.rows[:, slot] = torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
     def _write(self, row: int, slot: int, values: Sequence[int]) -> None:
         if self.device.type == "cuda":
