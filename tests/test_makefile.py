@@ -25,8 +25,14 @@ NOT_FOR_TRAINING = ("lm-eval", "lm_eval", "wandb", "transformers", "triton", "te
 
 
 def dry_run(folder, *targets) -> list[str]:
-    """The commands `make -n TARGETS` would run in ``folder``, one per line."""
-    done = subprocess.run(["make", "-n", "-C", str(folder), *targets], capture_output=True, text=True, timeout=60)
+    """The commands `make -n TARGETS` would run in ``folder``, one per line. Run without the
+    variables of a make that started this test (`make test` passes PYTEST_ARGS and its flags down
+    through MAKEFLAGS), so the answer is the same however pytest was launched."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    for k in ("PYTEST_ARGS", "ARGS", "CONFIG", "TORCH_INDEX_URL", "VENV", "PYTHON"):
+        env.pop(k, None)
+    done = subprocess.run(["make", "-n", "-C", str(folder), *targets], capture_output=True, text=True, timeout=60,
+                          env=env)
     assert done.returncode == 0, done.stderr
     return [line for line in done.stdout.splitlines() if line.strip() and not line.startswith("make")]
 

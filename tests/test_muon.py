@@ -230,8 +230,8 @@ def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch
 @pytest.mark.parametrize("override, needle", [
     ("--optimizer.muon_ns_steps=0", "'optimizer.muon_ns_steps' must be 1 to 99"),
     ("--optimizer.muon_ns_steps=-2", "'optimizer.muon_ns_steps' must be 1 to 99"),
-    ("--optimizer.muon_ns_coefficients=[nan, -4.775, 2.0315]", "'optimizer.muon_ns_coefficients' must be a finite"),
-    ("--optimizer.muon_ns_coefficients=[3.4445, inf, 2.0315]", "'optimizer.muon_ns_coefficients' must be a finite"),
+    ("--optimizer.muon_ns_coefficients=[nan, -4.775, 2.0315]", "'optimizer.muon_ns_coefficients[0]' must be a finite"),
+    ("--optimizer.muon_ns_coefficients=[3.4445, inf, 2.0315]", "'optimizer.muon_ns_coefficients[1]' must be a finite"),
     ("--optimizer.muon_ns_coefficients=[3.4445, -4.775]", "'optimizer.muon_ns_coefficients' must be three finite"),
     ("--optimizer.muon_eps=0", "'optimizer.muon_eps' must be a finite number > 0"),
     ("--optimizer.muon_eps=inf", "'optimizer.muon_eps' must be a finite number"),
