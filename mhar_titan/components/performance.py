@@ -188,23 +188,21 @@ def plan_sources(args: ModelArgs) -> list[list[int]]:
 
 def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
     """Bytes autograd moves to assemble the gradients of the routing parameters of one step
-    (kind "parameters"; independent of the tokens), as models/model.py lays them out: the
-    pseudo-queries and key-norm weights are (S, d) parameters, layer i's blocks get the (2, d)
-    slice of its two sites and each site selects its row, the final site selects its row of the
-    whole parameter. Per parameter, backward then runs: per layer site a select backward ((d,)
-    read, (2, d) written) and per layer one (2, d) addition of its two sites and a slice backward
-    ((2, d) read, (S, d) written); for the final site a select backward ((d,) read, (S, d)
-    written); and L additions of (S, d) summing the L + 1 contributions. Per-call routing
-    (routing_group_size 1); grouped routing adds, per group of g > 1 sites, the slice backward of
-    the group's (g, d) rows its phase 1 reads ((g, d) read, (S, d) written) and one more (S, d)
-    addition. The null source and delta gates not included."""
-    el, d, layers, s = element_bytes(dtype), args.dim, args.n_layers, args.n_routing_sites
-    row, pair, whole = d * el, 2 * d * el, s * d * el
-    groups = [g.size for g in RoutingPlan.from_args(args).groups if g.size > 1]
-    read = 2 * layers * row + layers * 2 * pair + layers * pair + row + layers * 2 * whole
-    written = 2 * layers * pair + layers * pair + layers * whole + whole + layers * whole
-    read += sum(g * row + 2 * whole for g in groups)
-    written += 2 * whole * len(groups)
+    (kind "parameters"; independent of the tokens), as models/router.py takes their rows
+    (`router.parameter_rows`, once per forward). Per-call routing unbinds each of the (S, d)
+    pseudo-queries and key-norm weights once: its backward stacks the S row gradients into one
+    (S, d) gradient ((S, d) read, (S, d) written). Grouped routing splits each by group and
+    unbinds every group's rows: the split's backward concatenates the group gradients ((S, d)
+    read and written), each group's unbind backward stacks its rows ((g, d) read and written, so
+    (S, d) over the groups), and a group of more than one site adds its phase 1's (g, d) gradient
+    to that ((g, d) read twice, written once). The null source and delta gates not included."""
+    el, d, s = element_bytes(dtype), args.dim, args.n_routing_sites
+    row, whole = d * el, s * d * el
+    groups = [g.size for g in RoutingPlan.from_args(args).groups]
+    read = written = whole
+    if any(g > 1 for g in groups):
+        phase1_rows = sum(g for g in groups if g > 1)
+        read, written = 2 * whole + 2 * phase1_rows * row, 2 * whole + phase1_rows * row
     return Launch(None, "parameters", read=2 * read, written=2 * written)
 
 

@@ -28,8 +28,8 @@ from .args import ModelArgs
 from .attention_mask import attend, dense_mask, document_ids, document_positions, flex_block_mask
 from .cross_entropy import plain_linear_cross_entropy
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
-from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSettings, State, carried_sites,
-                     leaving_sites, shared_entries, sublayer_input)
+from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSchedule, RoutingSettings, State,
+                     shared_entries, sublayer_input)
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -160,7 +160,7 @@ class BlockOutput(NamedTuple):
     replaces it. sources: the entries its two sublayers added to the source list, in plan order
     (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
     states: grouped routing only, the phase-1 `router.State`s of later blocks' sites, in site
-    order (`router.leaving_sites`); empty otherwise.
+    order (`router.LayerSchedule.leaving`); empty otherwise.
     """
 
     h: Tensor | None
@@ -193,11 +193,12 @@ class TransformerBlock(nn.Module):
       h: residual stream (B, T, d), None in replace mode. attention_context: `AttentionContext`
       (RoPE tables). sources: the source list so far (tensors, None for entries no later site
       reads). routing: the layer's `router.BlockRouting` (None for the standard residual).
-    `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual.
+    `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual;
+    `self.schedule` its `router.LayerSchedule` (the model's `RoutingSchedule`, else one built from the plan).
     """
 
     def __init__(self, layer_id: int, args: ModelArgs, plan: RoutingPlan | None = None,
-                 settings: RoutingSettings | None = None):
+                 settings: RoutingSettings | None = None, schedule: RoutingSchedule | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args, layer_id)
@@ -207,24 +208,26 @@ class TransformerBlock(nn.Module):
         self.plan = plan if plan is not None else RoutingPlan.from_args(args)
         self.settings = settings if settings is not None else RoutingSettings.from_args(args)
         self.sites = self.plan.layer_sites(layer_id)
-        self.carried = carried_sites(self.plan, layer_id)  # sites whose states enter / leave the block
-        self.leaving = leaving_sites(self.plan, layer_id)
+        schedule = schedule if schedule is not None else RoutingSchedule.from_plan(self.plan, args.n_layers)
+        self.schedule = schedule.layers[layer_id]  # its sites' calls, the states entering / leaving it
 
     def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: Sequence[Tensor | None],
                 routing: BlockRouting | None) -> BlockOutput:
         sources, start = list(sources), len(sources)
         # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
-        states = dict(zip(self.carried, routing.states)) if routing is not None else {}
+        schedule = self.schedule
+        states = dict(zip(schedule.carried, routing.states)) if routing is not None else {}
         attention_site, mlp_site = self.sites
-        x = sublayer_input(self.plan, self.settings, self.layer_id, 0, h, sources, routing, states)
+        attention_call, mlp_call = schedule.calls
+        x = sublayer_input(attention_call, self.settings, 0, h, sources, routing, states)
         a = self.attention(self.attention_norm(x), attention_context)
         h = None if h is None else h + a
         sources += shared_entries(new_sources(attention_site, sources, a, h), self.settings)
-        x = sublayer_input(self.plan, self.settings, self.layer_id, 1, h, sources, routing, states)
+        x = sublayer_input(mlp_call, self.settings, 1, h, sources, routing, states)
         m = self.feed_forward(self.ffn_norm(x))
         h = None if h is None else h + m
         sources += shared_entries(new_sources(mlp_site, sources, m, h), self.settings)
-        return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in self.leaving))
+        return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in schedule.leaving))
 
 
 class Transformer(nn.Module):
@@ -246,9 +249,10 @@ class Transformer(nn.Module):
         self.args = args
         self.plan = RoutingPlan.from_args(args)
         self.routing_settings = RoutingSettings.from_args(args)
+        self.routing_schedule = RoutingSchedule.from_plan(self.plan, args.n_layers)
         self.routing_observer: Observer | None = None  # set by `observe_routing`
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan, self.routing_settings)
+        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan, self.routing_settings, self.routing_schedule)
                                     for i in range(args.n_layers))
         self.routing = DepthRouting(args, self.plan) if args.residual == "attn_res" else None
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -300,16 +304,17 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 h = layer(h, context, (), None).h
             return h
-        router = Router(self.plan, self.routing, self.routing_settings, self.routing_observer)
+        router = Router(self.routing_schedule, self.routing, self.routing_settings, self.routing_observer)
         sources = router.initial_sources(h)
         h = h if self.plan.stream else None
-        for i, layer in enumerate(self.layers):
+        for i, (layer, schedule) in enumerate(zip(self.layers, self.routing_schedule.layers)):
             h, new, states = layer(h, context, tuple(sources), router.block_routing(i))
-            sources = sources + list(new)
+            sources += new
             router.block_done(i, states, sources, h)
             # Drop the entries no later site uses (block-delta partial sums are never routed over),
             # so that they are freed once autograd is done with them.
-            sources = [s if self.plan.last_use[j] > 2 * i + 1 else None for j, s in enumerate(sources)]
+            for j in schedule.released:
+                sources[j] = None
         return router.final(h, sources)
 
 

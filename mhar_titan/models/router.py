@@ -6,11 +6,16 @@ routing plan onto those calls:
 
 - `DepthRouting`: all routing parameters of the model (pseudo-queries, key norms, gates, nulls).
 - `RoutingSettings`: what every site shares (kernel, heads H, eps, the permuted head layout).
-- `Router`: built once per forward from the plan, the parameters and the settings. It makes the
-  initial source list, gives each block one `BlockRouting` argument (that block's rows and the
-  phase-1 states carried to it, all tensors, so activation checkpointing keeps them as block
-  inputs), takes the block's new states back, and routes the final site. With an observer it
-  hands every site's sources to it and gives it the reference's depth-softmax weights (analysis).
+- `RoutingSchedule`: the plan resolved once per model into what each site and block does (which
+  entries it routes over, its group, the states entering and leaving each block, the entries
+  the forward releases after it), so that no plan lookup runs per site and forward.
+- `Router`: built once per forward from the schedule, the parameters and the settings. It takes
+  every routing parameter's rows once (`DepthRouting.rows`: views with one backward node per
+  parameter), makes the initial source list, gives each block one `BlockRouting` argument (that
+  block's rows and the phase-1 states carried to it, all tensors, so activation checkpointing
+  keeps them as block inputs), takes the block's new states back, and routes the final site.
+  With an observer it hands every site's sources to it and gives it the reference's
+  depth-softmax weights (analysis).
 - `sublayer_input`: what a block calls for each of its two sublayers.
 
 Grouped routing (`routing_group_size` g > 1, docs/DESIGN.md "Grouped routing"): the block holding
@@ -45,15 +50,15 @@ class State(NamedTuple):
 class BlockRouting(NamedTuple):
     """One block's routing argument (tensors only).
 
-    query, key_norm: (2, d) rows of the layer's two sites (attention, MLP); alpha: (2, 1), delta
-    mode only. states: the phase-1 `State`s of the layer's sites computed in earlier blocks, in
-    site order (`carried_sites`). group_query, group_key_norm: (g, d) rows of the group of more
-    than one site whose first site is in this layer, else None.
+    query, key_norm: the (d,) rows of the layer's two sites (attention, MLP); alpha: their (1,)
+    rows, delta mode only. states: the phase-1 `State`s of the layer's sites computed in earlier
+    blocks, in site order (`LayerSchedule.carried`). group_query, group_key_norm: (g, d) rows of
+    the group of more than one site whose first site is in this layer, else None.
     """
 
-    query: Tensor
-    key_norm: Tensor
-    alpha: Tensor | None = None
+    query: tuple[Tensor, Tensor]
+    key_norm: tuple[Tensor, Tensor]
+    alpha: tuple[Tensor, Tensor] | None = None
     states: tuple[State, ...] = ()
     group_query: Tensor | None = None
     group_key_norm: Tensor | None = None
@@ -81,6 +86,36 @@ class RoutingSettings:
         """The permuted head layout's int64 (d,) permutation (`reference.head_permutation`, on the
         CPU, made once per process), None for contiguous heads."""
         return None if self.permutation_seed is None else reference.head_permutation(self.dim, self.permutation_seed)
+
+
+class SiteRows(NamedTuple):
+    """Every routing parameter's rows for one forward (`DepthRouting.rows`), all views.
+
+    query, key_norm: S rows (d,), by site. alpha: S rows (1,) in delta mode, else None.
+    group_query, group_key_norm: {group index: its (g, d) rows} for the groups of more than one
+    site (grouped routing), empty for per-call routing."""
+
+    query: tuple[Tensor, ...]
+    key_norm: tuple[Tensor, ...]
+    alpha: tuple[Tensor, ...] | None
+    group_query: dict[int, Tensor]
+    group_key_norm: dict[int, Tensor]
+
+
+def parameter_rows(parameter: Tensor, groups: Sequence[Group]) -> tuple[tuple[Tensor, ...], dict[int, Tensor]]:
+    """The rows of an (S, ...) routing parameter as views: per site its row (S rows of shape
+    (...)), and {group index: its (g, ...) rows} for every group of more than one site.
+
+    Per-call routing unbinds the parameter once (one backward node, which stacks the S row
+    gradients into one (S, ...) gradient); grouped routing splits it once by group and unbinds
+    each group's rows (one node per group besides). Indexing a row per site instead gives each
+    site a backward that writes a zero-filled (S, ...) tensor, and autograd one (S, ...) addition
+    per site."""
+    if all(group.size == 1 for group in groups):
+        return parameter.unbind(0), {}
+    chunks = parameter.split([group.size for group in groups])
+    rows = tuple(row for chunk in chunks for row in chunk.unbind(0))
+    return rows, {group.index: chunk for group, chunk in zip(groups, chunks) if group.size > 1}
 
 
 class DepthRouting(nn.Module):
@@ -116,32 +151,132 @@ class DepthRouting(nn.Module):
             return []
         return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
 
-    def site(self, index: int) -> dict:
-        """Parameters of one site: query, norm_weight (d,), alpha (1,) or None."""
-        return dict(
-            query=self.query[index], norm_weight=self.key_norm[index],
-            alpha=None if self.alpha is None else self.alpha[index],
-        )
+    def rows(self, groups: Sequence[Group]) -> SiteRows:
+        """Every parameter's per-site and per-group rows for one forward (`parameter_rows`), taken
+        once per forward (under FSDP2 from the unsharded parameters), for the plan's `groups`."""
+        query, group_query = parameter_rows(self.query, groups)
+        key_norm, group_key_norm = parameter_rows(self.key_norm, groups)
+        alpha = None if self.alpha is None else self.alpha.unbind(0)
+        return SiteRows(query, key_norm, alpha, group_query, group_key_norm)
+
+
+# ---------------------------------------------------------------------------- the schedule
+class SiteCall(NamedTuple):
+    """How one site is routed, resolved from the plan once per model.
+
+    site: the plan's `Site`. reads: its entries of the source list, as a slice where they are
+    consecutive (per-call sublayer routing reads every entry so far), else the indices.
+    null_only: every entry it reads is a (d,) null source (paper layout, layer 0's attention).
+    group: its group of more than one site, None for a per-call site; position: its place in it;
+    late: the in-group entries its merge reads (grouped only); starts: its block runs the
+    group's phase 1 here (position 0 of a group of more than one site)."""
+
+    site: Site
+    reads: slice | tuple[int, ...]
+    null_only: bool
+    group: Group | None
+    position: int
+    late: tuple[int, ...]
+    starts: bool
+
+
+class LayerSchedule(NamedTuple):
+    """One block's part of the schedule: calls, its two sites' `SiteCall`s (None for the
+    standard residual); carried, the sites of this layer whose phase 1 ran in an earlier block
+    (their states enter the block, in site order); leaving, the later sites whose phase 1 runs
+    in this block (their states leave it, in site order); group, the group of more than one site
+    whose first site is in this layer, else None; released, the entries of the source list no
+    site after this block reads or builds on (the forward drops them after it, so that they are
+    freed once autograd is done with them)."""
+
+    calls: tuple[SiteCall | None, SiteCall | None]
+    carried: tuple[int, ...]
+    leaving: tuple[int, ...]
+    group: Group | None
+    released: tuple[int, ...]
+
+
+def _as_slice(indices: tuple[int, ...]) -> slice | tuple[int, ...]:
+    if indices and indices == tuple(range(indices[0], indices[-1] + 1)):
+        return slice(indices[0], indices[-1] + 1)
+    return indices
+
+
+def site_call(plan: RoutingPlan, site: Site) -> SiteCall:
+    """The `SiteCall` of `site` under `plan`."""
+    group, position = plan.group_of(site.index)
+    grouped = group.size > 1
+    return SiteCall(site, _as_slice(site.reads), all(plan.sources[j].kind == "null" for j in site.reads),
+                    group if grouped else None, position, group.late[position] if grouped else (),
+                    grouped and position == 0)
+
+
+def carried_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
+    """Sites of `layer` whose phase 1 ran in an earlier block (their states enter the block)."""
+    return tuple(s.index for s in plan.layer_sites(layer)
+                 if s is not None and plan.group_of(s.index)[0].sites[0] < 2 * layer)
+
+
+def leaving_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
+    """Sites after `layer` whose phase 1 runs in its block (their states leave the block)."""
+    out = []
+    for site in plan.layer_sites(layer):
+        if site is None:
+            continue
+        group, position = plan.group_of(site.index)
+        if position == 0:
+            out += [s for s in group.sites if s > 2 * layer + 1]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RoutingSchedule:
+    """The routing plan resolved once per model (module docstring): `layers`, one
+    `LayerSchedule` per layer (n_layers of them, also for the standard residual); `final`, the
+    final site's `SiteCall` (None where the plan has none). Build with `from_plan`."""
+
+    plan: RoutingPlan
+    layers: tuple[LayerSchedule, ...]
+    final: SiteCall | None
+
+    @classmethod
+    def from_plan(cls, plan: RoutingPlan, n_layers: int) -> "RoutingSchedule":
+        """The schedule of `plan` for a model of `n_layers` layers."""
+        layers, released, created = [], set(), sum(1 for s in plan.sources if s.site is None)
+        for layer in range(n_layers):
+            sites = plan.layer_sites(layer)
+            calls = tuple(None if s is None else site_call(plan, s) for s in sites)
+            created += sum(len(s.creates) for s in sites if s is not None)
+            group = next((c.group for c in calls if c is not None and c.starts), None)
+            # entries that exist after this block and that no site after it reads or builds on
+            drop = tuple(j for j in range(created) if j not in released and plan.last_use[j] <= 2 * layer + 1)
+            released.update(drop)
+            layers.append(LayerSchedule(calls, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop))
+        final = None if plan.final is None else site_call(plan, plan.final)
+        return cls(plan, tuple(layers), final)
 
 
 # ---------------------------------------------------------------------------- one site
-def routed_sources(site: Site, sources: Sequence[Tensor], like: Tensor | None) -> list[Tensor]:
-    """The entries `site` routes over. A site that reads only its (d,) null source (paper layout,
-    layer 0's attention) gets it broadcast to the shape of `like` (B, T, d), so its mix is the null."""
-    picked = [sources[j] for j in site.reads]
-    if all(s.dim() == 1 for s in picked):
+def routed_sources(call: SiteCall, sources: Sequence[Tensor], like: Tensor | None) -> list[Tensor]:
+    """The entries the site of `call` routes over. A site that reads only its (d,) null source
+    (paper layout, layer 0's attention) gets it broadcast to the shape of `like` (B, T, d), so
+    its mix is the null."""
+    reads = call.reads
+    picked = sources[reads] if isinstance(reads, slice) else [sources[j] for j in reads]
+    if call.null_only:
         picked = [s.to(like.dtype).expand_as(like).contiguous() for s in picked]
     return picked
 
 
-def site_input(site: Site, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
+def site_input(call: SiteCall, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
                alpha: Tensor | None, settings: RoutingSettings) -> Tensor:
-    """Per-call routing at `site` over the entries `site.reads` of `sources` (each (B, T, d), a
+    """Per-call routing at the site of `call` over its entries of `sources` (each (B, T, d), a
     (d,) null first): the mix (B, T, d), or h + alpha * mix for a delta-gated site (MHAR_SPEC 1.4).
     query, key_norm (d,), alpha (1,): the site's rows. Raises ValueError as `dispatch.route`."""
+    gated = call.site.gated
     return dispatch.route(
-        routed_sources(site, sources, h), query, key_norm, settings.heads, settings.eps, settings.kernel,
-        partial=h if site.gated else None, alpha=alpha if site.gated else None, permutation=settings.permutation,
+        routed_sources(call, sources, h), query, key_norm, settings.heads, settings.eps, settings.kernel,
+        partial=h if gated else None, alpha=alpha if gated else None, permutation=settings.permutation,
     )
 
 
@@ -194,40 +329,21 @@ def storage_dtype(sources: Sequence[Tensor | None]) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- inside a block
-def carried_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
-    """Sites of `layer` whose phase 1 ran in an earlier block (their states enter the block)."""
-    return tuple(s.index for s in plan.layer_sites(layer)
-                 if s is not None and plan.group_of(s.index)[0].sites[0] < 2 * layer)
-
-
-def leaving_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
-    """Sites after `layer` whose phase 1 runs in its block (their states leave the block)."""
-    out = []
-    for site in plan.layer_sites(layer):
-        if site is None:
-            continue
-        group, position = plan.group_of(site.index)
-        if position == 0:
-            out += [s for s in group.sites if s > 2 * layer + 1]
-    return tuple(out)
-
-
-def sublayer_input(plan: RoutingPlan, settings: RoutingSettings, layer: int, row: int, h: Tensor | None,
+def sublayer_input(call: SiteCall | None, settings: RoutingSettings, row: int, h: Tensor | None,
                    sources: list[Tensor], routing: BlockRouting | None, states: dict[int, State]) -> Tensor:
-    """Input of sublayer `row` (0 attention, 1 MLP) of `layer`: h for the standard residual, else
-    its site's routing: per call, or (grouped) phase 1 when its group starts here, then its merge.
-    `states`: the block's phase-1 states by site (updated in place; the block owns the dict)."""
-    site = plan.layer_sites(layer)[row]
-    if site is None:
+    """Input of sublayer `row` (0 attention, 1 MLP) of a block: h for the standard residual
+    (`call` None), else the routing of its site (`call`, from the block's `LayerSchedule`): per
+    call, or (grouped) phase 1 when its group starts here, then its merge. `states`: the block's
+    phase-1 states by site (updated in place; the block owns the dict)."""
+    if call is None:
         return h
     alpha = None if routing.alpha is None else routing.alpha[row]
-    group, position = plan.group_of(site.index)
-    if group.size == 1:
-        return site_input(site, sources, h, routing.query[row], routing.key_norm[row], alpha, settings)
-    if position == 0:
-        states.update(phase1(group, sources, routing.group_query, routing.group_key_norm, settings))
-    late = [sources[j] for j in group.late[position]]
-    return merge(site, late, states.pop(site.index), storage_dtype(sources), h, routing.query[row],
+    if call.group is None:
+        return site_input(call, sources, h, routing.query[row], routing.key_norm[row], alpha, settings)
+    if call.starts:
+        states.update(phase1(call.group, sources, routing.group_query, routing.group_key_norm, settings))
+    late = [sources[j] for j in call.late]
+    return merge(call.site, late, states.pop(call.site.index), storage_dtype(sources), h, routing.query[row],
                  routing.key_norm[row], alpha, settings)
 
 
@@ -237,12 +353,15 @@ Observer = Callable[[int, list, "Router"], None]
 
 
 class Router:
-    """Depth routing of one forward (module docstring): built from the `plan`, the routing
-    parameters `params` (`DepthRouting`) and the `settings`; `observer` (optional) sees every site."""
+    """Depth routing of one forward (module docstring): built from the `schedule`
+    (`RoutingSchedule`), the routing parameters `params` (`DepthRouting`) and the `settings`;
+    `observer` (optional) sees every site. `plan` is the schedule's routing plan."""
 
-    def __init__(self, plan: RoutingPlan, params: DepthRouting, settings: RoutingSettings,
+    def __init__(self, schedule: RoutingSchedule, params: DepthRouting, settings: RoutingSettings,
                  observer: Observer | None = None):
-        self.plan, self.params, self.settings, self.observer = plan, params, settings, observer
+        self.schedule, self.plan, self.params, self.settings = schedule, schedule.plan, params, settings
+        self.observer = observer
+        self.rows = params.rows(self.plan.groups)
         self.pending: dict[int, State] = {}  # phase-1 states of sites in later blocks
 
     def initial_sources(self, h: Tensor) -> list[Tensor]:
@@ -254,38 +373,37 @@ class Router:
 
     def block_routing(self, layer: int) -> BlockRouting:
         """The routing argument of block `layer`: its rows and the states carried to it."""
-        p, rows = self.params, slice(2 * layer, 2 * layer + 2)
-        states = tuple(self.pending.pop(s) for s in carried_sites(self.plan, layer))
-        group_query = group_key_norm = None
-        for site in (2 * layer, 2 * layer + 1):
-            group, position = self.plan.group_of(site)
-            if position == 0 and group.size > 1:
-                group_rows = slice(site, site + group.size)
-                group_query, group_key_norm = p.query[group_rows], p.key_norm[group_rows]
-        return BlockRouting(p.query[rows], p.key_norm[rows], None if p.alpha is None else p.alpha[rows], states,
-                            group_query, group_key_norm)
+        rows, schedule = self.rows, self.schedule.layers[layer]
+        two = slice(2 * layer, 2 * layer + 2)
+        states = tuple(self.pending.pop(s) for s in schedule.carried)
+        group = schedule.group
+        return BlockRouting(rows.query[two], rows.key_norm[two], None if rows.alpha is None else rows.alpha[two],
+                            states, None if group is None else rows.group_query[group.index],
+                            None if group is None else rows.group_key_norm[group.index])
 
     def block_done(self, layer: int, states: tuple[State, ...], sources: list, h: Tensor | None) -> None:
         """Take block `layer`'s leaving states back and show the observer its two sites."""
-        self.pending.update(zip(leaving_sites(self.plan, layer), states))
+        schedule = self.schedule.layers[layer]
+        self.pending.update(zip(schedule.leaving, states))
         if self.observer is not None:
-            for site in self.plan.sites[2 * layer: 2 * layer + 2]:
-                self.observer(site.index, routed_sources(site, sources, h), self)
+            for call in schedule.calls:
+                self.observer(call.site.index, routed_sources(call, sources, h), self)
 
     def final(self, h: Tensor | None, sources: list) -> Tensor:
         """The final site's routing (B, T, d): per call, or the merge of its phase-1 state; `h`
         itself where the plan has no final site (the paper layout)."""
-        final = self.plan.final
-        if final is None:
+        call = self.schedule.final
+        if call is None:
             return h
+        index, rows = call.site.index, self.rows
         if self.observer is not None:
-            self.observer(final.index, [sources[j] for j in final.reads], self)
-        p = self.params.site(final.index)
-        if final.index in self.pending:
-            late = [sources[j] for j in self.plan.group_of(final.index)[0].late[-1]]
-            return merge(final, late, self.pending.pop(final.index), storage_dtype(sources), h, p["query"],
-                         p["norm_weight"], p["alpha"], self.settings)
-        return site_input(final, sources, h, p["query"], p["norm_weight"], p["alpha"], self.settings)
+            self.observer(index, routed_sources(call, sources, h), self)
+        alpha = None if rows.alpha is None else rows.alpha[index]
+        if index in self.pending:
+            late = [sources[j] for j in call.late]
+            return merge(call.site, late, self.pending.pop(index), storage_dtype(sources), h, rows.query[index],
+                         rows.key_norm[index], alpha, self.settings)
+        return site_input(call, sources, h, rows.query[index], rows.key_norm[index], alpha, self.settings)
 
     @torch.no_grad()
     def weights(self, site: int, sources: Sequence[Tensor]) -> Tensor:
