@@ -62,13 +62,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import contract, launch
-from .op import can_run, gradient_buffers, sinks_of
+from .op import can_run, gradient_buffers
 from .triton_routing import (
-    _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _next_pow2, _source_base, _source_table,
-    _to_storage, aligned, reduce_programs,
+    _TL_DTYPES, INTERPRET, NUM_STAGES, _cdiv, _device_table, _inv_rms_and_key, _load_source, _next_pow2,
+    _source_base, _source_table, _to_storage, aligned, reduce_programs,
 )
 
 # GPU layout. A program's source tile [BLOCK_T, HB, KB] gives each thread _ROW_ELEMENTS
@@ -254,7 +253,15 @@ def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool
     fit _TILE_PER_THREAD, else the largest power of two that does (2 at the paper's shapes).
     maxnreg is ptxas's register limit (the backward's; None for the forward). site_block
     overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large (few
-    programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
+    programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking. (A new dict;
+    the launches use the cached `_launch_config`.)"""
+    return dict(_launch_config(bt, group, heads, head_dim, backward, site_block))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
+                   site_block: Optional[int]) -> dict:
+    """`launch_config`, cached (host time per launch); callers must not change it."""
     hb, kb = _next_pow2(heads), _next_pow2(head_dim)
     token = hb * kb  # one token's [HB, KB] tile
     warp_share = 32 * _ROW_ELEMENTS
@@ -284,11 +291,15 @@ def _cached_read_table(reads: tuple, n: int, padded: int, device: torch.device) 
 
 def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Tensor,
                    reads: Sequence[Sequence[bool]], heads: int, eps: float,
-                   site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor]:
+                   site_block: Optional[int] = None, tables: Optional[tuple[Tensor, Tensor, bool]] = None,
+                   read_table: Optional[Tensor] = None) -> tuple[list[Tensor], Tensor]:
     """Launch the phase-1 forward. sources: n tensors (B, T, d), sources[0] may be a (d,) null
-    source; queries, norm_weights (g, d); reads[i][j]: site i reads source j.
+    source; queries, norm_weights (g, d); reads[i][j]: site i reads source j. tables: (pointers
+    (n,), row strides (n,), whether every source is 16-byte aligned) of the sources as
+    `launch.SourceTable.views` gives them (no source table is built then: only the g mix
+    pointers are); read_table: the launch's `_read_table`, where the caller has it.
     Returns (g mixes (B, T, d) in the sources' dtype, lse (B, T, g, H) in the compute dtype)."""
-    full = next(x for x in sources if x.dim() != 1)
+    full = sources[-1]
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt = contract.compute_dtype(full.dtype)
@@ -297,15 +308,24 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
     if bt == 0:
         return mixes, lse
     n = len(sources)
-    cfg = launch_config(bt, g, heads, head_dim, backward=False, site_block=site_block)
-    chunks = triton.cdiv(g, cfg["SB"])
+    cfg = _launch_config(bt, g, heads, head_dim, False, site_block)
+    chunks = _cdiv(g, cfg["SB"])
     mix_ptrs = [m.data_ptr() for m in mixes]
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=mix_ptrs)
-    is_aligned = aligned(ptrs + mix_ptrs, strides, head_dim)
-    grid = (chunks * triton.cdiv(bt, cfg["BLOCK_T"]),)
+    if tables is not None:  # a `launch.SourceTable`'s rows
+        pointer_rows, stride_rows, sources_aligned = tables
+        mix_rows = _device_table(mix_ptrs, full.device)
+        is_aligned = sources_aligned and aligned(mix_ptrs, (), head_dim)
+        first = sources[0]
+    else:
+        tensors, ptrs, strides, table = _source_table(sources, d, extra=mix_ptrs)
+        is_aligned = aligned(ptrs + mix_ptrs, strides, head_dim)
+        pointer_rows, stride_rows, mix_rows, first = table[:n], table[n:2 * n], table[2 * n:], tensors[0]
+    if read_table is None:
+        read_table = _read_table(reads, n, chunks * cfg["SB"], full.device)
+    grid = (chunks * _cdiv(bt, cfg["BLOCK_T"]),)
     _phase1_fwd_kernel[grid](
-        table[:n], table[n:2 * n], _read_table(reads, n, chunks * cfg["SB"], full.device), table[2 * n:],
-        tensors[0], queries.contiguous(), norm_weights.contiguous(), lse,
+        pointer_rows, stride_rows, read_table, mix_rows,
+        first, queries.contiguous(), norm_weights.contiguous(), lse,
         n, g, chunks, bt, d, heads, head_dim, eps,
         ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
@@ -315,47 +335,66 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
 def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[Tensor], queries: Tensor,
                     norm_weights: Tensor, reads: Sequence[Sequence[bool]], heads: int, eps: float, lse: Tensor,
                     site_block: Optional[int] = None, grads: Optional[Sequence[Tensor]] = None,
-                    accumulate: Optional[Sequence[bool]] = None,
-                    ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor]]:
+                    accumulate: Optional[Sequence[bool]] = None, tables: Optional[tuple] = None,
+                    read_table: Optional[Tensor] = None,
+                    ) -> tuple[Optional[list[Tensor]], Tensor, Tensor, Optional[Tensor]]:
     """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (B, T, g, H)
     of the normalisers; lse from `phase1_forward`. grads: optional contiguous (B, T, d) buffers,
     one per (B, T, d) source, that receive the source gradients (new ones otherwise);
     accumulate: per buffer, True to add into it (a shared gradient buffer another reader already
-    wrote; in the kernel), False to overwrite.
+    wrote; in the kernel), False to overwrite. tables: (pointers, row strides, gradient pointers,
+    per-source add flags, whether every buffer is added into, aligned) of the sources (no null
+    source) and their gradient buffers (already made) as a `launch.SourceTable` gives them: no
+    source table is built, grads / accumulate are not read and no source gradient list is
+    returned (None). read_table: as `phase1_forward`.
     Returns (gradients of the (B, T, d) sources in their dtype, dq (g, d), dg (g, d) and dnull
     (d,) or None in the compute dtype), the partial sums reduced in a fixed order (bitwise
     repeatable)."""
     has_null = sources[0].dim() == 1
-    full = next(x for x in sources if x.dim() != 1)
+    full = sources[-1]
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt, device = lse.dtype, full.device
     n = len(sources)
-    cfg = launch_config(bt, g, heads, head_dim, backward=True, site_block=site_block)
-    chunks = triton.cdiv(g, cfg["SB"])
+    cfg = _launch_config(bt, g, heads, head_dim, True, site_block)
+    chunks = _cdiv(g, cfg["SB"])
     n_rows = n - int(has_null)
-    accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
-    out = list(grads) if grads is not None else \
-        [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
+    out = None
+    if tables is None:
+        accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
+        out = list(grads) if grads is not None else \
+            [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
     if bt == 0:
         zeros = torch.zeros((g, d), dtype=cdt, device=device)
         return out, zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
-    # chunk c > 0 of a token tile adds into what chunk c - 1 stored: every source's buffer is added into
-    has_accum = chunks > 1 or any(accumulate)
     dmixes = [x.to(full.dtype).contiguous() for x in dmixes]
-    dptrs = [0] * int(has_null) + [x.data_ptr() for x in out]
     dmix_ptrs = [x.data_ptr() for x in dmixes]
-    flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
-    is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
-    programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
+    # chunk c > 0 of a token tile adds into what chunk c - 1 stored: every source's buffer is added into
+    if tables is not None:  # a `launch.SourceTable`'s rows: only the g incoming gradients' pointers are a new table
+        pointer_rows, stride_rows, grad_rows, flag_rows, adds, sources_aligned = tables
+        has_accum = chunks > 1 or adds
+        dmix_rows = _device_table(dmix_ptrs, device)
+        is_aligned = sources_aligned and aligned(dmix_ptrs, (), head_dim)
+        first = sources[0]
+    else:
+        has_accum = chunks > 1 or any(accumulate)
+        dptrs = [0] * int(has_null) + [x.data_ptr() for x in out]
+        flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
+        tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
+        is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
+        dmix_at = 3 * n
+        pointer_rows, stride_rows, grad_rows = table[:n], table[n:2 * n], table[2 * n:dmix_at]
+        flag_rows, dmix_rows = table[dmix_at + g:], table[dmix_at:dmix_at + g]
+        first = tensors[0]
+    if read_table is None:
+        read_table = _read_table(reads, n, chunks * cfg["SB"], device)
+    programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     t_part = torch.zeros((programs, g, d), dtype=cdt, device=device)
     dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else t_part
     q, w = queries.contiguous(), norm_weights.contiguous()
-    dmix_at = 3 * n
     _phase1_bwd_kernel[(programs,)](
-        table[:n], table[n:2 * n], table[2 * n:dmix_at], table[dmix_at + g:] if has_accum else table,
-        _read_table(reads, n, chunks * cfg["SB"], device), table[dmix_at:dmix_at + g], tensors[0], q, w,
+        pointer_rows, stride_rows, grad_rows, flag_rows if has_accum else pointer_rows,
+        read_table, dmix_rows, first, q, w,
         dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
         n, g, chunks, bt, d, heads, head_dim, eps,
         HAS_NULL=has_null, HAS_ACCUM=has_accum, CHUNKED=chunks > 1, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
@@ -393,28 +432,59 @@ class Phase1(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, *sources: Tensor):
-        mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block)
-        norms = [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes]
+        has_null = sources[0].dim() == 1
+        shared = sources[1:] if has_null else sources
+        ctx.sinks = launch.sinks(shared)
+        # sources that are consecutive entries of one source table launch on its rows (no null source:
+        # the model hands phase 1 its own cast of it, which no table slot holds)
+        found = launch.lookup(ctx.sinks) if not has_null else None
+        ctx.found, tables = None, None
+        if found is not None:
+            table, first = found
+            ctx.found = (table, first, first + len(shared))
+            tables = (*table.views(first, first + len(shared))[:2], table.aligned)
+        full = sources[-1]
+        d, g = full.shape[-1], queries.shape[0]
+        cfg = _launch_config(full.numel() // d, g, heads, d // heads, False, Phase1.site_block)
+        ctx.read_table = _read_table(reads, len(sources), _cdiv(g, cfg["SB"]) * cfg["SB"], full.device)
+        # (positional arguments: tests spy on phase1_forward with a plain *args wrapper)
+        mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block, tables,
+                                    ctx.read_table)
+        # the normalisers (identically 1): rows of one tensor
+        norms = torch.ones((g, *lse.shape[:-2], heads), dtype=lse.dtype, device=lse.device).unbind(0)
         ctx.save_for_backward(queries, norm_weights, lse, *sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
-        ctx.sinks = sinks_of(sources)
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
 
     @staticmethod
-    @once_differentiable
+    @launch.once_differentiable
     def backward(ctx, *grads):
         queries, norm_weights, lse, *sources = ctx.saved_tensors
         g = queries.shape[0]
-        dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], sources[-1].dtype)
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
-        buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
-        out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
-                                             ctx.eps, lse, Phase1.site_block, grads=buffers, accumulate=accumulate)
-        out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
-        if dnull is not None:
-            out = [dnull.to(sources[0].dtype), *out]
-        out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]
+        dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], full.dtype)
+        rows = None
+        if ctx.found is not None:
+            table, lo, hi = ctx.found
+            rows = table.backward_rows(lo, hi, False, sources, full.shape, full.device)
+        if rows is not None:  # every source shared, its gradient added into its buffer in the kernel
+            pointers, strides, grad_rows, ones, aligned_rows = rows
+            flags = ones if ones is not None else table.views(lo, hi)[4]
+            _, dq, dg, dnull = phase1_backward(
+                dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads, ctx.eps, lse, Phase1.site_block,
+                tables=(pointers, strides, grad_rows, flags, ones is not None, aligned_rows),
+                read_table=ctx.read_table)
+            out = [None] * len(sources)
+        else:
+            buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
+            out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads,
+                                                 ctx.heads, ctx.eps, lse, Phase1.site_block, grads=buffers,
+                                                 accumulate=accumulate, read_table=ctx.read_table)
+            out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
+            if dnull is not None:
+                out = [dnull.to(sources[0].dtype), *out]
+            out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]
         return (dq.to(queries.dtype), dg.to(norm_weights.dtype), None, None, None, *out)
 
 

@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import launch, triton_routing
 from .op import can_run, gradient_buffers
@@ -57,23 +56,21 @@ class Merge(torch.autograd.Function):
         if not late and partial is None:  # the group's first site: its state is its mix
             ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None, *late)
             return mix.view_as(mix)
-        residual = torch.empty(mix.shape, dtype=mix.dtype, device=mix.device) \
-            if late and triton_routing.needs_mix_residual(mix.dtype) else None
         found = launch.lookup(ctx.sinks) if late else None
         rows = None
         if found is not None:  # consecutive entries of one source table: its rows, no table built
             table, first = found
             ctx.found = (table, first, first + len(late))
             rows = (*table.views(first, first + len(late))[:2], table.aligned)
-        out, mixed, logits, lse = triton_routing.route_forward(
-            list(late), query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
-            out_dtype=mix.dtype, mix_residual=residual, tables=rows)
+        out, mixed, residual, logits, lse = triton_routing.route_forward_saved(
+            late, query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
+            residual=bool(late), tables=rows)
         ctx.save_for_backward(out if partial is None else mixed, residual, query, norm_weight, logits, lse, state_lse,
                               alpha, *late)
         return out
 
     @staticmethod
-    @once_differentiable
+    @launch.once_differentiable
     def backward(ctx, grad_out: Tensor):
         mix, residual, query, norm_weight, logits, lse, state_lse, alpha, *late = ctx.saved_tensors
         grad_out = grad_out.contiguous()

@@ -484,6 +484,31 @@ def route_forward(
     return out, mix, logits, lse
 
 
+def route_forward_saved(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float,
+    *,
+    partial: Optional[Tensor] = None,
+    alpha: Optional[Tensor] = None,
+    state: Optional[tuple[Tensor, Tensor]] = None,
+    residual: bool = True,
+    tables: Optional[tuple[Tensor, Tensor, bool]] = None,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """`route_forward` for an autograd forward: (out, mix or None, mix residual or None, logits,
+    lse), out in the storage dtype of the sources (or of the state's mix where there is no
+    source); with `residual` and bf16 / fp16 storage (`needs_mix_residual`) the mix residual is
+    written for the backward."""
+    full = sources[-1] if sources and sources[-1].dim() != 1 else state[0]
+    rounding = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
+        if residual and needs_mix_residual(full.dtype) else None
+    out, mix, logits, lse = route_forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                          state=state, out_dtype=full.dtype, mix_residual=rounding, tables=tables)
+    return out, mix, rounding, logits, lse
+
+
 def route_backward(
     grad_out: Tensor,
     sources: Sequence[Tensor],
