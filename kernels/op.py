@@ -359,13 +359,13 @@ def _table_backward(ctx, grad_out, saved) -> Optional[tuple]:
     _, dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, mix_residual=residual,
         param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
-    return (None, _cast(dq, query), _cast(dg, norm_weight), None, None,
+    return (None, cast_like(dq, query), cast_like(dg, norm_weight), None, None,
             grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,
-            _cast(dalpha, alpha) if alpha is not None else None,
-            _cast(dnull, null_source) if null_source is not None else None) + (None,) * len(sources)
+            cast_like(dalpha, alpha) if alpha is not None else None,
+            cast_like(dnull, null_source) if null_source is not None else None) + (None,) * len(sources)
 
 
-def _cast(gradient: Tensor, like: Tensor) -> Tensor:
+def cast_like(gradient: Tensor, like: Tensor) -> Tensor:
     """gradient in like's dtype (no op where it already is)."""
     return gradient if gradient.dtype is like.dtype else gradient.to(like.dtype)
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import launch, triton_routing
-from .op import can_run, gradient_buffers
+from .op import can_run, cast_like, gradient_buffers
 
 
 class Merge(torch.autograd.Function):
@@ -84,9 +84,9 @@ class Merge(torch.autograd.Function):
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
-        else:  # every in-group source is shared: its gradient is in its buffer
-            buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
-            returned = [None] * len(late)
+        else:  # every in-group source is shared: its gradient goes into its buffer (the table's row 2)
+            buffers = accumulate = None
+            returned = (None,) * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
         write_state = bool(late) or alpha is not None
@@ -96,8 +96,8 @@ class Merge(torch.autograd.Function):
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
             state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight), tables=rows)
         return (dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
-                dq.to(query.dtype), dg.to(norm_weight.dtype), grad_out if ctx.has_partial else None,
-                None if alpha is None else dalpha.to(alpha.dtype), None, None, *returned)
+                cast_like(dq, query), cast_like(dg, norm_weight), grad_out if ctx.has_partial else None,
+                None if alpha is None else cast_like(dalpha, alpha), None, None, *returned)
 
 
 def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
