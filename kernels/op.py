@@ -299,11 +299,15 @@ class _EagerRoute(torch.autograd.Function):
     this skips the custom-op dispatch and pytree handling of the N sources (host time per call).
     Sources made by `share_gradient` get their gradient added into their sink by the kernel and
     return None here. Sources that are consecutive entries of one `launch.SourceTable` (the
-    models' per-call sites; `found` = (table, first slot), as `launch.lookup` gives it, looked up
-    once by the caller) reach the kernels through the table's rows (no per-call table)."""
+    models' per-call sites; `looked_up` = (their sinks, (table, first slot) as `launch.lookup`
+    gives it), made once by the caller) reach the kernels through the table's rows (no per-call
+    table)."""
 
     @staticmethod
-    def forward(ctx, found, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
+    def forward(ctx, looked_up, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
+        # looked_up: (the sources' gradient sinks, their `launch.lookup`), made once by the caller; the
+        # backward uses these sinks (under activation checkpointing the saved sources are recomputed views)
+        ctx.sinks, found = looked_up
         ctx.found = None
         ctx.heads, ctx.eps = heads, eps
         ctx.partial_dtype = partial.dtype if partial is not None else None
@@ -335,7 +339,7 @@ class _EagerRoute(torch.autograd.Function):
             result = _table_backward(ctx, grad_out, saved)
             if result is not None:
                 return result
-        sinks = launch.sinks(saved[8:])
+        sinks = ctx.sinks
         buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
         _, dq, dg, dpartial, dalpha, dnull = _gradients(
             ctx, grad_out, lambda *args: _backward_values(*args, grads=buffers, accumulate=accumulate), saved=saved)
@@ -351,6 +355,7 @@ def _table_backward(ctx, grad_out, saved) -> Optional[tuple]:
     under activation checkpointing) or their gradient buffers are in mixed states: the caller
     takes the general path."""
     table, lo, hi, cast = ctx.found
+    ctx.found = None  # a second backward (retain_graph) takes the general path: the table may be reused by then
     mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = saved
     rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device)
     if rows is None:
@@ -411,9 +416,6 @@ def route(
                            null_source=null_source)
 
 
-_LOOK_UP = object()  # route_unchecked's `found` default: look the sources up in their source table
-
-
 def route_unchecked(
     sources: list[Tensor],
     query: Tensor,
@@ -424,16 +426,17 @@ def route_unchecked(
     partial: Optional[Tensor] = None,
     alpha: Optional[Tensor] = None,
     null_source: Optional[Tensor] = None,
-    found=_LOOK_UP,
+    looked_up: Optional[tuple] = None,
 ) -> Tensor:
     """`route` for arguments that `contract.check_route_args` already accepted (heads an int):
-    the dispatcher (`dispatch.route`) checks each call once and then calls this. found: the
-    sources' `launch.lookup` where the caller already made it ((table, first slot) or None).
+    the dispatcher (`dispatch.route`) checks each call once and then calls this. looked_up:
+    (`launch.sinks(sources)`, their `launch.lookup`) where the caller already made them.
     Raises RuntimeError where the kernels cannot run (`can_run`)."""
     if torch.compiler.is_compiling():  # an opaque node in the graph
         return route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)[0]
     _require(sources[0].device, sources[0].shape[-1], heads)
-    if found is _LOOK_UP:
-        found = launch.lookup(launch.sinks(sources))
-    return launch.apply(_EagerRoute, found, query, norm_weight, heads, float(eps), partial, alpha, null_source,
+    if looked_up is None:
+        sinks = launch.sinks(sources)
+        looked_up = sinks, launch.lookup(sinks)
+    return launch.apply(_EagerRoute, looked_up, query, norm_weight, heads, float(eps), partial, alpha, null_source,
                         *sources)

@@ -263,6 +263,7 @@ class Phase1(torch.autograd.Function):
         rows = None
         if ctx.found is not None:
             table, lo, hi = ctx.found
+            ctx.found = None  # a second backward takes the general path (the table may be reused by then)
             rows = table.backward_rows(lo, hi, False, sources, full.shape, full.device)
         if rows is not None:  # every source shared, its gradient added into its buffer in the kernel
             pointers, strides, grad_rows, ones, aligned_rows = rows

@@ -80,6 +80,7 @@ class Merge(torch.autograd.Function):
         rows = None
         if ctx.found is not None:
             table, lo, hi = ctx.found
+            ctx.found = None  # a second backward takes the general path (the table may be reused by then)
             rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device)
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
