@@ -23,7 +23,14 @@ take the general path, which builds a table per launch as before; both give the 
 Tables are per micro-batch: a table is referenced by its sources' gradient sinks (no tensor of
 the step's activations is held), so it goes when the step's autograd graph goes; a table stops
 taking new sources at `MAX_ENTRIES` (a new one starts), so a graph kept alive across steps
-cannot grow one without bound.
+cannot grow one without bound. Once every source's gradient buffer was handed on (the
+micro-batch's backward is done), the table is kept (up to `_POOL` per shape, dtype and device)
+and the next micro-batch of that shape registers into it: its rows and the views of them that
+the launches take are made once per shape, not per step. Nothing of an earlier use reaches a
+reused table: a call whose backward runs a second time (retain_graph) takes the general path,
+and an earlier sink's hand-off is ignored. On CPU the rows are written through a ctypes view of
+their memory (no tensor op per slot); on CUDA each write is a pinned, asynchronous copy on the
+current stream, ordered after the launches of the micro-batch that used the rows before.
 
 `apply(function, *args)`: `torch.autograd.Function.apply` without its Python pass over every
 argument (functorch's dead-wrapper unwrapping, a generator over the N sources per call): where no

@@ -85,8 +85,8 @@ class Merge(torch.autograd.Function):
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
-        else:  # every in-group source is shared: its gradient goes into its buffer (the table's row 2)
-            buffers = accumulate = None
+        else:  # every in-group source is shared: its gradient is in its buffer
+            buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
             returned = (None,) * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
