@@ -24,8 +24,8 @@ Tables are per micro-batch: a table is referenced by its sources' gradient sinks
 the step's activations is held), so it goes when the step's autograd graph goes; a table stops
 taking new sources at `MAX_ENTRIES` (a new one starts), so a graph kept alive across steps
 cannot grow one without bound. Once every source's gradient buffer was handed on (the
-micro-batch's backward is done), the table is kept (up to `_POOL` per shape, dtype and device)
-and the next micro-batch of that shape registers into it: its rows and the views of them that
+micro-batch's backward is done), the table is kept (up to `_POOL` per shape, dtype and device,
+for `_SHAPES` shapes) and the next micro-batch of that shape registers into it: its rows and the views of them that
 the launches take are made once per shape, not per step. Nothing of an earlier use reaches a
 reused table: a call whose backward runs a second time (retain_graph) takes the general path,
 and an earlier sink's hand-off is ignored. On CPU the rows are written through a ctypes view of
@@ -280,13 +280,17 @@ class SourceTable:
 _grad = attrgetter("grad")
 _current: Optional[weakref.ref] = None
 _POOL = 2  # finished tables kept per (shape, dtype, device) for reuse
+_SHAPES = 8  # ... for at most this many shapes (the oldest shape's go first)
 _free: dict = {}
 
 
 def _finished(table: SourceTable) -> None:
     """Keep a table whose every gradient buffer was handed on (its micro-batch's backward is done)
     for the next micro-batch of its shape: its rows and their views are made once per shape."""
-    free = _free.setdefault((table.shape, table.dtype, table.device), [])
+    key = (table.shape, table.dtype, table.device)
+    if key not in _free and len(_free) >= _SHAPES:
+        del _free[next(iter(_free))]
+    free = _free.setdefault(key, [])
     if len(free) < _POOL and all(t is not table for t in free):
         free.append(table)
 
