@@ -16,9 +16,13 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
 - `route_phase1(queries, norm_weights, reads, heads, eps, *sources)`: the fused phase 1 of a
   grouped routing group (forward and backward, `triton_grouped.py`); `triton_merge.merge`, the
   fused merge (phase 2) of a grouped site on the per-call kernels.
-- `launch`: the launch side of a routing call: the per-micro-batch source table the shared
-  sources are registered in (a call over consecutive entries launches on slices of it) and the
-  lean `autograd.Function` call (torch only).
+- `routing_kernels`, `grouped_kernels`: the kernels' device code (`@triton.jit` only);
+  `triton_routing` and `triton_grouped` are their launch side (configurations cached per shape,
+  alignment, per-launch tables, the launch wrappers `route_forward` / `route_backward` /
+  `phase1_forward` / `phase1_backward`).
+- `launch`: the launch side of a routing call: the source tables the shared sources are
+  registered in (one per micro-batch, reused per shape; a call over consecutive entries launches
+  on slices of its rows) and the lean `autograd.Function` call (torch only).
 - `traffic`: bytes each routing launch reads and writes, against the floor.
 - `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
   mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
@@ -31,7 +35,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "triton_merge", "launch", "traffic", "compile_report")
+               "triton_merge", "launch", "traffic", "compile_report", "routing_kernels", "grouped_kernels")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -13,7 +13,7 @@ reports registers per thread, spill bytes, sites per program (phase 1), the wide
 source access in the PTX and whether the loop over sources is software-pipelined (cp.async groups).
 Async copies are counted by width twice: all of them (pointer-table entries, read flags and fp32
 statistics are 4- or 8-byte copies too) and those of source tiles alone (the copies of the load in
-`triton_routing._load_source`, told apart by the PTX's line information).
+`routing_kernels._load_source`, told apart by the PTX's line information).
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler).
 """
@@ -82,7 +82,7 @@ def _triton_build(triton, src, num_warps: int, maxnreg: int | None) -> tuple:
 def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: int = N_SOURCES,
                    tokens: int = TOKENS, dtype: str = "bf16", flags: dict | None = None, group: int = GROUP) -> dict:
     """Compile a routing kernel for sm_90 as a launch with these arguments would: kind "forward" /
-    "backward" (per call, triton_routing), "merge_forward" / "merge_backward" (the same kernels
+    "backward" (per call, routing_kernels), "merge_forward" / "merge_backward" (the same kernels
     with grouped routing's phase-1 state in and its gradients out, triton_merge) or
     "phase1_forward" / "phase1_backward" (grouped routing's phase 1 over a group of `group`
     sites, triton_grouped).
@@ -109,14 +109,16 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from . import grouped_kernels as gk
+    from . import routing_kernels as rk
     from . import triton_grouped as tg
     from . import triton_routing as tr
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         raise RuntimeError("this Triton build has no CUDA backend")
-    fn = dict(forward=tr._route_fwd_kernel, backward=tr._route_bwd_kernel, merge_forward=tr._route_fwd_kernel,
-              merge_backward=tr._route_bwd_kernel, phase1_forward=tg._phase1_fwd_kernel,
-              phase1_backward=tg._phase1_bwd_kernel)[kind]
+    fn = dict(forward=rk._route_fwd_kernel, backward=rk._route_bwd_kernel, merge_forward=rk._route_fwd_kernel,
+              merge_backward=rk._route_bwd_kernel, phase1_forward=gk._phase1_fwd_kernel,
+              phase1_backward=gk._phase1_bwd_kernel)[kind]
     merge = kind.startswith("merge")  # the fused merge: the per-call kernels with the phase-1 state
     kind = kind.removeprefix("merge_")
     backward = kind.endswith("backward")
@@ -150,7 +152,7 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     stores = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
     loads = sum(int(x) for x in re.findall(r"(\d+) bytes spill loads", report))
     cubin = cubin_usage(triton, compiled.asm["cubin"])
-    counts = access_counts(ptx, _source_tile_load(tr))
+    counts = access_counts(ptx, _source_tile_load(rk))
     return dict(registers=regs, spill_bytes=stores + loads, spill_store_bytes=stores, spill_load_bytes=loads,
                 cubin_registers=cubin["registers"], cubin_stack_bytes=cubin["stack"], num_warps=num_warps, site_block=cfg.get("SB"),
                 block_t=cfg["BLOCK_T"], scalar_16bit_loads=counts["scalar_16bit"],
@@ -177,10 +179,10 @@ def cubin_usage(triton, cubin: bytes) -> dict:
     return dict(registers=int(found.group(1)), stack=int(found.group(2)))
 
 
-def _source_tile_load(triton_routing) -> tuple[str, int]:
-    """(file name, line) of the source-tile load in `triton_routing._load_source`, the one load
+def _source_tile_load(routing_kernels) -> tuple[str, int]:
+    """(file name, line) of the source-tile load in `routing_kernels._load_source`, the one load
     every routing kernel reads its sources' [BLOCK_T, HB, KB] tiles with."""
-    fn = triton_routing._load_source.fn
+    fn = routing_kernels._load_source.fn
     lines, first = inspect.getsourcelines(fn)
     line = next(first + i for i, text in enumerate(lines) if "tl.load(base" in text)
     return Path(inspect.getsourcefile(fn)).name, line

@@ -100,17 +100,19 @@ def route(
     if kernel not in KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
     # sources that are consecutive entries of one source table were checked against each other when
-    # they were shared (`launch.SourceTable.accepts`): only the first is checked against the rest
-    uniform = len(full) > 1 and launch.lookup(launch.sinks(full)) is not None
-    heads = contract.check_route_args(full[:1] if uniform else full, query, norm_weight, heads, partial, alpha,
-                                      null_source)
+    # they were shared (`launch.SourceTable.accepts`): only the first is checked against the rest. The
+    # lookup is handed to the fused op, which launches on the table's rows without looking again.
+    sinks = launch.sinks(full)
+    found = launch.lookup(sinks) if full else None
+    heads = contract.check_route_args(full[:1] if found is not None else full, query, norm_weight, heads, partial,
+                                      alpha, null_source)
     if permutation is not None and kernel != "eager":
         raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
                          "set routing_kernel='eager'")
     chosen = backend(kernel, full[0].device, full[0].shape[-1], heads)
     if chosen == "triton":
         return _module("op").route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                                  null_source=null_source)
+                                             null_source=null_source, looked_up=(sinks, found))
     sources = contract.with_null_source(null_source, full)
     if chosen == "compile":
         mix = reference.route_compiled(sources, query, norm_weight, heads, eps)

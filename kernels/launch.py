@@ -6,9 +6,10 @@ A routing call's host work must not grow with the number of sources N in Python 
 `SourceTable`: every (B, T, d) source shared for routing (`op.share_gradient`, once per source
 and micro-batch) is appended to one table, checked once (shape, dtype, device, contiguity,
 alignment) and its data pointer, row stride and, once the first reader's backward has made it,
-its gradient buffer's pointer written once into a device-resident int64 table (4, capacity):
+its gradient buffer's pointer written once into a device-resident int64 table (5, capacity):
 
     row 0: source pointers   row 1: row strides   row 2: gradient-buffer pointers   row 3: ones
+    row 4: zeros (rows 3 and 4 are the kernels' per-source "add into the buffer" flags)
 
 Slot 0 holds the call's (d,) null source (row stride 0, broadcast over tokens), sources take
 slots 1, 2, ... in the order they were shared. A call whose sources are consecutive entries of
@@ -22,7 +23,14 @@ take the general path, which builds a table per launch as before; both give the 
 Tables are per micro-batch: a table is referenced by its sources' gradient sinks (no tensor of
 the step's activations is held), so it goes when the step's autograd graph goes; a table stops
 taking new sources at `MAX_ENTRIES` (a new one starts), so a graph kept alive across steps
-cannot grow one without bound.
+cannot grow one without bound. Once every source's gradient buffer was handed on (the
+micro-batch's backward is done), the table is kept (up to `_POOL` per shape, dtype and device,
+for `_SHAPES` shapes) and the next micro-batch of that shape registers into it: its rows and the views of them that
+the launches take are made once per shape, not per step. Nothing of an earlier use reaches a
+reused table: a call whose backward runs a second time (retain_graph) takes the general path,
+and an earlier sink's hand-off is ignored. On CPU the rows are written through a ctypes view of
+their memory (no tensor op per slot); on CUDA each write is a pinned, asynchronous copy on the
+current stream, ordered after the launches of the micro-batch that used the rows before.
 
 `apply(function, *args)`: `torch.autograd.Function.apply` without its Python pass over every
 argument (functorch's dead-wrapper unwrapping, a generator over the N sources per call): where no
@@ -32,6 +40,8 @@ functorch transform is active, the C++ entry is called directly; otherwise the p
 from __future__ import annotations
 
 import array
+import ctypes
+import functools
 import weakref
 from itertools import repeat
 from operator import attrgetter
@@ -61,6 +71,21 @@ def apply(function: type, *args):
     return fast(*args)
 
 
+def once_differentiable(backward):
+    """`torch.autograd.function.once_differentiable` for a Function's backward without its cost
+    where it changes nothing: autograd runs a backward with grad mode off unless the caller asked
+    for create_graph, so the backward is called directly there (torch's wrapper would only enter
+    no_grad); with grad mode on, torch's wrapper runs (outputs that refuse a second derivative)."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def lean(ctx, *grads):
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *grads)
+        return backward(ctx, *grads)
+    return lean
+
+
 def _device_rows(values: Sequence[int], device: torch.device) -> Tensor:
     """int64 tensor of `values` on `device` (pinned + asynchronous copy on CUDA: no host wait)."""
     table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
@@ -73,26 +98,39 @@ class SourceTable:
     """The shared (B, T, d) sources of one micro-batch, in sharing order (module docstring).
 
     Attributes: `sinks` (the `op.GradientSink` of the source in slot i + 1), `pointers` (their
-    data pointers, a list), `rows` (4, capacity) int64 on the sources' device, `written`
+    data pointers, a list), `rows` (5, capacity) int64 on the sources' device, `written`
     (bytearray: 1 where the slot's gradient buffer exists and its pointer is in row 2),
     `aligned` (every registered pointer and gradient pointer on a 16-byte boundary, d % 8 == 0),
     `shape`, `dtype`, `device`."""
 
     __slots__ = ("sinks", "pointers", "rows", "written", "aligned", "shape", "dtype", "device", "null",
-                 "closed", "handed", "_views", "__weakref__")
+                 "closed", "handed", "_views", "_host", "__weakref__")
 
     def __init__(self, like: Tensor):
         self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        # slots are written as sources come (pointer, row stride, one, zero): nothing is cleared up front
+        self.rows = torch.empty((5, _CAPACITY), dtype=torch.int64, device=like.device)
+        self._host = self._host_view()
+        self._views: dict = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the table for the next micro-batch (`register` reuses finished tables): the rows and
+        the views of them stay (made once per shape), every slot is written again as sources come."""
         self.sinks: list = []
         self.pointers: list[int] = []
-        # slots are written as sources come (pointer, row stride, one): nothing is cleared up front
-        self.rows = torch.empty((4, _CAPACITY), dtype=torch.int64, device=like.device)
-        self.written = bytearray(_CAPACITY)
-        self.aligned = like.shape[-1] % 8 == 0
+        self.written = bytearray(self.rows.shape[1])
+        self.aligned = self.shape[-1] % 8 == 0
         self.null: Optional[tuple] = None  # (null parameter, its version, the cast in slot 0)
         self.closed = False  # takes no more sources (its backward has begun)
         self.handed = 0
-        self._views: dict = {}
+
+    def _host_view(self):
+        """On CPU the rows' memory as a ctypes int64 array (element writes without a tensor op per
+        write); None on CUDA, where each write is a pinned, asynchronous host-to-device copy."""
+        if self.device.type == "cuda":
+            return None
+        return (ctypes.c_int64 * self.rows.numel()).from_address(self.rows.data_ptr())
 
     def accepts(self, source: Tensor) -> bool:
         """True when `source` can take the next slot: same shape, dtype and device, contiguous."""
@@ -112,26 +150,34 @@ class SourceTable:
         sink.table, sink.slot = self, slot
 
     def _grow(self) -> None:
-        rows = torch.empty((4, 2 * self.rows.shape[1]), dtype=torch.int64, device=self.device)
+        rows = torch.empty((5, 2 * self.rows.shape[1]), dtype=torch.int64, device=self.device)
         used = len(self.sinks) + 1  # slot 0 and the sources so far
         rows[:, :used].copy_(self.rows[:, :used])
         self.rows = rows
+        self._host = self._host_view()
         self.written.extend(bytearray(len(self.written)))
         self._views.clear()
 
     def _write_column(self, slot: int, pointer: int, stride: int) -> None:
-        """Slot's column in one write: pointer, row stride, no gradient buffer yet (0), one."""
-        values = [pointer, stride, 0, 1]
-        if self.device.type == "cuda":
-            self.rows[:, slot].copy_(_device_rows(values, self.device))
-        else:
-            self.rows[:, slot] = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+        """Slot's column in one write: pointer, row stride, no gradient buffer yet (0), one, zero."""
+        host = self._host
+        if host is None:
+            self.rows[:, slot].copy_(_device_rows([pointer, stride, 0, 1, 0], self.device))
+            return
+        capacity = self.rows.shape[1]
+        host[slot] = pointer
+        host[capacity + slot] = stride
+        host[2 * capacity + slot] = 0
+        host[3 * capacity + slot] = 1
+        host[4 * capacity + slot] = 0
 
     def _write(self, row: int, slot: int, values: Sequence[int]) -> None:
-        if self.device.type == "cuda":
+        host = self._host
+        if host is None:
             self.rows[row, slot:slot + len(values)].copy_(_device_rows(values, self.device))
-        else:
-            self.rows[row, slot:slot + len(values)] = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+            return
+        at = row * self.rows.shape[1] + slot
+        host[at:at + len(values)] = values
 
     def slots(self, sinks: list) -> Optional[int]:
         """The first slot of the call whose sources have these gradient sinks, when they are
@@ -139,8 +185,8 @@ class SourceTable:
         slot = sinks[0].slot
         return slot if self.sinks[slot - 1:slot - 1 + len(sinks)] == sinks else None
 
-    def views(self, first: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(pointers, row strides, gradient pointers, ones) of slots first..stop-1, views of
+    def views(self, first: int, stop: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(pointers, row strides, gradient pointers, ones, zeros) of slots first..stop-1, views of
         `rows` (made once per range and table)."""
         key = (first, stop)
         found = self._views.get(key)
@@ -206,7 +252,7 @@ class SourceTable:
         written = self.buffers(first, hi, shape, device)
         if written is None:
             return None
-        pointers, strides, grads, ones = self.views(lo, hi)
+        pointers, strides, grads, ones, _ = self.views(lo, hi)
         return pointers, strides, grads, ones if written else None, self.aligned
 
     def gradient_buffers(self, first: int, stop: int, added: bool) -> tuple[list[Tensor], list[bool]]:
@@ -214,20 +260,51 @@ class SourceTable:
         launch adds into them, as `route_backward` returns and takes them."""
         return list(map(_grad, self.sinks[first - 1:stop - 1])), [added] * (stop - first)
 
-    def handed_on(self, slot: int) -> None:
-        """Slot's gradient buffer was handed to autograd (its sink emptied). The table then takes
-        no new source; once every slot's was, it lets its sinks go (sinks and table refer to each
-        other: without this the pair would wait for Python's cycle collector)."""
+    def handed_on(self, sink) -> None:
+        """The sink's gradient buffer was handed to autograd (the sink emptied). The table then
+        takes no new source; once every slot's was, it lets its sinks go (sinks and table refer to
+        each other: without this the pair would wait for Python's cycle collector) and may be
+        reused (`register`). A sink of an earlier use of the table (a graph's backward run again
+        with retain_graph) changes nothing."""
+        slot = sink.slot
+        if slot > len(self.sinks) or self.sinks[slot - 1] is not sink:
+            return
         self.written[slot] = 0
         self.closed = True
         self.handed += 1
         if self.handed >= len(self.sinks):
             self.sinks = []
-            self._views.clear()
+            _finished(self)
 
 
 _grad = attrgetter("grad")
 _current: Optional[weakref.ref] = None
+_POOL = 2  # finished tables kept per (shape, dtype, device) for reuse
+_SHAPES = 8  # ... for at most this many shapes (the oldest shape's go first)
+_free: dict = {}
+
+
+def _finished(table: SourceTable) -> None:
+    """Keep a table whose every gradient buffer was handed on (its micro-batch's backward is done)
+    for the next micro-batch of its shape: its rows and their views are made once per shape."""
+    key = (table.shape, table.dtype, table.device)
+    if key not in _free and len(_free) >= _SHAPES:
+        del _free[next(iter(_free))]
+    free = _free.setdefault(key, [])
+    if len(free) < _POOL and all(t is not table for t in free):
+        free.append(table)
+
+
+def _new_table(like: Tensor) -> SourceTable:
+    """A finished table of like's shape, dtype and device, emptied (`SourceTable.reset`), or a new one.
+    Safe on CUDA: the rows are rewritten by copies on the current stream, after the launches of
+    the micro-batch that used them."""
+    free = _free.get((like.shape, like.dtype, like.device))
+    if free:
+        table = free.pop()
+        table.reset()
+        return table
+    return SourceTable(like)
 
 
 def register(sink, source: Tensor) -> None:
@@ -244,7 +321,7 @@ def register(sink, source: Tensor) -> None:
     if table is None or not table.accepts(source):
         if not source.is_contiguous():
             return
-        table = SourceTable(source)
+        table = _new_table(source)
         _current = weakref.ref(table)
     table.append(sink, source)
 

@@ -35,7 +35,6 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import contract, launch
 
@@ -244,7 +243,7 @@ class _ShareGradient(torch.autograd.Function):
         sink = ctx.sink
         total, sink.grad = sink.grad, None
         if sink.table is not None:
-            sink.table.handed_on(sink.slot)
+            sink.table.handed_on(sink)
         if grad is None:
             return total, None
         return (grad if total is None else grad + total), None
@@ -300,82 +299,83 @@ class _EagerRoute(torch.autograd.Function):
     this skips the custom-op dispatch and pytree handling of the N sources (host time per call).
     Sources made by `share_gradient` get their gradient added into their sink by the kernel and
     return None here. Sources that are consecutive entries of one `launch.SourceTable` (the
-    models' per-call sites) reach the kernels through the table's rows (no per-call table)."""
+    models' per-call sites; `looked_up` = (their sinks, (table, first slot) as `launch.lookup`
+    gives it), made once by the caller) reach the kernels through the table's rows (no per-call
+    table)."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
-        sources = list(sources)
-        sinks = launch.sinks(sources)
-        found = launch.lookup(sinks)
+    def forward(ctx, looked_up, query, norm_weight, heads, eps, partial, alpha, null_source, *sources):
+        # looked_up: (the sources' gradient sinks, their `launch.lookup`), made once by the caller; the
+        # backward uses these sinks (under activation checkpointing the saved sources are recomputed views)
+        ctx.sinks, found = looked_up
         ctx.found = None
+        ctx.heads, ctx.eps = heads, eps
+        ctx.partial_dtype = partial.dtype if partial is not None else None
         if found is not None:
             table, first = found
             cast = table.null_source(null_source) if null_source is not None else None
             if null_source is None or (cast is not None and first == 1):
                 lo, hi = first - (cast is not None), first + len(sources)
-                pointers, strides, _, _ = table.views(lo, hi)
-                full = sources[0]
-                residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
-                    if triton_routing.needs_mix_residual(full.dtype) else None
-                srcs = sources if cast is None else [cast, *sources]
-                out, mix, logits, lse = triton_routing.route_forward(
-                    srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha, mix_residual=residual,
+                pointers, strides = table.views(lo, hi)[:2]
+                srcs = sources if cast is None else (cast, *sources)
+                out, mix, residual, logits, lse = triton_routing.route_forward_saved(
+                    srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
                     tables=(pointers, strides, table.aligned))
                 ctx.found = (table, lo, hi, cast)
-                output = (out, mix, residual, logits, lse)
         if ctx.found is None:
-            output = _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
-        _setup_context(ctx, (sources, query, norm_weight, heads, eps, partial, alpha, null_source), output)
-        ctx.sinks = sinks
-        return output[0]
+            out, mix, residual, logits, lse = triton_routing.route_forward_saved(
+                contract.with_null_source(null_source, list(sources)), query, norm_weight, heads, eps, partial=partial,
+                alpha=alpha)
+        ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, alpha,
+                              null_source, *sources)
+        return out
 
     @staticmethod
-    @once_differentiable
+    @launch.once_differentiable
     def backward(ctx, grad_out):
         # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
-        sinks = ctx.sinks
+        saved = ctx.saved_tensors
         if ctx.found is not None:
-            result = _table_backward(ctx, grad_out)
+            result = _table_backward(ctx, grad_out, saved)
             if result is not None:
                 return result
-            buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
-            _, dq, dg, dpartial, dalpha, dnull = _gradients(
-                ctx, grad_out, lambda *args: _backward_values(*args, grads=buffers, accumulate=accumulate),
-                saved=ctx.unpacked)
-        else:
-            buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
-
-            def backward(*args):
-                return _backward_values(*args, grads=buffers, accumulate=accumulate)
-            _, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, backward)
+        sinks = ctx.sinks
+        buffers, accumulate = gradient_buffers(sinks, grad_out.shape, grad_out.dtype, grad_out.device)
+        _, dq, dg, dpartial, dalpha, dnull = _gradients(
+            ctx, grad_out, lambda *args: _backward_values(*args, grads=buffers, accumulate=accumulate), saved=saved)
+        head = (None, dq, dg, None, None, dpartial, dalpha, dnull)
         if all(sinks):  # every source shared (the models' case): nothing to hand to autograd
-            return (dq, dg, None, None, dpartial, dalpha, dnull) + (None,) * len(sinks)
-        returned = [None if sink is not None else buffer for sink, buffer in zip(sinks, buffers)]
-        return (dq, dg, None, None, dpartial, dalpha, dnull, *returned)
+            return head + (None,) * len(sinks)
+        return head + tuple(None if sink is not None else buffer for sink, buffer in zip(sinks, buffers))
 
 
-def _table_backward(ctx, grad_out) -> Optional[tuple]:
+def _table_backward(ctx, grad_out, saved) -> Optional[tuple]:
     """The backward of a call whose forward read a `launch.SourceTable` (ctx.found), through the
-    table's rows, or None (ctx.unpacked then holds the saved tensors) where the saved sources are
-    not the registered ones (a recomputed block under activation checkpointing) or their
-    gradient buffers are in mixed states: the caller takes the general path."""
+    table's rows, or None where the saved sources are not the registered ones (a recomputed block
+    under activation checkpointing) or their gradient buffers are in mixed states: the caller
+    takes the general path."""
     table, lo, hi, cast = ctx.found
-    saved = ctx.saved_tensors
+    ctx.found = None  # a second backward (retain_graph) takes the general path: the table may be reused by then
     mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = saved
     rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device)
     if rows is None:
-        ctx.unpacked = saved
         return None
     srcs = sources if cast is None else [cast, *sources]
+    # the buffers are in the table's rows; they are handed over too, as the launch returns them
     buffers, accumulate = table.gradient_buffers(lo + (cast is not None), hi, rows[3] is not None)
     _, dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
         accumulate=accumulate, mix_residual=residual,
         param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
-    dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
-    return (dq.to(query.dtype), dg.to(norm_weight.dtype), None, None, dpartial,
-            dalpha.to(alpha.dtype) if alpha is not None else None,
-            dnull.to(null_source.dtype) if null_source is not None else None) + (None,) * len(sources)
+    return (None, cast_like(dq, query), cast_like(dg, norm_weight), None, None,
+            grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,
+            cast_like(dalpha, alpha) if alpha is not None else None,
+            cast_like(dnull, null_source) if null_source is not None else None) + (None,) * len(sources)
+
+
+def cast_like(gradient: Tensor, like: Tensor) -> Tensor:
+    """gradient in like's dtype (no op where it already is)."""
+    return gradient if gradient.dtype is like.dtype else gradient.to(like.dtype)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -429,11 +429,17 @@ def route_unchecked(
     partial: Optional[Tensor] = None,
     alpha: Optional[Tensor] = None,
     null_source: Optional[Tensor] = None,
+    looked_up: Optional[tuple] = None,
 ) -> Tensor:
     """`route` for arguments that `contract.check_route_args` already accepted (heads an int):
-    the dispatcher (`dispatch.route`) checks each call once and then calls this. Raises RuntimeError where the
-    kernels cannot run (`can_run`)."""
+    the dispatcher (`dispatch.route`) checks each call once and then calls this. looked_up:
+    (`launch.sinks(sources)`, their `launch.lookup`) where the caller already made them.
+    Raises RuntimeError where the kernels cannot run (`can_run`)."""
     if torch.compiler.is_compiling():  # an opaque node in the graph
         return route_fwd(sources, query, norm_weight, heads, float(eps), partial, alpha, null_source)[0]
     _require(sources[0].device, sources[0].shape[-1], heads)
-    return launch.apply(_EagerRoute, query, norm_weight, heads, float(eps), partial, alpha, null_source, *sources)
+    if looked_up is None:
+        sinks = launch.sinks(sources)
+        looked_up = sinks, launch.lookup(sinks)
+    return launch.apply(_EagerRoute, looked_up, query, norm_weight, heads, float(eps), partial, alpha, null_source,
+                        *sources)

@@ -1,57 +1,12 @@
-"""Fused Triton kernels for phase 1 of grouped depth routing (docs/DESIGN.md "Grouped routing").
+"""Phase 1 of grouped depth routing on the fused kernels (`grouped_kernels`, the `@triton.jit`
+code; docs/DESIGN.md "Grouped routing"): the launch side (site chunks and tiles per launch,
+cached per shape; the (sources, sites) read table, made once per group shape; pointer tables,
+the rows of the micro-batch's `launch.SourceTable` where the group's start entries are its
+consecutive entries), the autograd Function `Phase1` and, for torch.compile, the custom ops
+`mhar::phase1` / `mhar::phase1_backward`.
 
-For a group of g routing sites and the n sources s_1..s_n that exist when it starts, phase 1
-computes, for every site i and routing head h, the online-softmax state over the sources site i
-reads (a (g, n) read table; MHAR_SPEC section 2 for the logits):
-
-    l_{n,i,h}  = <q_i[h], (fp32(storage(s_n r_n)) g_i)[h]>      r_n over the full d
-    lse_{i,h}  = logsumexp over the sources site i reads of l_{n,i,h}
-    mix_i[h]   = sum_n exp(l_{n,i,h} - lse_{i,h}) s_n[h]         (normalised; stored in the storage dtype)
-
-in one pass over the sources: a program holds a [BLOCK_T, SB, HB, KB] accumulator (SB sites of
-the group, HB = next_pow2(H), KB = next_pow2(K)), loads each source tile once, computes its
-inverse RMS and rounded key once and the SB sites' logits from it. The normaliser of the eager
-reference (`norm_i`, identically 1) is not computed; its gradient enters the backward.
-
-Backward (the log-sum-exp held constant, as in the eager reference, so mix_i and norm_i are
-plain sums over the sources): per source, recompute its key and the SB sites' logits, then
-
-    a_{n,i}    = exp(l_{n,i} - lse_i)                 (0 where site i does not read source n)
-    dl_{n,i}   = a_{n,i} (<dmix_i[h], s_n[h]> + dnorm_i)
-    ds_n       = RMSNorm backward of sum_i dl_{n,i} q_i g_i  +  sum_i a_{n,i} dmix_i[h]
-    T_i        = sum over tokens and sources of dl_{n,i} khat_n;  dq_i = T_i g_i, dg_i = T_i q_i
-
-so each source's gradient is written once per group. Programs are persistent over token tiles
-(`triton_routing.reduce_programs`); T (and the null source's gradient) are written as
-(programs, g, d) fp32 partial sums that the host reduces in a fixed order: no atomics, bitwise
-repeatable, no per-site (B*T, d) partial buffers.
-
-Site chunks. g sites of d values in fp32 do not fit one program's registers: on a GPU a program
-holds one token's [HB, KB] source tile (at the paper's shapes; 2, 4 or 8 warps, each thread 8
-contiguous elements of a source row, one 16-byte cp.async of bf16) and SB = 2 sites of it, so a
-launch splits the group into C = ceil(g / SB) chunks of SB sites (`launch_config`). In the
-forward the C chunk programs of one token tile are adjacent in launch order, so each source is
-read C times, all but the first from L2. In the backward one program runs the C chunks of a
-token tile one after another: chunk c > 0 adds its part of every source's gradient into what
-chunk c - 1 stored and adds its sites' key-gradient sums into the program's own rows of the
-partial sums, so each gradient row is written by one launch and never summed on the host.
-Chunk c re-reads the tile's sources and gradient rows, 4 N d bytes of bf16 per program since
-chunk c - 1 read them: from L2 where P such programs fit it (264 on an H200, 50 MB of L2: up to
-11 MB at 100m and 46 MB at 350m, but 60-91 MB in the three deepest groups at 1b, where part of
-them comes from HBM). `traffic` counts every row once per launch (as cache hits), as the complete
-byte count does. C = 2 at the debug flavor (g = 3), 3 at 100m (g = 5), 4 at 350m (g = 7) and 6
-at 1b (g = 11), forward and backward (docs/DESIGN.md "Grouped routing" lists registers and
-chunks).
-
-Shared gradients: a source passed as `op.share_gradient`'s view has one gradient buffer for
-every routing call that reads it; the phase-1 backward writes it (first reader in backward) or
-adds into it (HAS_ACCUM, per source by a flag in the pointer table) and returns None for that
-source, as the per-call kernels do.
-
-Sources, outputs (the per-site mixes) and incoming gradients are separate tensors addressed by
-device tables of data pointers, as in `triton_routing`; a (d,) null source is source 0 with row
-stride 0. All loads are cast to fp32 (fp64 for fp64 sources) and outputs are rounded at the
-store (`triton_routing._to_storage`: the interpreter cannot do bf16 arithmetic).
+The kernels are looked up in this module's namespace at every launch (`_phase1_fwd_kernel`,
+`_phase1_bwd_kernel`), so that the benchmarks can stub them out.
 """
 from __future__ import annotations
 
@@ -59,16 +14,13 @@ import functools
 from typing import Optional, Sequence
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import contract, launch
-from .op import can_run, gradient_buffers, sinks_of
+from .grouped_kernels import _phase1_bwd_kernel, _phase1_fwd_kernel
+from .op import can_run, gradient_buffers
 from .triton_routing import (
-    _TL_DTYPES, INTERPRET, NUM_STAGES, _inv_rms_and_key, _load_source, _next_pow2, _source_base, _source_table,
-    _to_storage, aligned, reduce_programs,
+    _TL_DTYPES, INTERPRET, NUM_STAGES, _cdiv, _device_table, _next_pow2, _source_table, aligned, reduce_programs,
 )
 
 # GPU layout. A program's source tile [BLOCK_T, HB, KB] gives each thread _ROW_ELEMENTS
@@ -86,163 +38,6 @@ _BWD_MAX_REGISTERS = 168
 _INTERPRET_BLOCK_T = 128
 
 
-# ---------------------------------------------------------------------------- device code
-@triton.jit
-def _site_rows(TABLE, s, smask, TY: tl.constexpr, ALIGNED: tl.constexpr):
-    """[SB] pointers to row 0 of the per-site tensors listed in TABLE (int64 data pointers)."""
-    base = tl.load(TABLE + s, mask=smask, other=0).to(tl.pointer_type(TY))
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    return base
-
-
-@triton.jit
-def _phase1_fwd_kernel(
-    PTRS, RSTRIDES, READS, MIX_PTRS, SRC0, Q, G, LSE,
-    N, NG, C, BT, D, H, K, eps,
-    ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, SB: tl.constexpr,
-    HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
-):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
-    if ALIGNED:
-        D = tl.multiple_of(D, 8)
-        K = tl.multiple_of(K, 8)
-    pid = tl.program_id(0)
-    chunk = pid % C  # the chunks of one token tile are adjacent: repeated source reads hit L2
-    t = (pid // C) * BLOCK_T + tl.arange(0, BLOCK_T)
-    s = chunk * SB + tl.arange(0, SB)
-    h = tl.arange(0, HB)
-    k = tl.arange(0, KB)
-    smask = s < NG
-    rows = t[:, None, None].to(tl.int64)
-    cols = h[None, :, None] * K + k[None, None, :]  # [1, HB, KB]
-    cmask = (h[None, :, None] < H) & (k[None, None, :] < K)
-    mask = (t[:, None, None] < BT) & cmask
-    site_cols = s[:, None, None] * D + cols  # [SB, HB, KB] into the (g, d) query / key-norm rows
-    site_cmask = smask[:, None, None] & cmask
-    gq = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT) * \
-        tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT)
-
-    acc = tl.zeros([BLOCK_T, SB, HB, KB], CDT)
-    m = tl.full([BLOCK_T, SB, HB], float("-inf"), CDT)
-    l = tl.zeros([BLOCK_T, SB, HB], CDT)
-    for n in tl.range(0, N, num_stages=NUM_STAGES):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-        logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
-        read = tl.load(READS + n * C * SB + s) != 0  # [SB]; padded sites read nothing
-        logit = tl.where(read[None, :, None], logit, float("-inf"))
-        m_new = tl.maximum(m, logit)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a site that has read nothing yet
-        keep = l * tl.exp(m - shift)
-        p = tl.exp(logit - shift)
-        l_new = keep + p
-        inv = tl.where(l_new > 0, 1.0 / tl.where(l_new > 0, l_new, 1.0), 0.0)
-        acc = acc * (keep * inv)[:, :, :, None] + v[:, None, :, :] * (p * inv)[:, :, :, None]
-        m = m_new
-        l = l_new
-
-    th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]  # (B*T, g, H)
-    thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
-    tl.store(LSE + th, m + tl.log(tl.where(thmask, l, 1.0)), mask=thmask)
-    out = _site_rows(MIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # mixes in the storage dtype
-    tl.store(out + rows[:, None] * D + cols[:, None], _to_storage(acc, SRC_TY, RNE_BF16),
-             mask=mask[:, None] & smask[None, :, None, None])
-
-
-@triton.jit
-def _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB: tl.constexpr,
-                        SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Backward of phase 1 for source n's tile v [BLOCK_T, HB, KB] at SB sites (module docstring):
-    its gradient dv [BLOCK_T, HB, KB] and its key-gradient sums sum_t dl khat [SB, HB, KB]."""
-    r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-    logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
-    read = tl.load(READS + n * C * SB + s) != 0
-    a = tl.where(thmask & read[None, :, None], tl.exp(logit - lse), 0.0)
-    dl = a * (tl.sum(dmix * v[:, None, :, :], axis=3) + dnorm)
-    t_n = tl.sum(dl[:, :, :, None] * khat[:, None, :, :], axis=0)
-    dkp = tl.sum(dl[:, :, :, None] * gq[None, :, :, :], axis=1)  # [BLOCK_T, HB, KB]
-    c = tl.sum(tl.sum(dkp * v, axis=2), axis=1)[:, None, None]
-    # RMSNorm backward as in triton_routing._source_grad (no r^3), plus the mixing term
-    dv = r * (dkp - (c * r * r / D) * v) + tl.sum(a[:, :, :, None] * dmix, axis=1)
-    return dv, t_n
-
-
-@triton.jit
-def _phase1_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
-    N, NG, C, BT, D, H, K, eps,
-    HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, CHUNKED: tl.constexpr, ALIGNED: tl.constexpr,
-    NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
-    SB: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
-):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
-    if ALIGNED:
-        D = tl.multiple_of(D, 8)
-        K = tl.multiple_of(K, 8)
-    prog = tl.program_id(0)
-    programs = tl.num_programs(0)
-    h = tl.arange(0, HB)
-    k = tl.arange(0, KB)
-    hk = h[:, None] * K + k[None, :]  # [HB, KB]
-    cmask2 = (h[:, None] < H) & (k[None, :] < K)
-    cols = hk[None, :, :]
-    cmask = cmask2[None, :, :]
-
-    tacc = tl.zeros([SB, HB, KB], CDT)  # one chunk: sum of dl * khat over tokens and sources
-    dnull = tl.zeros([HB, KB], CDT)
-    for tile in range(prog, tl.cdiv(BT, BLOCK_T), programs):
-        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        rows = t[:, None, None].to(tl.int64)
-        mask = (t[:, None, None] < BT) & cmask
-        # The site chunks of this token tile, one after another in this program: chunk c > 0
-        # adds into the gradients chunk c - 1 stored (the tile's sources and gradients are hot)
-        for chunk in range(0, C):
-            s = chunk * SB + tl.arange(0, SB)
-            smask = s < NG
-            site_cols = s[:, None, None] * D + cols
-            site_cmask = smask[:, None, None] & cmask
-            q = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT)
-            gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
-            dmix_rows = _site_rows(DMIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # storage dtype
-            mask4 = mask[:, None] & smask[None, :, None, None]
-            th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]
-            thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
-            dmix = tl.load(dmix_rows + rows[:, None] * D + cols[:, None], mask=mask4, other=0.0).to(CDT)
-            dnorm = tl.load(DNORM + th, mask=thmask, other=0.0).to(CDT)
-            lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
-            tchunk = tl.zeros([SB, HB, KB], CDT)
-            if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
-                v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
-                dv, t_n = _phase1_source_grad(v, 0, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
-                                              CDT, RNE_BF16)
-                tchunk += t_n
-                dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
-            # One read of each source, one write of its gradient (the chunks of a tile add into it).
-            for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
-                v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-                dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
-                                              CDT, RNE_BF16)
-                tchunk += t_n
-                dptr = _source_base(DPTRS, n, SRC_TY, ALIGNED) + rows * D + cols
-                if HAS_ACCUM:  # add into the shared buffer a later reader wrote, or an earlier chunk did
-                    add = ((rows * 0 + tl.load(ACCUM + n)) != 0) | (chunk > 0)  # [BLOCK_T, 1, 1]
-                    dv += tl.load(dptr, mask=mask & add, other=0.0).to(CDT)
-                tl.store(dptr, _to_storage(dv, SRC_TY, RNE_BF16), mask=mask)
-            if CHUNKED:  # this program's partial sums of the chunk's sites (its own rows of T_PART)
-                part = T_PART + prog * NG * D + site_cols
-                tl.store(part, tl.load(part, mask=site_cmask, other=0.0) + tchunk, mask=site_cmask)
-            else:
-                tacc += tchunk
-    if not CHUNKED:
-        s = tl.arange(0, SB)
-        site_cols = s[:, None, None] * D + cols
-        tl.store(T_PART + prog * NG * D + site_cols, tacc, mask=(s < NG)[:, None, None] & cmask)
-    if HAS_NULL:
-        tl.store(DNULL_PART + prog * D + hk, dnull, mask=cmask2)  # (programs, d)
-
-
-# ---------------------------------------------------------------------------- host code
 def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
                   site_block: Optional[int] = None) -> dict:
     """{'BLOCK_T', 'SB', 'HB', 'KB', 'num_warps', 'maxnreg'} for B*T tokens and a group of
@@ -254,7 +49,15 @@ def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool
     fit _TILE_PER_THREAD, else the largest power of two that does (2 at the paper's shapes).
     maxnreg is ptxas's register limit (the backward's; None for the forward). site_block
     overrides SB (tests of the chunked path). Under the interpreter BLOCK_T is large (few
-    programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking."""
+    programs); SB follows the GPU's rule so that CPU tests run the GPU's chunking. (A new dict;
+    the launches use the cached `_launch_config`.)"""
+    return dict(_launch_config(bt, group, heads, head_dim, backward, site_block))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
+                   site_block: Optional[int]) -> dict:
+    """`launch_config`, cached (host time per launch); callers must not change it."""
     hb, kb = _next_pow2(heads), _next_pow2(head_dim)
     token = hb * kb  # one token's [HB, KB] tile
     warp_share = 32 * _ROW_ELEMENTS
@@ -284,11 +87,15 @@ def _cached_read_table(reads: tuple, n: int, padded: int, device: torch.device) 
 
 def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Tensor,
                    reads: Sequence[Sequence[bool]], heads: int, eps: float,
-                   site_block: Optional[int] = None) -> tuple[list[Tensor], Tensor]:
+                   site_block: Optional[int] = None, tables: Optional[tuple[Tensor, Tensor, bool]] = None,
+                   read_table: Optional[Tensor] = None) -> tuple[list[Tensor], Tensor]:
     """Launch the phase-1 forward. sources: n tensors (B, T, d), sources[0] may be a (d,) null
-    source; queries, norm_weights (g, d); reads[i][j]: site i reads source j.
+    source; queries, norm_weights (g, d); reads[i][j]: site i reads source j. tables: (pointers
+    (n,), row strides (n,), whether every source is 16-byte aligned) of the sources as
+    `launch.SourceTable.views` gives them (no source table is built then: only the g mix
+    pointers are); read_table: the launch's `_read_table`, where the caller has it.
     Returns (g mixes (B, T, d) in the sources' dtype, lse (B, T, g, H) in the compute dtype)."""
-    full = next(x for x in sources if x.dim() != 1)
+    full = sources[-1]
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt = contract.compute_dtype(full.dtype)
@@ -297,15 +104,24 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
     if bt == 0:
         return mixes, lse
     n = len(sources)
-    cfg = launch_config(bt, g, heads, head_dim, backward=False, site_block=site_block)
-    chunks = triton.cdiv(g, cfg["SB"])
+    cfg = _launch_config(bt, g, heads, head_dim, False, site_block)
+    chunks = _cdiv(g, cfg["SB"])
     mix_ptrs = [m.data_ptr() for m in mixes]
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=mix_ptrs)
-    is_aligned = aligned(ptrs + mix_ptrs, strides, head_dim)
-    grid = (chunks * triton.cdiv(bt, cfg["BLOCK_T"]),)
+    if tables is not None:  # a `launch.SourceTable`'s rows
+        pointer_rows, stride_rows, sources_aligned = tables
+        mix_rows = _device_table(mix_ptrs, full.device)
+        is_aligned = sources_aligned and aligned(mix_ptrs, (), head_dim)
+        first = sources[0]
+    else:
+        tensors, ptrs, strides, table = _source_table(sources, d, extra=mix_ptrs)
+        is_aligned = aligned(ptrs + mix_ptrs, strides, head_dim)
+        pointer_rows, stride_rows, mix_rows, first = table[:n], table[n:2 * n], table[2 * n:], tensors[0]
+    if read_table is None:
+        read_table = _read_table(reads, n, chunks * cfg["SB"], full.device)
+    grid = (chunks * _cdiv(bt, cfg["BLOCK_T"]),)
     _phase1_fwd_kernel[grid](
-        table[:n], table[n:2 * n], _read_table(reads, n, chunks * cfg["SB"], full.device), table[2 * n:],
-        tensors[0], queries.contiguous(), norm_weights.contiguous(), lse,
+        pointer_rows, stride_rows, read_table, mix_rows,
+        first, queries.contiguous(), norm_weights.contiguous(), lse,
         n, g, chunks, bt, d, heads, head_dim, eps,
         ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
@@ -315,47 +131,66 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
 def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[Tensor], queries: Tensor,
                     norm_weights: Tensor, reads: Sequence[Sequence[bool]], heads: int, eps: float, lse: Tensor,
                     site_block: Optional[int] = None, grads: Optional[Sequence[Tensor]] = None,
-                    accumulate: Optional[Sequence[bool]] = None,
-                    ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor]]:
+                    accumulate: Optional[Sequence[bool]] = None, tables: Optional[tuple] = None,
+                    read_table: Optional[Tensor] = None,
+                    ) -> tuple[Optional[list[Tensor]], Tensor, Tensor, Optional[Tensor]]:
     """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (B, T, g, H)
     of the normalisers; lse from `phase1_forward`. grads: optional contiguous (B, T, d) buffers,
     one per (B, T, d) source, that receive the source gradients (new ones otherwise);
     accumulate: per buffer, True to add into it (a shared gradient buffer another reader already
-    wrote; in the kernel), False to overwrite.
+    wrote; in the kernel), False to overwrite. tables: (pointers, row strides, gradient pointers,
+    per-source add flags, whether every buffer is added into, aligned) of the sources (no null
+    source) and their gradient buffers (already made) as a `launch.SourceTable` gives them: no
+    source table is built, grads / accumulate are not read and no source gradient list is
+    returned (None). read_table: as `phase1_forward`.
     Returns (gradients of the (B, T, d) sources in their dtype, dq (g, d), dg (g, d) and dnull
     (d,) or None in the compute dtype), the partial sums reduced in a fixed order (bitwise
     repeatable)."""
     has_null = sources[0].dim() == 1
-    full = next(x for x in sources if x.dim() != 1)
+    full = sources[-1]
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt, device = lse.dtype, full.device
     n = len(sources)
-    cfg = launch_config(bt, g, heads, head_dim, backward=True, site_block=site_block)
-    chunks = triton.cdiv(g, cfg["SB"])
+    cfg = _launch_config(bt, g, heads, head_dim, True, site_block)
+    chunks = _cdiv(g, cfg["SB"])
     n_rows = n - int(has_null)
-    accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
-    out = list(grads) if grads is not None else \
-        [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
+    out = None
+    if tables is None:
+        accumulate = list(accumulate) if accumulate is not None else [False] * n_rows
+        out = list(grads) if grads is not None else \
+            [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in range(n_rows)]
     if bt == 0:
         zeros = torch.zeros((g, d), dtype=cdt, device=device)
         return out, zeros, zeros.clone(), zeros.new_zeros(d) if has_null else None
-    # chunk c > 0 of a token tile adds into what chunk c - 1 stored: every source's buffer is added into
-    has_accum = chunks > 1 or any(accumulate)
     dmixes = [x.to(full.dtype).contiguous() for x in dmixes]
-    dptrs = [0] * int(has_null) + [x.data_ptr() for x in out]
     dmix_ptrs = [x.data_ptr() for x in dmixes]
-    flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
-    tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
-    is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
-    programs = reduce_programs(triton.cdiv(bt, cfg["BLOCK_T"]), device)
+    # chunk c > 0 of a token tile adds into what chunk c - 1 stored: every source's buffer is added into
+    if tables is not None:  # a `launch.SourceTable`'s rows: only the g incoming gradients' pointers are a new table
+        pointer_rows, stride_rows, grad_rows, flag_rows, adds, sources_aligned = tables
+        has_accum = chunks > 1 or adds
+        dmix_rows = _device_table(dmix_ptrs, device)
+        is_aligned = sources_aligned and aligned(dmix_ptrs, (), head_dim)
+        first = sources[0]
+    else:
+        has_accum = chunks > 1 or any(accumulate)
+        dptrs = [0] * int(has_null) + [x.data_ptr() for x in out]
+        flags = [0] * int(has_null) + [int(a) for a in accumulate] if has_accum else []
+        tensors, ptrs, strides, table = _source_table(sources, d, extra=dptrs + dmix_ptrs + flags)
+        is_aligned = aligned(ptrs + [p for p in dptrs if p] + dmix_ptrs, strides, head_dim)
+        dmix_at = 3 * n
+        pointer_rows, stride_rows, grad_rows = table[:n], table[n:2 * n], table[2 * n:dmix_at]
+        flag_rows, dmix_rows = table[dmix_at + g:], table[dmix_at:dmix_at + g]
+        first = tensors[0]
+    if read_table is None:
+        read_table = _read_table(reads, n, chunks * cfg["SB"], device)
+    programs = reduce_programs(_cdiv(bt, cfg["BLOCK_T"]), device)
     t_part = torch.zeros((programs, g, d), dtype=cdt, device=device)
     dnull_part = torch.empty((programs, d), dtype=cdt, device=device) if has_null else t_part
     q, w = queries.contiguous(), norm_weights.contiguous()
-    dmix_at = 3 * n
     _phase1_bwd_kernel[(programs,)](
-        table[:n], table[n:2 * n], table[2 * n:dmix_at], table[dmix_at + g:] if has_accum else table,
-        _read_table(reads, n, chunks * cfg["SB"], device), table[dmix_at:dmix_at + g], tensors[0], q, w,
+        pointer_rows, stride_rows, grad_rows, flag_rows if has_accum else pointer_rows,
+        read_table, dmix_rows, first, q, w,
         dnorm.to(cdt).contiguous(), lse, t_part, dnull_part,
         n, g, chunks, bt, d, heads, head_dim, eps,
         HAS_NULL=has_null, HAS_ACCUM=has_accum, CHUNKED=chunks > 1, ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES,
@@ -393,28 +228,60 @@ class Phase1(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, *sources: Tensor):
-        mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block)
-        norms = [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes]
+        has_null = sources[0].dim() == 1
+        shared = sources[1:] if has_null else sources
+        ctx.sinks = launch.sinks(shared)
+        # sources that are consecutive entries of one source table launch on its rows (no null source:
+        # the model hands phase 1 its own cast of it, which no table slot holds)
+        found = launch.lookup(ctx.sinks) if not has_null else None
+        ctx.found, tables = None, None
+        if found is not None:
+            table, first = found
+            ctx.found = (table, first, first + len(shared))
+            tables = (*table.views(first, first + len(shared))[:2], table.aligned)
+        full = sources[-1]
+        d, g = full.shape[-1], queries.shape[0]
+        cfg = _launch_config(full.numel() // d, g, heads, d // heads, False, Phase1.site_block)
+        ctx.read_table = _read_table(reads, len(sources), _cdiv(g, cfg["SB"]) * cfg["SB"], full.device)
+        # (positional arguments: tests spy on phase1_forward with a plain *args wrapper)
+        mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block, tables,
+                                    ctx.read_table)
+        # the normalisers (identically 1): rows of one tensor
+        norms = torch.ones((g, *lse.shape[:-2], heads), dtype=lse.dtype, device=lse.device).unbind(0)
         ctx.save_for_backward(queries, norm_weights, lse, *sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
-        ctx.sinks = sinks_of(sources)
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
 
     @staticmethod
-    @once_differentiable
+    @launch.once_differentiable
     def backward(ctx, *grads):
         queries, norm_weights, lse, *sources = ctx.saved_tensors
         g = queries.shape[0]
-        dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], sources[-1].dtype)
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
-        buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
-        out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads,
-                                             ctx.eps, lse, Phase1.site_block, grads=buffers, accumulate=accumulate)
-        out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
-        if dnull is not None:
-            out = [dnull.to(sources[0].dtype), *out]
-        out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]
+        dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], full.dtype)
+        rows = None
+        if ctx.found is not None:
+            table, lo, hi = ctx.found
+            ctx.found = None  # a second backward takes the general path (the table may be reused by then)
+            rows = table.backward_rows(lo, hi, False, sources, full.shape, full.device)
+        if rows is not None:  # every source shared, its gradient added into its buffer in the kernel
+            pointers, strides, grad_rows, ones, aligned_rows = rows
+            flags = ones if ones is not None else table.views(lo, hi)[4]
+            _, dq, dg, dnull = phase1_backward(
+                dmixes, dnorm, sources, queries, norm_weights, ctx.reads, ctx.heads, ctx.eps, lse, Phase1.site_block,
+                tables=(pointers, strides, grad_rows, flags, ones is not None, aligned_rows),
+                read_table=ctx.read_table)
+            out = [None] * len(sources)
+        else:
+            buffers, accumulate = gradient_buffers(ctx.sinks, full.shape, full.dtype, full.device)
+            out, dq, dg, dnull = phase1_backward(dmixes, dnorm, sources, queries, norm_weights, ctx.reads,
+                                                 ctx.heads, ctx.eps, lse, Phase1.site_block, grads=buffers,
+                                                 accumulate=accumulate, read_table=ctx.read_table)
+            out = [None if sink is not None else x for x, sink in zip(out, ctx.sinks)]
+            if dnull is not None:
+                out = [dnull.to(sources[0].dtype), *out]
+            out = [x if need else None for x, need in zip(out, ctx.needs_input_grad[5:])]
         return (dq.to(queries.dtype), dg.to(norm_weights.dtype), None, None, None, *out)
 
 

@@ -32,10 +32,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import launch, triton_routing
-from .op import can_run, gradient_buffers
+from .op import can_run, cast_like, gradient_buffers
 
 
 class Merge(torch.autograd.Function):
@@ -57,23 +56,21 @@ class Merge(torch.autograd.Function):
         if not late and partial is None:  # the group's first site: its state is its mix
             ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None, *late)
             return mix.view_as(mix)
-        residual = torch.empty(mix.shape, dtype=mix.dtype, device=mix.device) \
-            if late and triton_routing.needs_mix_residual(mix.dtype) else None
         found = launch.lookup(ctx.sinks) if late else None
         rows = None
         if found is not None:  # consecutive entries of one source table: its rows, no table built
             table, first = found
             ctx.found = (table, first, first + len(late))
             rows = (*table.views(first, first + len(late))[:2], table.aligned)
-        out, mixed, logits, lse = triton_routing.route_forward(
-            list(late), query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
-            out_dtype=mix.dtype, mix_residual=residual, tables=rows)
+        out, mixed, residual, logits, lse = triton_routing.route_forward_saved(
+            late, query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
+            residual=bool(late), tables=rows)
         ctx.save_for_backward(out if partial is None else mixed, residual, query, norm_weight, logits, lse, state_lse,
                               alpha, *late)
         return out
 
     @staticmethod
-    @once_differentiable
+    @launch.once_differentiable
     def backward(ctx, grad_out: Tensor):
         mix, residual, query, norm_weight, logits, lse, state_lse, alpha, *late = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -83,13 +80,14 @@ class Merge(torch.autograd.Function):
         rows = None
         if ctx.found is not None:
             table, lo, hi = ctx.found
+            ctx.found = None  # a second backward takes the general path (the table may be reused by then)
             rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device)
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
         else:  # every in-group source is shared: its gradient is in its buffer
             buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
-            returned = [None] * len(late)
+            returned = (None,) * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
         write_state = bool(late) or alpha is not None
@@ -99,8 +97,8 @@ class Merge(torch.autograd.Function):
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
             state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight), tables=rows)
         return (dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
-                dq.to(query.dtype), dg.to(norm_weight.dtype), grad_out if ctx.has_partial else None,
-                None if alpha is None else dalpha.to(alpha.dtype), None, None, *returned)
+                cast_like(dq, query), cast_like(dg, norm_weight), grad_out if ctx.has_partial else None,
+                None if alpha is None else cast_like(dalpha, alpha), None, None, *returned)
 
 
 def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,

@@ -270,6 +270,21 @@ def optimizer_lines(model: Transformer, cfg: JobConfig, world_size: int, device:
     return lines
 
 
+def verdict(warnings: list[str]) -> str:
+    """What a valid job's dry run checked, from `report`'s warnings (the last line of the dry run,
+    after "dry run: "): "OK (nothing was trained)" only when every check ran; "config valid,
+    nothing trained; NOT checked: <what> (<why>); ..." when a check could not be made
+    (`NOT_CHECKED`); "does not fit (...)" when the estimate exceeds the memory and
+    training.memory_check = "warn"."""
+    unchecked = [w for w in warnings if NOT_CHECKED.match(w)]
+    if any(w.startswith("the job does not fit") for w in warnings):
+        return "does not fit (training.memory_check = \"warn\": the trainer would start anyway)"
+    if unchecked:
+        return "config valid, nothing trained; NOT checked: " + "; ".join(
+            w.replace(" not checked", "", 1) for w in unchecked)
+    return "OK (nothing was trained)"
+
+
 def report(cfg: JobConfig, world_size: int, device: str,
            available: Optional[tuple[int, str]] = None) -> tuple[str, list[str]]:
     """The dry-run text and its warnings.
@@ -462,14 +477,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(text)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    unchecked = [w for w in warnings if NOT_CHECKED.match(w)]
-    if any(w.startswith("the job does not fit") for w in warnings):
-        print("dry run: does not fit (training.memory_check = \"warn\": the trainer would start anyway)")
-    elif unchecked:
-        print("dry run: config valid, nothing trained; NOT checked: "
-              + "; ".join(w.replace(" not checked", "", 1) for w in unchecked))
-    else:
-        print("dry run: OK (nothing was trained)")
+    print(f"dry run: {verdict(warnings)}")
     return 0
 
 

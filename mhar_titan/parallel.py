@@ -79,7 +79,7 @@ def init_distributed(cfg) -> ParallelEnv:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=10)
+        timeout = datetime.timedelta(seconds=cfg.parallelism.timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:

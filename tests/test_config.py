@@ -75,6 +75,8 @@ def test_string_lists_on_the_command_line_take_one_item_or_commas():
         ("[training]\nseq_len = 64\n[model]\nmax_seq_len = 32\n", [], ["training.seq_len", "max_seq_len"]),
         ("", ["--training.loss_path=fused"], ["training.loss_path", "'chunked'", "'plain'"]),
         ("", ["--training.loss_chunk_tokens=0"], ["training.loss_chunk_tokens", ">= 1"]),
+        ("", ["--parallelism.timeout_s=0"], ["parallelism.timeout_s", "> 0"]),
+        ("", ["--parallelism.timeout_s=-30"], ["parallelism.timeout_s", "> 0"]),
         ("", ['--compile.components=["model","whole_model"]'], ["compile.components", "list it alone"]),
         ("", ['--compile.components=["graph"]'], ["compile.components", "'whole_model'"]),
         ("", ["--model.attn_mask_type=document"], ["'model.attn_mask_type' must be one of 'causal', 'block_causal'", "document"]),

@@ -112,3 +112,32 @@ def test_a_folder_with_only_tokenizer_model_is_exported_as_tokenizer_json(folder
     for text in TEXTS:
         assert theirs.encode(text, add_special_tokens=False) == ours.encode_with_special(text), text
         assert load_hf_tokenizer(tmp_path / "out").encode(text) == ours.encode(text), text
+
+
+@pytest.mark.parametrize("pad", [None, "<|reserved_special_token_0|>"])
+def test_an_export_names_the_pad_token_its_tokenizer_files_name(tmp_path, pad):
+    """config.json's and generation_config.json's pad_token_id are the id AutoTokenizer gives the
+    folder's pad token: a copied tokenizer's own pad token, else eos (what the export adds)."""
+    from helpers import trained_like_debug
+
+    from mhar_titan.convert import export_pretrained
+    from mhar_titan.convert.hf_config import ConversionError
+    from mhar_titan.convert.tokenizer_files import pad_token_id
+
+    source = llama3_tokenizer_folder(tmp_path / "tok", CORPUS, SPECIALS)
+    if pad is not None:
+        config = json.loads((source / "tokenizer_config.json").read_text())
+        (source / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": pad}))
+    tokenizer = load_hf_tokenizer(source)
+    export_pretrained(trained_like_debug({}, 384), tmp_path / "out", tokenizer=tokenizer)
+    loaded = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "out"))
+    expected = tokenizer.eos_id if pad is None else tokenizer.special_tokens[pad]
+    assert loaded.pad_token_id == expected
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text())["pad_token_id"] == expected
+    # a pad token the vocabulary does not hold is refused by name
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    (tmp_path / "out" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<|no such token|>"}))
+    (tmp_path / "out" / "special_tokens_map.json").unlink(missing_ok=True)
+    with pytest.raises(ConversionError, match="no such token"):
+        pad_token_id(tmp_path / "out", tokenizer)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from mhar_titan.components.memory import MemoryFitError
 from mhar_titan.config import ConfigError
 from mhar_titan.data import build_tokenizer, build_train_loader
 from mhar_titan.experiments.launch import check_runs, gpu_hours, run_local, run_state, slurm_script, world_size_of
@@ -149,8 +150,15 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
         assert re.search(r"^dry run: (OK|config valid, nothing trained; NOT checked: memory fit \(no cuda device)",
                          done.stdout, re.M), done.stdout[-2000:]
         assert "8 ranks x local 4 x grad accumulation 2" in done.stdout
-    checked = check_runs(sweep.runs[:3], world_size_of(list(sweep.slurm_args)))
-    assert len(checked) == 3 and all("dry run OK at 8 ranks" in line for line in checked)
+    world = world_size_of(list(sweep.slurm_args))
+    checked = check_runs(sweep.runs[:3], world)
+    # no fit check without the ranks' memory: the line must not call the run OK
+    assert len(checked) == 3 and all(re.search(r"at 8 ranks, memory estimate [0-9.]+ GiB per rank; dry run config "
+                                               r"valid, nothing trained; NOT checked: memory fit", line)
+                                     for line in checked), checked
+    assert all("dry run OK" in line for line in check_runs(sweep.runs[:3], world, (80 * 2**30, "--memory-gib")))
+    with pytest.raises(MemoryFitError, match=f"run {sweep.runs[0].name}: .*does not fit"):
+        check_runs(sweep.runs[:1], world, (2**20, "--memory-gib"))
 
 
 def test_slurm_emission_leaves_out_done_runs(tmp_path):

@@ -135,3 +135,46 @@ def test_source_table_registration():
     loss = sum(op.route(views[:k], torch.randn(8), torch.ones(8), 2).sum() for k in (1, 2, 3))
     loss.backward()
     assert table.closed and table.sinks == [] and all(s.grad is None for s in sinks)
+
+
+def _loss(leaves, queries, norm, weights):
+    """`_step`'s loss (shared sources, no recompute), left for the caller to differentiate."""
+    sources = [op.share_gradient(2 * x) for x in leaves]
+    loss = (sources[0].float() * weights.float()).sum()
+    for s, q in enumerate(queries):
+        out = op.route(sources[:s + 1], q, norm, HEADS)
+        loss = loss + (out.float() * weights.float()).sum() / (s + 1)
+    return loss, sources
+
+
+def test_a_finished_source_table_is_reused_and_an_earlier_graph_leaves_it_alone(monkeypatch):
+    """Once every gradient buffer of a micro-batch's source table was handed on, the next
+    micro-batch of that shape registers into the same table (its rows and their views are made
+    once per shape). Its gradients are bitwise those of the first step, and a second backward of
+    the first step's graph (retain_graph), run after the table was taken again, gives the same
+    gradients and leaves the new micro-batch's table as it was."""
+    from mhar_kernels import launch
+
+    monkeypatch.setattr(launch, "_free", {})
+    leaves, queries, norm, weights = _inputs(torch.float32, seed=5)
+    loss_a, sources_a = _loss(leaves, queries, norm, weights)
+    table = getattr(sources_a[0], launch.SINK_ATTRIBUTE).table
+    grads_a = torch.autograd.grad(loss_a, leaves, retain_graph=True)
+    loss_b, sources_b = _loss(leaves, queries, norm, weights)
+    assert getattr(sources_b[0], launch.SINK_ATTRIBUTE).table is table  # reused
+    assert table.pointers == [s.data_ptr() for s in sources_b]
+    again = torch.autograd.grad(loss_a, leaves)  # the first graph once more: the general path
+    assert table.pointers == [s.data_ptr() for s in sources_b]  # not re-pointed at the first step's sources
+    grads_b = torch.autograd.grad(loss_b, leaves)
+    for a, b, c in zip(grads_a, again, grads_b):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_double_backward_through_the_fused_op_still_raises():
+    """The backward is once differentiable: asking for a second derivative raises (grad mode on
+    in the backward runs torch's `once_differentiable` wrapper)."""
+    leaves, queries, norm, _ = _inputs(torch.float32, seed=6)
+    out = op.route(leaves[:3], queries[0], norm, HEADS)
+    grad, = torch.autograd.grad(out.float().square().sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()

@@ -440,6 +440,9 @@ def validate(cfg: JobConfig) -> None:
         )
     if cfg.parallelism.data_parallel_replicate_degree != 1:
         raise ConfigError("'parallelism.data_parallel_replicate_degree' must be 1 (HSDP is not implemented)")
+    if not (math.isfinite(cfg.parallelism.timeout_s) and cfg.parallelism.timeout_s > 0):
+        raise ConfigError(f"'parallelism.timeout_s' must be a finite number of seconds > 0 (the process group's "
+                          f"collective timeout, default 600), got {cfg.parallelism.timeout_s}")
     if t.loss_chunk_tokens < 1:
         raise ConfigError(f"'training.loss_chunk_tokens' must be >= 1 (tokens per chunk of the chunked loss), "
                           f"got {t.loss_chunk_tokens}")

@@ -184,6 +184,11 @@ class Parallelism:
     """Initialise the full model on rank 0's CPU and broadcast the shards, so any world size
     starts from the same weights (costs rank 0 host memory for the fp32 model). False: each
     rank initialises its own shards on the device (values then depend on the world size)."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the process group fails the job
+    (``torch.distributed.init_process_group(timeout=...)``: NCCL / gloo). Raise it where one rank
+    can be slower than the others for long (a long checkpoint save, a first compile, a shared
+    machine); a hung job then takes that long to fail."""
 
 
 @dataclass

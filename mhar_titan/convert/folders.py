@@ -22,7 +22,7 @@ from . import authors
 from .hf_config import ConversionError, read_json, write_json
 from .hf_llama import CONFIG, export_hf, import_hf, load_hf_weights
 from .mhar_format import MODEL_TYPE, export_mhar, load_mhar, load_mhar_weights
-from .tokenizer_files import write_tokenizer_files
+from .tokenizer_files import pad_token_id, write_tokenizer_files
 
 FORMATS = ("auto", "hf", "mhar", "authors")
 """Export formats: "hf" (a Llama folder, or Qwen3 with q/k norm: standard models), "mhar" (our
@@ -101,9 +101,9 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
     """Write ``model`` as a pretrained folder in ``fmt`` (see ``FORMATS``); returns the shard paths.
 
     With ``tokenizer`` (the one training used) the folder also gets its tokenizer files
-    (``tokenizer_files``) and ``config.json`` its ``eos_token_id``, ``pad_token_id`` (the eos id, the
-    tokenizer's pad token) and ``bos_token_id`` when there is one, and ``generation_config.json``
-    the same ids and the embedding's padding rows as ``suppress_tokens`` (``generation_config``), so
+    (``tokenizer_files``) and ``config.json`` its ``eos_token_id``, ``pad_token_id`` (the pad token the
+    tokenizer files name: eos, or a copied Hugging Face tokenizer's own: ``pad_token_id``) and
+    ``bos_token_id`` when there is one, and ``generation_config.json`` the same ids and the embedding's padding rows as ``suppress_tokens`` (``generation_config``), so
     ``AutoTokenizer`` encodes as training did and ``generate()`` stops at the end of text and draws
     only ids the tokenizer knows.
 
@@ -120,7 +120,8 @@ def export_pretrained(model: Transformer, folder: str | os.PathLike, fmt: str = 
     if tokenizer is not None:
         write_tokenizer_files(tokenizer, folder, model.args.max_seq_len)
         config = read_json(Path(folder) / CONFIG)
-        config["eos_token_id"] = config["pad_token_id"] = tokenizer.eos_id  # the tokenizer files pad with eos
+        config["eos_token_id"] = tokenizer.eos_id
+        config["pad_token_id"] = pad_token_id(folder, tokenizer)  # eos, or a copied tokenizer's own pad token
         if getattr(tokenizer, "bos_id", None) is not None:
             config["bos_token_id"] = tokenizer.bos_id
         write_json(Path(folder) / CONFIG, config)

@@ -117,7 +117,8 @@ def export_hf(model: Transformer, folder: str | os.PathLike, dtype: torch.dtype 
     if args.residual != "standard":
         raise ConversionError(
             f"a {args.residual!r} model has no stock transformers architecture; export it with "
-            "mhar_titan.convert.export_mhar (our own model type, loaded with trust_remote_code=True) instead"
+            "mhar_titan.convert.export_mhar (our own model type, loaded with trust_remote_code=True) instead; from the "
+            "command line, python -m mhar_titan.convert export ... --format mhar (or --format auto)"
         )
     out_dtype = dtype or next(model.parameters()).dtype
     config = hf_config_from_args(args, dtype=str(out_dtype).removeprefix("torch."))

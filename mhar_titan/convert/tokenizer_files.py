@@ -126,6 +126,41 @@ def _add_padding(path: Path) -> None:
         _write_json(path, {**config, **update})
 
 
+def pad_token_id(folder: str | os.PathLike, tokenizer: Tokenizer) -> int:
+    """The id of the pad token the tokenizer files in ``folder`` name (what
+    ``AutoTokenizer.from_pretrained(folder).pad_token_id`` is), for ``config.json`` and
+    ``generation_config.json``: ``special_tokens_map.json``'s pad token, else
+    ``tokenizer_config.json``'s (transformers lets the first override the second), looked up among
+    ``tokenizer``'s special tokens, then in ``tokenizer.json`` (added tokens, vocabulary); the eos
+    id when the files name no pad token (the files this module writes pad with eos).
+
+    Raises:
+        ConversionError: the named pad token is not in the tokenizer's vocabulary.
+    """
+    folder = Path(folder)
+    name = None
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / file).is_file():
+            value = json.loads((folder / file).read_text()).get("pad_token")
+            name = value.get("content") if isinstance(value, dict) else value
+            if name is not None:
+                break
+    if name is None:
+        return tokenizer.eos_id
+    specials = getattr(tokenizer, "special_tokens", None) or {}
+    if name in specials:
+        return specials[name]
+    if (folder / "tokenizer.json").is_file():
+        backend = json.loads((folder / "tokenizer.json").read_text())
+        added = {entry["content"]: int(entry["id"]) for entry in backend.get("added_tokens", [])}
+        vocab = (backend.get("model") or {}).get("vocab") or {}
+        found = added.get(name, vocab.get(name) if isinstance(vocab, dict) else None)
+        if found is not None:
+            return int(found)
+    raise ConversionError(f"{folder}: the tokenizer files name the pad token {name!r}, which is not in the "
+                          "tokenizer's vocabulary; fix pad_token in tokenizer_config.json / special_tokens_map.json")
+
+
 def write_tokenizer_files(tokenizer: Tokenizer, folder: str | os.PathLike, model_max_length: int) -> list[Path]:
     """Write ``tokenizer``'s files into ``folder`` (module docstring); returns the paths written.
 

@@ -7,7 +7,8 @@ run SWEEP       train them one after another here (done runs skipped, stopped on
                 --dry-run prints what would run; --only NAME... restricts to some runs
 slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per run (--out FILE,
                 default stdout); --check runs the trainer's dry run of every run at the job's
-                world size first; extra sbatch options after `--`
+                world size first (with --memory-gib G also the memory fit in G GiB per rank);
+                extra sbatch options after `--`
 results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
                 default <dump_folder>/results; --ylim, --diff-ylim fix the plot's y ranges)
 compare A B     --check-schedule: A and B (each a job config or a run folder) are schedule-matched:
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     p = sub.choices["slurm"]
     p.add_argument("--out", default=None, help="script file (default: stdout)")
     p.add_argument("--check", action="store_true", help="dry-run every run's config at the job's world size first")
+    p.add_argument("--memory-gib", type=positive_float, default=None,
+                   help="with --check: GPU memory per rank of the cluster in GiB, checked against each run's "
+                        "estimate (default: the fit is not checked, and each line says so)")
     p.add_argument("sbatch_args", nargs="*", help="extra sbatch options, after --")
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
@@ -125,7 +129,8 @@ def main(argv=None) -> int:
             runs = _select(sweep, args.only)
             if args.check:
                 world = world_size_of([*sweep.slurm_args, *args.sbatch_args])
-                for line in check_runs(runs, world):
+                available = None if args.memory_gib is None else (int(args.memory_gib * 2**30), "--memory-gib")
+                for line in check_runs(runs, world, available):
                     print(line, file=sys.stderr)
             text = slurm_script(sweep, runs, args.sbatch_args)
             if args.out:

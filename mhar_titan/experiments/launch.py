@@ -174,24 +174,32 @@ def world_size_of(sbatch_options: Sequence[str], default_gpus_per_node: int = 8)
     return nodes * gpus
 
 
-def check_runs(runs: Sequence[Run], world_size: int) -> list[str]:
+def check_runs(runs: Sequence[Run], world_size: int, available: Optional[tuple[int, str]] = None) -> list[str]:
     """The trainer's dry run (``mhar_titan.dryrun.report``) of every run at ``world_size`` ranks:
-    config, model on the meta device, batch geometry, memory. Returns one summary line per run.
+    config, model on the meta device, batch geometry, memory estimate, and the memory fit where
+    ``available`` (bytes per rank, where the number comes from) is given. Returns one summary line
+    per run: its memory estimate and the dry run's verdict (``mhar_titan.dryrun.verdict``: "OK"
+    only when every check ran, else what was not checked and why).
 
     Raises:
         ConfigError: a run is invalid at this world size (the message names the run).
+        MemoryFitError: a run does not fit ``available`` (the message names the run).
     """
+    from mhar_titan.components.memory import MemoryFitError
     from mhar_titan.config import ConfigError
-    from mhar_titan.dryrun import report
+    from mhar_titan.dryrun import report, verdict
 
     lines = []
     for run in runs:
         try:
-            text, _ = report(run.config, world_size, "cuda")
+            text, warnings = report(run.config, world_size, "cuda", available)
         except ConfigError as e:
             raise ConfigError(f"run {run.name}: {e}") from e
+        except MemoryFitError as e:
+            raise MemoryFitError(f"run {run.name}: {e}") from e
         total = next(line for line in text.splitlines() if line.strip().startswith("total") and "GiB" in line)
-        lines.append(f"{run.name}: dry run OK at {world_size} ranks, memory estimate {total.split()[-2]} GiB per rank")
+        lines.append(f"{run.name}: at {world_size} ranks, memory estimate {total.split()[-2]} GiB per rank; "
+                     f"dry run {verdict(warnings)}")
     return lines
 
 
