@@ -154,6 +154,30 @@ def test_init_weights_after_to_empty_matches_a_direct_build():
     assert torch.equal(meta_model(x), direct(x))
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_model_given_storage_without_init_weights_computes_its_rope_tables(cached):
+    """Built on the meta device, given storage and loaded with weights (as transformers'
+    from_pretrained does), with no init_weights: the RoPE tables (buffers that are not saved) are
+    recomputed where the model now lives, so the logits and the decoded tokens equal the model's it
+    was loaded from, with and without the KV cache."""
+    from mhar_titan.eval.generation import generate_batch
+
+    args = tiny(**ROUTED["delta block"])
+    source = build(args, seed=3)
+    with torch.device("meta"):
+        loaded = Transformer(args)
+    loaded.to_empty(device="cpu")
+    loaded.rope_cos.fill_(float("nan"))  # what uninitialised storage may hold
+    loaded.load_state_dict(source.state_dict())
+    x = tokens(args)
+    with torch.no_grad():
+        prompts = [x[0, :5].tolist(), x[1, :9].tolist()]
+        got = generate_batch(loaded, prompts, 6, use_cache=cached)
+        assert got == generate_batch(source, prompts, 6, use_cache=cached)
+        assert torch.equal(loaded(x), source(x))
+    assert torch.equal(loaded.rope_cos, source.rope_cos) and torch.equal(loaded.rope_sin, source.rope_sin)
+
+
 @pytest.mark.parametrize("family", ["attn_res H=1", "mhar H=kv", "mhar H=8", "block"])
 def test_every_site_and_head_starts_uniform(family):
     args = tiny(**ROUTED[family])

@@ -29,7 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mhar_titan.eval.generation import Decoding, left_padded_forward
 from mhar_titan.models.args import ModelArgs
-from mhar_titan.models.model import Transformer, rope_cos_sin
+from mhar_titan.models.model import Transformer
 
 from .mhar_format import MODEL_TYPE, write_remote_files
 
@@ -122,8 +122,7 @@ class MharTitanForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MharTitanConfig):
         super().__init__(config)
         self.model = Transformer(ModelArgs(**config.model_args))
-        self.model.init_weights()
-        self._rope_device: Optional[torch.device] = None
+        self.model.init_weights()  # RoPE tables: the model recomputes them where it lives (Transformer._ready_rope)
         self.post_init()
 
     def _init_weights(self, module) -> None:
@@ -133,17 +132,9 @@ class MharTitanForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.tok_embeddings
 
-    def _ready_rope(self, device: torch.device) -> None:
-        """RoPE tables are buffers that are not saved: computed here, once per device (a model
-        built on the meta device by from_pretrained holds none)."""
-        if self._rope_device != device:
-            self.model.rope_cos, self.model.rope_sin = rope_cos_sin(self.model.args, device=device)
-            self._rope_device = device
-
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, decoding: Optional[DecodingState] = None,
                 **kwargs) -> CausalLMOutputWithPast:
-        self._ready_rope(input_ids.device)
         if decoding is not None:
             logits = decoding.step(self.model, input_ids, attention_mask)
         else:

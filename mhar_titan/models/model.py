@@ -260,6 +260,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(args, device=self.tok_embeddings.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._rope_device = cos.device  # where the tables were last computed (`_ready_rope`)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -271,6 +272,7 @@ class Transformer(nn.Module):
         """
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device)
+        self._rope_device = self.rope_cos.device
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -339,6 +341,19 @@ class Transformer(nn.Module):
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
 
+    def _ready_rope(self) -> None:
+        """Recompute the RoPE tables where they now live when they were not computed there: they
+        are buffers that are not saved, so a model built on the meta device and then given storage
+        (`to_empty`, or a loader such as transformers' `from_pretrained`) holds uninitialised
+        tables until `init_weights` recomputes them; this makes every forward (training,
+        `generate`, `generate_batch`) read real tables whichever way the model was built. A host-side
+        check only (no device read): capture-safe and a plain guard under torch.compile."""
+        cos = self.rope_cos
+        if cos.device != self._rope_device and not cos.is_meta:
+            with torch.no_grad():
+                self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=cos.device)
+            self._rope_device = cos.device
+
     def attention_context(self, tokens: Tensor, cache: "KVCache | None" = None) -> AttentionContext:
         """The `AttentionContext` of a (B, T) batch, built once per forward and shared by every layer:
         the RoPE tables of positions 0..T-1 under "causal"; under "block_causal" also the document
@@ -346,6 +361,7 @@ class Transformer(nn.Module):
         and, with `rope_per_document`, per-token tables of the positions inside each document.
         With `cache` (decoding), the cache reserves the tokens' slots and gives each row's
         positions and the attention mask (documents included under "block_causal")."""
+        self._ready_rope()
         T, block = tokens.shape[1], self.args.attn_mask_type == "block_causal"
         if block and self.args.eos_id is None:
             raise ValueError("attn_mask_type='block_causal' needs ModelArgs.eos_id (the tokenizer's EOS id)")
