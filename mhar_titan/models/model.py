@@ -341,18 +341,18 @@ class Transformer(nn.Module):
                 "the model; set the model's vocab_size to the tokenizer's vocabulary padded up to a multiple of 128"
             )
 
-    def _ready_rope(self) -> None:
-        """Recompute the RoPE tables where they now live when they were not computed there: they
+    def _ready_rope(self, device: torch.device) -> None:
+        """Compute the RoPE tables on `device` (the tokens') unless they were computed there: they
         are buffers that are not saved, so a model built on the meta device and then given storage
-        (`to_empty`, or a loader such as transformers' `from_pretrained`) holds uninitialised
-        tables until `init_weights` recomputes them; this makes every forward (training,
-        `generate`, `generate_batch`) read real tables whichever way the model was built. A host-side
-        check only (no device read): capture-safe and a plain guard under torch.compile."""
-        cos = self.rope_cos
-        if cos.device != self._rope_device and not cos.is_meta:
+        (`to_empty`, or a loader such as transformers' `from_pretrained`, which may also leave them
+        on the meta device) holds uninitialised tables until `init_weights` recomputes them; this
+        makes every forward (training, `generate`, `generate_batch`) read real tables whichever way
+        the model was built. A host-side check only (no device read): capture-safe and a plain
+        guard under torch.compile."""
+        if self.rope_cos.device != device or self._rope_device != device:
             with torch.no_grad():
-                self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=cos.device)
-            self._rope_device = cos.device
+                self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device)
+            self._rope_device = device
 
     def attention_context(self, tokens: Tensor, cache: "KVCache | None" = None) -> AttentionContext:
         """The `AttentionContext` of a (B, T) batch, built once per forward and shared by every layer:
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
         and, with `rope_per_document`, per-token tables of the positions inside each document.
         With `cache` (decoding), the cache reserves the tokens' slots and gives each row's
         positions and the attention mask (documents included under "block_causal")."""
-        self._ready_rope()
+        self._ready_rope(tokens.device)
         T, block = tokens.shape[1], self.args.attn_mask_type == "block_causal"
         if block and self.args.eos_id is None:
             raise ValueError("attn_mask_type='block_causal' needs ModelArgs.eos_id (the tokenizer's EOS id)")
