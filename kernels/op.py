@@ -81,13 +81,8 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
 def _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source):
     """(out, mix or None, mix residual or None, logits, lse) from the forward kernel; the checks
     are the caller's (`dispatch.route` / `route`, and `_require`)."""
-    full = sources[0]
-    srcs = contract.with_null_source(null_source, sources)
-    residual = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
-        if triton_routing.needs_mix_residual(full.dtype) else None
-    out, mix, logits, lse = triton_routing.route_forward(srcs, query, norm_weight, heads, eps, partial=partial,
-                                                         alpha=alpha, mix_residual=residual)
-    return out, mix, residual, logits, lse
+    return triton_routing.route_forward_saved(contract.with_null_source(null_source, sources), query, norm_weight,
+                                              heads, eps, partial=partial, alpha=alpha)
 
 
 def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
