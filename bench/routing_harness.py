@@ -106,7 +106,7 @@ def one_step(impl, sources, query, norm_weight, heads):
     """All 2L+1 routing sites of a step: site s routes over sources[:s] (forward, then one backward)."""
     def run():
         total = None
-        shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
+        shared = [share_gradient(x, impl, heads, outlives=True) for x in sources]  # as the models pass their sources
         for s in range(1, len(sources) + 1):
             out = model_route(shared[:s], query, norm_weight, heads, kernel=impl)
             total = out.float().sum() if total is None else total + out.float().sum()
@@ -124,7 +124,7 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int, end=None)
 
     def run():
         total = None
-        shared = [share_gradient(x, impl, heads) for x in sources]  # as the models pass their sources
+        shared = [share_gradient(x, impl, heads, outlives=True) for x in sources]  # as the models pass their sources
         for start, late in step_groups(len(sources), g):
             if len(late) == 1:
                 outs = [model_route([shared[j] for j in start], query, norm_weight, heads, kernel=impl)]

@@ -38,14 +38,14 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
     sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
     with stubbed_launches():
         grad_out = torch.ones_like(sources[0])
-        shared = [share_gradient(x, "triton", heads) for x in sources]
+        shared = [share_gradient(x, "triton", heads, outlives=True) for x in sources]
 
         def call():  # gradients of q and g only: the shared buffers stay with their sinks, as mid-step
             out = model_route(shared, query, norm_weight, heads, kernel="triton")
             torch.autograd.grad(out, [query, norm_weight], grad_out)
 
         def share():  # n sources shared, used, and their gradients handed on
-            views = [share_gradient(x, "triton", heads) for x in sources]
+            views = [share_gradient(x, "triton", heads, outlives=True) for x in sources]
             torch.autograd.grad([v.sum() for v in views], sources)
 
         def plain():  # the same without share_gradient, subtracted from share()

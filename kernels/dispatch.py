@@ -123,16 +123,18 @@ def route(
     return partial + alpha.to(mix.dtype) * mix
 
 
-def share_gradient(source: Tensor, kernel: str, heads: int) -> Tensor:
+def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = False) -> Tensor:
     """The entry the routing sites read for a new (B, T, d) source: where the backend is "triton"
     (outside torch.compile), a view whose gradient the kernels of every site that reads it
     accumulate in one buffer (`op.share_gradient`: no per-site gradient tensors, no autograd
-    additions); otherwise `source` itself. (d,) null sources are returned as they are."""
+    additions); otherwise `source` itself. (d,) null sources are returned as they are.
+    outlives: the entry is alive for the whole backward anyway (an input of a later block or read
+    outside the blocks), so its readers keep it by reference (`op.share_gradient`)."""
     if source.dim() == 1 or torch.compiler.is_compiling():
         return source
     if backend(kernel, source.device, source.shape[-1], heads) != "triton":
         return source
-    return _module("op").share_gradient(source)
+    return _module("op").share_gradient(source, outlives)
 
 
 def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,

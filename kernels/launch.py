@@ -36,6 +36,16 @@ current stream, ordered after the launches of the micro-batch that used the rows
 argument (functorch's dead-wrapper unwrapping, a generator over the N sources per call): where no
 functorch transform is active, the C++ entry is called directly; otherwise the public
 `Function.apply`.
+
+`save_with_sources` / `saved_with_sources`: what a routing Function saves for backward. Its N
+sources normally go through `ctx.save_for_backward`; under activation checkpointing every saved
+tensor passes through torch's pack and unpack hooks and its recompute check (about 10 us of Python
+per tensor; at 1b the sources are 2,628 of a step's saved tensors). Where every source is a shared
+entry that outlives its block (`op.share_gradient(..., outlives=True)`: an input of a later block,
+which activation checkpointing keeps anyway as that block's input, or read by the final site), the
+sources are kept as plain references instead: no hook, no memory the step does not already hold
+(every such entry is alive when the backward starts, in both cases), and the same check against
+in-place changes as `save_for_backward`'s (their versions).
 """
 from __future__ import annotations
 
@@ -84,6 +94,51 @@ def once_differentiable(backward):
             return wrapped(ctx, *grads)
         return backward(ctx, *grads)
     return lean
+
+
+_outlives = attrgetter("outlives")
+_version = attrgetter("_version")
+
+
+def keeps_sources(sinks: Sequence) -> bool:
+    """True when a call's sources may be kept as plain references (module docstring): there is
+    at least one, and each has a gradient sink (`sinks`, one per (B, T, d) source, None for a
+    source not shared) whose entry outlives its block."""
+    try:
+        return bool(sinks) and all(map(_outlives, sinks))
+    except AttributeError:  # a source not shared (its sink is None)
+        return False
+
+
+def save_with_sources(ctx, sinks: Sequence, tensors: tuple, sources: Sequence[Tensor]) -> None:
+    """`ctx.save_for_backward(*tensors, *sources)`, except that the sources are kept as plain
+    references with their versions where `keeps_sources(sinks)` (module docstring). The choice
+    depends only on the sinks, so a block recomputed under activation checkpointing saves as many
+    tensors as its first forward did. Read back with `saved_with_sources`."""
+    if keeps_sources(sinks):
+        ctx.kept = (tuple(sources), sum(map(_version, sources)))
+        ctx.save_for_backward(*tensors)
+    else:
+        ctx.kept = None
+        ctx.save_for_backward(*tensors, *sources)
+
+
+def saved_with_sources(ctx) -> tuple:
+    """`ctx.saved_tensors` with the sources appended, as `save_with_sources` put them (unpack once:
+    activation checkpointing allows no more).
+
+    Raises:
+        RuntimeError: a kept source was modified in place after the forward (as autograd raises
+            for a saved tensor)."""
+    saved = ctx.saved_tensors
+    kept = ctx.kept
+    if kept is None:
+        return saved
+    sources, version = kept
+    if sum(map(_version, sources)) != version:
+        raise RuntimeError("one of the routing sources needed for gradient computation has been modified by an "
+                           "inplace operation after the routing call; clone it before modifying it")
+    return saved + sources
 
 
 def _device_rows(values: Sequence[int], device: torch.device) -> Tensor:

@@ -17,7 +17,8 @@ picks the eager reference there instead. Outside torch.compile the same forward 
 run through a plain autograd.Function (`_EagerRoute`): no custom-op dispatch and no pytree
 handling of the N sources (about a quarter of the host time of a call at N = 73).
 
-Saved for backward: references to the source tensors (no copies), query, norm weight,
+Saved for backward: the source tensors (no copies; plain references where every source is a
+shared entry that outlives its block, `launch.save_with_sources`), query, norm weight,
 alpha, null source, the fp32 logits and lse (N*B*T*H + B*T*H elements) and the normalised mix
 (the output itself in replacement mode; one extra (B, T, d) tensor in delta mode) and, for bf16
 or fp16 sources, what rounding that mix to the storage dtype lost (one (B, T, d) tensor in the
@@ -210,12 +211,13 @@ class GradientSink:
     reverse) writes it; later readers add into it in their kernel; `share_gradient`'s node
     hands it on and empties the sink."""
 
-    __slots__ = ("grad", "table", "slot")
+    __slots__ = ("grad", "table", "slot", "outlives")
 
-    def __init__(self):
+    def __init__(self, outlives: bool = False):
         self.grad: Optional[Tensor] = None
         self.table = None  # the `launch.SourceTable` the source is registered in, and its slot
         self.slot = 0
+        self.outlives = outlives  # the entry outlives its block: readers keep it by reference (`launch`)
 
 
 SINK_ATTRIBUTE = launch.SINK_ATTRIBUTE
@@ -267,7 +269,7 @@ def gradient_buffers(sinks, size, dtype, device) -> tuple[list[Tensor], list[boo
     return buffers, accumulate
 
 
-def share_gradient(source: Tensor) -> Tensor:
+def share_gradient(source: Tensor, outlives: bool = False) -> Tensor:
     """A view of `source` (B, T, d) whose routing gradients are accumulated in one buffer.
 
     Every `route` call (outside torch.compile) that reads the returned view adds its gradient
@@ -278,10 +280,16 @@ def share_gradient(source: Tensor) -> Tensor:
     view's backward. Gradients from ops other than `route` (or from `route` under
     torch.compile, whose custom op returns them as usual) are added there.
 
+    outlives: the entry is alive for the whole backward anyway (an input of a later block, or read
+    by a site outside the blocks): routing calls whose sources all outlive keep them as plain
+    references instead of saving them (`launch.save_with_sources`: no saved-tensor hooks under
+    activation checkpointing). Pass it only for such entries (the models' Router knows them from
+    the routing plan); a transient entry kept so would live until the backward ends.
+
     A tensor that does not require grad, or grad mode off, returns `source` itself."""
     if not (torch.is_grad_enabled() and source.requires_grad):
         return source
-    sink = GradientSink()
+    sink = GradientSink(outlives)
     view = launch.apply(_ShareGradient, source, sink)
     setattr(view, SINK_ATTRIBUTE, sink)
     if source.dim() > 1:
@@ -321,15 +329,14 @@ class _EagerRoute(torch.autograd.Function):
             out, mix, residual, logits, lse = triton_routing.route_forward_saved(
                 contract.with_null_source(null_source, list(sources)), query, norm_weight, heads, eps, partial=partial,
                 alpha=alpha)
-        ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, alpha,
-                              null_source, *sources)
+        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mix, residual, query, norm_weight,
+                                                  logits, lse, alpha, null_source), sources)
         return out
 
     @staticmethod
     @launch.once_differentiable
     def backward(ctx, grad_out):
-        # (ctx.saved_tensors is unpacked once: activation checkpointing allows no more)
-        saved = ctx.saved_tensors
+        saved = launch.saved_with_sources(ctx)  # (unpacked once: activation checkpointing allows no more)
         if ctx.found is not None:
             result = _table_backward(ctx, grad_out, saved)
             if result is not None:

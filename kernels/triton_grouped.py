@@ -220,8 +220,8 @@ class Phase1(torch.autograd.Function):
     eager phase 1, `grouped_reference.phase1` (a leading (d,) source is the null source).
     lse is not differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
-    Saves for backward: references to the sources, the query and key-norm rows, and lse
-    (g H values per token). No (B, T, d) tensor. A source made by `op.share_gradient` gets its
+    Saves for backward: references to the sources (`launch.save_with_sources`), the query and
+    key-norm rows, and lse (g H values per token). No (B, T, d) tensor. A source made by `op.share_gradient` gets its
     gradient added into its shared buffer (as the per-call kernels do) and None returned."""
 
     site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
@@ -248,7 +248,7 @@ class Phase1(torch.autograd.Function):
                                     ctx.read_table)
         # the normalisers (identically 1): rows of one tensor
         norms = torch.ones((g, *lse.shape[:-2], heads), dtype=lse.dtype, device=lse.device).unbind(0)
-        ctx.save_for_backward(queries, norm_weights, lse, *sources)
+        launch.save_with_sources(ctx, ctx.sinks, (queries, norm_weights, lse), sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
@@ -256,7 +256,7 @@ class Phase1(torch.autograd.Function):
     @staticmethod
     @launch.once_differentiable
     def backward(ctx, *grads):
-        queries, norm_weights, lse, *sources = ctx.saved_tensors
+        queries, norm_weights, lse, *sources = launch.saved_with_sources(ctx)
         g = queries.shape[0]
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
         dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], full.dtype)

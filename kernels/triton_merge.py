@@ -54,7 +54,8 @@ class Merge(torch.autograd.Function):
         ctx.sinks = launch.sinks(late)
         ctx.found = None
         if not late and partial is None:  # the group's first site: its state is its mix
-            ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None, *late)
+            ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None)
+            ctx.kept = None
             return mix.view_as(mix)
         found = launch.lookup(ctx.sinks) if late else None
         rows = None
@@ -65,14 +66,14 @@ class Merge(torch.autograd.Function):
         out, mixed, residual, logits, lse = triton_routing.route_forward_saved(
             late, query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
             residual=bool(late), tables=rows)
-        ctx.save_for_backward(out if partial is None else mixed, residual, query, norm_weight, logits, lse, state_lse,
-                              alpha, *late)
+        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mixed, residual, query, norm_weight,
+                                                  logits, lse, state_lse, alpha), late)
         return out
 
     @staticmethod
     @launch.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        mix, residual, query, norm_weight, logits, lse, state_lse, alpha, *late = ctx.saved_tensors
+        mix, residual, query, norm_weight, logits, lse, state_lse, alpha, *late = launch.saved_with_sources(ctx)
         grad_out = grad_out.contiguous()
         bt, heads = state_lse.shape
         if logits is None:  # first site of its group: w0 = 1, dmix_1 = dout

@@ -328,7 +328,9 @@ def test_plan_counts_the_rows_the_routing_reads(family, g, monkeypatch):
 
 
 def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """{storage address: (elements, bytes)} of every distinct storage saved for backward in one step."""
+    """{storage address: (elements, bytes)} of every distinct storage saved for backward in one step:
+    what goes through saved-tensor hooks, and the sources a fused routing call keeps by reference
+    instead (`launch.save_with_sources`: the node's `kept`)."""
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -343,6 +345,15 @@ def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens).logsumexp(-1).mean()
+    seen, todo = set(), [loss.grad_fn]
+    while todo:  # every node of the graph
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in (getattr(node, "kept", None) or ((),))[0]:
+            pack(t)
+        todo += [next_node for next_node, _ in node.next_functions]
     loss.backward()
     return saved
 

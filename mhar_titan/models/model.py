@@ -222,11 +222,11 @@ class TransformerBlock(nn.Module):
         x = sublayer_input(attention_call, self.settings, 0, h, sources, routing, states)
         a = self.attention(self.attention_norm(x), attention_context)
         h = None if h is None else h + a
-        sources += shared_entries(new_sources(attention_site, sources, a, h), self.settings)
+        sources += shared_entries(new_sources(attention_site, sources, a, h), self.settings, schedule.outlives[0])
         x = sublayer_input(mlp_call, self.settings, 1, h, sources, routing, states)
         m = self.feed_forward(self.ffn_norm(x))
         h = None if h is None else h + m
-        sources += shared_entries(new_sources(mlp_site, sources, m, h), self.settings)
+        sources += shared_entries(new_sources(mlp_site, sources, m, h), self.settings, schedule.outlives[1])
         return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in schedule.leaving))
 
 

@@ -187,13 +187,17 @@ class LayerSchedule(NamedTuple):
     in this block (their states leave it, in site order); group, the group of more than one site
     whose first site is in this layer, else None; released, the entries of the source list no
     site after this block reads or builds on (the forward drops them after it, so that they are
-    freed once autograd is done with them)."""
+    freed once autograd is done with them); outlives, per sublayer, one bool per entry it creates:
+    True when a site after this block reads or builds on the entry (an input of a later block, or
+    of the final site: alive for the whole backward anyway, so its readers keep it by reference,
+    `dispatch.share_gradient`)."""
 
     calls: tuple[SiteCall | None, SiteCall | None]
     carried: tuple[int, ...]
     leaving: tuple[int, ...]
     group: Group | None
     released: tuple[int, ...]
+    outlives: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
 
 
 def _as_slice(indices: tuple[int, ...]) -> slice | tuple[int, ...]:
@@ -246,12 +250,17 @@ class RoutingSchedule:
         for layer in range(n_layers):
             sites = plan.layer_sites(layer)
             calls = tuple(None if s is None else site_call(plan, s) for s in sites)
-            created += sum(len(s.creates) for s in sites if s is not None)
+            outlives = []
+            for s in sites:
+                made = range(created, created + (len(s.creates) if s is not None else 0))
+                outlives.append(tuple(plan.last_use[j] > 2 * layer + 1 for j in made))
+                created += len(made)
             group = next((c.group for c in calls if c is not None and c.starts), None)
             # entries that exist after this block and that no site after it reads or builds on
             drop = tuple(j for j in range(created) if j not in released and plan.last_use[j] <= 2 * layer + 1)
             released.update(drop)
-            layers.append(LayerSchedule(calls, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop))
+            layers.append(LayerSchedule(calls, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
+                                        tuple(outlives)))
         final = None if plan.final is None else site_call(plan, plan.final)
         return cls(plan, tuple(layers), final)
 
@@ -318,9 +327,10 @@ def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, 
                           alpha=alpha if site.gated else None)
 
 
-def shared_entries(entries: list[Tensor], settings: RoutingSettings) -> list[Tensor]:
-    """New source-list entries as the routing sites read them (`dispatch.share_gradient`)."""
-    return [dispatch.share_gradient(e, settings.kernel, settings.heads) for e in entries]
+def shared_entries(entries: list[Tensor], settings: RoutingSettings, outlives: Sequence[bool]) -> list[Tensor]:
+    """New source-list entries as the routing sites read them (`dispatch.share_gradient`);
+    outlives: per entry, whether it outlives its block (`LayerSchedule.outlives`)."""
+    return [dispatch.share_gradient(e, settings.kernel, settings.heads, keep) for e, keep in zip(entries, outlives)]
 
 
 def storage_dtype(sources: Sequence[Tensor | None]) -> torch.dtype:
@@ -368,7 +378,8 @@ class Router:
         """The plan's first entries (null sources, the embedding `h` (B, T, d) shared as the sites
         read it, `dispatch.share_gradient`)."""
         nulls = iter(self.params.null_sources())
-        shared = shared_entries([h], self.settings)[0] if self.plan.initial else h
+        # (made before the blocks: an input of every block, alive for the whole backward)
+        shared = shared_entries([h], self.settings, (True,))[0] if self.plan.initial else h
         return [next(nulls) if entry.kind == "null" else shared for entry in self.plan.initial]
 
     def block_routing(self, layer: int) -> BlockRouting:

@@ -1,0 +1,139 @@
+"""Routing sources kept by reference (`mhar_kernels.launch.save_with_sources`): a fused routing call
+whose sources are all shared entries that outlive their block keeps them as plain references
+instead of saving them (under activation checkpointing every saved tensor runs torch's pack and
+unpack hooks), with the same gradients, the same check against in-place changes, and never for an
+entry that lives only inside its block (block granularity's partial block)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mhar_kernels import launch, op
+from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.model import Transformer
+from mhar_titan.models.plan import RoutingPlan
+from mhar_titan.models.router import RoutingSchedule
+from mhar_titan.parallel import apply_ac
+
+FAMILIES = {
+    "per call": dict(),
+    "grouped g=3": dict(routing_group_size=3),
+    "block": dict(routing_granularity="block", routing_block_layers=2),
+    "delta null": dict(routing_mode="delta", routing_null_source=True),
+}
+
+
+def tiny(family: str, kernel: str = "triton") -> ModelArgs:
+    return ModelArgs(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16,
+                     residual="attn_res", routing_heads=4, routing_kernel=kernel, **FAMILIES[family])
+
+
+def routing_nodes(loss: torch.Tensor) -> list:
+    """The fused routing calls' autograd nodes (per call, phase 1, merge) of loss's graph."""
+    found, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in ("_EagerRouteBackward", "Phase1Backward", "MergeBackward"):
+            found.append(node)
+        todo += [n for n, _ in node.next_functions]
+    return found
+
+
+def step(family: str, ac: str, keep: bool, monkeypatch) -> tuple[torch.Tensor, dict, int, int]:
+    """(loss, gradients, kept calls, calls) of one step of the tiny `family` model with activation
+    checkpointing `ac`; keep=False makes every call save its sources (the path before)."""
+    with monkeypatch.context() as patch:
+        if not keep:
+            patch.setattr(launch, "keeps_sources", lambda sinks: False)
+        torch.manual_seed(0)
+        model = Transformer(tiny(family))
+        model.init_weights()
+        with torch.no_grad():
+            model.routing.query.normal_()
+            if model.routing.alpha is not None:  # delta mode: open the gates (0 at init)
+                model.routing.alpha.fill_(0.5)
+        apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="1", preserve_rng_state=False))
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens).logsumexp(-1).mean()
+        nodes = routing_nodes(loss)
+        kept = sum(getattr(n, "kept", None) is not None for n in nodes)
+        loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, kept, \
+        len(nodes)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_sources_give_the_saved_path_gradients_bitwise(family, ac, monkeypatch):
+    """Every family, AC none and full: the loss and every parameter gradient with sources kept by
+    reference equal, bit for bit, those of the same step with every source saved; calls do keep
+    them (per call and grouped: every call reading only entries that outlive their block)."""
+    loss, grads, kept, calls = step(family, ac, True, monkeypatch)
+    loss0, grads0, kept0, calls0 = step(family, ac, False, monkeypatch)
+    assert kept0 == 0 and calls == calls0 > 0
+    assert kept > 0, (family, kept, calls)
+    assert torch.equal(loss, loss0)
+    assert grads.keys() == grads0.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads0[name]), name
+    assert grads["routing.query"].abs().sum() > 0
+
+
+def test_an_entry_that_lives_inside_its_block_is_never_kept(monkeypatch):
+    """Block granularity: the partial block after a layer's attention sublayer is read by that
+    layer's MLP site only (no later block holds it), so those calls save their sources (kept by
+    reference it would outlive the block under activation checkpointing); the other calls keep
+    theirs."""
+    args = tiny("block")
+    plan = RoutingPlan.from_args(args)
+    schedule = RoutingSchedule.from_plan(plan, args.n_layers)
+    inside = [(layer, row) for layer, part in enumerate(schedule.layers) for row in (0, 1)
+              if not all(part.outlives[row])]
+    assert inside, "block granularity creates entries read only inside their block"
+    _, _, kept, calls = step("block", "full", True, monkeypatch)
+    assert 0 < kept < calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_schedule_marks_an_entry_outliving_its_block_when_a_later_site_uses_it(family):
+    """`LayerSchedule.outlives`: per sublayer, one flag per entry it creates, True exactly when a
+    site after the block reads or builds on the entry (`RoutingPlan.last_use`)."""
+    args = tiny(family)
+    plan = RoutingPlan.from_args(args)
+    schedule = RoutingSchedule.from_plan(plan, args.n_layers)
+    entry = len(plan.initial)
+    for layer, part in enumerate(schedule.layers):
+        for row, site in enumerate(plan.layer_sites(layer)):
+            made = len(site.creates) if site is not None else 0
+            assert part.outlives[row] == tuple(plan.last_use[j] > 2 * layer + 1 for j in range(entry, entry + made))
+            entry += made
+    assert entry == len(plan.sources)
+
+
+def test_a_kept_source_changed_in_place_fails_the_backward():
+    """As for a saved tensor: a source modified in place between the forward and the backward of a
+    call that keeps it by reference makes the backward raise, naming the cause."""
+    leaves = [torch.randn(1, 4, 16, requires_grad=True) for _ in range(3)]
+    sources = [op.share_gradient(2 * x, outlives=True) for x in leaves]
+    query, norm = torch.randn(16, requires_grad=True), torch.ones(16, requires_grad=True)
+    out = op.route(sources, query, norm, 4)
+    assert routing_nodes(out.sum())[0].kept is not None
+    with torch.no_grad():
+        sources[1].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_sources_not_shared_or_not_outliving_are_saved():
+    """A call with a source not made by `share_gradient`, or shared without `outlives`, saves its
+    sources (`launch.keeps_sources` is False)."""
+    x = [torch.randn(1, 4, 16, requires_grad=True) for _ in range(2)]
+    assert not launch.keeps_sources(launch.sinks([op.share_gradient(2 * x[0], outlives=True), x[1]]))
+    assert not launch.keeps_sources(launch.sinks([op.share_gradient(2 * t) for t in x]))
+    assert launch.keeps_sources(launch.sinks([op.share_gradient(2 * t, outlives=True) for t in x]))
+    assert not launch.keeps_sources([])
