@@ -7,7 +7,8 @@ width d, vocabulary 256, 1 x 8 tokens, bf16, CPU), and stubs every routing kerne
 (`routing_harness.stubbed_launches`; MHAR runs `routing_kernel="triton"`, the fused path's host
 code). What is timed is the host work of the step plus the CPU kernels of tensors of a few
 hundred elements: an upper bound on the host time the same step costs on a GPU less the CUDA
-driver's own launch cost (a few us per kernel, not in this number). The step is the trainer's:
+driver's own launch cost (a few us per kernel, not in this number). Torch runs on one CPU thread
+(`--threads`), as a GPU step's host work does. The step is the trainer's:
 `optim.build_optimizer` (AdamW, the [optimizer] defaults), `optim.clip_grad_norm_by_group`
 (max norm 1), the chunked cross-entropy loss.
 
@@ -114,13 +115,13 @@ def rows(scales, families, acs, repeats: int) -> list[dict]:
     return out
 
 
-def table(result: list[dict], repeats: int) -> str:
+def table(result: list[dict], repeats: int, threads: int = 1) -> str:
     load = os.getloadavg()
     first = modelled_gpu_ms(ModelArgs.from_flavor("1b"), 1, 1024, "none")
     lines = [
         f"Whole training step, host time measured (`python bench/step_host.py`, {repeats} steps, minimum and "
         f"median; real depth and routing plan, tiny tensors, routing kernel launches stubbed, CPU "
-        f"{os.cpu_count()} cores, load average {load[0]:.2f} / {load[1]:.2f}, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores, {threads} torch thread(s), load average {load[0]:.2f} / {load[1]:.2f}, torch {torch.__version__}, "
         f"{datetime.date.today().isoformat()}), beside the GPU time of the same step on one H200, modelled "
         f"(`performance.modelled_gpu_ms`: model FLOPs at {100 * first['mfu']:.0f}% of "
         f"{first['peak'] / 1e12:.0f} TFLOP/s, AC full recomputing the blocks' forward, plus the counted "
@@ -151,6 +152,10 @@ def main(argv=None) -> None:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--ac", default="none,full")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's CPU threads (default 1: a GPU step's host work runs on one thread, and on a "
+                   "shared machine the tiny tensors' CPU kernels otherwise spin-wait for a descheduled worker "
+                   "thread, which the host CPU time of the step's thread counts)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file")
@@ -158,11 +163,18 @@ def main(argv=None) -> None:
     for f in a.families.split(","):
         if f not in FAMILIES:
             p.error(f"unknown family {f!r}; choose from {', '.join(FAMILIES)}")
-    result = rows(a.scales.split(","), a.families.split(","), a.ac.split(","), a.repeats)
+    if a.threads < 1:
+        p.error(f"--threads must be at least 1, got {a.threads}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        result = rows(a.scales.split(","), a.families.split(","), a.ac.split(","), a.repeats)
+    finally:  # (a caller in the same process keeps its own setting)
+        torch.set_num_threads(threads)
     for r in result:
         r["load"] = os.getloadavg()[0]
         r["host_family"] = host_family(ModelArgs.from_flavor(r["scale"], **FAMILIES[r["family"]]))
-    text = json.dumps(result, indent=1) if a.json else table(result, a.repeats)
+    text = json.dumps(result, indent=1) if a.json else table(result, a.repeats, a.threads)
     print(text)
     if a.out:
         write_table(a.out, text)
