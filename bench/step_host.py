@@ -8,7 +8,9 @@ width d, vocabulary 256, 1 x 8 tokens, bf16, CPU), and stubs every routing kerne
 code). What is timed is the host work of the step plus the CPU kernels of tensors of a few
 hundred elements: an upper bound on the host time the same step costs on a GPU less the CUDA
 driver's own launch cost (a few us per kernel, not in this number). Torch runs on one CPU thread
-(`--threads`), as a GPU step's host work does. The step is the trainer's:
+(`--threads`), as a GPU step's host work does, and with Python's automatic garbage collection off
+inside the timed steps, as in the trainer's loop (a full collection inside a step took about 200 ms
+here, once every ten steps). The step is the trainer's:
 `optim.build_optimizer` (AdamW, the [optimizer] defaults), `optim.clip_grad_norm_by_group`
 (max norm 1), the chunked cross-entropy loss.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -92,13 +95,19 @@ def host_step_ms(scale: str, families, ac: str, repeats: int = 20, warmup: int =
     the machine's load falls on all of them alike."""
     steps = {family: training_step(scale, family, ac) for family in families}
     times = {family: [] for family in families}
-    with stubbed_launches():
-        for _ in range(warmup):
-            for step in steps.values():
-                step()
-        for _ in range(repeats):
-            for family, step in steps.items():
-                times[family].append(host_timer(step))
+    gc.collect()
+    gc.disable()  # as the trainer's loop: no automatic collection inside a step (mhar_titan/train.py)
+    try:
+        with stubbed_launches():
+            for _ in range(warmup):
+                for step in steps.values():
+                    step()
+            for _ in range(repeats):
+                for family, step in steps.items():
+                    times[family].append(host_timer(step))
+                gc.collect(1)  # between timed steps, as the trainer collects every training.gc_freq steps
+    finally:
+        gc.enable()
     return {family: dict(min=min(t), median=statistics.median(t)) for family, t in times.items()}
 
 

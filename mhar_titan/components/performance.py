@@ -265,24 +265,24 @@ STEP_SEQ = {"100m": 2048, "1b": 1024}  # the paper's sequence lengths of the mea
 
 # Host time (ms, minimum) of one whole training step (forward, backward, clipping, AdamW step) of
 # each scale, family ("baseline", "mhar" per call, "mhar-grouped") and activation checkpointing
-# mode, measured by `python bench/step_host.py` (real depth and routing plan, tiny tensors, kernel
-# launches stubbed; host CPU time of the step's thread) on a shared 2-core CPU at load average 27,
-# 2026-12-01 (BENCHMARKS.md "Whole-step host time and the host-bound verdict"): a loaded machine
-# stretches even CPU time (shared caches), so these are upper bounds to be measured again on an
-# idle machine. The host work of a step does not depend on the micro-batch.
+# mode, measured by `python bench/step_host.py --repeats 20` (real depth and routing plan, tiny
+# tensors, kernel launches stubbed; host CPU time of the step's thread, one torch thread, automatic
+# garbage collection off inside the steps as in the trainer) on an idle 2-core CPU (AMD EPYC, load
+# average 0.4), 2026-12-02 (BENCHMARKS.md "Whole-step host time on the idle machine, sources kept
+# by reference"). The host work of a step does not depend on the micro-batch.
 HOST_STEP_MS = {
-    ("100m", "baseline", "none"): 33.2,
-    ("100m", "mhar", "none"): 49.3,
-    ("100m", "mhar-grouped", "none"): 55.8,
-    ("100m", "baseline", "full"): 77.9,
-    ("100m", "mhar", "full"): 112.9,
-    ("100m", "mhar-grouped", "full"): 116.5,
-    ("1b", "baseline", "none"): 155.8,
-    ("1b", "mhar", "none"): 229.5,
-    ("1b", "mhar-grouped", "none"): 225.9,
-    ("1b", "baseline", "full"): 240.0,
-    ("1b", "mhar", "full"): 389.3,
-    ("1b", "mhar-grouped", "full"): 374.3,
+    ("100m", "baseline", "none"): 18.0,
+    ("100m", "mhar", "none"): 22.5,
+    ("100m", "mhar-grouped", "none"): 25.0,
+    ("100m", "baseline", "full"): 30.6,
+    ("100m", "mhar", "full"): 38.8,
+    ("100m", "mhar-grouped", "full"): 41.3,
+    ("1b", "baseline", "none"): 69.4,
+    ("1b", "mhar", "none"): 83.0,
+    ("1b", "mhar-grouped", "none"): 81.7,
+    ("1b", "baseline", "full"): 117.2,
+    ("1b", "mhar", "full"): 143.6,
+    ("1b", "mhar-grouped", "full"): 154.4,
 }
 
 
