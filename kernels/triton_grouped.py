@@ -221,8 +221,9 @@ class Phase1(torch.autograd.Function):
     lse is not differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
     Saves for backward: references to the sources (`launch.save_with_sources`), the query and
-    key-norm rows, and lse (g H values per token). No (B, T, d) tensor. A source made by `op.share_gradient` gets its
-    gradient added into its shared buffer (as the per-call kernels do) and None returned."""
+    key-norm rows, and lse (g H values per token). No (B, T, d) tensor. A source made by
+    `op.share_gradient` gets its gradient added into its shared buffer (as the per-call kernels do)
+    and None returned."""
 
     site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
 

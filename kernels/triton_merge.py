@@ -54,8 +54,8 @@ class Merge(torch.autograd.Function):
         ctx.sinks = launch.sinks(late)
         ctx.found = None
         if not late and partial is None:  # the group's first site: its state is its mix
-            ctx.save_for_backward(mix, None, query, norm_weight, None, state_lse, state_lse, None)
-            ctx.kept = None
+            launch.save_with_sources(ctx, ctx.sinks, (mix, None, query, norm_weight, None, state_lse, state_lse, None),
+                                     late)
             return mix.view_as(mix)
         found = launch.lookup(ctx.sinks) if late else None
         rows = None

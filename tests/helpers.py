@@ -153,6 +153,19 @@ def decode_heatmap_cell(pixels, heat, name: str, row: int, col: int) -> float:
     return heat.vmin + int(np.argmin(((table - rgb) ** 2).sum(1))) / (cmap.N - 1) * (heat.vmax - heat.vmin)
 
 
+def autograd_nodes(output) -> list:
+    """Every node of the autograd graph behind the tensor `output` (each once)."""
+    nodes, seen, todo = [], set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        todo += [next_node for next_node, _ in node.next_functions]
+    return nodes
+
+
 def site_sources(model, tokens) -> list:
     """The sources every routing site of one forward (`hidden_states(tokens)`) routes over, in
     site order, as the model's Router hands them to an observer (`Transformer.observe_routing`)."""

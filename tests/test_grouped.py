@@ -20,7 +20,7 @@ from mhar_titan.models.plan import Group, RoutingPlan, Site
 from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import PATIENCE_S, metric_losses  # noqa: E402
+from helpers import PATIENCE_S, autograd_nodes, metric_losses  # noqa: E402
 from kernels_oracle import DEVICE, oracle_route, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
@@ -345,15 +345,9 @@ def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens).logsumexp(-1).mean()
-    seen, todo = set(), [loss.grad_fn]
-    while todo:  # every node of the graph
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in autograd_nodes(loss):
         for t in (getattr(node, "kept", None) or ((),))[0]:
             pack(t)
-        todo += [next_node for next_node, _ in node.next_functions]
     loss.backward()
     return saved
 

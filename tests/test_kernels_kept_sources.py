@@ -16,6 +16,7 @@ from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
 from mhar_titan.models.router import RoutingSchedule
 from mhar_titan.parallel import apply_ac
+from helpers import autograd_nodes
 
 FAMILIES = {
     "per call": dict(),
@@ -32,16 +33,8 @@ def tiny(family: str, kernel: str = "triton") -> ModelArgs:
 
 def routing_nodes(loss: torch.Tensor) -> list:
     """The fused routing calls' autograd nodes (per call, phase 1, merge) of loss's graph."""
-    found, seen, todo = [], set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in ("_EagerRouteBackward", "Phase1Backward", "MergeBackward"):
-            found.append(node)
-        todo += [n for n, _ in node.next_functions]
-    return found
+    return [node for node in autograd_nodes(loss)
+            if type(node).__name__ in ("_EagerRouteBackward", "Phase1Backward", "MergeBackward")]
 
 
 def step(family: str, ac: str, keep: bool, monkeypatch) -> tuple[torch.Tensor, dict, int, int]:

@@ -250,17 +250,17 @@ class RoutingSchedule:
         for layer in range(n_layers):
             sites = plan.layer_sites(layer)
             calls = tuple(None if s is None else site_call(plan, s) for s in sites)
-            outlives = []
+            made = []  # per sublayer, the entries it creates
             for s in sites:
-                made = range(created, created + (len(s.creates) if s is not None else 0))
-                outlives.append(tuple(plan.last_use[j] > 2 * layer + 1 for j in made))
-                created += len(made)
+                made.append(range(created, created + (len(s.creates) if s is not None else 0)))
+                created += len(made[-1])
             group = next((c.group for c in calls if c is not None and c.starts), None)
             # entries that exist after this block and that no site after it reads or builds on
             drop = tuple(j for j in range(created) if j not in released and plan.last_use[j] <= 2 * layer + 1)
             released.update(drop)
+            outlives = tuple(tuple(j not in drop for j in entries) for entries in made)
             layers.append(LayerSchedule(calls, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
-                                        tuple(outlives)))
+                                        outlives))
         final = None if plan.final is None else site_call(plan, plan.final)
         return cls(plan, tuple(layers), final)
 
