@@ -94,7 +94,8 @@ def check_route_args(
     d = full.shape[-1]
     if d == 0:
         raise ValueError(f"sources {tuple(full.shape)} have no features (d = 0): depth routing needs d >= 1")
-    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
+    if type(heads) is not int and (isinstance(heads, bool) or not isinstance(heads, numbers.Integral)) \
+            or heads <= 0:  # (a plain int first: the ABC check costs a Python call per routing call)
         raise ValueError(f"routing heads must be a positive int, got {heads!r} ({type(heads).__name__})")
     if d % heads:
         raise ValueError(f"dim d={d} is not divisible by routing heads H={heads}: heads are contiguous d/H slices")

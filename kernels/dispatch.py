@@ -71,6 +71,20 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
     return "triton" if _module("op").can_run(device, dim, heads) else "eager"
 
 
+def _checked(full: list, query: Tensor, norm_weight: Tensor, heads: int, partial: Tensor | None = None,
+             alpha: Tensor | None = None, null_source: Tensor | None = None) -> tuple[int, tuple]:
+    """`contract.check_route_args` of one call over the (B, T, d) sources `full` (null excluded), and
+    (their gradient sinks, their `launch.lookup`) for the fused kernels. Sources that are consecutive
+    entries of one source table were checked against each other when they were shared
+    (`launch.SourceTable.accepts`): only the first is checked against the rest. Returns (heads as an
+    int, (sinks, lookup)); raises ValueError as `contract.check_route_args`."""
+    sinks = launch.sinks(full)
+    found = launch.lookup(sinks) if full else None
+    heads = contract.check_route_args(full[:1] if found is not None else full, query, norm_weight, heads, partial,
+                                      alpha, null_source)
+    return heads, (sinks, found)
+
+
 def route(
     sources: Sequence[Tensor],
     query: Tensor,
@@ -99,13 +113,7 @@ def route(
     null_source, full = contract.split_null_source(sources)
     if kernel not in KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    # sources that are consecutive entries of one source table were checked against each other when
-    # they were shared (`launch.SourceTable.accepts`): only the first is checked against the rest. The
-    # lookup is handed to the fused op, which launches on the table's rows without looking again.
-    sinks = launch.sinks(full)
-    found = launch.lookup(sinks) if full else None
-    heads = contract.check_route_args(full[:1] if found is not None else full, query, norm_weight, heads, partial,
-                                      alpha, null_source)
+    heads, (sinks, found) = _checked(full, query, norm_weight, heads, partial, alpha, null_source)
     if permutation is not None and kernel != "eager":
         raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
                          "set routing_kernel='eager'")
@@ -143,7 +151,13 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
     per site one bool per source, sources with a leading (d,) null source cast to their dtype;
     returns (mix_1..g, norm_1..g, lse)) by the implementation `backend` picks: the fused
     `triton_grouped.route_phase1` for "triton" (an opaque custom op inside torch.compile; its
-    mixes are in the sources' dtype), else the eager reference (mixes in the compute dtype)."""
+    mixes are in the sources' dtype), else the eager reference (mixes in the compute dtype).
+    The sources and the first site's rows are checked once per call, as `route` checks them.
+
+    Raises:
+        ValueError: no (B, T, d) source, or bad arguments as `contract.check_route_args`."""
+    null_source, shared = contract.split_null_source(sources)
+    heads = _checked(shared, queries[0], norm_weights[0], heads, null_source=null_source)[0]
     full = sources[-1]
     if backend(kernel, full.device, full.shape[-1], heads) == "triton":
         return _module("triton_grouped").route_phase1(queries, norm_weights, reads, heads, float(eps), *sources)
@@ -158,9 +172,14 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
     `dtype`) by the implementation `backend` picks: the fused `triton_merge.merge` for "triton"
     outside torch.compile, else the eager merge. Delta mode passes `partial` (B, T, d) and
     `alpha` (1,) and gets partial + alpha * mix (MHAR_SPEC section 1.4). Returns (B, T, d) in
-    `dtype`."""
+    `dtype`. The in-group sources are checked once per call (`route`'s rule) against the query and
+    norm weight. Raises ValueError for bad arguments as `contract.check_route_args`."""
+    looked_up = None
+    if late:
+        heads, looked_up = _checked(list(late), query, norm_weight, heads)
     if (backend(kernel, mix.device, mix.shape[-1], heads) == "triton" and not torch.compiler.is_compiling()
             and mix.dtype == dtype):
-        return _module("triton_merge").merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial, alpha=alpha)
+        return _module("triton_merge").merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial,
+                                             alpha=alpha, looked_up=looked_up)
     out = grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
     return out if partial is None else partial + alpha.to(out.dtype) * out

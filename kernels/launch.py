@@ -283,17 +283,18 @@ class SourceTable:
         self.aligned = self.aligned and all(p % 16 == 0 for p in pointers)
         return False
 
-    def backward_rows(self, lo: int, hi: int, has_null: bool, sources: Sequence[Tensor], shape, device
-                      ) -> Optional[tuple]:
+    def backward_rows(self, lo: int, hi: int, has_null: bool, sources: Sequence[Tensor], shape, device,
+                      registered: bool = False) -> Optional[tuple]:
         """For the backward launch of a call whose forward read slots lo..hi-1 (slot 0 its null
         source when has_null): (pointers, row strides, gradient pointers, ones or None (the
         buffers were just made: written, not added), aligned), the rows `route_backward` takes as
         `tables`; None where the saved `sources` are not the registered tensors (a block
         recomputed under activation checkpointing) or their buffers are in mixed states (the
-        caller takes the general path)."""
+        caller takes the general path). registered: the sources are known to be the registered
+        tensors (kept by reference, `save_with_sources`), so their pointers are not compared."""
         first = lo + has_null
-        now = list(map(Tensor.data_ptr, sources))
-        if now != self.pointers[first - 1:hi - 1]:
+        now = None if registered else list(map(Tensor.data_ptr, sources))
+        if now is not None and now != self.pointers[first - 1:hi - 1]:
             # the same sources recomputed under activation checkpointing, at other addresses (or, by
             # the allocator's chance, at the same ones): point their slots at the recomputed tensors,
             # so that such a call takes the table path whatever the allocator did. Safe: the backward
@@ -309,11 +310,6 @@ class SourceTable:
             return None
         pointers, strides, grads, ones, _ = self.views(lo, hi)
         return pointers, strides, grads, ones if written else None, self.aligned
-
-    def gradient_buffers(self, first: int, stop: int, added: bool) -> tuple[list[Tensor], list[bool]]:
-        """The gradient buffers of slots first..stop-1 (made: `backward_rows`) and whether the
-        launch adds into them, as `route_backward` returns and takes them."""
-        return list(map(_grad, self.sinks[first - 1:stop - 1])), [added] * (stop - first)
 
     def handed_on(self, sink) -> None:
         """The sink's gradient buffer was handed to autograd (the sink emptied). The table then
@@ -332,7 +328,6 @@ class SourceTable:
             _finished(self)
 
 
-_grad = attrgetter("grad")
 _current: Optional[weakref.ref] = None
 _POOL = 2  # finished tables kept per (shape, dtype, device) for reuse
 _SHAPES = 8  # ... for at most this many shapes (the oldest shape's go first)

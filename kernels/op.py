@@ -359,15 +359,15 @@ def _table_backward(ctx, grad_out, saved) -> Optional[tuple]:
     table, lo, hi, cast = ctx.found
     ctx.found = None  # a second backward (retain_graph) takes the general path: the table may be reused by then
     mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = saved
-    rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device)
+    # sources kept by reference are the registered tensors themselves: their pointers need no check
+    rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device,
+                               registered=ctx.kept is not None)
     if rows is None:
         return None
     srcs = sources if cast is None else [cast, *sources]
-    # the buffers are in the table's rows; they are handed over too, as the launch returns them
-    buffers, accumulate = table.gradient_buffers(lo + (cast is not None), hi, rows[3] is not None)
+    # the gradient buffers are in the table's rows (and in the sinks): the launch needs no list of them
     _, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
-        accumulate=accumulate, mix_residual=residual,
+        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, mix_residual=residual,
         param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
     return (None, cast_like(dq, query), cast_like(dg, norm_weight), None, None,
             grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,

@@ -44,20 +44,23 @@ class Merge(torch.autograd.Function):
     gradient is the softmax term phase 1's backward needs."""
 
     @staticmethod
-    def forward(ctx, mix: Tensor, norm: Tensor, lse1: Tensor, query: Tensor, norm_weight: Tensor,
-                partial: Optional[Tensor], alpha: Optional[Tensor], heads: int, eps: float, *late: Tensor):
+    def forward(ctx, looked_up: Optional[tuple], mix: Tensor, norm: Tensor, lse1: Tensor, query: Tensor,
+                norm_weight: Tensor, partial: Optional[Tensor], alpha: Optional[Tensor], heads: int, eps: float,
+                *late: Tensor):
         d = mix.shape[-1]
         bt = mix.numel() // d
         state_lse = lse1.reshape(bt, heads)
         ctx.heads, ctx.eps, ctx.shape = heads, eps, mix.shape
         ctx.has_partial = partial is not None
-        ctx.sinks = launch.sinks(late)
+        # looked_up: (the in-group sources' gradient sinks, their `launch.lookup`) where the caller made them
+        ctx.sinks, found = looked_up if looked_up is not None else (launch.sinks(late), None)
         ctx.found = None
         if not late and partial is None:  # the group's first site: its state is its mix
             launch.save_with_sources(ctx, ctx.sinks, (mix, None, query, norm_weight, None, state_lse, state_lse, None),
                                      late)
             return mix.view_as(mix)
-        found = launch.lookup(ctx.sinks) if late else None
+        if late and looked_up is None:
+            found = launch.lookup(ctx.sinks)
         rows = None
         if found is not None:  # consecutive entries of one source table: its rows, no table built
             table, first = found
@@ -82,12 +85,12 @@ class Merge(torch.autograd.Function):
         if ctx.found is not None:
             table, lo, hi = ctx.found
             ctx.found = None  # a second backward takes the general path (the table may be reused by then)
-            rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device)
+            rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device, registered=ctx.kept is not None)
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
-        else:  # every in-group source is shared: its gradient is in its buffer
-            buffers, accumulate = table.gradient_buffers(lo, hi, rows[3] is not None)
+        else:  # every in-group source is shared: its gradient is in its buffer (the table's rows point at it)
+            buffers, accumulate = None, None
             returned = (None,) * len(late)
         dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
@@ -97,13 +100,14 @@ class Merge(torch.autograd.Function):
             grad_out, list(late), mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
             state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight), tables=rows)
-        return (dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
+        return (None, dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
                 cast_like(dq, query), cast_like(dg, norm_weight), grad_out if ctx.has_partial else None,
                 None if alpha is None else cast_like(dalpha, alpha), None, None, *returned)
 
 
 def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
-          *late: Tensor, partial: Optional[Tensor] = None, alpha: Optional[Tensor] = None) -> Tensor:
+          *late: Tensor, partial: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
+          looked_up: Optional[tuple] = None) -> Tensor:
     """Fused phase 2 at one grouped site (module docstring; `grouped_reference.merge`'s contract).
 
     Args:
@@ -116,6 +120,8 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
             (`contract.check_route_args`); `op.share_gradient` views get their gradients added into
             their shared buffers.
         partial, alpha: delta mode (MHAR_SPEC section 1.4): returns partial + alpha * mix.
+        looked_up: (`launch.sinks(late)`, their `launch.lookup`) where the caller already made them
+            (`dispatch.merge`).
 
     Returns:
         (B, T, d) in mix's dtype.
@@ -128,7 +134,9 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
         raise RuntimeError(f"the fused merge cannot run on {mix.device} at d={mix.shape[-1]}, H={heads}; call "
                            "mhar_kernels.dispatch.merge, which uses the eager merge where mhar_kernels.can_run() "
                            "is False")
-    if any(t.dtype != mix.dtype for t in late) or (partial is not None and partial.dtype != mix.dtype):
+    # (the caller checked the in-group sources against each other: the first one's dtype is theirs)
+    if (late and late[0].dtype is not mix.dtype) or (partial is not None and partial.dtype is not mix.dtype):
         raise ValueError(f"the fused merge needs the phase-1 mix ({mix.dtype}) in the sources' dtype "
-                         f"({[t.dtype for t in late]}); phase 1 on the fused kernels writes it so")
-    return launch.apply(Merge, mix, norm, lse, query, norm_weight, partial, alpha, int(heads), float(eps), *late)
+                         f"({late[0].dtype if late else partial.dtype}); phase 1 on the fused kernels writes it so")
+    return launch.apply(Merge, looked_up, mix, norm, lse, query, norm_weight, partial, alpha, int(heads), float(eps),
+                        *late)

@@ -94,3 +94,33 @@ def test_analysis_takes_the_patched_choice(patched, monkeypatch):
     assert len(weights_read) == model.plan.n_sites and all(k["return_weights"] for k in weights_read)
     expected = sum(torch.log(torch.tensor(float(s.n_sources))).item() for s in model.plan.sites) / model.plan.n_sites
     assert entropy == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["eager", "triton"])
+def test_grouped_calls_are_checked_by_the_dispatcher(kernel):
+    """Phase 1 and the merge check their arguments in the dispatcher, as a per-call route does: a
+    source of another shape, a query of the wrong width or no (B, T, d) source is a ValueError
+    naming it, on the eager and the fused path, for plain sources and for consecutive entries of a
+    source table (where only the first is checked against the query)."""
+    gen = torch.Generator().manual_seed(0)
+    x = [(torch.randn(1, 3, 16, generator=gen) * 1).requires_grad_() for _ in range(3)]
+    rows = torch.zeros(2, 16), torch.ones(2, 16)
+    reads = ((True, True, True), (True, True, True))
+    shared = [dispatch.share_gradient(s * 1, kernel, 2) for s in x]
+    for sources in (x, shared):
+        mixes = dispatch.phase1(*rows, reads, 2, 1e-6, kernel, *sources)
+        assert len(mixes) == 5 and mixes[0].shape == (1, 3, 16)
+        with pytest.raises(ValueError, match="source 1 is"):
+            dispatch.phase1(*rows, reads, 2, 1e-6, kernel, sources[0], torch.randn(1, 4, 16), sources[2])
+        with pytest.raises(ValueError, match="query must have shape"):
+            dispatch.phase1(torch.zeros(2, 8), rows[1], reads, 2, 1e-6, kernel, *sources)
+        state = mixes[0].to(sources[0].dtype), mixes[2], mixes[4][..., 0, :].contiguous()
+        out = dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, *sources[1:])
+        assert out.shape == (1, 3, 16)
+        with pytest.raises(ValueError, match="norm_weight must have shape"):
+            dispatch.merge(*state, torch.zeros(16), torch.ones(8), 2, 1e-6, torch.float32, kernel, *sources[1:])
+        with pytest.raises(ValueError, match="source 1 is"):
+            dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, sources[1],
+                           torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match="at least one"):
+        dispatch.phase1(*rows, ((True,), (True,)), 2, 1e-6, kernel, torch.zeros(16))

@@ -33,7 +33,8 @@ def closed_form_rows(n_sites: int, g: int) -> int:
 def test_groups_split_every_sites_reads(layout):
     """For 1..4 layers and every g: groups are consecutive, cover all sites; each site's reads are its
     early entries (existing at group start, all in the group's phase-1 reads) and its late ones
-    (created by an earlier site of the same group); g = 1 leaves nothing late."""
+    (created by an earlier site of the same group), its phase-1 read flags mark exactly its early
+    entries; g = 1 leaves nothing late."""
     for n_layers in range(1, 5):
         base = RoutingPlan.from_args(ModelArgs(**SHAPE, n_layers=n_layers, residual="attn_res", **LAYOUTS[layout]))
         for g in range(1, base.n_sites + 2):
@@ -50,6 +51,10 @@ def test_groups_split_every_sites_reads(layout):
                     assert sorted(early + late) == sorted(plan.sites[site].reads)
                     assert all(group.sites[0] <= plan.sources[j].site < site for j in late)
                     assert g > 1 or not late
+                    # phase 1's read flags: one per group entry, set exactly where this site reads it early
+                    flags = group.phase1_reads[i]
+                    assert len(flags) == len(group.reads)
+                    assert [j for j, read in zip(group.reads, flags) if read] == sorted(early)
             if g == 1:
                 assert plan.grouped_rows == plan.source_rows
             if g >= plan.n_sites:  # one group: phase 1 reads the initial entries once

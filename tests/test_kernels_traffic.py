@@ -63,17 +63,25 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
 
     def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
                           grads=None, accumulate=None, mix_residual=None, **kw):
+        tables = kw.get("tables")
+        if tables is not None:  # a source table's rows: (pointers, strides, gradient pointers, add flags, aligned)
+            pointers = [p for p in tables[2].tolist() if p]  # one grad_out-sized buffer per (B, T, d) source
+            grads = [grad_out] * len(pointers)
+            accumulate = [tables[3] is not None] * len(pointers)
         read_back = [g for g, add in zip(grads or [], accumulate or []) if add]
         got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse,
-                                              alpha, grads=grads, accumulate=accumulate, mix_residual=mix_residual,
-                                              **kw)
+                                              alpha, grads=None if tables is not None else grads,
+                                              accumulate=None if tables is not None else accumulate,
+                                              mix_residual=mix_residual, **kw)
+        if tables is not None:
+            got = grads
         # fp32 partial sums of dq, dg (and dnull), one program on CPU; dq, dg come back cast (param_dtype)
         partials = FP32 * sum(t.numel() for t in (dq, dg, dnull) if t is not None) + (FP32 if alpha is not None else 0)
         measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight) \
             + _nbytes(*read_back) + _nbytes(*got) + partials
         measured["reduce"] += 2 * partials + _cast_bf16(dq, dg, dnull)  # the host sums the partials, casts
         measured["returned"] += grads is None  # gradients not written into shared buffers
-        measured["buffers"].update(g.data_ptr() for g in got)
+        measured["buffers"].update(pointers if tables is not None else (g.data_ptr() for g in got))
         return got, dq, dg, dalpha, dnull
 
     monkeypatch.setattr(triton_routing, "route_forward", counting_forward)

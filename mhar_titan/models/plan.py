@@ -57,6 +57,7 @@ g = 1 is per-call routing: every group is one site whose reads are all early.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -149,6 +150,12 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.sites)
+
+    @functools.cached_property
+    def phase1_reads(self) -> tuple[tuple[bool, ...], ...]:
+        """Per site of the group, one bool per entry of `reads`: the site reads it in phase 1 (the
+        `reads` argument of `mhar_kernels.dispatch.phase1`); made once per group, not per forward."""
+        return tuple(tuple(j in early_set for j in self.reads) for early_set in map(set, self.early))
 
 
 @dataclass(frozen=True)

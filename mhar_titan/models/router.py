@@ -111,7 +111,7 @@ def parameter_rows(parameter: Tensor, groups: Sequence[Group]) -> tuple[tuple[Te
     each group's rows (one node per group besides). Indexing a row per site instead gives each
     site a backward that writes a zero-filled (S, ...) tensor, and autograd one (S, ...) addition
     per site."""
-    if all(group.size == 1 for group in groups):
+    if len(groups) == parameter.shape[0]:  # the groups cover the S sites: S groups are S single sites
         return parameter.unbind(0), {}
     chunks = parameter.split([group.size for group in groups])
     rows = tuple(row for chunk in chunks for row in chunk.unbind(0))
@@ -303,13 +303,12 @@ def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_no
         raise ValueError(f"group {group.index}: every site must read an entry that exists when the group starts "
                          f"(early reads {group.early})")
     null, full = contract.split_null_source([sources[j] for j in group.reads])
-    heads = contract.check_route_args(full, query[0], key_norm[0], settings.heads, null_source=null)
-    reads = tuple(tuple(j in early for j in group.reads) for early in group.early)
-    out = dispatch.phase1(query, key_norm, reads, heads, settings.eps, settings.kernel,
-                          *contract.with_null_source(null, full))
+    entries = contract.with_null_source(null, full) if full else [null]  # (no full source: dispatch says so)
+    out = dispatch.phase1(query, key_norm, group.phase1_reads, settings.heads, settings.eps, settings.kernel, *entries)
     g = group.size
     # each site's lse is its own tensor, not a view of the group's (a block output must not be a view)
-    return {site: State(out[i], out[g + i], out[2 * g][..., i, :].contiguous()) for i, site in enumerate(group.sites)}
+    lse = out[2 * g].unbind(-2)
+    return {site: State(out[i], out[g + i], lse[i].contiguous()) for i, site in enumerate(group.sites)}
 
 
 def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, h: Tensor | None, query: Tensor,
@@ -318,11 +317,8 @@ def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, 
     (B, T, d)), by `dispatch.merge`. dtype: the sources' storage dtype. query, key_norm (d,),
     alpha (1,): the site's rows. Returns the mix (B, T, d) in `dtype`, or h + alpha * mix for a
     delta-gated site (MHAR_SPEC 1.4). Raises ValueError for bad arguments as
-    `mhar_kernels.contract.check_route_args`."""
-    heads = settings.heads
-    if late:
-        heads = contract.check_route_args(list(late), query, key_norm, heads)
-    return dispatch.merge(state.mix, state.norm, state.lse, query, key_norm, heads, settings.eps, dtype,
+    `mhar_kernels.contract.check_route_args` (`dispatch.merge` checks them)."""
+    return dispatch.merge(state.mix, state.norm, state.lse, query, key_norm, settings.heads, settings.eps, dtype,
                           settings.kernel, *late, partial=h if site.gated else None,
                           alpha=alpha if site.gated else None)
 
