@@ -52,15 +52,15 @@ class Merge(torch.autograd.Function):
         state_lse = lse1.reshape(bt, heads)
         ctx.heads, ctx.eps, ctx.shape = heads, eps, mix.shape
         ctx.has_partial = partial is not None
-        # looked_up: (the in-group sources' gradient sinks, their `launch.lookup`) where the caller made them
-        ctx.sinks, found = looked_up if looked_up is not None else (launch.sinks(late), None)
+        if looked_up is None:  # the in-group sinks and their `launch.lookup`, as `dispatch.merge` makes them
+            sinks = launch.sinks(late)
+            looked_up = sinks, launch.lookup(sinks) if late else None
+        ctx.sinks, found = looked_up
         ctx.found = None
         if not late and partial is None:  # the group's first site: its state is its mix
             launch.save_with_sources(ctx, ctx.sinks, (mix, None, query, norm_weight, None, state_lse, state_lse, None),
                                      late)
             return mix.view_as(mix)
-        if late and looked_up is None:
-            found = launch.lookup(ctx.sinks)
         rows = None
         if found is not None:  # consecutive entries of one source table: its rows, no table built
             table, first = found
