@@ -22,6 +22,17 @@ RUNS = (("1", "none", "eager"), ("3", "none", "eager"), ("3", "full", "eager"), 
 
 
 def main(out):
+    import mhar_kernels.launch as launch
+
+    reads = {"sources": 0, "unshared": 0}
+    sinks = launch.sinks
+
+    def counting_sinks(sources):  # a probe: the real function runs
+        found = sinks(sources)
+        reads["sources"] += len(found)
+        reads["unshared"] += found.count(None)
+        return found
+
     results, trainers = {}, []  # trainers stay referenced: masked_micro_batches keys iterators by id
     for k, (g, ac, kernel) in enumerate(RUNS):
         name = f"g{g}_{ac}" + ("" if kernel == "eager" else f"_{kernel}")
@@ -38,7 +49,11 @@ def main(out):
 
             margs = trainer.model.args
             assert mhar_kernels.can_run(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
+        launch.sinks = counting_sinks if kernel == "triton" else sinks
         loss, _, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
+        launch.sinks = sinks
+        if kernel == "triton":
+            results["unshared"] = dict(reads)
         loss = loss.item()
         grads = {name.replace("._checkpoint_wrapped_module", ""): grad
                  for name, grad in full_grads(trainer.model).items()}

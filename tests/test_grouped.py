@@ -446,7 +446,8 @@ def test_training_with_auto_groups_follows_the_per_call_loss_curve(tmp_path):
 def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
     """2 ranks, FSDP2, one masked step with accumulation 2: routing_group_size 3 with activation
     checkpointing none and full (eager), and full with the fused phase 1 (routing_kernel triton),
-    gives per-call routing's loss and every gradient within 2e-4."""
+    gives per-call routing's loss and every gradient within 2e-4; in the fused run every source a
+    routing call read was a shared entry (FSDP2 does not replace a block's sources)."""
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     worker = pathlib.Path(__file__).resolve().parent / "grouped_fsdp_worker.py"
     proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone", str(worker), str(tmp_path)],
@@ -454,6 +455,8 @@ def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(tmp_path / "grouped.pt")
+    reads = results.pop("unshared")
+    assert reads["sources"] > 0 and reads["unshared"] == 0, reads
     ref_loss, ref = results["g1_none"]
     for run in ("g3_none", "g3_full", "g3_full_triton"):
         loss, grads = results[run]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,14 @@ from .args import ModelArgs
 from .attention_mask import attend, dense_mask, document_ids, document_positions, flex_block_mask
 from .cross_entropy import plain_linear_cross_entropy
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
-from .router import (BlockRouting, DepthRouting, Observer, Router, RoutingSchedule, RoutingSettings, State,
-                     shared_entries, sublayer_input)
+from .router import (BlockRouting, BlockSources, DepthRouting, Observer, Router, RoutingSchedule, RoutingSettings,
+                     State, shared_entries, sublayer_input)
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
+
+
+NO_SOURCES = BlockSources(())  # the standard residual's blocks route over nothing
 
 
 class RMSNorm(nn.Module):
@@ -191,8 +194,9 @@ class TransformerBlock(nn.Module):
 
     forward(h, attention_context, sources, routing) -> BlockOutput
       h: residual stream (B, T, d), None in replace mode. attention_context: `AttentionContext`
-      (RoPE tables). sources: the source list so far (tensors, None for entries no later site
-      reads). routing: the layer's `router.BlockRouting` (None for the standard residual).
+      (RoPE tables). sources: the source list so far as a `router.BlockSources` (tensors, None for
+      entries no later site reads; empty for the standard residual). routing: the layer's
+      `router.BlockRouting` (None for the standard residual).
     `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual;
     `self.schedule` its `router.LayerSchedule` (the model's `RoutingSchedule`, else one built from the plan).
     """
@@ -211,9 +215,10 @@ class TransformerBlock(nn.Module):
         schedule = schedule if schedule is not None else RoutingSchedule.from_plan(self.plan, args.n_layers)
         self.schedule = schedule.layers[layer_id]  # its sites' calls, the states entering / leaving it
 
-    def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: Sequence[Tensor | None],
+    def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: BlockSources,
                 routing: BlockRouting | None) -> BlockOutput:
-        sources, start = list(sources), len(sources)
+        sources = list(sources.entries)
+        start = len(sources)
         # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
         schedule = self.schedule
         states = dict(zip(schedule.carried, routing.states)) if routing is not None else {}
@@ -304,13 +309,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if self.routing is None:
             for layer in self.layers:
-                h = layer(h, context, (), None).h
+                h = layer(h, context, NO_SOURCES, None).h
             return h
         router = Router(self.routing_schedule, self.routing, self.routing_settings, self.routing_observer)
         sources = router.initial_sources(h)
         h = h if self.plan.stream else None
         for i, (layer, schedule) in enumerate(zip(self.layers, self.routing_schedule.layers)):
-            h, new, states = layer(h, context, tuple(sources), router.block_routing(i))
+            h, new, states = layer(h, context, BlockSources(tuple(sources)), router.block_routing(i))
             sources += new
             router.block_done(i, states, sources, h)
             # Drop the entries no later site uses (block-delta partial sums are never routed over),

@@ -47,6 +47,28 @@ class State(NamedTuple):
     lse: Tensor
 
 
+class BlockSources:
+    """The source list as a block receives it: `entries`, a tuple of the entries so far ((B, T, d)
+    tensors, (d,) null sources, None for entries no later site reads).
+
+    A plain object, not a tuple, so that the wrappers around a block leave the entries as they are:
+    FSDP2 replaces every grad-requiring tensor it finds in a unit's arguments (lists and tuples
+    included) by a pass-through view of it, which would drop the gradient sinks the routing calls
+    read (`mhar_kernels.dispatch.share_gradient`: every call would take the general path and hand
+    per-site gradients to autograd), and activation checkpointing walks the arguments' tree at every
+    block. The entries need neither: they are the Router's, alive for the whole step, and the
+    block's parameters still get their FSDP2 post-backward hook from the other arguments (the
+    routing rows, the residual stream) or from FSDP2's final callback."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: tuple):
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 class BlockRouting(NamedTuple):
     """One block's routing argument (tensors only).
 
