@@ -131,18 +131,25 @@ def route(
     return partial + alpha.to(mix.dtype) * mix
 
 
-def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = False) -> Tensor:
+def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = False, remakes=None) -> Tensor:
     """The entry the routing sites read for a new (B, T, d) source: where the backend is "triton"
     (outside torch.compile), a view whose gradient the kernels of every site that reads it
     accumulate in one buffer (`op.share_gradient`: no per-site gradient tensors, no autograd
     additions); otherwise `source` itself. (d,) null sources are returned as they are.
     outlives: the entry is alive for the whole backward anyway (an input of a later block or read
-    outside the blocks), so its readers keep it by reference (`op.share_gradient`)."""
+    outside the blocks), so its readers keep it by reference (`op.share_gradient`). remakes: the
+    gradient sink (`gradient_sink`) of the same entry in the block's first forward, when activation
+    checkpointing recomputes the block (`op.share_gradient`)."""
     if source.dim() == 1 or torch.compiler.is_compiling():
         return source
     if backend(kernel, source.device, source.shape[-1], heads) != "triton":
         return source
-    return _module("op").share_gradient(source, outlives)
+    return _module("op").share_gradient(source, outlives, remakes)
+
+
+def gradient_sink(entry: Tensor):
+    """The gradient sink of an entry `share_gradient` returned (None where it returned the source)."""
+    return getattr(entry, launch.SINK_ATTRIBUTE, None)
 
 
 def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,

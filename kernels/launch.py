@@ -16,9 +16,10 @@ slots 1, 2, ... in the order they were shared. A call whose sources are consecut
 one table (per-call routing reads every earlier source; a grouped site's merge reads its
 in-group ones) hands the kernels slices of these rows: no table is built from a Python list,
 no per-source check runs (one C-level comparison of the call's gradient sinks with the table's
-proves that the sources are the registered ones). Other calls (sources of several tables, a
-recomputed block's fresh sources under activation checkpointing, mixed gradient-buffer states)
-take the general path, which builds a table per launch as before; both give the same values.
+proves that the sources are the registered ones). A block recomputed under activation
+checkpointing remakes its entries on the first forward's sinks (`remake`), so its calls find the
+table too. Other calls (sources of several tables, mixed gradient-buffer states) take the general
+path, which builds a table per launch as before; both give the same values.
 
 Tables are per micro-batch: a table is referenced by its sources' gradient sinks (no tensor of
 the step's activations is held), so it goes when the step's autograd graph goes; a table stops
@@ -297,19 +298,28 @@ class SourceTable:
         if now is not None and now != self.pointers[first - 1:hi - 1]:
             # the same sources recomputed under activation checkpointing, at other addresses (or, by
             # the allocator's chance, at the same ones): point their slots at the recomputed tensors,
-            # so that such a call takes the table path whatever the allocator did. Safe: the backward
-            # runs from the last block to the first, and a block's recomputed sources are read only
-            # by that block's own sites.
-            if any(s.shape != self.shape or s.dtype is not self.dtype or not s.is_contiguous() for s in sources):
+            # so that such a call takes the table path whatever the allocator did.
+            if not self.repoint(first, sources):
                 return None
-            self.pointers[first - 1:hi - 1] = now
-            self._write(0, first, now)
-            self.aligned = self.aligned and all(p % 16 == 0 for p in now)
         written = self.buffers(first, hi, shape, device)
         if written is None:
             return None
         pointers, strides, grads, ones, _ = self.views(lo, hi)
         return pointers, strides, grads, ones if written else None, self.aligned
+
+    def repoint(self, first: int, sources: Sequence[Tensor]) -> bool:
+        """Point slots first.. at `sources`, the recomputed tensors of the entries registered there
+        (activation checkpointing). False, changing nothing, where one cannot take its slot (shape,
+        dtype, contiguity). Safe: the backward runs from the last block to the first, and a block's
+        recomputed sources are read only by that block's own sites (on CUDA the write is ordered
+        after the launches that read the slots before, `_write`)."""
+        if any(s.shape != self.shape or s.dtype is not self.dtype or not s.is_contiguous() for s in sources):
+            return False
+        now = list(map(Tensor.data_ptr, sources))
+        self.pointers[first - 1:first - 1 + len(now)] = now
+        self._write(0, first, now)
+        self.aligned = self.aligned and all(p % 16 == 0 for p in now)
+        return True
 
     def handed_on(self, sink) -> None:
         """The sink's gradient buffer was handed to autograd (the sink emptied). The table then
@@ -355,6 +365,24 @@ def _new_table(like: Tensor) -> SourceTable:
         table.reset()
         return table
     return SourceTable(like)
+
+
+def remake(sink, source: Tensor) -> bool:
+    """`source` is the recomputed tensor of the entry registered with `sink` (activation
+    checkpointing recomputes its block inside the backward): True when the recomputed readers can
+    take the table path with that sink, its slot then pointing at `source`, which the sink holds
+    (`remade`) until its gradient is handed on, so that the first forward's readers, whose
+    backwards read the slot next, find it alive (the first tensor may be gone by now: nothing
+    holds an entry once the blocks that read it are done). False (the caller shares `source`
+    afresh) when the sink is in no table still taking part in this backward, or `source` cannot
+    take the slot."""
+    table = sink.table
+    if table is None or sink.slot > len(table.sinks) or table.sinks[sink.slot - 1] is not sink:
+        return False
+    if not table.repoint(sink.slot, (source,)):
+        return False
+    sink.remade = source
+    return True
 
 
 def register(sink, source: Tensor) -> None:

@@ -211,13 +211,14 @@ class GradientSink:
     reverse) writes it; later readers add into it in their kernel; `share_gradient`'s node
     hands it on and empties the sink."""
 
-    __slots__ = ("grad", "table", "slot", "outlives")
+    __slots__ = ("grad", "table", "slot", "outlives", "remade")
 
     def __init__(self, outlives: bool = False):
         self.grad: Optional[Tensor] = None
         self.table = None  # the `launch.SourceTable` the source is registered in, and its slot
         self.slot = 0
         self.outlives = outlives  # the entry outlives its block: readers keep it by reference (`launch`)
+        self.remade: Optional[Tensor] = None  # the entry recomputed under AC, its slot's tensor (`launch.remake`)
 
 
 SINK_ATTRIBUTE = launch.SINK_ATTRIBUTE
@@ -238,7 +239,7 @@ class _ShareGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         sink = ctx.sink
-        total, sink.grad = sink.grad, None
+        total, sink.grad, sink.remade = sink.grad, None, None
         if sink.table is not None:
             sink.table.handed_on(sink)
         if grad is None:
@@ -269,7 +270,7 @@ def gradient_buffers(sinks, size, dtype, device) -> tuple[list[Tensor], list[boo
     return buffers, accumulate
 
 
-def share_gradient(source: Tensor, outlives: bool = False) -> Tensor:
+def share_gradient(source: Tensor, outlives: bool = False, remakes: Optional[GradientSink] = None) -> Tensor:
     """A view of `source` (B, T, d) whose routing gradients are accumulated in one buffer.
 
     Every `route` call (outside torch.compile) that reads the returned view adds its gradient
@@ -286,9 +287,20 @@ def share_gradient(source: Tensor, outlives: bool = False) -> Tensor:
     activation checkpointing). Pass it only for such entries (the models' Router knows them from
     the routing plan); a transient entry kept so would live until the backward ends.
 
+    remakes: the sink of the same entry made by the block's first forward, when activation
+    checkpointing recomputes the block (inside the backward; ignored elsewhere). The recomputed
+    entry then carries that sink: its readers' recomputed forwards find the first forward's table
+    slots (the table path, not a table per launch), and its slot points at the recomputed tensor
+    (`launch.remake`). Nothing is registered, and the view's own backward never runs
+    (checkpointing detaches what it recomputes).
+
     A tensor that does not require grad, or grad mode off, returns `source` itself."""
     if not (torch.is_grad_enabled() and source.requires_grad):
         return source
+    if remakes is not None and torch._C._current_graph_task_id() != -1 and launch.remake(remakes, source):
+        view = launch.apply(_ShareGradient, source, remakes)
+        setattr(view, SINK_ATTRIBUTE, remakes)
+        return view
     sink = GradientSink(outlives)
     view = launch.apply(_ShareGradient, source, sink)
     setattr(view, SINK_ATTRIBUTE, sink)

@@ -2,7 +2,8 @@
 whose sources are all shared entries that outlive their block keeps them as plain references
 instead of saving them (under activation checkpointing every saved tensor runs torch's pack and
 unpack hooks), with the same gradients, the same check against in-place changes, and never for an
-entry that lives only inside its block (block granularity's partial block)."""
+entry that lives only inside its block (block granularity's partial block). A block recomputed under
+activation checkpointing remakes its entries on its first forward's gradient sinks (the table path)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -130,3 +131,41 @@ def test_sources_not_shared_or_not_outliving_are_saved():
     assert not launch.keeps_sources(launch.sinks([op.share_gradient(2 * t) for t in x]))
     assert launch.keeps_sources(launch.sinks([op.share_gradient(2 * t, outlives=True) for t in x]))
     assert not launch.keeps_sources([])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_recomputed_block_reads_its_first_forwards_source_table(family, monkeypatch):
+    """Under activation checkpointing a recomputed block's entries take the gradient sinks of its
+    first forward (`router.BlockSources.share`, `launch.remake`), so each recomputed routing call
+    finds its sources in the step's source table as its first forward did: no recomputed call
+    takes the general path (a table built per launch) that its first forward did not. The
+    gradients are bitwise those of the recompute with fresh sinks (`launch.remake` refused: the
+    recomputed sublayers over in-block entries then take the general path)."""
+    def run(remake: bool):
+        paths = {"forward": [], "recompute": []}
+        with monkeypatch.context() as patch:
+            lookup = launch.lookup
+
+            def counting(sinks):
+                found = lookup(sinks)
+                recompute = torch._C._current_graph_task_id() != -1  # inside the backward
+                paths["recompute" if recompute else "forward"].append(found is not None)
+                return found
+
+            patch.setattr(launch, "lookup", counting)
+            if not remake:
+                patch.setattr(launch, "remake", lambda sink, source: False)
+            _, grads, _, _ = step(family, "full", True, monkeypatch)
+        return paths, grads
+
+    paths, grads = run(remake=True)
+    fresh, fresh_grads = run(remake=False)
+    assert len(paths["recompute"]) == len(fresh["recompute"]) > 0
+    # every block is recomputed: a call over the block's own inputs and entries it made
+    assert paths["recompute"].count(False) <= paths["forward"].count(False)
+    if family != "block":  # block granularity skips its partial sums: some calls read no consecutive slots
+        assert all(paths["forward"]) and all(paths["recompute"]), paths
+        assert not all(fresh["recompute"])  # the test tells the two apart
+    assert grads.keys() == fresh_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, fresh_grads[name]), name

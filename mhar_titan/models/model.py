@@ -29,7 +29,7 @@ from .attention_mask import attend, dense_mask, document_ids, document_positions
 from .cross_entropy import plain_linear_cross_entropy
 from .plan import OUTPUT, STREAM, RoutingPlan, Site
 from .router import (BlockRouting, BlockSources, DepthRouting, Observer, Router, RoutingSchedule, RoutingSettings,
-                     State, shared_entries, sublayer_input)
+                     State, sublayer_input)
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -217,7 +217,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: BlockSources,
                 routing: BlockRouting | None) -> BlockOutput:
-        sources = list(sources.entries)
+        given, sources = sources, list(sources.entries)
         start = len(sources)
         # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
         schedule = self.schedule
@@ -227,11 +227,13 @@ class TransformerBlock(nn.Module):
         x = sublayer_input(attention_call, self.settings, 0, h, sources, routing, states)
         a = self.attention(self.attention_norm(x), attention_context)
         h = None if h is None else h + a
-        sources += shared_entries(new_sources(attention_site, sources, a, h), self.settings, schedule.outlives[0])
+        sources += given.share(new_sources(attention_site, sources, a, h), self.settings, schedule.outlives[0],
+                               len(sources))
         x = sublayer_input(mlp_call, self.settings, 1, h, sources, routing, states)
         m = self.feed_forward(self.ffn_norm(x))
         h = None if h is None else h + m
-        sources += shared_entries(new_sources(mlp_site, sources, m, h), self.settings, schedule.outlives[1])
+        sources += given.share(new_sources(mlp_site, sources, m, h), self.settings, schedule.outlives[1],
+                               len(sources))
         return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in schedule.leaving))
 
 

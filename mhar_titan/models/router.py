@@ -49,7 +49,8 @@ class State(NamedTuple):
 
 class BlockSources:
     """The source list as a block receives it: `entries`, a tuple of the entries so far ((B, T, d)
-    tensors, (d,) null sources, None for entries no later site reads).
+    tensors, (d,) null sources, None for entries no later site reads), and `sinks`, the gradient
+    sinks of the entries the block made on its first forward (`share`).
 
     A plain object, not a tuple, so that the wrappers around a block leave the entries as they are:
     FSDP2 replaces every grad-requiring tensor it finds in a unit's arguments (lists and tuples
@@ -57,16 +58,34 @@ class BlockSources:
     read (`mhar_kernels.dispatch.share_gradient`: every call would take the general path and hand
     per-site gradients to autograd), and activation checkpointing walks the arguments' tree at every
     block. The entries need neither: they are the Router's, alive for the whole step, and the
-    block's parameters still get their FSDP2 post-backward hook from the other arguments (the
-    routing rows, the residual stream) or from FSDP2's final callback."""
+    block's FSDP2 post-backward still runs inside the backward, from its other arguments (the
+    sites' pseudo-query rows, which its first routing call reads, and the residual stream)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "sinks")
 
     def __init__(self, entries: tuple):
         self.entries = entries
+        self.sinks: list = []
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def share(self, entries: list[Tensor], settings: "RoutingSettings", outlives: Sequence[bool],
+              at: int) -> list[Tensor]:
+        """The block's new `entries` (source-list indices at, at + 1, ...) as its sites read them
+        (`shared_entries`). The first forward records their gradient sinks; when activation
+        checkpointing recomputes the block (the same object again, inside the backward), each
+        recomputed entry takes its first forward's sink (`dispatch.share_gradient(remakes=)`), so
+        the recomputed routing calls find the first forward's source table as the first ones did."""
+        made = at - len(self.entries)
+        shared = []
+        for j, (entry, keep) in enumerate(zip(entries, outlives)):
+            remakes = self.sinks[made + j] if made + j < len(self.sinks) else None
+            entry = dispatch.share_gradient(entry, settings.kernel, settings.heads, keep, remakes)
+            if remakes is None:
+                self.sinks.append(dispatch.gradient_sink(entry))
+            shared.append(entry)
+        return shared
 
 
 class BlockRouting(NamedTuple):
