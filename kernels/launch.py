@@ -321,15 +321,21 @@ class SourceTable:
         self.aligned = self.aligned and all(p % 16 == 0 for p in now)
         return True
 
+    def holds(self, sink) -> bool:
+        """The sink is registered in this table's current use (not one of an earlier use, nor
+        let go once every buffer was handed on)."""
+        slot = sink.slot
+        return slot <= len(self.sinks) and self.sinks[slot - 1] is sink
+
     def handed_on(self, sink) -> None:
         """The sink's gradient buffer was handed to autograd (the sink emptied). The table then
         takes no new source; once every slot's was, it lets its sinks go (sinks and table refer to
         each other: without this the pair would wait for Python's cycle collector) and may be
         reused (`register`). A sink of an earlier use of the table (a graph's backward run again
         with retain_graph) changes nothing."""
-        slot = sink.slot
-        if slot > len(self.sinks) or self.sinks[slot - 1] is not sink:
+        if not self.holds(sink):
             return
+        slot = sink.slot
         self.written[slot] = 0
         self.closed = True
         self.handed += 1
@@ -377,9 +383,7 @@ def remake(sink, source: Tensor) -> bool:
     afresh) when the sink is in no table still taking part in this backward, or `source` cannot
     take the slot."""
     table = sink.table
-    if table is None or sink.slot > len(table.sinks) or table.sinks[sink.slot - 1] is not sink:
-        return False
-    if not table.repoint(sink.slot, (source,)):
+    if table is None or not table.holds(sink) or not table.repoint(sink.slot, (source,)):
         return False
     sink.remade = source
     return True

@@ -67,9 +67,6 @@ class BlockSources:
         self.entries = entries
         self.sinks: list = []
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def share(self, entries: list[Tensor], settings: "RoutingSettings", outlives: Sequence[bool],
               at: int) -> list[Tensor]:
         """The block's new `entries` (source-list indices at, at + 1, ...) as its sites read them
@@ -78,13 +75,10 @@ class BlockSources:
         recomputed entry takes its first forward's sink (`dispatch.share_gradient(remakes=)`), so
         the recomputed routing calls find the first forward's source table as the first ones did."""
         made = at - len(self.entries)
-        shared = []
-        for j, (entry, keep) in enumerate(zip(entries, outlives)):
-            remakes = self.sinks[made + j] if made + j < len(self.sinks) else None
-            entry = dispatch.share_gradient(entry, settings.kernel, settings.heads, keep, remakes)
-            if remakes is None:
-                self.sinks.append(dispatch.gradient_sink(entry))
-            shared.append(entry)
+        remade = self.sinks[made:made + len(entries)]  # empty on the first forward
+        shared = shared_entries(entries, settings, outlives, remade)
+        if not remade:
+            self.sinks += map(dispatch.gradient_sink, shared)
         return shared
 
 
@@ -364,10 +358,15 @@ def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, 
                           alpha=alpha if site.gated else None)
 
 
-def shared_entries(entries: list[Tensor], settings: RoutingSettings, outlives: Sequence[bool]) -> list[Tensor]:
+def shared_entries(entries: list[Tensor], settings: RoutingSettings, outlives: Sequence[bool],
+                   remakes: Sequence = ()) -> list[Tensor]:
     """New source-list entries as the routing sites read them (`dispatch.share_gradient`);
-    outlives: per entry, whether it outlives its block (`LayerSchedule.outlives`)."""
-    return [dispatch.share_gradient(e, settings.kernel, settings.heads, keep) for e, keep in zip(entries, outlives)]
+    outlives: per entry, whether it outlives its block (`LayerSchedule.outlives`); remakes: per
+    entry, the gradient sink of its first forward when activation checkpointing recomputes the
+    block (`BlockSources.share`; none given: every entry shared afresh)."""
+    remakes = remakes or [None] * len(entries)
+    return [dispatch.share_gradient(e, settings.kernel, settings.heads, keep, sink)
+            for e, keep, sink in zip(entries, outlives, remakes, strict=True)]
 
 
 def storage_dtype(sources: Sequence[Tensor | None]) -> torch.dtype:
