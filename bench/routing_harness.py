@@ -133,7 +133,7 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int, end=None)
                 rows = query.unsqueeze(0).expand(size, -1), norm_weight.unsqueeze(0).expand(size, -1)
                 reads = tuple((True,) * len(start) for _ in late)
                 states = phase1(*rows, reads, heads, 1e-6, impl, *[shared[j] for j in start])
-                outs = [merge(states[i], states[size + i], states[2 * size][..., i, :].contiguous(), query,
+                outs = [merge(states[i], states[size + i], states[2 * size][i], query,
                               norm_weight, heads, 1e-6, sources[0].dtype, impl, *[shared[j] for j in ids])
                         for i, ids in enumerate(late)]
             for out in outs:

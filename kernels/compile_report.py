@@ -37,10 +37,9 @@ TOKENS = 2048
 
 _POINTER_ARGS = {
     "forward": dict(PTRS="*i64", RSTRIDES="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
-                    STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", RES="*SRC", LOGITS="*fp32",
-                    LSE="*fp32"),
+                    STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", RES="*SRC", STATS="*fp32"),
     "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC", DOUT="*SRC", MIX="*SRC",
-                     RES="*SRC", LOGITS="*fp32", LSE="*fp32", PARTS="*fp32", DALPHA_PART="*fp32", STATE_LSE="*fp32",
+                     RES="*SRC", STATS="*fp32", PARTS="*fp32", DALPHA_PART="*fp32", STATE_LSE="*fp32",
                      DSTATE="*SRC", DSTATE_NORM="*fp32"),
     "phase1_forward": dict(PTRS="*i64", RSTRIDES="*i64", READS="*i8", MIX_PTRS="*i64", SRC0="*SRC", Q="*SRC",
                            G="*SRC", LSE="*fp32"),

@@ -119,7 +119,7 @@ def _phase1_fwd_kernel(
         m = m_new
         l = l_new
 
-    th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]  # (B*T, g, H)
+    th = s[None, :, None] * BT * H + t[:, None, None] * H + h[None, None, :]  # (g, B*T, H): site-major
     thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
     tl.store(LSE + th, m + tl.log(tl.where(thmask, l, 1.0)), mask=thmask)
     out = _site_rows(MIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # mixes in the storage dtype
@@ -183,7 +183,7 @@ def _phase1_bwd_kernel(
             gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
             dmix_rows = _site_rows(DMIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # storage dtype
             mask4 = mask[:, None] & smask[None, :, None, None]
-            th = t[:, None, None] * NG * H + s[None, :, None] * H + h[None, None, :]
+            th = s[None, :, None] * BT * H + t[:, None, None] * H + h[None, None, :]  # (g, B*T, H)
             thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
             dmix = tl.load(dmix_rows + rows[:, None] * D + cols[:, None], mask=mask4, other=0.0).to(CDT)
             dnorm = tl.load(DNORM + th, mask=thmask, other=0.0).to(CDT)

@@ -27,7 +27,8 @@ the g sites' logits, then its gradient (accumulated once per group, not once per
 g sites' query and key-norm gradients. The merge's gradient for norm_i is -w <dout, out> / den.
 
 Saved for backward (beyond references to sources, which the model keeps anyway):
-- phase 1, per group: lse (B, T, g, H) fp32; the rows q, g of the group's sites.
+- phase 1, per group: lse (B, T, g, H) fp32 (returned site-major, (g, B, T, H)); the rows q, g of
+  the group's sites.
 - merge, per site: its output (B, T, d) in the storage dtype (as the fused per-call kernel
   saves; in fp32 the same tensor the next RMSNorm saves), w / den (B, T, H) fp32, the in-group
   weights (m, B, T, H) and inverse RMS (m, B, T) fp32.
@@ -85,7 +86,8 @@ def _unread_mask(reads: tuple, device: torch.device) -> Tensor:
 
 class _Phase1(torch.autograd.Function):
     """Phase 1 of one group: forward(queries (g, d), norm_weights (g, d), reads (per site, one
-    bool per source), heads, eps, *sources) -> (mix_1..mix_g, norm_1..norm_g, lse (..., g, H)).
+    bool per source), heads, eps, *sources) -> (mix_1..mix_g, norm_1..norm_g, lse (g, ..., H)):
+    lse site-major, lse[i] site i's (a view of the (..., g, H) tensor the backward saves).
     Forward and backward each read every source once (module docstring)."""
 
     @staticmethod
@@ -112,8 +114,9 @@ class _Phase1(torch.autograd.Function):
         norms = [torch.ones_like(z[..., i, :]) for i in range(n_sites)]
         ctx.save_for_backward(queries, norm_weights, lse, *sources)
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
-        ctx.mark_non_differentiable(lse)
-        return (*mixes, *norms, lse)
+        by_site = lse.movedim(-2, 0)
+        ctx.mark_non_differentiable(by_site)
+        return (*mixes, *norms, by_site)
 
     @staticmethod
     @once_differentiable
@@ -204,7 +207,7 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
     queries, norm_weights: (g, d) rows of the group's sites; reads: per site, n bools (does the
     site read source j); sources: the n entries (a leading (d,) null source already cast to the
     others' dtype, as `contract.with_null_source` gives it), each (B, T, d), heads already checked.
-    Returns (mix_1..mix_g (B, T, d), norm_1..norm_g (B, T, H), lse (B, T, g, H)), compute dtype;
+    Returns (mix_1..mix_g (B, T, d), norm_1..norm_g (B, T, H), lse (g, B, T, H)), compute dtype;
     lse is not differentiable. Same contract as `triton_grouped.route_phase1`."""
     return _Phase1.apply(queries, norm_weights, reads, heads, float(eps), *sources)
 

@@ -38,15 +38,20 @@ argument (functorch's dead-wrapper unwrapping, a generator over the N sources pe
 functorch transform is active, the C++ entry is called directly; otherwise the public
 `Function.apply`.
 
-`save_with_sources` / `saved_with_sources`: what a routing Function saves for backward. Its N
-sources normally go through `ctx.save_for_backward`; under activation checkpointing every saved
-tensor passes through torch's pack and unpack hooks and its recompute check (about 10 us of Python
-per tensor; at 1b the sources are 2,628 of a step's saved tensors). Where every source is a shared
-entry that outlives its block (`op.share_gradient(..., outlives=True)`: an input of a later block,
-which activation checkpointing keeps anyway as that block's input, or read by the final site), the
-sources are kept as plain references instead: no hook, no memory the step does not already hold
-(every such entry is alive when the backward starts, in both cases), and the same check against
-in-place changes as `save_for_backward`'s (their versions).
+`save_with_sources` / `saved_with_sources`: what a routing Function saves for backward. Under
+activation checkpointing every tensor that goes through `ctx.save_for_backward` passes through
+torch's pack and unpack hooks and its recompute check (about 8 us of Python per tensor, measured
+on this project's 2-core CPU machines; at 1b the sources alone are 2,628 of a step's saved
+tensors). Two kinds of tensor are kept as plain references instead, with the same check against
+in-place changes as `save_for_backward`'s (their versions): the call's parameter rows (the (d,)
+pseudo-query, key-norm weight and null source, the (1,) gate; (g, d) for a group), always: they
+are views of parameters, alive for the whole step (one kept from inside a checkpointed block
+holds d numbers until its backward); and its N sources, where every one is a shared entry that
+outlives its block (`op.share_gradient(..., outlives=True)`: an input of a later block, which
+activation checkpointing keeps anyway as that block's input, or read by the final site): no
+memory the step does not already hold (every such entry is alive when the backward starts, in
+both cases). What goes through `save_for_backward` is then the call's own activations only (its
+output, the mix residual, the statistics; a grouped state's lse).
 """
 from __future__ import annotations
 
@@ -111,35 +116,49 @@ def keeps_sources(sinks: Sequence) -> bool:
         return False
 
 
-def save_with_sources(ctx, sinks: Sequence, tensors: tuple, sources: Sequence[Tensor]) -> None:
-    """`ctx.save_for_backward(*tensors, *sources)`, except that the sources are kept as plain
-    references with their versions where `keeps_sources(sinks)` (module docstring). The choice
-    depends only on the sinks, so a block recomputed under activation checkpointing saves as many
-    tensors as its first forward did. Read back with `saved_with_sources`."""
-    if keeps_sources(sinks):
-        ctx.kept = (tuple(sources), sum(map(_version, sources)))
+def _versions(tensors: Sequence[Optional[Tensor]]) -> int:
+    """The sum of the version counters of `tensors` (None skipped)."""
+    return sum(t._version for t in tensors if t is not None)
+
+
+def save_with_sources(ctx, sinks: Sequence, tensors: tuple, sources: Sequence[Tensor], rows: tuple = ()) -> None:
+    """`ctx.save_for_backward(*tensors, *sources)` for a routing call with parameter `rows` (None
+    where the call has none), except that the rows are kept as plain references with their versions,
+    and the sources too where `keeps_sources(sinks)` (module docstring). The choice depends only on
+    the sinks, so a block recomputed under activation checkpointing saves as many tensors as its
+    first forward did. Read back with `saved_with_sources`; `ctx.sources_kept` tells which."""
+    ctx.sources_kept = keeps_sources(sinks)
+    if ctx.sources_kept:
+        sources = tuple(sources)
+        ctx.kept = (rows, sources, _versions(rows) + sum(map(_version, sources)), len(tensors))
         ctx.save_for_backward(*tensors)
     else:
-        ctx.kept = None
+        ctx.kept = (rows, (), _versions(rows), len(tensors))
         ctx.save_for_backward(*tensors, *sources)
 
 
+def kept(ctx) -> tuple:
+    """The tensors a routing call keeps as plain references (`save_with_sources`): its parameter
+    rows (None skipped), then its sources where they are kept; () for a ctx that keeps none."""
+    rows, sources, _, _ = getattr(ctx, "kept", ((), (), 0, 0))
+    return tuple(t for t in rows if t is not None) + sources
+
+
 def saved_with_sources(ctx) -> tuple:
-    """`ctx.saved_tensors` with the sources appended, as `save_with_sources` put them (unpack once:
-    activation checkpointing allows no more).
+    """(*tensors, *rows, *sources) as `save_with_sources` was given them (unpack once: activation
+    checkpointing allows no more).
 
     Raises:
-        RuntimeError: a kept source was modified in place after the forward (as autograd raises
-            for a saved tensor)."""
+        RuntimeError: a kept row or source was modified in place after the forward (as autograd
+            raises for a saved tensor)."""
     saved = ctx.saved_tensors
-    kept = ctx.kept
-    if kept is None:
-        return saved
-    sources, version = kept
-    if sum(map(_version, sources)) != version:
-        raise RuntimeError("one of the routing sources needed for gradient computation has been modified by an "
-                           "inplace operation after the routing call; clone it before modifying it")
-    return saved + sources
+    rows, sources, version, count = ctx.kept
+    if _versions(rows) + sum(map(_version, sources)) != version:
+        raise RuntimeError("one of the routing sources or parameter rows needed for gradient computation has been "
+                           "modified by an inplace operation after the routing call; clone it before modifying it")
+    if ctx.sources_kept:
+        return saved + rows + sources
+    return saved[:count] + rows + saved[count:]
 
 
 def _device_rows(values: Sequence[int], device: torch.device) -> Tensor:

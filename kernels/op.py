@@ -6,8 +6,8 @@ interpreter: fake tensors have no data pointer):
 
     mhar::depth_route(sources, query, norm_weight, heads, eps, partial, alpha, null_source)
         -> (out (B, T, d), mix (B, T, d) in delta mode else (0,), mix residual (B, T, d) for bf16 /
-            fp16 sources else (0,), logits (N, B*T, H), lse (B*T, H))
-    mhar::depth_route_backward(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse,
+            fp16 sources else (0,), stats (N + 1, B*T, H): the logits, then the lse)
+    mhar::depth_route_backward(grad_out, sources, mix, residual, query, norm_weight, heads, eps, stats,
                              alpha, null_source)
         -> (grads of the N sources, dq, dg, dalpha, dnull)
 
@@ -19,7 +19,8 @@ handling of the N sources (about a quarter of the host time of a call at N = 73)
 
 Saved for backward: the source tensors (no copies; plain references where every source is a
 shared entry that outlives its block, `launch.save_with_sources`), query, norm weight,
-alpha, null source, the fp32 logits and lse (N*B*T*H + B*T*H elements) and the normalised mix
+alpha, null source (plain references outside torch.compile), the fp32 logits and lse as one
+statistics tensor ((N + 1) * B*T*H elements) and the normalised mix
 (the output itself in replacement mode; one extra (B, T, d) tensor in delta mode) and, for bf16
 or fp16 sources, what rounding that mix to the storage dtype lost (one (B, T, d) tensor in the
 sources' dtype), from which the backward gets <dmix, mix> as the fp32 forward had it, without a
@@ -80,7 +81,7 @@ def _require(device: torch.device, dim: int, heads: int) -> None:
 
 # ---------------------------------------------------------------------------- forward op
 def _forward_values(sources, query, norm_weight, heads, eps, partial, alpha, null_source):
-    """(out, mix or None, mix residual or None, logits, lse) from the forward kernel; the checks
+    """(out, mix or None, mix residual or None, stats) from the forward kernel; the checks
     are the caller's (`dispatch.route` / `route`, and `_require`)."""
     return triton_routing.route_forward_saved(contract.with_null_source(null_source, sources), query, norm_weight,
                                               heads, eps, partial=partial, alpha=alpha)
@@ -101,11 +102,11 @@ def route_fwd(
     partial: Optional[Tensor],
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _require(sources[0].device, sources[0].shape[-1], heads)
-    out, mix, residual, logits, lse = _forward_values(list(sources), query, norm_weight, heads, eps, partial, alpha,
-                                                      null_source)
-    return out, _or_empty(mix, out), _or_empty(residual, out), logits, lse
+    out, mix, residual, stats = _forward_values(list(sources), query, norm_weight, heads, eps, partial, alpha,
+                                                null_source)
+    return out, _or_empty(mix, out), _or_empty(residual, out), stats
 
 
 @route_fwd.register_fake
@@ -116,19 +117,18 @@ def _route_fwd_fake(sources, query, norm_weight, heads, eps, partial, alpha, nul
     cdt = contract.compute_dtype(full.dtype)
     mix = full.new_empty(full.shape) if partial is not None else full.new_empty((0,))
     residual = full.new_empty(full.shape) if cdt != full.dtype else full.new_empty((0,))
-    return (full.new_empty(full.shape), mix, residual, full.new_empty((n, bt, heads), dtype=cdt),
-            full.new_empty((bt, heads), dtype=cdt))
+    return full.new_empty(full.shape), mix, residual, full.new_empty((n + 1, bt, heads), dtype=cdt)
 
 
 # ---------------------------------------------------------------------------- backward op
-def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
+def _backward_values(grad_out, sources, mix, residual, query, norm_weight, heads, eps, stats, alpha,
                      null_source, grads=None, accumulate=None):
     """(source gradients, dq, dg, dalpha or None, dnull or None), the parameters' gradients in
     their dtypes. residual: the forward's mix residual or None. grads / accumulate: the source
     gradient buffers and whether to add into each (`triton_routing.route_backward`)."""
     srcs = contract.with_null_source(null_source, sources)
     grads, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, heads, eps, logits, lse, alpha, grads=grads, accumulate=accumulate,
+        grad_out, srcs, mix, query, norm_weight, heads, eps, stats, alpha, grads=grads, accumulate=accumulate,
         mix_residual=residual, param_dtype=triton_routing.common_dtype(query, norm_weight, null_source),
     )
     return (grads, dq.to(query.dtype), dg.to(norm_weight.dtype),
@@ -146,20 +146,19 @@ def route_bwd(
     norm_weight: Tensor,
     heads: int,
     eps: float,
-    logits: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     alpha: Optional[Tensor],
     null_source: Optional[Tensor],
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor, Tensor]:
     _require(grad_out.device, grad_out.shape[-1], heads)
     grads, dq, dg, dalpha, dnull = _backward_values(grad_out, list(sources), mix, residual if residual.numel() else None,
-                                                    query, norm_weight, heads, eps, logits, lse, alpha, null_source)
+                                                    query, norm_weight, heads, eps, stats, alpha, null_source)
     # dq, dg (and dnull) are rows of one reduced tensor; a custom op's outputs may not alias
     return grads, dq.clone(), dg.clone(), _or_empty(dalpha, dq), _or_empty(dnull, dq).clone()
 
 
 @route_bwd.register_fake
-def _route_bwd_fake(grad_out, sources, mix, residual, query, norm_weight, heads, eps, logits, lse, alpha,
+def _route_bwd_fake(grad_out, sources, mix, residual, query, norm_weight, heads, eps, stats, alpha,
                     null_source):
     return (
         [s.new_empty(s.shape) for s in sources],  # contiguous, like the kernel's
@@ -173,11 +172,11 @@ def _route_bwd_fake(grad_out, sources, mix, residual, query, norm_weight, heads,
 # ---------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     sources, query, norm_weight, heads, eps, partial, alpha, null_source = inputs
-    out, mix, residual, logits, lse = output
+    out, mix, residual, stats = output
     ctx.heads, ctx.eps = heads, eps
     ctx.partial_dtype = partial.dtype if partial is not None else None
-    ctx.save_for_backward(out if partial is None else mix, residual, query, norm_weight, logits, lse, alpha,
-                          null_source, *sources)
+    ctx.save_for_backward(out if partial is None else mix, residual, stats, query, norm_weight, alpha, null_source,
+                          *sources)
 
 
 def _gradients(ctx, grad_out, backward, saved=None) -> tuple:
@@ -185,17 +184,17 @@ def _gradients(ctx, grad_out, backward, saved=None) -> tuple:
     what the call did not have), from backward = the backward op (under torch.compile, whose
     optional tensors are empty (0,) ones) or `_backward_values` (eager). saved: ctx.saved_tensors
     where the caller already unpacked them (they can be unpacked once)."""
-    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = \
+    mix, residual, stats, query, norm_weight, alpha, null_source, *sources = \
         ctx.saved_tensors if saved is None else saved
     grads, dq, dg, dalpha, dnull = backward(
-        grad_out, sources, mix, residual, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, null_source
+        grad_out, sources, mix, residual, query, norm_weight, ctx.heads, ctx.eps, stats, alpha, null_source
     )
     dpartial = grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None
     return (grads, dq, dg, dpartial, dalpha if alpha is not None else None,
             dnull if null_source is not None else None)
 
 
-def _backward(ctx, grad_out, _grad_mix, _grad_residual, _grad_logits, _grad_lse):
+def _backward(ctx, grad_out, _grad_mix, _grad_residual, _grad_stats):
     grads, dq, dg, dpartial, dalpha, dnull = _gradients(ctx, grad_out, route_bwd)
     return list(grads), dq, dg, None, None, dpartial, dalpha, dnull
 
@@ -333,16 +332,16 @@ class _EagerRoute(torch.autograd.Function):
                 lo, hi = first - (cast is not None), first + len(sources)
                 pointers, strides = table.views(lo, hi)[:2]
                 srcs = sources if cast is None else (cast, *sources)
-                out, mix, residual, logits, lse = triton_routing.route_forward_saved(
+                out, mix, residual, stats = triton_routing.route_forward_saved(
                     srcs, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
                     tables=(pointers, strides, table.aligned))
                 ctx.found = (table, lo, hi, cast)
         if ctx.found is None:
-            out, mix, residual, logits, lse = triton_routing.route_forward_saved(
+            out, mix, residual, stats = triton_routing.route_forward_saved(
                 contract.with_null_source(null_source, list(sources)), query, norm_weight, heads, eps, partial=partial,
                 alpha=alpha)
-        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mix, residual, query, norm_weight,
-                                                  logits, lse, alpha, null_source), sources)
+        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mix, residual, stats), sources,
+                                 (query, norm_weight, alpha, null_source))
         return out
 
     @staticmethod
@@ -370,16 +369,16 @@ def _table_backward(ctx, grad_out, saved) -> Optional[tuple]:
     takes the general path."""
     table, lo, hi, cast = ctx.found
     ctx.found = None  # a second backward (retain_graph) takes the general path: the table may be reused by then
-    mix, residual, query, norm_weight, logits, lse, alpha, null_source, *sources = saved
+    mix, residual, stats, query, norm_weight, alpha, null_source, *sources = saved
     # sources kept by reference are the registered tensors themselves: their pointers need no check
     rows = table.backward_rows(lo, hi, cast is not None, sources, grad_out.shape, grad_out.device,
-                               registered=ctx.kept is not None)
+                               registered=ctx.sources_kept)
     if rows is None:
         return None
     srcs = sources if cast is None else [cast, *sources]
     # the gradient buffers are in the table's rows (and in the sinks): the launch needs no list of them
     _, dq, dg, dalpha, dnull = triton_routing.route_backward(
-        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, mix_residual=residual,
+        grad_out, srcs, mix, query, norm_weight, ctx.heads, ctx.eps, stats, alpha, mix_residual=residual,
         param_dtype=triton_routing.common_dtype(query, norm_weight, null_source), tables=rows)
     return (None, cast_like(dq, query), cast_like(dg, norm_weight), None, None,
             grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,

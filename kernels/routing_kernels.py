@@ -19,7 +19,8 @@ sources' element type. This is valid Triton on CUDA (int-to-pointer cast) and wo
 TRITON_INTERPRET=1, where a data pointer is a host address. A (d,) null source is source 0
 with row stride 0 (broadcast over tokens, no expanded copy).
 
-Saved for backward by the caller: logits (N, B*T, H) and lse (B*T, H) in fp32 and the
+Saved for backward by the caller: the statistics STATS (N + 1, B*T, H) in fp32 (rows 0..N-1 the
+logits, row N the lse: one tensor, one allocation and one saved tensor per call) and the
 normalised mix (B, T, d): the output itself in replacement mode, an extra output of the forward
 in delta mode (one row written). The backward kernel reads each source ONCE: S_h = <dmix_h, mix_h>
 comes from the saved mix (rounded to the storage dtype: in bf16 the measured gradient errors equal
@@ -101,7 +102,7 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 @triton.jit
 def _route_fwd_kernel(
     PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
-    OUT, MIX, RES, LOGITS, LSE,
+    OUT, MIX, RES, STATS,
     N, BT, D, H, K, eps,
     HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr, ALIGNED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -111,6 +112,8 @@ def _route_fwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
+    LOGITS = STATS  # STATS (N + 1, B*T, H): the N logits rows, then the lse row
+    LSE = STATS + N * BT * H
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
@@ -182,7 +185,7 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, LOGITS, LSE,
+    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, STATS,
     PARTS, DALPHA_PART, STATE_LSE, DSTATE, DSTATE_NORM,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -194,6 +197,8 @@ def _route_bwd_kernel(
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
+    LOGITS = STATS  # the forward's STATS (N + 1, B*T, H): the N logits rows, then the lse row
+    LSE = STATS + N * BT * H
     # PARTS (2 or 3, programs, d) fp32: the programs' partial sums of dq, dg (and dnull)
     DQ_PART = PARTS
     DG_PART = PARTS + tl.num_programs(0) * D

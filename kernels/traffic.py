@@ -179,9 +179,10 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 # per-call kernels started from the site's phase-1 state) with its m in-group rows. Per group:
 #
 #     phase-1 forward    reads n rows, the g query and key-norm rows; writes g mixes (storage
-#                        dtype rows) and lse (B*T, g, H) fp32; the host makes g normalisers
-#                        (B*T, H) fp32 of ones and copies each site's lse out of the group's
-#     phase-1 backward   the host stacks the g normaliser gradients (B*T, g, H) and zeroes the
+#                        dtype rows) and lse (g, B*T, H) fp32, site-major (each site's state
+#                        takes its lse as a view); the host makes g normalisers (B*T, H) fp32
+#                        of ones
+#     phase-1 backward   the host stacks the g normaliser gradients (g, B*T, H) and zeroes the
 #                        (P, g, d) fp32 partial sums; the launch reads n rows, the g mix gradients
 #                        (rows), the normaliser gradients, lse, the g query and key-norm rows and
 #                        the gradient buffer of every source another reader already wrote (A
@@ -221,9 +222,9 @@ def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int
     el = element_bytes(dtype)
     row = tokens * dim * el
     params = 2 * sites * dim * el + int(null_source) * dim * el
-    stats = tokens * sites * heads * FP32  # lse (B*T, g, H), or the g normalisers
-    forward = Launch(site, "forward", read=n_rows * row + params + stats,  # + the per-site lse copies
-                     written=sites * row + 3 * stats, phase="phase1")  # mixes, lse, ones, lse copies
+    stats = tokens * sites * heads * FP32  # lse (g, B*T, H), or the g normalisers
+    forward = Launch(site, "forward", read=n_rows * row + params,
+                     written=sites * row + 2 * stats, phase="phase1")  # mixes, lse, ones
     t_sums = programs * sites * dim * FP32
     partial_sums = t_sums + int(null_source) * programs * dim * FP32
     read_back = (n_rows if chunks > 1 else accumulated) * row

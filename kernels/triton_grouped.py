@@ -94,13 +94,14 @@ def phase1_forward(sources: Sequence[Tensor], queries: Tensor, norm_weights: Ten
     (n,), row strides (n,), whether every source is 16-byte aligned) of the sources as
     `launch.SourceTable.views` gives them (no source table is built then: only the g mix
     pointers are); read_table: the launch's `_read_table`, where the caller has it.
-    Returns (g mixes (B, T, d) in the sources' dtype, lse (B, T, g, H) in the compute dtype)."""
+    Returns (g mixes (B, T, d) in the sources' dtype, lse (g, B, T, H) in the compute dtype: site
+    i's lse is the contiguous lse[i])."""
     full = sources[-1]
     d, g = full.shape[-1], queries.shape[0]
     bt, head_dim = full.numel() // d, d // heads
     cdt = contract.compute_dtype(full.dtype)
     mixes = [torch.empty(full.shape, dtype=full.dtype, device=full.device) for _ in range(g)]
-    lse = torch.empty((*full.shape[:-1], g, heads), dtype=cdt, device=full.device)
+    lse = torch.empty((g, *full.shape[:-1], heads), dtype=cdt, device=full.device)
     if bt == 0:
         return mixes, lse
     n = len(sources)
@@ -134,7 +135,7 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
                     accumulate: Optional[Sequence[bool]] = None, tables: Optional[tuple] = None,
                     read_table: Optional[Tensor] = None,
                     ) -> tuple[Optional[list[Tensor]], Tensor, Tensor, Optional[Tensor]]:
-    """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (B, T, g, H)
+    """Launch the phase-1 backward. dmixes: g gradients (B, T, d) of the mixes; dnorm (g, B, T, H)
     of the normalisers; lse from `phase1_forward`. grads: optional contiguous (B, T, d) buffers,
     one per (B, T, d) source, that receive the source gradients (new ones otherwise);
     accumulate: per buffer, True to add into it (a shared gradient buffer another reader already
@@ -204,25 +205,25 @@ def phase1_backward(dmixes: Sequence[Tensor], dnorm: Tensor, sources: Sequence[T
 def _upstream(grad_mixes: Sequence[Optional[Tensor]], grad_norms: Sequence[Optional[Tensor]], lse: Tensor, d: int,
               dtype: torch.dtype) -> tuple[list[Tensor], Tensor]:
     """Phase 1's incoming gradients as its backward launch takes them: the g mix gradients
-    (B, T, d) in the sources' `dtype` and the normaliser gradients stacked to (B, T, g, H),
+    (B, T, d) in the sources' `dtype` and the normaliser gradients stacked to (g, B, T, H),
     zeros where autograd passed None (a site whose output was not used)."""
-    dmixes = [torch.zeros(lse.shape[:-2] + (d,), dtype=dtype, device=lse.device) if x is None else x
+    dmixes = [torch.zeros(lse.shape[1:-1] + (d,), dtype=dtype, device=lse.device) if x is None else x
               for x in grad_mixes]
-    dnorm = torch.stack([torch.zeros_like(lse[..., 0, :]) if x is None else x for x in grad_norms], -2)
+    dnorm = torch.stack([torch.zeros_like(lse[0]) if x is None else x for x in grad_norms])
     return dmixes, dnorm
 
 
 class Phase1(torch.autograd.Function):
     """Phase 1 of one group on the fused kernels: forward(queries (g, d), norm_weights (g, d),
     reads (per site, one bool per source), heads, eps, *sources) -> (mix_1..mix_g (B, T, d),
-    norm_1..norm_g (B, T, H), lse (B, T, g, H)): the mixes in the sources' dtype (the fused merge,
+    norm_1..norm_g (B, T, H), lse (g, B, T, H)): the mixes in the sources' dtype (the fused merge,
     `triton_merge`, reads them so), the rest in the compute dtype; otherwise the contract of the
     eager phase 1, `grouped_reference.phase1` (a leading (d,) source is the null source).
     lse is not differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
 
-    Saves for backward: references to the sources (`launch.save_with_sources`), the query and
-    key-norm rows, and lse (g H values per token). No (B, T, d) tensor. A source made by
-    `op.share_gradient` gets its gradient added into its shared buffer (as the per-call kernels do)
+    Saves for backward: lse (g H values per token); kept as plain references
+    (`launch.save_with_sources`): the query and key-norm rows and the sources. No (B, T, d)
+    tensor. A source made by `op.share_gradient` gets its gradient added into its shared buffer (as the per-call kernels do)
     and None returned."""
 
     site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
@@ -248,8 +249,8 @@ class Phase1(torch.autograd.Function):
         mixes, lse = phase1_forward(sources, queries, norm_weights, reads, heads, eps, Phase1.site_block, tables,
                                     ctx.read_table)
         # the normalisers (identically 1): rows of one tensor
-        norms = torch.ones((g, *lse.shape[:-2], heads), dtype=lse.dtype, device=lse.device).unbind(0)
-        launch.save_with_sources(ctx, ctx.sinks, (queries, norm_weights, lse), sources)
+        norms = torch.ones(lse.shape, dtype=lse.dtype, device=lse.device).unbind(0)
+        launch.save_with_sources(ctx, ctx.sinks, (lse,), sources, (queries, norm_weights))
         ctx.heads, ctx.reads, ctx.eps = heads, reads, eps
         ctx.mark_non_differentiable(lse)
         return (*mixes, *norms, lse)
@@ -257,7 +258,7 @@ class Phase1(torch.autograd.Function):
     @staticmethod
     @launch.once_differentiable
     def backward(ctx, *grads):
-        queries, norm_weights, lse, *sources = launch.saved_with_sources(ctx)
+        lse, queries, norm_weights, *sources = launch.saved_with_sources(ctx)
         g = queries.shape[0]
         full = sources[-1]  # shared gradient buffers (op.share_gradient), as the per-call op uses them
         dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], full.dtype)
@@ -299,7 +300,7 @@ def phase1_op(sources: list[Tensor], queries: Tensor, norm_weights: Tensor, read
               eps: float) -> tuple[list[Tensor], list[Tensor], Tensor]:
     mixes, lse = phase1_forward(sources, queries, norm_weights, _unflatten_reads(reads, queries.shape[0]), heads,
                                 eps, Phase1.site_block)
-    return mixes, [torch.ones(lse.shape[:-2] + (heads,), dtype=lse.dtype, device=lse.device) for _ in mixes], lse
+    return mixes, [torch.ones(lse.shape[1:], dtype=lse.dtype, device=lse.device) for _ in mixes], lse
 
 
 @phase1_op.register_fake
@@ -309,7 +310,7 @@ def _phase1_fake(sources, queries, norm_weights, reads, heads, eps):
     g = queries.shape[0]
     return ([full.new_empty(full.shape) for _ in range(g)],
             [full.new_empty((*full.shape[:-1], heads), dtype=cdt) for _ in range(g)],
-            full.new_empty((*full.shape[:-1], g, heads), dtype=cdt))
+            full.new_empty((g, *full.shape[:-1], heads), dtype=cdt))
 
 
 @torch.library.custom_op("mhar::phase1_backward", mutates_args=())
@@ -359,7 +360,7 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
             leading (d,) tensor is the null source (in the sources' dtype).
 
     Returns:
-        (mix_1..mix_g (B, T, d) in the sources' dtype, norm_1..norm_g (B, T, H), lse (B, T, g, H)
+        (mix_1..mix_g (B, T, d) in the sources' dtype, norm_1..norm_g (B, T, H), lse (g, B, T, H)
         in the compute dtype (fp32, fp64 for fp64 sources)).
 
     Raises:

@@ -21,10 +21,10 @@ term):
 A site with no in-group source (the first of its group) has out = mix_1 (no launch forward;
 w0 = 1, so d mix_1 is the incoming gradient and only d norm_1 is computed). Delta mode
 (MHAR_SPEC section 1.4) fuses partial + alpha * mix as per-call routing does. No fp32 copy of
-any (B, T, d) tensor is made. Saved for backward: references to the in-group sources, the
-state's lse_1 (B, T, H), the output (the mix, or in delta mode the mix row the kernel writes),
-its bf16 / fp16 rounding residual, and the m + 1 per-token statistics (logits (m, B*T, H) and
-lse (B*T, H)) in fp32.
+any (B, T, d) tensor is made. Saved for backward: the state's lse_1 (B, T, H), the output (the
+mix, or in delta mode the mix row the kernel writes), its bf16 / fp16 rounding residual, and the
+m + 1 per-token statistics (one (m + 1, B*T, H) fp32 tensor: the logits, then the lse); kept as
+plain references (`launch.save_with_sources`): the site's rows and the in-group sources.
 """
 from __future__ import annotations
 
@@ -47,9 +47,7 @@ class Merge(torch.autograd.Function):
     def forward(ctx, looked_up: Optional[tuple], mix: Tensor, norm: Tensor, lse1: Tensor, query: Tensor,
                 norm_weight: Tensor, partial: Optional[Tensor], alpha: Optional[Tensor], heads: int, eps: float,
                 *late: Tensor):
-        d = mix.shape[-1]
-        bt = mix.numel() // d
-        state_lse = lse1.reshape(bt, heads)
+        state_lse = lse1.contiguous()  # (B, T, H): the kernels index it per token and head
         ctx.heads, ctx.eps, ctx.shape = heads, eps, mix.shape
         ctx.has_partial = partial is not None
         if looked_up is None:  # the in-group sinks and their `launch.lookup`, as `dispatch.merge` makes them
@@ -57,50 +55,49 @@ class Merge(torch.autograd.Function):
             looked_up = sinks, launch.lookup(sinks) if late else None
         ctx.sinks, found = looked_up
         ctx.found = None
-        if not late and partial is None:  # the group's first site: its state is its mix
-            launch.save_with_sources(ctx, ctx.sinks, (mix, None, query, norm_weight, None, state_lse, state_lse, None),
-                                     late)
+        rows = (query, norm_weight, alpha)
+        if not late and partial is None:  # the group's first site: its state is its mix, its lse the state's
+            launch.save_with_sources(ctx, ctx.sinks, (mix, None, None, state_lse), late, rows)
             return mix.view_as(mix)
-        rows = None
+        tables = None
         if found is not None:  # consecutive entries of one source table: its rows, no table built
             table, first = found
             ctx.found = (table, first, first + len(late))
-            rows = (*table.views(first, first + len(late))[:2], table.aligned)
-        out, mixed, residual, logits, lse = triton_routing.route_forward_saved(
+            tables = (*table.views(first, first + len(late))[:2], table.aligned)
+        out, mixed, residual, stats = triton_routing.route_forward_saved(
             late, query, norm_weight, heads, eps, partial=partial, alpha=alpha, state=(mix, state_lse),
-            residual=bool(late), tables=rows)
-        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mixed, residual, query, norm_weight,
-                                                  logits, lse, state_lse, alpha), late)
+            residual=bool(late), tables=tables)
+        launch.save_with_sources(ctx, ctx.sinks, (out if partial is None else mixed, residual, stats, state_lse), late,
+                                 rows)
         return out
 
     @staticmethod
     @launch.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        mix, residual, query, norm_weight, logits, lse, state_lse, alpha, *late = launch.saved_with_sources(ctx)
+        mix, residual, stats, state_lse, query, norm_weight, alpha, *late = launch.saved_with_sources(ctx)
         grad_out = grad_out.contiguous()
-        bt, heads = state_lse.shape
-        if logits is None:  # first site of its group: w0 = 1, dmix_1 = dout
-            logits = state_lse.new_empty((0, bt, heads))
+        if stats is None:  # first site of its group: no logits, its lse the state's (w0 = 1, dmix_1 = dout)
+            stats = state_lse
         rows = None
         if ctx.found is not None:
             table, lo, hi = ctx.found
             ctx.found = None  # a second backward takes the general path (the table may be reused by then)
-            rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device, registered=ctx.kept is not None)
+            rows = table.backward_rows(lo, hi, False, late, ctx.shape, mix.device, registered=ctx.sources_kept)
         if rows is None:
             buffers, accumulate = gradient_buffers(ctx.sinks, ctx.shape, mix.dtype, mix.device)
             returned = [None if sink is not None else buffer for sink, buffer in zip(ctx.sinks, buffers)]
         else:  # every in-group source is shared: its gradient is in its buffer (the table's rows point at it)
             buffers, accumulate = None, None
             returned = (None,) * len(late)
-        dnorm = torch.empty((bt, heads), dtype=state_lse.dtype, device=mix.device)
+        dnorm = torch.empty(state_lse.shape, dtype=state_lse.dtype, device=mix.device)
         # with in-group sources (or a gate) the state's share w0 < 1 (or dmix = alpha dout) is written
         write_state = bool(late) or alpha is not None
         dstate = torch.empty(ctx.shape, dtype=mix.dtype, device=mix.device) if write_state else None
         _, dq, dg, dalpha, _ = triton_routing.route_backward(
-            grad_out, list(late), mix, query, norm_weight, ctx.heads, ctx.eps, logits, lse, alpha, grads=buffers,
+            grad_out, list(late), mix, query, norm_weight, ctx.heads, ctx.eps, stats, alpha, grads=buffers,
             accumulate=accumulate, mix_residual=residual, state_lse=state_lse, state_grad=dstate,
             state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight), tables=rows)
-        return (None, dstate if write_state else grad_out, dnorm.view(*ctx.shape[:-1], heads), None,
+        return (None, dstate if write_state else grad_out, dnorm, None,
                 cast_like(dq, query), cast_like(dg, norm_weight), grad_out if ctx.has_partial else None,
                 None if alpha is None else cast_like(dalpha, alpha), None, None, *returned)
 

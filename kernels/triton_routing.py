@@ -194,15 +194,15 @@ def route_forward(
     """Launch the forward kernel. `sources[0]` may be a (d,) null source; the others are (B, T, d).
 
     state: optional incoming online-softmax state (mix (B, T, d) normalised, in the storage dtype
-    or fp32, lse (B*T, H) fp32) of sources routed earlier with the same query/norm (grouped
+    or fp32, lse (B, T, H) or (B*T, H) fp32) of sources routed earlier with the same query/norm (grouped
     routing's phase 1); the result then covers both sets, and `sources` may be empty.
     mix_residual: optional (B, T, d) contiguous tensor (the sources' dtype) that receives
     fp32 mix - the saved mix rounded to the storage dtype (`needs_mix_residual`), for the
     backward. tables: (pointers (N,), row strides (N,), whether every source is 16-byte aligned)
     of the sources as `launch.SourceTable.views` gives them (no table is built then). Returns
     (out (B, T, d) in out_dtype or the sources' dtype, mix (B, T, d) in the
-    sources' dtype in delta mode (None otherwise: out is the mix), logits (N, B*T, H), lse
-    (B*T, H)), statistics in fp32 (fp64 for fp64 sources)."""
+    sources' dtype in delta mode (None otherwise: out is the mix), stats (N + 1, B*T, H): rows
+    0..N-1 the logits, row N the lse), statistics in fp32 (fp64 for fp64 sources)."""
     n = len(sources)
     full = sources[-1] if n and sources[-1].dim() != 1 else state[0]  # a null source can only come first
     shape, dtype, device = full.shape, full.dtype, full.device
@@ -211,10 +211,9 @@ def route_forward(
     cdt = compute_dtype(dtype)
     out = torch.empty(shape, dtype=out_dtype or dtype, device=device)
     mix = torch.empty(shape, dtype=dtype, device=device) if partial is not None else None
-    logits = torch.empty((n, bt, heads), dtype=cdt, device=device)
-    lse = torch.empty((bt, heads), dtype=cdt, device=device)
+    stats = torch.empty((n + 1, bt, heads), dtype=cdt, device=device)  # the logits, then the lse
     if bt == 0:  # no tokens: nothing to launch (a zero-size grid is an error under the interpreter)
-        return out, mix, logits, lse
+        return out, mix, stats
     if partial is not None:
         partial = partial.contiguous()
     if state is not None:
@@ -231,14 +230,14 @@ def route_forward(
     grid = (_cdiv(bt, cfg["BLOCK_T"]),)
     _route_fwd_kernel[grid](
         pointer_rows, stride_rows, full, query.contiguous(), norm_weight.contiguous(),
-        partial if partial is not None else out, alpha if alpha is not None else logits,
-        state[0] if state is not None else out, state[1] if state is not None else lse,
-        out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, logits, lse,
+        partial if partial is not None else out, alpha if alpha is not None else stats,
+        state[0] if state is not None else out, state[1] if state is not None else stats,
+        out, mix if mix is not None else out, mix_residual if mix_residual is not None else out, stats,
         n, bt, d, heads, head_dim, eps,
         HAS_PARTIAL=partial is not None, HAS_STATE=state is not None, HAS_RES=mix_residual is not None,
         ALIGNED=is_aligned, NUM_STAGES=NUM_STAGES, CDT=_TL_DTYPES[cdt], RNE_BF16=INTERPRET, **cfg,
     )
-    return out, mix, logits, lse
+    return out, mix, stats
 
 
 def route_forward_saved(
@@ -253,17 +252,17 @@ def route_forward_saved(
     state: Optional[tuple[Tensor, Tensor]] = None,
     residual: bool = True,
     tables: Optional[tuple[Tensor, Tensor, bool]] = None,
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """`route_forward` for an autograd forward: (out, mix or None, mix residual or None, logits,
-    lse), out in the storage dtype of the sources (or of the state's mix where there is no
-    source); with `residual` and bf16 / fp16 storage (`needs_mix_residual`) the mix residual is
-    written for the backward."""
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Tensor]:
+    """`route_forward` for an autograd forward: (out, mix or None, mix residual or None, stats
+    (N + 1, B*T, H): the logits, then the lse), out in the storage dtype of the sources (or of the
+    state's mix where there is no source); with `residual` and bf16 / fp16 storage
+    (`needs_mix_residual`) the mix residual is written for the backward."""
     full = sources[-1] if sources and sources[-1].dim() != 1 else state[0]
     rounding = torch.empty(full.shape, dtype=full.dtype, device=full.device) \
         if residual and needs_mix_residual(full.dtype) else None
-    out, mix, logits, lse = route_forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                                          state=state, out_dtype=full.dtype, mix_residual=rounding, tables=tables)
-    return out, mix, rounding, logits, lse
+    out, mix, stats = route_forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                    state=state, out_dtype=full.dtype, mix_residual=rounding, tables=tables)
+    return out, mix, rounding, stats
 
 
 def route_backward(
@@ -274,8 +273,7 @@ def route_backward(
     norm_weight: Tensor,
     heads: int,
     eps: float,
-    logits: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     alpha: Optional[Tensor] = None,
     grads: Optional[Sequence[Tensor]] = None,
     accumulate: Optional[Sequence[bool]] = None,
@@ -288,12 +286,14 @@ def route_backward(
 ) -> tuple[list[Tensor], Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """Launch the backward kernel for `route_forward`'s call with the same sources; `mix` is the
     normalised mix that call produced (its output in replacement mode, its mix in delta mode),
-    `mix_residual` what its rounding lost, when that call wrote it.
+    `stats` its (N + 1, B*T, H) statistics (the logits, then the lse), `mix_residual` what its
+    rounding lost, when that call wrote it.
 
-    state_lse: the lse (B*T, H) of the incoming state of that call (grouped routing's merge;
-    `sources` may then be empty). With it the kernel writes, per token and head, w0 =
-    exp(state_lse - lse) (the state's share of the final softmax): state_norm_grad (B*T, H) fp32
-    receives -w0 <dmix, mix> and state_grad (B, T, d), if given, w0 dmix (`triton_merge`).
+    state_lse: the lse (B, T, H) or (B*T, H), contiguous, of the incoming state of that call
+    (grouped routing's merge; `sources` may then be empty). With it the kernel writes, per token
+    and head, w0 = exp(state_lse - lse) (the state's share of the final softmax): state_norm_grad
+    (state_lse's shape) fp32 receives -w0 <dmix, mix> and state_grad (B, T, d), if given, w0 dmix
+    (`triton_merge`).
 
     grads: optional contiguous (B, T, d) buffers, one per (B, T, d) source, that receive the
     source gradients (new ones otherwise); accumulate: per buffer, True to add this call's
@@ -315,7 +315,7 @@ def route_backward(
     full = sources[-1] if n and sources[-1].dim() != 1 else grad_out  # a null source can only come first
     d = full.shape[-1]
     bt, head_dim = full.numel() // d, d // heads
-    cdt = logits.dtype
+    cdt = stats.dtype
     device = full.device
     if grads is None and tables is None:
         grads = [torch.empty_like(full, memory_format=torch.contiguous_format) for _ in sources[int(has_null):]]
@@ -348,10 +348,10 @@ def route_backward(
     _route_bwd_kernel[(programs,)](
         pointer_rows, stride_rows, grad_rows, accum_rows, full if n else grad_out,
         query.contiguous(), norm_weight.contiguous(),
-        alpha if alpha is not None else lse, grad_out, mix, mix_residual if mix_residual is not None else mix,
-        logits, lse, parts, dalpha_part,
-        state_lse if state_lse is not None else lse, state_grad if state_grad is not None else grad_out,
-        state_norm_grad if state_norm_grad is not None else lse,
+        alpha if alpha is not None else stats, grad_out, mix, mix_residual if mix_residual is not None else mix,
+        stats, parts, dalpha_part,
+        state_lse if state_lse is not None else stats, state_grad if state_grad is not None else grad_out,
+        state_norm_grad if state_norm_grad is not None else stats,
         n, bt, d, heads, head_dim, eps,
         HAS_ALPHA=alpha is not None, HAS_NULL=has_null, HAS_ACCUM=has_accum, HAS_RES=mix_residual is not None,
         HAS_STATE=state_lse is not None, WRITE_DSTATE=state_grad is not None, ALIGNED=is_aligned,

@@ -79,9 +79,9 @@ def route_with_state(sources, query, norm_weight, heads, eps=1e-6, *, state=None
     heads = contract.check_route_args(sources, query, norm_weight, heads, null_source=null_source)
     op._require(sources[0].device, sources[0].shape[-1], heads)
     with torch.no_grad():
-        out, _, _, lse = route_forward(contract.with_null_source(null_source, sources), query, norm_weight, heads,
-                                       eps, state=state, out_dtype=torch.float32)
-    return out, lse
+        out, _, stats = route_forward(contract.with_null_source(null_source, sources), query, norm_weight, heads,
+                                      eps, state=state, out_dtype=torch.float32)
+    return out, stats[-1]
 
 
 def merge_states(a, b):

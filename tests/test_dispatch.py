@@ -114,7 +114,7 @@ def test_grouped_calls_are_checked_by_the_dispatcher(kernel):
             dispatch.phase1(*rows, reads, 2, 1e-6, kernel, sources[0], torch.randn(1, 4, 16), sources[2])
         with pytest.raises(ValueError, match="query must have shape"):
             dispatch.phase1(torch.zeros(2, 8), rows[1], reads, 2, 1e-6, kernel, *sources)
-        state = mixes[0].to(sources[0].dtype), mixes[2], mixes[4][..., 0, :].contiguous()
+        state = mixes[0].to(sources[0].dtype), mixes[2], mixes[4][0]
         out = dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, *sources[1:])
         assert out.shape == (1, 3, 16)
         with pytest.raises(ValueError, match="norm_weight must have shape"):

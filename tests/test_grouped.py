@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mhar_titan.models.model as model_module
-from mhar_kernels import dispatch
+from mhar_kernels import dispatch, launch
 from mhar_titan.config import ActivationCheckpoint
 from mhar_kernels import grouped_reference as grouped
 from mhar_titan.models import router
@@ -329,8 +329,8 @@ def test_plan_counts_the_rows_the_routing_reads(family, g, monkeypatch):
 
 def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple[int, int]]:
     """{storage address: (elements, bytes)} of every distinct storage saved for backward in one step:
-    what goes through saved-tensor hooks, and the sources a fused routing call keeps by reference
-    instead (`launch.save_with_sources`: the node's `kept`)."""
+    what goes through saved-tensor hooks, and the rows and sources a fused routing call keeps by
+    reference instead (`launch.save_with_sources`, read with `launch.kept`)."""
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -346,7 +346,7 @@ def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens).logsumexp(-1).mean()
     for node in autograd_nodes(loss):
-        for t in (getattr(node, "kept", None) or ((),))[0]:
+        for t in launch.kept(node):
             pack(t)
     loss.backward()
     return saved
@@ -383,9 +383,10 @@ def test_no_state_row_is_saved_and_the_extra_bytes_per_group(family):
 def test_fused_grouped_path_saves_what_docs_state(monkeypatch):
     """Debug flavor, fp32, g = 3 (three groups, no per-call site): the fused phase 1 and merge save
     as many (B, T, d) storages as the eager grouped path (lse and references, no state row), and
-    per site that merges m > 0 in-group sources H - m more fp32 values per token (the fused merge
-    keeps the m logits, its lse and the state's lse, (m + 2) H; the eager one its weight w, the m
-    weights and inverse RMS, H + m (H + 1))."""
+    per site m fewer fp32 values per token where it merges m > 0 in-group sources, H fewer where
+    it merges none (the fused merge keeps the m logits and its lse, (m + 1) H, and the state's lse
+    is a view of phase 1's saved lse; the eager one keeps its weight w, the m weights and inverse
+    RMS, H + m (H + 1))."""
     from mhar_kernels import triton_merge
 
     B, T = 1, 8
@@ -407,7 +408,7 @@ def test_fused_grouped_path_saves_what_docs_state(monkeypatch):
     rows = B * T * args.dim
     assert sum(n == rows for n, _ in runs["triton"].values()) == sum(n == rows for n, _ in runs["eager"].values())
     total = {k: sum(nbytes for _, nbytes in v.values()) for k, v in runs.items()}
-    assert total["triton"] - total["eager"] == 4 * B * T * sum(H - m for m in late if m), (total, late)
+    assert total["eager"] - total["triton"] == 4 * B * T * sum(m if m else H for m in late), (total, late)
 
 
 @pytest.mark.slow

@@ -54,14 +54,14 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
 
     def counting_forward(sources, query, norm_weight, heads, eps, *, partial=None, alpha=None, mix_residual=None,
                          **kw):
-        out, mix, logits, lse = forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                                        mix_residual=mix_residual, **kw)
+        out, mix, stats = forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+                                  mix_residual=mix_residual, **kw)
         measured["forward"] += _nbytes(*sources, partial, query, norm_weight) \
-            + _nbytes(out, mix, mix_residual, logits, lse)
+            + _nbytes(out, mix, mix_residual, stats)
         measured["launches"] += 1
-        return out, mix, logits, lse
+        return out, mix, stats
 
-    def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse, alpha=None,
+    def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, stats, alpha=None,
                           grads=None, accumulate=None, mix_residual=None, **kw):
         tables = kw.get("tables")
         if tables is not None:  # a source table's rows: (pointers, strides, gradient pointers, add flags, aligned)
@@ -69,7 +69,7 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
             grads = [grad_out] * len(pointers)
             accumulate = [tables[3] is not None] * len(pointers)
         read_back = [g for g, add in zip(grads or [], accumulate or []) if add]
-        got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, logits, lse,
+        got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, stats,
                                               alpha, grads=None if tables is not None else grads,
                                               accumulate=None if tables is not None else accumulate,
                                               mix_residual=mix_residual, **kw)
@@ -77,7 +77,7 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
             got = grads
         # fp32 partial sums of dq, dg (and dnull), one program on CPU; dq, dg come back cast (param_dtype)
         partials = FP32 * sum(t.numel() for t in (dq, dg, dnull) if t is not None) + (FP32 if alpha is not None else 0)
-        measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, logits, lse, query, norm_weight) \
+        measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, stats, query, norm_weight) \
             + _nbytes(*read_back) + _nbytes(*got) + partials
         measured["reduce"] += 2 * partials + _cast_bf16(dq, dg, dnull)  # the host sums the partials, casts
         measured["returned"] += grads is None  # gradients not written into shared buffers

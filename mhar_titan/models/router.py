@@ -341,9 +341,8 @@ def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_no
     entries = contract.with_null_source(null, full) if full else [null]  # (no full source: dispatch says so)
     out = dispatch.phase1(query, key_norm, group.phase1_reads, settings.heads, settings.eps, settings.kernel, *entries)
     g = group.size
-    # each site's lse is its own tensor, not a view of the group's (a block output must not be a view)
-    lse = out[2 * g].unbind(-2)
-    return {site: State(out[i], out[g + i], lse[i].contiguous()) for i, site in enumerate(group.sites)}
+    lse = out[2 * g].unbind(0)  # (g, B, T, H), site-major: each site's lse a view, no copy
+    return {site: State(out[i], out[g + i], lse[i]) for i, site in enumerate(group.sites)}
 
 
 def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, h: Tensor | None, query: Tensor,
