@@ -267,22 +267,23 @@ STEP_SEQ = {"100m": 2048, "1b": 1024}  # the paper's sequence lengths of the mea
 # each scale, family ("baseline", "mhar" per call, "mhar-grouped") and activation checkpointing
 # mode, measured by `python bench/step_host.py --repeats 20` (real depth and routing plan, tiny
 # tensors, kernel launches stubbed; host CPU time of the step's thread, one torch thread, automatic
-# garbage collection off inside the steps as in the trainer) on an idle 2-core CPU (AMD EPYC, load
-# average 0.4), 2026-12-02 (BENCHMARKS.md "Whole-step host time on the idle machine, sources kept
-# by reference"). The host work of a step does not depend on the micro-batch.
+# garbage collection off inside the steps as in the trainer) on a 2-core CPU (AMD EPYC, load
+# average 0.8, nothing else running), 2026-12-02 15:21 UTC (BENCHMARKS.md "Whole-step host time,
+# routing calls that save only their activations"). The host work of a step does not depend on
+# the micro-batch.
 HOST_STEP_MS = {
-    ("100m", "baseline", "none"): 18.0,
-    ("100m", "mhar", "none"): 22.5,
-    ("100m", "mhar-grouped", "none"): 25.0,
-    ("100m", "baseline", "full"): 30.6,
-    ("100m", "mhar", "full"): 38.8,
-    ("100m", "mhar-grouped", "full"): 41.3,
-    ("1b", "baseline", "none"): 69.4,
-    ("1b", "mhar", "none"): 83.0,
-    ("1b", "mhar-grouped", "none"): 81.7,
-    ("1b", "baseline", "full"): 117.2,
-    ("1b", "mhar", "full"): 143.6,
-    ("1b", "mhar-grouped", "full"): 154.4,
+    ("100m", "baseline", "none"): 14.7,
+    ("100m", "mhar", "none"): 18.1,
+    ("100m", "mhar-grouped", "none"): 19.7,
+    ("100m", "baseline", "full"): 30.4,
+    ("100m", "mhar", "full"): 37.3,
+    ("100m", "mhar-grouped", "full"): 39.5,
+    ("1b", "baseline", "none"): 65.7,
+    ("1b", "mhar", "none"): 78.1,
+    ("1b", "mhar-grouped", "none"): 79.6,
+    ("1b", "baseline", "full"): 112.3,
+    ("1b", "mhar", "full"): 142.3,
+    ("1b", "mhar-grouped", "full"): 145.2,
 }
 
 
