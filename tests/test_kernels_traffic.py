@@ -197,14 +197,14 @@ def test_grouped_traffic_by_hand():
     a per-call site over {0, 1, 2, 4}; 4 tokens, d = 8, bf16 (row = 64 bytes), H = 2, one program,
     two backward site chunks of one site. (The whole model is checked against a complete count
     of a training step in tests/test_byte_count.py.)"""
-    row, stats, stat = 64, 4 * 2 * 2 * 4, 4 * 2 * 4  # rows; (B*T, g, H) and (B*T, H) fp32
+    row, stats, stat = 64, 4 * 2 * 2 * 4, 4 * 2 * 4  # rows; (g, B*T, H) and (B*T, H) fp32
     t = traffic.grouped_traffic([([0, 1, 2], [[], [3]]), ([0, 1, 2, 4], [[]])], dim=8, tokens=4,
                                 dtype=torch.bfloat16, heads=2, programs=1, backward_site_block=1)
     assert t.floor == ((3 + 1 + 2) + (6 + 1 + 3) + (4 + 1) + (8 + 1)) * row
     p1 = {launch.kind: launch for launch in t.launches if launch.phase == "phase1"}
-    # forward: 3 rows, 2 query and 2 key-norm rows (bf16); 2 mixes (bf16 rows), lse, the normalisers
-    # of ones, the per-site lse copies (read and written)
-    assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16 + stats, 2 * row + 3 * stats)
+    # forward: 3 rows, 2 query and 2 key-norm rows (bf16); 2 mixes (bf16 rows), lse (site-major: each
+    # site's state takes a view of it, no copy), the normalisers of ones
+    assert (p1["forward"].read, p1["forward"].written) == (3 * row + 2 * 2 * 16, 2 * row + 2 * stats)
     # backward: 3 sources, 2 mix gradients, every gradient row read back (two chunks), the (1, 2, 8)
     # partials added into, dnorm, lse and the stack's read of the normaliser gradients
     t_sums = 2 * 8 * 4
