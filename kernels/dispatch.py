@@ -138,7 +138,7 @@ def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = Fal
     additions); otherwise `source` itself. (d,) null sources are returned as they are.
     outlives: the entry is alive for the whole backward anyway (an input of a later block or read
     outside the blocks), so its readers keep it by reference (`op.share_gradient`). remakes: the
-    gradient sink (`gradient_sink`) of the same entry in the block's first forward, when activation
+    gradient sink (`gradient_sinks`) of the same entry in the block's first forward, when activation
     checkpointing recomputes the block (`op.share_gradient`)."""
     if source.dim() == 1 or torch.compiler.is_compiling():
         return source
@@ -147,9 +147,10 @@ def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = Fal
     return _module("op").share_gradient(source, outlives, remakes)
 
 
-def gradient_sink(entry: Tensor):
-    """The gradient sink of an entry `share_gradient` returned (None where it returned the source)."""
-    return getattr(entry, launch.SINK_ATTRIBUTE, None)
+def gradient_sinks(entries: Sequence[Tensor]) -> list:
+    """The gradient sink of each entry `share_gradient` returned (None where it returned the
+    source), as `launch.sinks` reads them."""
+    return launch.sinks(entries)
 
 
 def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,

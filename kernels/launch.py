@@ -116,9 +116,9 @@ def keeps_sources(sinks: Sequence) -> bool:
         return False
 
 
-def _versions(tensors: Sequence[Optional[Tensor]]) -> int:
-    """The sum of the version counters of `tensors` (None skipped)."""
-    return sum(t._version for t in tensors if t is not None)
+def _kept_version(rows: tuple, sources: tuple) -> int:
+    """The sum of the version counters of the kept `rows` (None skipped) and `sources`."""
+    return sum(t._version for t in rows if t is not None) + sum(map(_version, sources))
 
 
 def save_with_sources(ctx, sinks: Sequence, tensors: tuple, sources: Sequence[Tensor], rows: tuple = ()) -> None:
@@ -128,12 +128,11 @@ def save_with_sources(ctx, sinks: Sequence, tensors: tuple, sources: Sequence[Te
     the sinks, so a block recomputed under activation checkpointing saves as many tensors as its
     first forward did. Read back with `saved_with_sources`; `ctx.sources_kept` tells which."""
     ctx.sources_kept = keeps_sources(sinks)
+    kept = tuple(sources) if ctx.sources_kept else ()
+    ctx.kept = (rows, kept, _kept_version(rows, kept), len(tensors))
     if ctx.sources_kept:
-        sources = tuple(sources)
-        ctx.kept = (rows, sources, _versions(rows) + sum(map(_version, sources)), len(tensors))
         ctx.save_for_backward(*tensors)
     else:
-        ctx.kept = (rows, (), _versions(rows), len(tensors))
         ctx.save_for_backward(*tensors, *sources)
 
 
@@ -153,7 +152,7 @@ def saved_with_sources(ctx) -> tuple:
             raises for a saved tensor)."""
     saved = ctx.saved_tensors
     rows, sources, version, count = ctx.kept
-    if _versions(rows) + sum(map(_version, sources)) != version:
+    if _kept_version(rows, sources) != version:
         raise RuntimeError("one of the routing sources or parameter rows needed for gradient computation has been "
                            "modified by an inplace operation after the routing call; clone it before modifying it")
     if ctx.sources_kept:

@@ -223,8 +223,8 @@ class Phase1(torch.autograd.Function):
 
     Saves for backward: lse (g H values per token); kept as plain references
     (`launch.save_with_sources`): the query and key-norm rows and the sources. No (B, T, d)
-    tensor. A source made by `op.share_gradient` gets its gradient added into its shared buffer (as the per-call kernels do)
-    and None returned."""
+    tensor. A source made by `op.share_gradient` gets its gradient added into its shared buffer
+    (as the per-call kernels do) and None returned."""
 
     site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
 

@@ -78,7 +78,7 @@ class BlockSources:
         remade = self.sinks[made:made + len(entries)]  # empty on the first forward
         shared = shared_entries(entries, settings, outlives, remade)
         if not remade:
-            self.sinks += map(dispatch.gradient_sink, shared)
+            self.sinks += dispatch.gradient_sinks(shared)
         return shared
 
 
