@@ -6,7 +6,8 @@
 Makes `datasets`, `torchdata`, `tiktoken` and `wandb` unimportable (an accidental import fails
 loudly instead of passing on a machine that happens to have them), drops an editable install's
 import finder so that `mhar_titan` and `mhar_kernels` come from this checkout, puts the checkout
-first on sys.path, then runs the target as __main__.
+and its kernels/ folder (which holds the package mhar_kernels/) first on sys.path, then runs the
+target as __main__.
 """
 import runpy
 import sys
@@ -21,7 +22,7 @@ def plain_checkout() -> None:
         sys.modules[name] = None  # `import name` raises ImportError
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
     sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
-    sys.path[:] = [str(ROOT)] + [p for p in sys.path if "__editable__" not in p]
+    sys.path[:] = [str(ROOT), str(ROOT / "kernels")] + [p for p in sys.path if "__editable__" not in p]
 
 
 def main(argv: list[str]) -> None:

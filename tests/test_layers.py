@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "mhar_titan"
-KERNELS = ROOT / "kernels"
+KERNELS = ROOT / "kernels" / "mhar_kernels"
 
 LEAVES = ("mhar_titan.errors", "mhar_titan.lazy", "mhar_titan.progress", "mhar_titan.exit_status",
           "mhar_titan.files",
@@ -26,7 +26,7 @@ EXPERIMENTS = ("mhar_titan.experiments",)
 
 
 def module_name(path: pathlib.Path) -> str:
-    """Dotted name of a source file: mhar_titan.x.y, or mhar_kernels.x for kernels/x.py."""
+    """Dotted name of a source file: mhar_titan.x.y, or mhar_kernels.x for kernels/mhar_kernels/x.py."""
     if path.is_relative_to(KERNELS):
         parts = ("mhar_kernels", *path.relative_to(KERNELS).with_suffix("").parts)
     else:
