@@ -27,6 +27,9 @@ SOURCES = ("hub", "local", "pretokenized")
 SHARDINGS = ("window", "document")
 SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 """A mixture source's name: it appears in metric keys (``val_loss/<name>``, ``tokens_seen/<name>``)."""
+MIN_SHARE = 2.0 ** -64
+"""The smallest share of the windows a source with a weight > 0 may have: the mixture draws on a
+64-bit grid (``mhar_titan.data.mixture``), so a smaller share is never drawn."""
 
 
 @dataclass
@@ -235,7 +238,7 @@ class DataConfig(SourceFields):
             w = src.weight
             if w is None:
                 raise ValueError(f"{where} has no weight: set weight = <share of the windows>, e.g. 0.5")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not _finite(w) or w < 0:
                 raise ValueError(f"{where}.weight = {w!r}: weights must be finite numbers >= 0 (0 draws nothing "
                                  f"from the source but keeps its position)")
             if src.tokenizer is not None and src.tokenizer != self.tokenizer:
@@ -245,22 +248,50 @@ class DataConfig(SourceFields):
             if src.source in ("local", "pretokenized") and not src.files:
                 raise ValueError(f"{where} has no files (source = {src.source!r}, files = []): list its "
                                  f"training files, or remove the source")
-        total = sum(float(s.weight) for s in self.sources)
+        self.normalised_weights()
+
+    def normalised_weights(self) -> list[float]:
+        """The mixture's weights divided by their sum (shares of the windows, summing to 1), in
+        the order of ``sources``; ``[]`` for the one-source form.
+
+        Raises:
+            ValueError: the weights sum to 0, or to a number a float cannot hold (two weights of
+                1e308 overflow to infinity), or a weight > 0 has a share too small for the mixture
+                to ever draw it (below ``MIN_SHARE`` = 2^-64, the resolution of its 64-bit draws;
+                a subnormal share, or one that rounds to 0); the message names the sources.
+        """
+        if not self.sources:
+            return []
+        weights = [float(s.weight) for s in self.sources]
+        listed = ", ".join(f"{s.name}={w:g}" for s, w in zip(self.sources, weights))
+        total = sum(weights)
+        if not math.isfinite(total):
+            raise ValueError(f"the weights of data.sources sum to {total:g}, more than a float holds ({listed}): "
+                             f"only their ratios matter, so scale them down, e.g. to shares that sum to 1")
         if not total > 0:
             raise ValueError(f"the weights of data.sources sum to {total:g}: at least one source needs a weight "
-                             f"> 0 ({', '.join(f'{s.name}={s.weight:g}' for s in self.sources)})")
+                             f"> 0 ({listed})")
+        shares = [w / total for w in weights]
+        for i, (src, w, share) in enumerate(zip(self.sources, weights, shares)):
+            if w > 0 and not (math.isfinite(share) and share >= MIN_SHARE):
+                raise ValueError(f"data.sources[{i}] ({src.name!r}).weight = {w:g} is a share of {share:g} of the "
+                                 f"weights' sum {total:g}, below the {MIN_SHARE:.2g} the mixture can draw (it would "
+                                 f"never be drawn): set it to 0 to keep the source without drawing from it, or raise "
+                                 f"it ({listed})")
+        if not abs(math.fsum(shares) - 1.0) < 1e-9:  # cannot happen for finite weights >= 0; guards the kind
+            raise ValueError(f"the weights of data.sources do not normalise to shares summing to 1 ({listed})")
+        return shares
 
     def mixture(self) -> list[MixtureSpec]:
         """The sources, each as a single-source ``DataConfig`` (its own source keys, the shared
         keys of this ``[data]``) with its weight normalised to sum 1; ``[]`` for the one-source form."""
         if not self.sources:
             return []
-        total = sum(float(s.weight) for s in self.sources)
+        shares = self.normalised_weights()
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in SOURCE_KEYS and f.name not in ("sources", "allow_weight_change")}
-        return [MixtureSpec(s.name, float(s.weight) / total,
-                            DataConfig(**shared, **{k: getattr(s, k) for k in SOURCE_KEYS}))
-                for s in self.sources]
+        return [MixtureSpec(s.name, share, DataConfig(**shared, **{k: getattr(s, k) for k in SOURCE_KEYS}))
+                for s, share in zip(self.sources, shares)]
 
     def validation_configs(self) -> list[tuple[str, "DataConfig"]]:
         """(name, single-source config) of every source with validation files: ``[("", self)]``
@@ -268,6 +299,14 @@ class DataConfig(SourceFields):
         if not self.sources:
             return [("", self)] if self.validation_files else []
         return [(m.name, m.data) for m in self.mixture() if m.data.validation_files]
+
+
+def _finite(x) -> bool:
+    """Whether a number is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _as_source(entry, i: int) -> MixtureSource:

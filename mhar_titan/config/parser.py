@@ -128,6 +128,8 @@ def _non_finite(value: Any, where: str = "") -> Optional[tuple[str, float]]:
     inside a list or table: ``where`` is then e.g. "[1].weight"), else None."""
     if isinstance(value, float) and not math.isfinite(value):
         return where, value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        return where, float("inf") if value > 0 else float("-inf")  # a float setting would read it as infinity
     items = (((f".{k}", v) for k, v in value.items()) if isinstance(value, dict)
              else ((f"[{i}]", v) for i, v in enumerate(value)) if isinstance(value, (list, tuple)) else ())
     for sub, item in items:

@@ -1,0 +1,65 @@
+"""Faults a careless user meets, each refused in one line (exit 2) before anything expensive runs,
+or handled the way a user expects: mixture weights whose normalisation fails, eval output paths
+that cannot be written, Muon settings left beside AdamW, and the end-of-run summary's validation line.
+"""
+import logging
+
+import pytest
+import torch.distributed as dist
+
+from mhar_titan.config import ConfigError, load_config
+from mhar_titan.data.mixture import thresholds
+from mhar_titan.dryrun import main as dryrun
+from mhar_titan.train import main
+
+# --------------------------------------------------------------------------- mixture weights
+
+
+def _mixture_toml(*weights) -> str:
+    return "[data]\ntokenizer = \"bytes\"\n" + "".join(
+        f"[[data.sources]]\nname = \"s{i}\"\nweight = {w}\nfiles = [\"x{i}\"]\n" for i, w in enumerate(weights))
+
+
+BAD_WEIGHTS = {
+    # the sum overflows a float: each weight passes, their shares would be 0 / 0
+    "sum_overflows": (("1e308", "1e308"), "the weights of data.sources sum to inf"),
+    "sum_overflows_three": (("9e307", "9e307", "0"), "the weights of data.sources sum to inf"),
+    "huge_integer": (("1" + "0" * 400, "1"), "'data.sources[0].weight' must be a finite number"),
+    # a weight > 0 whose share rounds to nothing would never be drawn
+    "share_underflows": (("5e-324", "1e10"), "data.sources[0] ('s0').weight = 4.94066e-324 is a share of 0 "),
+    "share_below_resolution": (("1e-25", "1"), "data.sources[0] ('s0').weight = 1e-25 is a share of 1e-25"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WEIGHTS))
+def test_mixture_weights_that_do_not_normalise_exit_2_in_one_line_before_the_model(tmp_path, capsys, case):
+    weights, needle = BAD_WEIGHTS[case]
+    path = tmp_path / "job.toml"
+    path.write_text(_mixture_toml(*weights))
+    with pytest.raises(ConfigError, match="data.sources") as err:
+        load_config(str(path))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    runs = tmp_path / "runs"
+    assert main(["--config", str(path), f"--job.dump_folder={runs}", "--model.vocab_size=384"]) == 2
+    out = capsys.readouterr().err
+    assert needle in out and "Traceback" not in out and len(out.strip().splitlines()) == 1
+    assert not runs.exists() and not dist.is_initialized()
+    # the dry run refuses the same job in the same line, without a traceback
+    assert dryrun(["--config", str(path), "--device", "cpu"]) != 0
+    out = capsys.readouterr()
+    assert needle in out.err and "Traceback" not in out.err and len(out.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("weights, shares", [
+    (("1e300", "3e300"), [0.25, 0.75]),          # large weights whose sum a float holds
+    (("5e-324", "5e-324"), [0.5, 0.5]),          # subnormal weights: only their ratio matters
+    (("2", "0", "6"), [0.25, 0.0, 0.75]),        # a zero weight keeps its share of 0
+])
+def test_mixture_weights_that_normalise_are_kept_as_their_ratios(tmp_path, weights, shares):
+    path = tmp_path / "job.toml"
+    path.write_text(_mixture_toml(*weights))
+    specs = load_config(str(path)).data.mixture()
+    assert [m.weight for m in specs] == shares
+    upper = thresholds([m.weight for m in specs])  # the draws' intervals: each share > 0 owns a non-empty one
+    bounds = [0, *upper, 2 ** 64]
+    assert [bounds[i + 1] > bounds[i] for i in range(len(shares))] == [s > 0 for s in shares]
