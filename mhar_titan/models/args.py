@@ -11,6 +11,11 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | Block AttnRes | "attn_res"   | any           | "block"             | "replace"    |
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
+`routing_logit_scale` (a float > 0, or "match_heads:H" = 1/sqrt(H)) multiplies every depth logit
+of every routing head, and `routing_temperature = "learned"` makes that factor one learnable
+log-temperature per routing site and head, starting at the scale (docs/DESIGN.md "Logit scale and
+temperature"; router.py `DepthRouting.effective_queries`, the one place the factor is applied).
+
 `routing_group_size` (g, or "auto") cuts the routing sites into groups of g consecutive sites
 routed in two phases (plan.py "Groups", router.py); it changes how routing is computed, not
 the function or the weights.
@@ -45,6 +50,9 @@ ROUTING_MODES = ("replace", "delta")
 ROUTING_LAYOUTS = ("clean", "paper")
 HEAD_LAYOUTS = ("contiguous", "permuted")
 ROPE_SCALINGS = (None, "llama3")
+ROUTING_TEMPERATURES = ("fixed", "learned")
+MATCH_HEADS = "match_heads:"
+"""Prefix of the `routing_logit_scale` spelling "match_heads:H" (the scale 1/sqrt(H))."""
 ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # mhar_kernels.dispatch.KERNELS (a test checks)
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
               "rope_original_max_seq_len", "routing_block_layers")
@@ -101,6 +109,8 @@ class ModelArgs:
     routing_layout: Literal["clean", "paper"] = "clean"  # delta bookkeeping: ours or the authors' (plan.py)
     routing_head_layout: Literal["contiguous", "permuted"] = "contiguous"  # permuted: eager kernel only
     routing_head_layout_seed: int = 0  # seed of the permuted layout's fixed permutation of the d coordinates
+    routing_logit_scale: float | str = 1.0  # multiplies every depth logit; "match_heads:H" = 1/sqrt(H) (`logit_scale`)
+    routing_temperature: Literal["fixed", "learned"] = "fixed"  # learned: a log-temperature per site and head
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +167,7 @@ class ModelArgs:
                 f"d: {', '.join(str(h) for h in range(1, self.dim + 1) if self.dim % h == 0)}"
             )
         self._check_group_size()
+        self._check_logit_scale()
         _check_choice("routing_layout", self.routing_layout, ROUTING_LAYOUTS)
         if self.routing_layout == "paper" and self.residual == "attn_res" and not (
             self.routing_mode == "delta" and self.routing_null_source and self.routing_eps == self.norm_eps
@@ -202,6 +213,19 @@ class ModelArgs:
                              "training.compile), got routing_kernel='compile'; set routing_kernel='triton' or "
                              "'eager', or routing_group_size=1")
 
+    def _check_logit_scale(self) -> None:
+        """routing_logit_scale (a finite float > 0 or "match_heads:H", `logit_scale`) and
+        routing_temperature ("fixed" or "learned"); both need residual='attn_res' unless left at
+        their defaults (ValueError). Every routing kernel takes both (the factor is folded into the
+        pseudo-query, router.py `DepthRouting.effective_queries`), so no kernel is rejected."""
+        logit_scale(self.routing_logit_scale)
+        _check_choice("routing_temperature", self.routing_temperature, ROUTING_TEMPERATURES)
+        if self.residual == "standard" and (self.routing_temperature != "fixed" or self.routing_logit_scale != 1.0):
+            raise ValueError(f"routing_logit_scale={self.routing_logit_scale!r} and routing_temperature="
+                             f"{self.routing_temperature!r} scale the depth logits, which need residual='attn_res' "
+                             "(the standard residual has no routing sites); set residual='attn_res', or "
+                             "routing_logit_scale=1.0 and routing_temperature='fixed'")
+
     def _check_types(self) -> None:
         """Numeric and boolean fields: positive ints, finite positive reals, bools (ValueError)."""
         for name in INT_FIELDS:
@@ -227,6 +251,11 @@ class ModelArgs:
         return self.n_kv_heads if self.routing_heads == "kv" else int(self.routing_heads)
 
     @property
+    def resolved_logit_scale(self) -> float:
+        """The factor every depth logit starts with, as a float (`logit_scale`)."""
+        return logit_scale(self.routing_logit_scale)
+
+    @property
     def n_routing_sites(self) -> int:
         """Routing sites S: one per sublayer plus the final routing (2L+1; 2L in the paper layout,
         which has no final routing); 0 for the baseline."""
@@ -242,6 +271,32 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"unknown ModelArgs field(s) {unknown}; valid fields: {sorted(fields)}")
         return cls(**{**FLAVORS[name], **overrides})
+
+
+def logit_scale(value) -> float:
+    """The depth-logit scale a `routing_logit_scale` setting means: a finite number > 0 as a float,
+    or "match_heads:H" (H a positive decimal integer) as 1/sqrt(H), the temperature at which one
+    routing head's logits have the spread of one of H heads' (each head's logit sums d/H products
+    instead of d). The one parser of the setting.
+
+    Raises:
+        ValueError: naming the field: a bool, a number <= 0, NaN or infinite, a string other than
+            "match_heads:H", or H not a positive integer ("match_heads:0", "match_heads:x",
+            "match_heads:-3", "match_heads:").
+    """
+    if isinstance(value, str):
+        count = value[len(MATCH_HEADS):] if value.startswith(MATCH_HEADS) else None
+        if count is None or not (0 < len(count) <= 18 and count.isascii() and count.isdigit()) or int(count) <= 0:
+            raise ValueError(f"routing_logit_scale must be a number > 0 or 'match_heads:H' with H a positive integer "
+                             f"(the scale 1/sqrt(H)), got {value!r}; e.g. routing_logit_scale='match_heads:8'")
+        return 1.0 / math.sqrt(int(count))
+    try:
+        scale = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int beyond the float range
+        scale = math.inf
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"routing_logit_scale must be a finite number > 0 or 'match_heads:H', got {value!r}")
+    return scale
 
 
 def _check_choice(field: str, value, choices) -> None:
@@ -281,7 +336,8 @@ FAMILIES: dict[str, dict] = {
 
 
 FAMILY_FIELDS = ("residual", "routing_heads", "routing_granularity", "routing_block_layers", "routing_mode",
-                 "routing_null_source", "routing_layout", "routing_head_layout")
+                 "routing_null_source", "routing_layout", "routing_head_layout", "routing_logit_scale",
+                 "routing_temperature")
 """The ``ModelArgs`` fields that tell one residual-path family from another."""
 
 
