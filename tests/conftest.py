@@ -4,6 +4,7 @@ Environment variables must be set before torch/triton/datasets are imported,
 so they live at the top of this file (pytest imports conftest first).
 """
 import os
+import re
 
 import pytest
 from helpers import ROOT  # standard library only: nothing is imported before the variables are set
@@ -23,8 +24,29 @@ except ImportError:  # pragma: no cover
     pass
 
 
+# A test module that imports one of these (or importorskips it) touches a third-party API: it is
+# marked ``third_party``, and `make test-latest` runs those against the newest allowed versions.
+THIRD_PARTY = ("transformers", "lm_eval", "datasets", "wandb", "tensorboard", "safetensors", "tokenizers",
+               "huggingface_hub", "kernels")
+_THIRD_PARTY_IMPORT = re.compile(r"^\s*(?:import|from)\s+(?:torch\.utils\.)?(%s)\b|importorskip\(\s*[\"'](%s)\b"
+                                 % ("|".join(THIRD_PARTY), "|".join(THIRD_PARTY)), re.MULTILINE)
+_touches_third_party: dict[str, bool] = {}
+
+
+def touches_third_party(path) -> bool:
+    """Whether the test module at ``path`` imports a THIRD_PARTY package (read once per module)."""
+    key = str(path)
+    if key not in _touches_third_party:
+        _touches_third_party[key] = bool(_THIRD_PARTY_IMPORT.search(open(path, encoding="utf-8").read()))
+    return _touches_third_party[key]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped where none is visible (CI runs CPU-only)."""
+    """Tests marked ``gpu`` need CUDA: skipped where none is visible (CI runs CPU-only). Tests in a
+    module that imports a THIRD_PARTY package are marked ``third_party``."""
+    for item in items:
+        if item.path.suffix == ".py" and touches_third_party(item.path):
+            item.add_marker(pytest.mark.third_party)
     try:
         import torch
 

