@@ -63,3 +63,39 @@ def test_mixture_weights_that_normalise_are_kept_as_their_ratios(tmp_path, weigh
     upper = thresholds([m.weight for m in specs])  # the draws' intervals: each share > 0 owns a non-empty one
     bounds = [0, *upper, 2 ** 64]
     assert [bounds[i + 1] > bounds[i] for i in range(len(shares))] == [s > 0 for s in shares]
+
+
+# --------------------------------------------------------------------------- Muon settings beside AdamW
+
+
+def _optimizer_warnings(caplog, *overrides) -> list[str]:
+    from helpers import tiny_model
+
+    from mhar_titan.optim import build_optimizer
+
+    cfg = load_config(None, list(overrides)).optimizer
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mhar_titan.optim"):
+        optimizer = build_optimizer(tiny_model(), cfg)
+    assert type(optimizer).__name__ == ("MuonWithAdamW" if cfg.name == "Muon" else "AdamW")
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_muon_settings_beside_adamw_are_warned_about_once_by_name(caplog):
+    warned = _optimizer_warnings(caplog, "--optimizer.muon_lr=0.02", "--optimizer.muon_ns_steps=3")
+    assert len(warned) == 1
+    assert ("optimizer.muon_lr = 0.02, optimizer.muon_ns_steps = 3 are ignored: optimizer.name = 'AdamW'"
+            in warned[0]) and "muon_momentum" not in warned[0]
+    assert _optimizer_warnings(caplog) == []  # defaults: nothing to say
+    assert _optimizer_warnings(caplog, "--optimizer.name=Muon", "--optimizer.muon_lr=0.02") == []  # used
+
+
+def test_training_with_muon_settings_beside_adamw_warns_once(tmp_path, caplog):
+    from train_common import debug_argv
+
+    argv = debug_argv(tmp_path, "adamw", "--training.steps=1", "--lr_scheduler.warmup_steps=0",
+                      "--optimizer.muon_momentum=0.9")
+    with caplog.at_level(logging.WARNING):
+        assert main(argv) == 0
+    warned = [r.getMessage() for r in caplog.records if "muon" in r.getMessage()]
+    assert len(warned) == 1 and "optimizer.muon_momentum = 0.9 is ignored" in warned[0]

@@ -30,7 +30,7 @@ The package's modules, one job each (this module re-exports their public names, 
 | ``lr_schedule`` | ``WarmupStableDecay``, ``ConfigLambdaLR``, ``build_lr_scheduler``, the schedule warnings |
 | ``clipping`` | ``clip_grad_norm_by_group`` |
 """
-from .build import build_optimizer, describe_split, optimizer_fields, optimizer_split
+from .build import build_optimizer, describe_split, ignored_muon_warning, optimizer_fields, optimizer_split
 from .clipping import clip_grad_norm_by_group
 from .groups import GRAD_NORM_GROUPS, clean_name, grad_norm_group, param_group_of
 from .lr_schedule import (ConfigLambdaLR, WarmupStableDecay, build_lr_scheduler, decay_steps, decay_warning,
@@ -40,6 +40,6 @@ from .muon import MuonWithAdamW, ShardedMuon, muon_comm_bytes, newton_schulz, re
 __all__ = [
     "GRAD_NORM_GROUPS", "ConfigLambdaLR", "MuonWithAdamW", "ShardedMuon", "WarmupStableDecay", "build_lr_scheduler",
     "build_optimizer", "clean_name", "clip_grad_norm_by_group", "decay_steps", "decay_warning", "describe_split",
-    "grad_norm_group", "muon_comm_bytes", "newton_schulz", "optimizer_fields", "optimizer_split", "param_group_of",
+    "grad_norm_group", "ignored_muon_warning", "muon_comm_bytes", "newton_schulz", "optimizer_fields", "optimizer_split", "param_group_of",
     "resolved_ns_dtype", "schedule_warnings", "warmup_warning",
 ]

@@ -10,16 +10,23 @@ all parameters.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import re
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from mhar_titan.config.sections import Optimizer
 from mhar_titan.errors import ConfigError
 
 from .groups import clean_name, param_group_of
 from .muon import MuonWithAdamW, ShardedMuon, muon_comm_bytes, resolved_ns_dtype
+
+logger = logging.getLogger(__name__)
 
 
 def _adamw_groups(named: list[tuple[str, nn.Parameter]], groups: dict[str, str], cfg) -> list[dict]:
@@ -55,6 +62,22 @@ def optimizer_split(model: nn.Module, cfg) -> dict[str, list[tuple[str, tuple[in
     return split
 
 
+def ignored_muon_warning(cfg) -> Optional[str]:
+    """The warning for ``muon_*`` settings of ``[optimizer]`` that differ from their defaults while
+    ``name`` is not "Muon" (they do nothing then), naming them; None when there are none.
+    ``build_optimizer`` logs it once, on rank 0."""
+    if cfg.name == "Muon":
+        return None
+    default = Optimizer()
+    ignored = [f"optimizer.{f.name} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(Optimizer)
+               if f.name.startswith("muon_") and getattr(cfg, f.name) != getattr(default, f.name)]
+    if not ignored:
+        return None
+    return (f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored: optimizer.name = {cfg.name!r} "
+            f"uses no Muon setting; set optimizer.name = \"Muon\" to use {'it' if len(ignored) == 1 else 'them'}, "
+            f"or remove {'it' if len(ignored) == 1 else 'them'}")
+
+
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The ``[optimizer]`` section's optimizer over ``model``'s trainable parameters.
 
@@ -68,9 +91,14 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         are "muon" (and "muon_no_decay" when ``no_decay`` names a Muon group), then AdamW's
         "decay" and "no_decay" (``optimizer_split`` says which parameter is where).
 
+    Logs ``ignored_muon_warning`` (on rank 0): ``muon_*`` settings beside ``name = "AdamW"``.
+
     Raises:
         ConfigError: Muon was asked for and no parameter is a matrix of ``cfg.muon_groups``.
     """
+    warning = ignored_muon_warning(cfg)
+    if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(warning)
     groups = param_group_of(model)
     split = optimizer_split(model, cfg)
     muon_names = {n for n, _ in split["Muon"]}
