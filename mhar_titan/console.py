@@ -86,7 +86,8 @@ def line(tag: str, fields: Iterable[str], kind: str = "step", color: bool = Fals
 def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skipped: int,
                    val_losses: list[tuple[int, float]], run_dir: str, checkpoint: Optional[str],
                    metrics: list[str], train_loss: Optional[tuple[float, int]] = None,
-                   throughput: Optional[list[str]] = None) -> list[list[str]]:
+                   throughput: Optional[list[str]] = None,
+                   validation_freq: Optional[int] = None) -> list[list[str]]:
     """The end-of-run summary as lines of fields: what ran, the training loss, throughput,
     validation, the run folder, the checkpoint and the metrics files in it.
 
@@ -96,7 +97,9 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
     metrics: where the full metrics are in the run folder (JSONL file, TensorBoard, wandb);
     train_loss: (smoothed final training loss, the number of last steps averaged), or None
       (no finite step loss in this run);
-    throughput: the throughput fields (`components.performance.summary_throughput_fields`), or None."""
+    throughput: the throughput fields (`components.performance.summary_throughput_fields`), or None;
+    validation_freq: ``validation.freq`` when validation is on, None when it is off (what the
+      validation line says when no validation ran: off, or not due yet when the run stopped)."""
     ran = steps - start_step
     lines = [["done", f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
               f"{count(tokens)} tokens", f"wall {duration(wall_s)}"] + ([f"skipped {skipped}"] if skipped else [])]
@@ -111,8 +114,12 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
         best_step, best = min(val_losses, key=lambda sv: (sv[1] if math.isfinite(sv[1]) else math.inf, sv[0]))
         lines.append(["val loss", f"final {loss_text(val_losses[-1][1])}",
                       f"best {loss_text(best)} (step {best_step})"])
-    else:
+    elif validation_freq is None:
         lines.append(["val loss", "none (validation.enable = false)"])
+    else:
+        due = (steps // validation_freq + 1) * validation_freq
+        lines.append(["val loss", f"none yet (validation.freq = {validation_freq}: the run stopped at step {steps}, "
+                                  f"before the next validation, due at step {due} or the last step)"])
     lines.append(["run folder", run_dir])
     lines.append(["checkpoint", checkpoint or "none written"])
     lines.append(["metrics", *metrics])

@@ -408,7 +408,8 @@ class Trainer:
                                str(self.run_dir), checkpoint, self.metrics.locations,
                                train_loss=self.totals.smoothed_loss(),
                                throughput=summary_throughput_fields(self.totals, self.env.world_size, self.flops,
-                                                                    self.peak_flops, self.device))
+                                                                    self.peak_flops, self.device),
+                               validation_freq=self.cfg.validation.freq if self.val_loader is not None else None)
         for fields in lines:
             self.metrics.event(self.state.step, *fields)
 

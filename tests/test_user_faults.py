@@ -99,3 +99,30 @@ def test_training_with_muon_settings_beside_adamw_warns_once(tmp_path, caplog):
         assert main(argv) == 0
     warned = [r.getMessage() for r in caplog.records if "muon" in r.getMessage()]
     assert len(warned) == 1 and "optimizer.muon_momentum = 0.9 is ignored" in warned[0]
+
+
+# --------------------------------------------------------------------------- the summary after an early stop
+
+
+def test_early_preemption_summary_says_validation_is_on_but_not_due_yet(tmp_path, capsys):
+    import os
+    import signal
+
+    from train_common import debug_cfg
+
+    from mhar_titan.train import Trainer, check_config
+
+    cfg = debug_cfg(tmp_path, "early", "--training.steps=50", "--validation.enable=true", "--validation.freq=20",
+                    "--validation.sequences=2")
+    trainer = Trainer(cfg, check_config(cfg))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # a real stop signal, recorded by the trainer's handler
+        trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.preempted and trainer.state.step == 1  # stopped after the step the signal preceded
+    out = capsys.readouterr().out
+    (line,) = [text for text in out.splitlines() if "| val loss |" in text]
+    assert "validation.enable = false" not in line
+    assert line.endswith("| val loss | none yet (validation.freq = 20: the run stopped at step 1, before the next "
+                         "validation, due at step 20 or the last step)")
