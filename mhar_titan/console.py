@@ -6,9 +6,14 @@ smoothed final training loss, mean throughput and MFU, validation, run folder, c
 the level for log records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged
 step reads
 
-    step   20/200 | loss 5.1234 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
+    step   20/200 | batch loss 5.1234 | ema20 loss 5.3012 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
 
-with MFU only where the device's peak is known (`metrics.peak_flops`). Full metrics go to the
+"batch loss" is the loss of that one step's batch (the mean over its target tokens, all ranks and
+micro-batches: it jumps from batch to batch); "ema20 loss" smooths it, an exponential moving
+average of every step's batch loss with a span of `LOSS_EMA_STEPS` = 20 steps (`LossEMA`: weight
+2 / 21 on the newest step, bias-corrected at the start; a run resumed from a checkpoint starts it
+afresh), and is logged as ``loss_ema`` in the metrics files. MFU only where the device's peak is
+known (`metrics.peak_flops`). Full metrics go to the
 JSONL / TensorBoard / wandb sinks; the console shows these few. Colour (the tag) only when the
 output is a terminal.
 """
@@ -56,10 +61,39 @@ def loss_text(value: float) -> str:
     return f"{value:.4f}" if math.isfinite(value) else str(value)
 
 
+LOSS_EMA_STEPS = 20
+"""Span of the console's smoothed training loss (``LossEMA``), in steps."""
+
+
+class LossEMA:
+    """Exponential moving average of the step losses with a span of ``steps`` (the newest loss
+    weighs ``a = 2 / (steps + 1)``), bias-corrected like Adam's moments: after losses
+    ``l_1 .. l_t`` it is ``sum_k a (1 - a)^(t - k) l_k / (1 - (1 - a)^t)``, so the first value is
+    ``l_1``. Non-finite losses are left out (``update`` returns the value unchanged)."""
+
+    def __init__(self, steps: int = LOSS_EMA_STEPS):
+        self.steps, self.decay = steps, 1.0 - 2.0 / (steps + 1)
+        self.biased, self.weight = 0.0, 0.0
+
+    def update(self, loss: float) -> Optional[float]:
+        """Add one step's loss (nats); returns the smoothed value (None before any finite loss)."""
+        if math.isfinite(loss):
+            self.biased = self.decay * self.biased + (1.0 - self.decay) * loss
+            self.weight = self.decay * self.weight + (1.0 - self.decay)
+        return self.value
+
+    @property
+    def value(self) -> Optional[float]:
+        return self.biased / self.weight if self.weight > 0 else None
+
+
 def step_fields(metrics: dict, eta_s: Optional[float]) -> list[str]:
     """The fields of a logged step's line from its metrics row (keys as the trainer logs them:
-    loss, lr, grad_norm, tokens_per_s, mfu, peak_mem_gib, nonfinite_skipped)."""
-    fields = [f"loss {loss_text(metrics['loss'])}"]
+    loss (this step's batch), loss_ema (``LossEMA``), lr, grad_norm, tokens_per_s, mfu,
+    peak_mem_gib, nonfinite_skipped)."""
+    fields = [f"batch loss {loss_text(metrics['loss'])}"]
+    if metrics.get("loss_ema") is not None:
+        fields.append(f"ema{LOSS_EMA_STEPS} loss {loss_text(metrics['loss_ema'])}")
     if metrics.get("lr") is not None:
         fields.append(f"lr {metrics['lr']:.1e}")
     if metrics.get("grad_norm") is not None:

@@ -63,7 +63,7 @@ from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.step_guard import guarded_step, read_step
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
-from mhar_titan.console import LOG_FORMAT, summary_fields
+from mhar_titan.console import LOG_FORMAT, LossEMA, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
@@ -169,6 +169,7 @@ class Trainer:
         if fallback is not None and env.rank == 0:
             logger.warning(fallback)
         self.totals = RunTotals()  # this run's steps, for the summary
+        self.loss_ema = LossEMA()  # the console's smoothed loss beside each step's batch loss
 
     def _check_memory(self) -> None:
         """The dry run's memory estimate per rank (``dryrun.estimate_memory``, on a meta model)
@@ -331,6 +332,7 @@ class Trainer:
                     self._count_source_windows(t.seq_len)
                     throughput.add(tokens_per_step)
                     self.totals.step(loss, tokens_per_step)
+                    self.loss_ema.update(loss)
 
                     if not finite:
                         logger.warning("step %d: non-finite loss %s or grad norm %s; step skipped (%d in a row)",
@@ -377,6 +379,7 @@ class Trainer:
     def _log_step(self, step, loss, grad_norm, group_norms, lr, throughput, tokens) -> None:
         row = {
             "loss": loss,
+            **({} if self.loss_ema.value is None else {"loss_ema": self.loss_ema.value}),
             "grad_norm": grad_norm,
             **{f"grad_norm/{k}": v for k, v in group_norms.items()},
             "lr": lr,

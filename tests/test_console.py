@@ -25,8 +25,8 @@ from mhar_titan.train import main as train_main
 pytestmark = pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
                                 reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
 
-STEP = re.compile(r"^step (\s*\d+)/4 \| loss (\d+\.\d{4}) \| lr (\S+) \| gnorm \S+ \| (\S+) tok/s \| "
-                  r"mem (\d+\.\d\d) GiB \| eta (\S+)$")
+STEP = re.compile(r"^step (\s*\d+)/4 \| batch loss (\d+\.\d{4}) \| ema20 loss (\d+\.\d{4}) \| lr (\S+) \| "
+                  r"gnorm \S+ \| (\S+) tok/s \| mem (\d+\.\d\d) GiB \| eta (\S+)$")
 
 
 def test_a_short_run_prints_one_compact_line_per_step_and_a_summary(tmp_path, capsys):
@@ -38,12 +38,18 @@ def test_a_short_run_prints_one_compact_line_per_step_and_a_summary(tmp_path, ca
     rows = read_metrics(tmp_path / "console")
     assert all(len(line) < 160 for line in lines), max(lines, key=len)
     assert not any("\033[" in line for line in lines)  # not a terminal: no colour
-    steps = [STEP.match(line) for line in lines if " | loss " in line]
+    steps = [STEP.match(line) for line in lines if " | batch loss " in line]
     assert all(steps) and [int(m.group(1)) for m in steps] == [1, 2, 3, 4]
-    for m, row in zip(steps, [r for r in rows if "loss" in r]):
+    logged = [r for r in rows if "loss" in r]
+    decay = 1 - 2 / 21  # the smoothed loss: bias-corrected EMA of every step's batch loss, span 20 steps
+    for i, (m, row) in enumerate(zip(steps, logged)):
         assert float(m.group(2)) == pytest.approx(row["loss"], abs=5e-5)
-        assert float(m.group(3)) == pytest.approx(row["lr"], rel=0.05)
-    assert steps[-1].group(6) == "0s"  # nothing left at the last step
+        assert float(m.group(3)) == pytest.approx(row["loss_ema"], abs=5e-5)
+        assert float(m.group(4)) == pytest.approx(row["lr"], rel=0.05)
+        expected = sum((1 - decay) * decay ** (i - k) * r["loss"] for k, r in enumerate(logged[:i + 1]))
+        assert row["loss_ema"] == pytest.approx(expected / (1 - decay ** (i + 1)), rel=1e-12)
+    assert logged[0]["loss_ema"] == pytest.approx(logged[0]["loss"], rel=1e-15)  # the first value: the first loss
+    assert steps[-1].group(7) == "0s"  # nothing left at the last step
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     assert [line for line in lines if "val loss" in line and "best" in line and "final" not in line] == [
         f"step {s}/4 | val loss {v:.4f} | best {min(x for _, x in vals[:i + 1]):.4f}" for i, (s, v) in enumerate(vals)]
@@ -144,8 +150,12 @@ def test_console_fields_eta_and_units():
     row = {"loss": 5.12345, "lr": 3e-3, "grad_norm": 0.5, "tokens_per_s": 12_300.0, "mfu": 41.23,
            "peak_mem_gib": 1.5, "nonfinite_skipped": 0}
     assert console.line(console.step_tag(20, 200), console.step_fields(row, 83.0)) == (
-        "step  20/200 | loss 5.1235 | lr 3.0e-03 | gnorm 0.5 | 12.3k tok/s | mfu 41.2% | mem 1.50 GiB | eta 1m23s")
-    assert console.step_fields({"loss": math.nan, "nonfinite_skipped": 2}, None) == ["loss nan", "skipped 2"]
+        "step  20/200 | batch loss 5.1235 | lr 3.0e-03 | gnorm 0.5 | 12.3k tok/s | mfu 41.2% | mem 1.50 GiB | eta 1m23s")
+    assert console.step_fields({"loss": math.nan, "nonfinite_skipped": 2}, None) == ["batch loss nan", "skipped 2"]
+    assert console.step_fields({"loss": 5.0, "loss_ema": 5.25}, None) == ["batch loss 5.0000", "ema20 loss 5.2500"]
+    ema = console.LossEMA(3)  # a = 1/2: values 4, (2*4 + 8)/3 ... bias-corrected
+    assert [ema.update(x) for x in (4.0, math.nan, 8.0, 2.0)] == [4.0, 4.0, (0.25 * 4 + 0.5 * 8) / 0.75,
+                                                                 (0.125 * 4 + 0.25 * 8 + 0.5 * 2) / 0.875]
     assert console.line("step 1/2", ["x"], "val", color=True) == "\033[32mstep 1/2\033[0m | x"
     sink = ConsoleSink(color=True, total_steps=10, start_step=4)
     assert sink.color is False  # pytest's stdout is not a terminal
