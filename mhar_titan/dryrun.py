@@ -47,8 +47,13 @@ a checkpointed block keeps only its outputs (k = 2 d routing sources, or d for t
 and one block is recomputed at a time; eager/compile routing (and "auto" on CPU) also saves
 the RMS-normalised keys of its sources at every site: one d row per (B, T, d) source the
 routing plan lists for the site (s d at site s = 1..S, S = 2L + 1, for sublayer routing)
-(S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none; which one runs is
-`mhar_kernels.dispatch.backend`'s rule for the device). Delta mode is estimated like replacement.
+(S (S + 1) d / 2 in all without checkpointing; the Triton kernel saves none). Which one runs is
+planned for the target, not read from this machine (`components.performance.planned_routing`):
+a CUDA job plans the fused kernels for routing_kernel "auto" or "triton" where one token's tile
+fits, whether or not triton is installed where the dry run runs; a CPU job plans what the trainer
+runs on this machine. The dry run prints the path and why ("routing: ..."), and what the estimate
+covers beside the trainer's own fit check (the same formula, for the device the trainer runs on).
+Delta mode is estimated like replacement.
 This is a rough planning number (it ignores allocator fragmentation, NCCL
 buffers, CUDA context and temporary workspaces): leave 15-25 % headroom.
 """
@@ -69,7 +74,7 @@ from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
-from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, routing_kernel_runs,
+from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, planned_routing,
                                                step_verdict)
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
@@ -180,17 +185,21 @@ def build_meta_model(args: ModelArgs) -> Transformer:
         return Transformer(args)
 
 
-def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str) -> float:
+def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str,
+                                   routing: Optional[str] = None) -> float:
     """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac.
 
     The routing sites, the layer each belongs to and the (B, T, d) sources each reads come from the
-    routing plan; whether the keys are saved is `mhar_kernels.dispatch.backend`'s choice for `device`."""
+    routing plan; the keys are saved unless `routing` (default: `mhar_kernels.dispatch.backend`'s
+    choice for `device` on this machine) is "triton"."""
     d, f = args.dim, args.ffn_dim
     d_kv = args.n_kv_heads * args.head_dim
     plan = RoutingPlan.from_args(args)
     routed = plan.final is not None
     layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f) + (2 * d if routed else 0)
-    saves_keys = routed and dispatch.backend(args.routing_kernel, device, d, args.resolved_routing_heads) != "triton"
+    if routing is None:
+        routing = dispatch.backend(args.routing_kernel, device, d, args.resolved_routing_heads)
+    saves_keys = routed and routing != "triton"
 
     def keys(sites) -> int:  # normalised keys saved by these routing sites: one row per (B, T, d) source read
         if not saves_keys:
@@ -226,10 +235,14 @@ def _optimizer_bytes(model: Transformer, cfg: JobConfig, world_size: int, device
     return sharded + 4 * largest * (2 if resolved_ns_dtype(cfg.optimizer, device) == "bfloat16" else 4)
 
 
-def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> MemoryEstimate:
+def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device: str,
+                    routing: Optional[str] = None) -> MemoryEstimate:
     """Per-rank bytes for ``model`` (meta) trained with ``cfg`` on ``world_size`` ranks of ``device``.
 
     ``device`` is "cuda" (compute in ``training.mixed_precision_param``) or "cpu" (fp32).
+    ``routing``: the routing implementation the ranks run ("eager", "compile", "triton"); None:
+    what runs on ``device`` here (`mhar_kernels.dispatch.backend`, the trainer's own fit check at
+    start-up); the dry run passes the planned one (`components.performance.planned_routing`).
     """
     args: ModelArgs = model.args
     c = 4 if device == "cpu" or cfg.training.mixed_precision_param == "float32" else 2
@@ -237,7 +250,7 @@ def estimate_memory(model: Transformer, cfg: JobConfig, world_size: int, device:
     p_block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
     p_root = n - sum(p.numel() for p in model.layers.parameters())
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    act = tokens * _activation_elements_per_token(args, cfg, device) * c
+    act = tokens * _activation_elements_per_token(args, cfg, device, routing) * c
     t = cfg.training
     loss = loss_path_bytes(tokens, args.vocab_size, args.dim, c, t.loss_path, t.loss_chunk_tokens)
     return MemoryEstimate(
@@ -310,7 +323,9 @@ def report(cfg: JobConfig, world_size: int, device: str,
             f"parameter count of the built model ({built:,}) differs from count_parameters ({counts.total:,}): "
             "mhar_titan.models is inconsistent"
         )
-    mem = estimate_memory(model, cfg, world_size, device)
+    planned = planned_routing(args, device)  # the routing the target's ranks run, not what this machine has
+    routing = planned[1] if planned is not None else None
+    mem = estimate_memory(model, cfg, world_size, device, routing)
     _, accum = batch_geometry(cfg.training, world_size)
     t = cfg.training
     family = "baseline" if args.residual == "standard" else (
@@ -322,6 +337,7 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"model: flavor={cfg.model.flavor} {family} d={args.dim} L={args.n_layers} heads={args.n_heads}/"
         f"{args.n_kv_heads} ffn={args.ffn_dim} vocab={args.vocab_size} routing_kernel={args.routing_kernel}"
         + _routing_runs(args, device),
+        *([f"routing: the {planned[1]} path on {device} ranks ({planned[2]})"] if planned is not None else []),
         "parameters (built on the meta device, equal to count_parameters):",
         f"  total           {counts.total:>15,}",
         f"  non-embedding   {counts.non_embedding:>15,}",
@@ -331,12 +347,17 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"{world_size * t.local_batch_size * accum} sequences x {t.seq_len} tokens "
         f"= {world_size * t.local_batch_size * accum * t.seq_len:,} tokens per step",
         *optimizer_lines(model, cfg, world_size, device),
-        f"memory estimate per rank ({device}, {world_size} FSDP ranks, activation checkpointing "
-        f"{cfg.activation_checkpoint.mode}; formula in mhar_titan/dryrun.py):",
+        f"memory estimate per rank ({device}, {_compute_dtype(cfg, device)} compute, "
+        + (f"routing {routing}, " if routing is not None else "")
+        + f"{world_size} FSDP ranks, activation checkpointing {cfg.activation_checkpoint.mode}; formula in "
+        "mhar_titan/dryrun.py):",
     ]
     for name, value in dataclasses.asdict(mem).items():
         lines.append(f"  {name:<16}{value / GIB:>10.2f} GiB")
     lines.append(f"  {'total':<16}{mem.total / GIB:>10.2f} GiB")
+    lines.append(f"  {'covers':<16}the trainer's own fit check (components/memory.py) makes this estimate at start-up "
+                 "for the device it runs on (a CPU run: fp32 compute and the routing that runs there, the number of "
+                 "--device cpu); neither counts allocator fragmentation, NCCL buffers or the CUDA context")
     if available is None:
         why = f"no {device} device here: pass --memory-gib, the memory per rank"
         lines.append(f"  fit             not checked ({why})")
@@ -357,11 +378,16 @@ def report(cfg: JobConfig, world_size: int, device: str,
     return "\n".join(lines), warnings
 
 
+def _compute_dtype(cfg: JobConfig, device: str) -> str:
+    """The dtype `estimate_memory` counts activations in: fp32 on CPU, else training.mixed_precision_param."""
+    return "float32" if device == "cpu" else cfg.training.mixed_precision_param
+
+
 def _routing_runs(args: ModelArgs, device: str) -> str:
-    """`` (runs eager on cpu)`` where the routing kernel asked for is not what runs on ``device``
-    (`components.performance.routing_kernel_runs`), else ``""``."""
-    pair = routing_kernel_runs(args, torch.device(device))
-    return "" if pair is None or pair[0] == pair[1] else f" (runs {pair[1]} on {device})"
+    """`` (runs eager on cpu)`` where the routing kernel asked for is not what the ranks of
+    ``device`` run (`components.performance.planned_routing`), else ``""``."""
+    planned = planned_routing(args, device)
+    return "" if planned is None or planned[0] == planned[1] else f" (runs {planned[1]} on {device})"
 
 
 def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int,

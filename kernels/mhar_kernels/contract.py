@@ -17,6 +17,22 @@ _COMPUTE_DTYPES = {dt: torch.promote_types(dt, torch.float32)
                    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 
 
+# Largest [HB, KB] tile of one token (elements) the fused kernels take; larger ones run the eager
+# reference (MHAR_SPEC section 4), also under the interpreter so that CPU tests see the GPU's choice.
+MAX_TILE = 8192
+
+
+def _next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python: `triton.next_power_of_2` is a
+    constexpr function whose call costs microseconds of host time per launch."""
+    return 1 << (n - 1).bit_length()
+
+
+def fits_tile(heads: int, head_dim: int) -> bool:
+    """True when one token's [next_pow2(H), next_pow2(K)] tile is at most MAX_TILE elements."""
+    return _next_pow2(heads) * _next_pow2(head_dim) <= MAX_TILE
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the statistics, softmax and accumulation: float32 for 16/32-bit storage,
     float64 stays float64 (MHAR_SPEC section 4). The common storage dtypes are looked up (this

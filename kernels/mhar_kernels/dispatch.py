@@ -71,6 +71,26 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
     return "triton" if _module("op").can_run(device, dim, heads) else "eager"
 
 
+def planned_backend(kernel: str, device_type: str, dim: int, heads: int) -> str:
+    """The implementation `backend` picks on a device of `device_type` ("cuda" or "cpu") of a
+    machine set up as the project installs it, whatever this machine has: for planning a job
+    elsewhere (the dry run). On "cuda" the rule assumes triton is installed (CUDA builds of torch
+    bring it), so "auto" and "triton" plan the fused kernels where one token's tile fits the
+    register budget (`contract.fits_tile`) and eager beyond it; on "cpu" they plan eager (the fused
+    kernels run on CPU only under the TRITON_INTERPRET=1 test interpreter, not a way to train).
+
+    Raises:
+        ValueError: an unknown kernel name, listing the valid ones.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel in ("eager", "compile"):
+        return kernel
+    if device_type != "cuda":
+        return "eager"
+    return "triton" if contract.fits_tile(heads, dim // heads) else "eager"
+
+
 def _checked(full: list, query: Tensor, norm_weight: Tensor, heads: int, partial: Tensor | None = None,
              alpha: Tensor | None = None, null_source: Tensor | None = None) -> tuple[int, tuple]:
     """`contract.check_route_args` of one call over the (B, T, d) sources `full` (null excluded), and

@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from .contract import compute_dtype
+from .contract import MAX_TILE, _next_pow2, compute_dtype, fits_tile  # noqa: F401  (re-exported)
 from .routing_kernels import (  # noqa: F401  (the device helpers, also for triton_grouped and compile_report)
     INTERPRET, _inv_rms_and_key, _load_source, _route_bwd_kernel, _route_fwd_kernel, _source_base, _to_storage,
 )
@@ -42,24 +42,12 @@ NUM_STAGES = 3
 PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one after another in Python: few, large programs.
 _INTERPRET_BLOCK_T = 128
-# Largest [HB, KB] tile of one token (elements); larger ones run the eager reference
-# (MHAR_SPEC section 4), also under the interpreter so that CPU tests see the GPU's choice.
-MAX_TILE = 8192
-
-
-def _next_pow2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1); plain Python: `triton.next_power_of_2` is a
-    constexpr function whose call costs microseconds of host time per launch."""
-    return 1 << (n - 1).bit_length()
+# MAX_TILE, fits_tile: the register budget of one token's tile lives in `contract` (torch only),
+# so that planning a GPU job (`dispatch.planned_backend`) needs no triton.
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def fits_tile(heads: int, head_dim: int) -> bool:
-    """True when one token's [next_pow2(H), next_pow2(K)] tile is at most MAX_TILE elements."""
-    return _next_pow2(heads) * _next_pow2(head_dim) <= MAX_TILE
 
 
 def launch_config(bt: int, heads: int, head_dim: int, backward: bool) -> dict:

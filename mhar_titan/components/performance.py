@@ -99,6 +99,36 @@ def routing_kernel_runs(model_args, device: torch.device) -> Optional[tuple[str,
     return model_args.routing_kernel, runs
 
 
+def planned_routing(model_args, device_type: str) -> Optional[tuple[str, str, str]]:
+    """(kernel asked for, implementation planned, why) of a routed model's routing on ranks of
+    ``device_type`` ("cuda" or "cpu"), for planning a job (the dry run); None for the baseline.
+
+    On "cuda" the plan is `mhar_kernels.dispatch.planned_backend`: what a GPU machine set up as the
+    project installs it runs (the fused Triton kernels for "auto" and "triton" where one token's tile
+    fits), whatever this machine has installed. On "cpu" it is what the trainer runs on this machine
+    (`dispatch.backend`), so a CPU dry run and the trainer's own fit check (`components.memory`)
+    model the same job."""
+    if model_args.residual != "attn_res":
+        return None
+    asked, dim, heads = model_args.routing_kernel, model_args.dim, model_args.resolved_routing_heads
+    if device_type == "cuda":
+        runs = dispatch.planned_backend(asked, "cuda", dim, heads)
+    else:
+        runs = dispatch.backend(asked, device_type, dim, heads)
+    shape = f"d={dim}, H={heads}"
+    if asked in ("eager", "compile"):
+        why = f"model.routing_kernel = {asked!r}"
+    elif runs == "triton":
+        why = (f"model.routing_kernel = {asked!r} on {device_type} runs the fused kernels: {shape} fits their "
+               "register tile" + (", and a CUDA build of torch brings triton" if device_type == "cuda" else
+                                  ", under TRITON_INTERPRET=1 here"))
+    elif device_type == "cuda":
+        why = f"model.routing_kernel = {asked!r}: one token's tile at {shape} exceeds the fused kernels' register budget"
+    else:
+        why = f"model.routing_kernel = {asked!r} on {device_type}: the fused kernels need CUDA (or TRITON_INTERPRET=1)"
+    return asked, runs, why
+
+
 def routing_kernel_warning(model_args, device: torch.device) -> Optional[str]:
     """Why the routing kernel asked for is not the one that runs (``routing_kernel = "triton"``
     where the Triton kernels cannot run falls back to eager), or None when it is (or was "auto")."""
