@@ -8,8 +8,9 @@ parameter memory is allocated), prints parameter counts, a per-rank memory
 estimate, whether it fits (in ``--memory-gib`` GiB per rank, else in this machine's
 memory for the device when it has one: ``mhar_titan.components.memory``, the check the
 trainer makes before building the model) and the resolved config, and exits: 0 when the
-job is valid, 1 with a message naming the bad key otherwise, or saying "does not fit"
-(with ``training.memory_check = "warn"`` it says so and exits 0). The last line says what
+job is valid, 2 with one line naming the bad key otherwise, or saying "does not fit"
+(with ``training.memory_check = "warn"`` it says so and exits 0): the exit code train.py gives
+the same job, since the dry run makes train.py's start-up checks (``validate_job``). The last line says what
 was checked: ``dry run: OK`` only when everything was; a valid job with a check that could
 not be made (the memory fit: no such device here and no ``--memory-gib``, or
 ``training.memory_check = "off"``; the tokenizer: its files not cached, or a Hugging Face
@@ -74,10 +75,13 @@ from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
+from mhar_titan.components.run_folder import RunFolder
 from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, planned_routing,
                                                step_verdict)
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
+from mhar_titan.errors import UserError
+from mhar_titan.files import check_output_folder
 from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
 from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
@@ -119,11 +123,15 @@ def build_model_args(cfg: JobConfig) -> ModelArgs:
                               cfg.data.tokenizer)
 
 
-def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
-    """Checks that need the world size or the model arguments; returns warnings.
+def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int, device: str = "cuda") -> list[str]:
+    """Checks that need the world size or the model arguments, for ranks of ``device``: those of
+    ``train.check_config`` (the run folder can be written, batch geometry, CUDA graphs), so that
+    a job train.py refuses with exit 2 the dry run refuses with exit 2, and more (every section
+    again, the FSDP degree, data files, the tokenizer when cached); returns warnings.
 
     Raises:
         ConfigError: naming the first invalid key.
+        UserError: the run folder cannot be created or written (``files.OutputFolderError``).
     """
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
@@ -144,8 +152,10 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int) -> list[str]:
             "use -1 (all ranks) or the world size"
         )
     batch_geometry(cfg.training, world_size)
-    # the settings a CUDA graph cannot capture (the dry run checks a GPU job wherever it runs)
-    check_cuda_graphs(cfg, args, cuda_available=True)
+    # the settings a CUDA graph cannot capture (a GPU job is checked as one wherever the dry run runs)
+    check_cuda_graphs(cfg, args, cuda_available=device == "cuda")
+    # as train.py does before anything is built: the run folder exists or can be created, and is writable
+    check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
     warnings = []
     if not cfg.data.is_mixture and cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
@@ -312,7 +322,7 @@ def report(cfg: JobConfig, world_size: int, device: str,
             (the message says "does not fit", by how much and what to lower).
     """
     args = build_model_args(cfg)
-    warnings = validate_job(cfg, args, world_size)
+    warnings = validate_job(cfg, args, world_size, device)
     model = build_meta_model(args)
     if any(not p.is_meta for p in model.parameters()):
         raise RuntimeError("the model allocated parameter storage outside the meta device")
@@ -392,14 +402,25 @@ def _routing_runs(args: ModelArgs, device: str) -> str:
 
 def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int,
                     host_ms: Optional[dict] = None) -> list[str]:
-    """The host-vs-GPU verdict of one micro-batch step (`performance.step_verdict`: the measured
-    host time of the flavor, family and AC mode beside the modelled H200 time) and, when the
-    step is host-bound, what to change. host_ms: the measured host times (default
-    `performance.HOST_STEP_MS`)."""
+    """The host-vs-GPU verdict of one micro-batch step of a CUDA job (`performance.step_verdict`:
+    the measured host time of the flavor, family and AC mode beside the modelled H200 time) and,
+    when the step is host-bound, what to change. Not modelled where the measured host times do
+    not describe the job: routing on another path than the fused kernels they were measured on
+    (`performance.planned_routing`), or CUDA graphs (training.cuda_graphs = true: the micro-batch
+    replays as one launch; its remaining host work was not measured). host_ms: the measured host
+    times (default `performance.HOST_STEP_MS`)."""
     t, ac = cfg.training, cfg.activation_checkpoint.mode
-    v = step_verdict(cfg.model.flavor, args, ac, t.local_batch_size, t.seq_len, accum, world_size, host_ms)
     head = f"step time per micro-batch ({t.local_batch_size} x {t.seq_len} tokens, AC {ac}; model in " \
         "mhar_titan/components/performance.py):"
+    if t.cuda_graphs:
+        return [head, "  not modelled: training.cuda_graphs = true replays each micro-batch's forward and backward as "
+                "one graph launch; the host times (bench/step_host.py) were measured without graphs and the host work "
+                "left (clipping, optimizer step) was not measured"]
+    planned = planned_routing(args, "cuda")
+    if planned is not None and planned[1] != "triton":
+        return [head, f"  not modelled: the host times (bench/step_host.py) were measured on the fused Triton routing "
+                f"path; this job routes on the {planned[1]} path ({planned[2]}), whose host time was not measured"]
+    v = step_verdict(cfg.model.flavor, args, ac, t.local_batch_size, t.seq_len, accum, world_size, host_ms)
     if v is None:
         measured = sorted({k[0] for k in (host_ms if host_ms is not None else HOST_STEP_MS)})
         return [head, f"  not modelled: no measured host time for flavor {cfg.model.flavor!r} with AC {ac!r} "
@@ -413,14 +434,20 @@ def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int
         return lines + [f"  verdict         GPU-bound by {v['by']:.2f}x: the host keeps ahead of the GPU"]
     lines.append(f"  verdict         host-bound by {v['by']:.2f}x: the GPU waits for the host")
     global_batch = world_size * t.local_batch_size * accum
-    if v["local_batch"] is not None:
-        lines.append(f"  to change       training.local_batch_size = {v['local_batch']} with gradient accumulation "
-                     f"{v['accumulation']} (the same global batch of {global_batch} sequences), "
-                     "or CUDA graphs (training.cuda_graphs = true)")
+    split = (f"training.local_batch_size = {v['local_batch']} with gradient accumulation {v['accumulation']} "
+             f"(the same global batch of {global_batch} sequences)")
+    if v["local_batch"] is not None and v["covers"]:
+        lines.append(f"  to change       {split}, or CUDA graphs (training.cuda_graphs = true)")
+    elif v["local_batch"] is not None:
+        lines.append(f"  to change       {split}: still host-bound by {v['then_by']:.2f}x (the largest local batch "
+                     "that keeps the global batch), or CUDA graphs (training.cuda_graphs = true), or a larger "
+                     "global batch")
     else:
         lines.append("  to change       CUDA graphs, training.cuda_graphs = true (no larger local batch keeps the "
                      f"global batch of {global_batch} sequences at {world_size} ranks: the gradient accumulation is "
                      f"{accum}), or a larger global batch")
+    if v["local_batch"] is not None:
+        lines.append("  (a larger local batch needs more activation memory: dry-run it with the override)")
     return lines
 
 
@@ -494,12 +521,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(known.config, overrides)
         text, warnings = report(cfg, known.world_size, known.device, _available(known))
-    except ConfigError as e:
-        print(f"dry run: invalid job: {e}", file=sys.stderr)
-        return 1
     except MemoryFitError as e:
         print(f"dry run: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except ConfigError as e:
+        print(f"dry run: invalid job: {e}", file=sys.stderr)
+        return 2
+    except UserError as e:  # what train.py refuses with exit 2 (a run folder, a tokenizer file, ...)
+        print(f"dry run: invalid job: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(text)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

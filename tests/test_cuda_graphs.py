@@ -57,6 +57,6 @@ def test_dry_run_names_a_blocker(tmp_path, capsys):
     from mhar_titan.dryrun import main as dry_main
 
     code = dry_main(debug_argv(tmp_path, "dry", "--training.cuda_graphs=true", "--compile.enable=true"))
-    assert code == 1  # the dry run's exit code for an invalid job
+    assert code == 2  # the dry run's exit code for an invalid job, as train.py's
     err = capsys.readouterr().err
     assert "invalid job" in err and "training.cuda_graphs" in err and "compile.enable" in err

@@ -1,14 +1,21 @@
-"""The dry run plans the target's job, not the planning machine's.
+"""The dry run plans the target's job, not the planning machine's, and refuses what train.py refuses.
 
-The GPU plan (routing path, memory estimate, step-time verdict) is the same whether or not this
-machine has triton installed: a GPU job plans with the fused kernels where they fit, and the
-dry run says which routing path it planned and why.
+* The GPU plan (routing path, memory estimate, step-time verdict) is the same whether or not this
+  machine has triton installed: a GPU job plans with the fused kernels where they fit, and the
+  dry run says which routing path it planned and why.
+* The host-bound verdict gives no advice that does not apply: none about CUDA graphs when they are
+  on, no host times measured on the Triton path for a job that routes eagerly, and a larger local
+  batch whenever one keeps the global batch.
+* A job train.py refuses with exit 2 before building anything, the dry run refuses with exit 2.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
+from mhar_titan.components import performance
 from mhar_titan.config import load_config
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory, report
 from slurm_tools import ROOT
@@ -57,3 +64,75 @@ def test_a_cpu_dry_run_is_the_trainers_own_fit_check():
     text, _ = report(cfg, 2, "cpu", (64 * 2**30, "test"))
     trainer = estimate_memory(build_meta_model(build_model_args(cfg)), cfg, 2, "cpu")
     assert f"  {'total':<16}{trainer.total / 2**30:>10.2f} GiB" in text, text
+
+
+def step_lines(text: str) -> str:
+    return text[text.index("step time per micro-batch"):text.index("resolved config:")]
+
+
+def test_with_cuda_graphs_on_the_verdict_does_not_advise_turning_them_on():
+    text, _ = report(load_config(BASELINE_1B, ["--training.cuda_graphs=true", "--training.local_batch_size=1"]), 8,
+                     "cuda")
+    step = step_lines(text)
+    assert "cuda_graphs = true replays" in step and "host-bound" not in step and "to change" not in step, step
+    # the same job without graphs is host-bound and is told about graphs
+    plain = step_lines(report(load_config(BASELINE_1B, ["--training.local_batch_size=1"]), 8, "cuda")[0])
+    assert "host-bound" in plain and "training.cuda_graphs = true" in plain, plain
+
+
+def test_eager_routing_gets_no_host_time_measured_on_the_triton_path():
+    for kernel in ("eager", "compile"):
+        step = step_lines(report(load_config(MHAR_1B, [f"--model.routing_kernel={kernel}"]), 8, "cuda")[0])
+        assert "measured (bench/step_host.py" not in step and "verdict" not in step, step
+        assert f"measured on the fused Triton routing path; this job routes on the {kernel} path" in step, step
+    # the baseline has no routing: its host time does not depend on the routing kernel
+    step = step_lines(report(load_config(BASELINE_1B, ["--model.routing_kernel=eager"]), 8, "cuda")[0])
+    assert "verdict" in step, step
+
+
+def test_the_hint_offers_every_local_batch_that_keeps_the_global_batch():
+    """8 ranks x local 1 x accumulation 6 = 48 sequences: local batches 2, 3 and 6 keep the global batch
+    (6 covers the host time); 8 ranks x local 1 x accumulation 2: local 2 keeps it but does not cover."""
+    args = build_model_args(load_config(MHAR_1B, []))
+    host = performance.HOST_STEP_MS[("1b", "mhar", "full")]
+    gpu = {k: performance.modelled_gpu_ms(args, k, 1024, "full")["total_ms"] for k in (1, 2, 3, 6)}
+    assert gpu[3] < host <= gpu[6]  # the figures the expectations below rest on
+
+    six = step_lines(report(load_config(MHAR_1B, ["--training.local_batch_size=1",
+                                                  "--training.global_batch_size=48"]), 8, "cuda")[0])
+    assert "no larger local batch" not in six, six
+    assert ("training.local_batch_size = 6 with gradient accumulation 1 (the same global batch of 48 sequences), "
+            "or CUDA graphs") in six, six
+
+    two = step_lines(report(load_config(MHAR_1B, ["--training.local_batch_size=1",
+                                                  "--training.global_batch_size=16"]), 8, "cuda")[0])
+    assert "no larger local batch" not in two, two
+    assert (f"training.local_batch_size = 2 with gradient accumulation 1 (the same global batch of 16 sequences): "
+            f"still host-bound by {host / gpu[2]:.2f}x") in two, two
+
+    # no accumulation left: only then does no larger local batch keep the global batch
+    none = step_lines(report(load_config(MHAR_1B, ["--training.local_batch_size=1",
+                                                   "--training.global_batch_size=8"]), 8, "cuda")[0])
+    assert "no larger local batch keeps the global batch of 8 sequences at 8 ranks" in none, none
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--training.seq_len=4096", "--model.max_seq_len=512"],          # ConfigError from the model arguments
+    ["--model.flavor=nope"],                                          # unknown flavor
+    ["--training.local_batch_size=3", "--training.global_batch_size=8"],  # batch geometry
+    ["--training.steps=0"],                                           # a section's own check
+    ["--job.dump_folder=RUN_FOLDER_UNDER_A_FILE"],                    # the run folder cannot be created
+])
+def test_the_dry_run_exits_2_where_train_py_exits_2(overrides, tmp_path, capsys):
+    from mhar_titan.dryrun import main as dry_main
+    from mhar_titan.train import main as train_main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    overrides = [o.replace("RUN_FOLDER_UNDER_A_FILE", str(blocker / "runs")) for o in overrides]
+    argv = ["--config", DEBUG, f"--job.dump_folder={tmp_path / 'out'}", *overrides]
+    assert train_main(argv) == 2
+    trained = capsys.readouterr().err
+    assert dry_main(argv) == 2, trained
+    err = capsys.readouterr().err
+    assert err.startswith("dry run: invalid job: ") and len(err.strip().splitlines()) == 1, err

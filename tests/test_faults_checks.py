@@ -74,7 +74,7 @@ def test_dry_run_says_does_not_fit_for_a_stated_memory(capsys):
     argv = ["--config", DEBUG, *TINY, "--device", "cpu"]
     assert dryrun_main([*argv, "--memory-gib", "1024"]) == 0
     assert "  fit             fits in 1024.00 GiB (--memory-gib)" in capsys.readouterr().out
-    assert dryrun_main([*argv, "--training.seq_len=1000000", "--memory-gib", "64"]) == 1
+    assert dryrun_main([*argv, "--training.seq_len=1000000", "--memory-gib", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dry run: the job does not fit:") and "GiB available (--memory-gib)" in err
     assert dryrun_main([*argv, "--training.seq_len=1000000", "--memory-gib", "64", "--training.memory_check=warn"]) == 0

@@ -196,9 +196,9 @@ def test_the_model_line_says_which_routing_implementation_runs(capsys):
 def test_cli_exit_code_and_message(capsys):
     from mhar_titan.dryrun import main
 
-    assert main(["--config", DEBUG, "--world-size", "4", "--training.seq_len=4096", "--model.max_seq_len=512"]) == 1
+    assert main(["--config", DEBUG, "--world-size", "4", "--training.seq_len=4096", "--model.max_seq_len=512"]) == 2
     assert "dry run: invalid job: 'training.seq_len' (4096) exceeds" in capsys.readouterr().err
-    assert main(["--config", "train_configs/missing.toml"]) == 1
+    assert main(["--config", "train_configs/missing.toml"]) == 2
     assert "config file not found: train_configs/missing.toml" in capsys.readouterr().err
 
 
@@ -324,5 +324,5 @@ def test_dry_run_says_whether_the_step_is_host_bound():
     eight, _ = report(load_config(config, ["--training.local_batch_size=4"]), 8, "cuda")
     if "host-bound" in eight:
         assert "training.cuda_graphs = true (no larger local batch keeps the global batch of 32 sequences" in eight
-    debug, _ = report(load_config(DEBUG, []), 1, "cuda")
+    debug, _ = report(load_config(DEBUG, ["--model.routing_kernel=auto"]), 1, "cuda")
     assert "not modelled: no measured host time for flavor 'debug'" in debug

@@ -355,22 +355,25 @@ def step_verdict(flavor: str, args: ModelArgs, ac: str, local_batch: int, seq: i
                  world_size: int, host_ms: Optional[dict] = None) -> Optional[dict]:
     """The dry run's verdict for a job: the measured host time of its scale / family / AC mode
     (`host_ms`, default HOST_STEP_MS), the modelled GPU time of one micro-batch
-    (`modelled_gpu_ms`) and `verdict`; when host-bound, the smallest local batch (a power-of-two
-    multiple of `local_batch`) at which the GPU time covers the host time and the gradient
-    accumulation that keeps the global batch (world_size x local x accumulation), or None where
-    no such split exists. Returns None when the flavor's host time was not measured.
+    (`modelled_gpu_ms`) and `verdict`. When host-bound, a larger local batch that keeps the global
+    batch (world_size x local x accumulation): local x k for a divisor k > 1 of `accumulation`, the
+    smallest at which the GPU time covers the host time ('covers' True), else the largest one there
+    is (k = accumulation: host-bound by 'then_by' at it, 'covers' False); 'local_batch' is None only
+    when `accumulation` is 1 (no larger local batch keeps the global batch). Returns None when the
+    flavor's host time was not measured.
 
-    Returns {'host_ms', 'gpu_ms', 'bound', 'by', 'local_batch', 'accumulation'}."""
+    Returns {'host_ms', 'gpu_ms', 'bound', 'by', 'local_batch', 'accumulation', 'covers', 'then_by'}."""
     measured = (host_ms if host_ms is not None else HOST_STEP_MS).get((flavor, host_family(args), ac))
     if measured is None:
         return None
     gpu = modelled_gpu_ms(args, local_batch, seq, ac)["total_ms"]
-    result = dict(host_ms=measured, gpu_ms=gpu, **verdict(measured, gpu), local_batch=None, accumulation=None)
-    if result["bound"] == "host-bound":
-        per_sequence = gpu / local_batch
-        factor = 2
-        while local_batch * factor * per_sequence < measured:
-            factor *= 2
-        if accumulation % factor == 0:
-            result.update(local_batch=local_batch * factor, accumulation=accumulation // factor)
+    result = dict(host_ms=measured, gpu_ms=gpu, **verdict(measured, gpu), local_batch=None, accumulation=None,
+                  covers=False, then_by=None)
+    if result["bound"] == "host-bound" and accumulation > 1:
+        for k in (k for k in range(2, accumulation + 1) if accumulation % k == 0):
+            larger = modelled_gpu_ms(args, local_batch * k, seq, ac)["total_ms"]
+            result.update(local_batch=local_batch * k, accumulation=accumulation // k, covers=larger >= measured,
+                          then_by=measured / larger)
+            if larger >= measured:
+                break
     return result
