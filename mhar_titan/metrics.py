@@ -89,6 +89,26 @@ def flops_per_token(args, seq_len: int) -> FlopsPerToken:
     )
 
 
+TEMPERATURE_KEYS = ("routing_temperature_mean", "routing_temperature_min", "routing_temperature_max")
+"""The learned routing temperature's metrics (``routing_temperature_metrics``)."""
+
+
+@torch.no_grad()
+def routing_temperature_metrics(model: torch.nn.Module) -> dict:
+    """Mean, min and max over routing sites and heads of the learned routing temperatures
+    t = exp(log_temperature) (``model.routing_temperature = "learned"``; the factor every depth
+    logit is multiplied by, ``DepthRouting.temperatures``) as ``TEMPERATURE_KEYS``; {} for a fixed
+    temperature or the baseline (the fixed scale is in the config). Under FSDP2 the sharded
+    parameter is gathered (a collective: every rank calls this, as the trainer's logged steps do)."""
+    routing = getattr(model, "routing", None)
+    log_t = getattr(routing, "log_temperature", None) if routing is not None else None
+    if log_t is None:
+        return {}
+    full = log_t.full_tensor() if hasattr(log_t, "full_tensor") else log_t
+    t = full.detach().double().exp()
+    return dict(zip(TEMPERATURE_KEYS, (float(t.mean()), float(t.min()), float(t.max()))))
+
+
 # Dense bf16 peak FLOP/s per device, matched by substring of the device name (first match wins).
 PEAK_FLOPS = (
     ("H200", 989e12),

@@ -73,7 +73,7 @@ from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memor
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.files import check_output_folder
-from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops
+from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops, routing_temperature_metrics
 from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
@@ -385,6 +385,7 @@ class Trainer:
             "lr": lr,
             **performance_row(throughput.rate(), self.env.world_size, self.flops, self.peak_flops, self.device),
             "routing_entropy": routing_entropy(self.model, tokens[:1]),
+            **routing_temperature_metrics(self.model),
             "tokens_seen": self.state.tokens_seen,
             **{f"tokens_seen/{name}": n for name, n in self.state.settled_source_tokens().items()},
             "nonfinite_skipped": self.state.nonfinite_skipped,

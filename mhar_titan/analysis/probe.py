@@ -5,6 +5,9 @@ For one routing site of a single-head (H = 1) model with pseudo-query q (d,), ke
 weight g and sources s_1..s_N, on one token:
 
 * keys ``khat_n = RMSNorm_g(s_n)`` exactly as the routing computes them (RMS over the full d);
+* q is the site's effective pseudo-query (``DepthRouting.effective_queries``: its
+  ``routing_logit_scale`` or learned temperature t folded in, q = t q_raw), so the logits below
+  are the effective logits the forward's depth softmax reads;
 * full logits ``z_n = <q, khat_n>`` and the site's distribution ``p = softmax_n(z)``;
 * split q (and every key) into S contiguous slices of d/S dims; slice j alone gives the
   partial logits ``z_{j,n} = <q[j], khat_n[j]>``, with ``sum_j z_{j,n} = z_n``. These are the
@@ -18,6 +21,7 @@ The probe reports the mean of KL(p || p_j) over sites, slices and tokens ("raw K
 mean for random queries of equal norm (per site ``r = |q| x u / |u|`` with u ~ N(0, I_d) from
 a seeded generator, averaged over several draws: the "random reference"), and their
 difference, the learned-excess KL. Sites with a single source have no choice and are skipped.
+The random queries have the effective query's norm, so the reference runs at the same temperature.
 """
 from __future__ import annotations
 
@@ -101,8 +105,9 @@ class ProbeTrace:
         self.routing, self.eps, self.n_sites = model.routing, model.args.routing_eps, model.args.n_routing_sites
         self.slices, self.draws = slices, draws
         generator = torch.Generator().manual_seed(seed)
-        q = self.routing.query.detach()
+        q = self.routing.effective_queries().detach()
         # draws x sites random queries, fixed once (the same for every batch)
+        self.queries = q
         self.random = [[random_query_like(q[s], generator) for s in range(self.n_sites)] for _ in range(draws)]
         self.sums = torch.zeros(2, dtype=torch.float64)  # learned, random (summed over draws)
         self.by_site: dict[int, list[float]] = {}  # site -> [learned sum, random sum, count]
@@ -116,7 +121,10 @@ class ProbeTrace:
         self._calls += 1
         if len(sources) < 2:
             return
-        q, g = self.routing.query[site].detach(), self.routing.key_norm[site].detach()
+        # the site's effective query (its logit scale or learned temperature folded in), as the forward routes
+        rows = router.rows if router is not None else None  # this forward's rows, as it routes
+        q = (rows.query[site] if rows is not None else self.queries[site]).detach()
+        g = (rows.key_norm[site] if rows is not None else self.routing.key_norm[site]).detach()
         kl = slice_kl(sources, q, g, self.slices, self.eps)
         learned = kl.double().sum().item()
         per_draw = [slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item()

@@ -371,7 +371,8 @@ def count_parameters(args: ModelArgs) -> ParamCounts:
 
     Routing extra (MHAR_SPEC section 2): S = 2L+1 sites x (pseudo-query d + key-norm weight d),
     plus one (1,) gate per site in delta mode and a (d,) null source when enabled (one per
-    sublayer site, and no final site, in the paper layout).
+    sublayer site, and no final site, in the paper layout), and with a learned routing temperature
+    one log-temperature per site and routing head.
     """
     d, hd = args.dim, args.head_dim
     attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
@@ -380,6 +381,8 @@ def count_parameters(args: ModelArgs) -> ParamCounts:
     embedding = args.vocab_size * d * (1 if args.tie_embeddings else 2)
     routing = args.n_routing_sites * (2 * d + (1 if args.routing_mode == "delta" else 0))
     routing += RoutingPlan.from_args(args).n_nulls * d
+    if args.residual == "attn_res" and args.routing_temperature == "learned":
+        routing += args.n_routing_sites * args.resolved_routing_heads
     non_embedding = args.n_layers * per_layer + d + routing  # + final norm
     return ParamCounts(total=non_embedding + embedding, non_embedding=non_embedding, routing=routing)
 

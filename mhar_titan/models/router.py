@@ -25,6 +25,7 @@ through the Router.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -159,7 +160,32 @@ class DepthRouting(nn.Module):
     query (S, d): pseudo-queries, row 2i / 2i+1 = layer i's attention / MLP site, row 2L = final.
     key_norm (S, d): key RMSNorm weights. alpha (S, 1): delta gates (delta mode only; shape (1,)
     per site because FSDP rejects 0-dim parameters). null_source: when enabled, (d,), or (2L, d)
-    in the paper layout (row k = the null of site k; plan.py).
+    in the paper layout (row k = the null of site k; plan.py). log_temperature (S, H): with
+    `routing_temperature = "learned"` only, one learnable log-temperature per site and routing
+    head, initialised to log(routing_logit_scale); None otherwise.
+
+    Logit scale and temperature (docs/DESIGN.md "Logit scale and temperature"): every depth logit
+    of site s and head h is t_{s,h} <q_s[h], RMSNorm(k)[h]>, with t the fixed
+    `routing_logit_scale` c or, learned, exp(log_temperature[s, h]). The logits are linear in the
+    query, so the factor is folded into it once per forward, q_eff[s, h] = t_{s,h} q_s[h]
+    (`effective_queries`, the ONE accessor of a site's effective pseudo-query: the forward, the
+    analysis' weights, the probe and the export read it, nothing reads `query` raw), and every
+    routing path (eager, compile, the fused kernels per call, grouped phase 1 and merge, replace
+    and delta, the permuted head layout) runs unchanged on q_eff: no kernel argument, no
+    per-call operation, the kernels' bytes are today's. At c = 1 with a fixed temperature the
+    raw parameter itself is used (no multiplication: bitwise the unscaled model).
+
+    Gradients: autograd through the fold gives dL/dq_s[h] = t_{s,h} dL/dq_eff[h], and for a
+    learned temperature dL/dlog t_{s,h} = <dL/dq_eff[h], q_eff[h]> (zero while the query is zero:
+    the temperature starts to move one step after the query does). Under SGD a fixed scale c would
+    be the unscaled model at a learning rate c^2 on the queries; under Adam the per-step update is
+    about lr whatever the gradient's size (it divides by the root of its second moment), so the
+    effective query moves about c * lr per step: with zero-initialised queries and Adam's eps
+    negligible, a fixed scale acts like a query-only learning rate times c. It is still a
+    different experiment from rescaling a learning rate: the routing group's lr also moves the key
+    norms, gates and null sources; Adam's eps is c times larger relative to the query's gradient;
+    weight decay on the query is unscaled; and Muon or a random query init break the
+    correspondence again. A learned temperature is a different parametrisation altogether.
     """
 
     def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
@@ -170,15 +196,23 @@ class DepthRouting(nn.Module):
         self.key_norm = nn.Parameter(torch.empty(S, d))
         self.alpha = nn.Parameter(torch.empty(S, 1)) if args.routing_mode == "delta" else None
         self.null_source = nn.Parameter(torch.empty((nulls, d) if nulls > 1 else (d,))) if nulls else None
+        self.logit_scale = args.resolved_logit_scale  # c, a float (args.logit_scale)
+        self.heads = args.resolved_routing_heads
+        self.settings = RoutingSettings.from_args(args)
+        learned = args.routing_temperature == "learned"
+        self.log_temperature = nn.Parameter(torch.empty(S, self.heads)) if learned else None
 
     def reset_parameters(self) -> None:
-        """Pseudo-queries exactly 0 (uniform depth softmax, MHAR_SPEC pitfall 2), key norms 1, gates 0, null 0."""
+        """Pseudo-queries exactly 0 (uniform depth softmax, MHAR_SPEC pitfall 2), key norms 1, gates 0, null 0,
+        log-temperatures log(routing_logit_scale) (the learned temperature starts at the fixed scale)."""
         nn.init.zeros_(self.query)
         nn.init.ones_(self.key_norm)
         if self.alpha is not None:
             nn.init.zeros_(self.alpha)
         if self.null_source is not None:
             nn.init.zeros_(self.null_source)
+        if self.log_temperature is not None:
+            nn.init.constant_(self.log_temperature, math.log(self.logit_scale))
 
     def null_sources(self) -> list[Tensor]:
         """The (d,) null sources in the order of the plan's null entries (empty when disabled)."""
@@ -186,10 +220,47 @@ class DepthRouting(nn.Module):
             return []
         return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
 
+    @property
+    def scaled(self) -> bool:
+        """Whether the effective pseudo-queries differ from the raw ones (a scale other than 1, or
+        a learned temperature)."""
+        return self.log_temperature is not None or self.logit_scale != 1.0
+
+    def temperatures(self) -> Tensor:
+        """(S, H) factors t_{s,h} every depth logit of site s, head h is multiplied by (class
+        docstring): exp(log_temperature), or the fixed scale; in the query's dtype, on its device."""
+        if self.log_temperature is not None:
+            return self.log_temperature.exp().to(self.query.dtype)
+        return torch.full((self.query.shape[0], self.heads), self.logit_scale, dtype=self.query.dtype,
+                          device=self.query.device)
+
+    def effective_queries(self) -> Tensor:
+        """(S, d) effective pseudo-queries q_eff[s, h] = t_{s,h} q_s[h], head h being the layout's
+        coordinates of head h (contiguous slices, or the permuted layout's): the one accessor every
+        reader of a site's query uses (class docstring). Differentiable; the raw parameter itself
+        at scale 1 with a fixed temperature."""
+        if not self.scaled:
+            return self.query
+        if self.log_temperature is None:
+            return self.query * self.logit_scale
+        S, d = self.query.shape
+        t = self.log_temperature.exp().to(self.query.dtype).unsqueeze(-1)  # (S, H, 1)
+        permutation = self.settings.permutation
+        if permutation is None:
+            return (self.query.view(S, self.heads, -1) * t).view(S, d)
+        perm = permutation.to(self.query.device)  # head h owns coordinates perm[h K:(h + 1) K]
+        scaled = (self.query.index_select(1, perm).view(S, self.heads, -1) * t).view(S, d)
+        return scaled.index_select(1, torch.argsort(perm))
+
+    def effective_query(self, site: int) -> Tensor:
+        """(d,) effective pseudo-query of `site` (`effective_queries`' row)."""
+        return self.effective_queries()[site]
+
     def rows(self, groups: Sequence[Group]) -> SiteRows:
         """Every parameter's per-site and per-group rows for one forward (`parameter_rows`), taken
-        once per forward (under FSDP2 from the unsharded parameters), for the plan's `groups`."""
-        query, group_query = parameter_rows(self.query, groups)
+        once per forward (under FSDP2 from the unsharded parameters), for the plan's `groups`; the
+        query rows are the effective pseudo-queries (`effective_queries`, folded once here)."""
+        query, group_query = parameter_rows(self.effective_queries(), groups)
         key_norm, group_key_norm = parameter_rows(self.key_norm, groups)
         alpha = None if self.alpha is None else self.alpha.unbind(0)
         return SiteRows(query, key_norm, alpha, group_query, group_key_norm)
@@ -454,9 +525,11 @@ class Router:
     @torch.no_grad()
     def weights(self, site: int, sources: Sequence[Tensor]) -> Tensor:
         """Depth-softmax weights (N, B, T, H), compute dtype, of `site` over `sources` (as handed to
-        the observer), from the reference implementation (`route_reference(return_weights=True)`)."""
-        p = self.params
-        _, weights = reference.route_reference([s.detach() for s in sources], p.query[site].detach(),
-                                               p.key_norm[site].detach(), self.settings.heads, self.settings.eps,
+        the observer), from the reference implementation (`route_reference(return_weights=True)`)
+        with the site's effective pseudo-query of this forward (its logit scale or learned
+        temperature folded in, `DepthRouting.effective_queries`): the weights the forward used."""
+        rows = self.rows  # this forward's rows: the effective pseudo-query (`DepthRouting.effective_queries`)
+        _, weights = reference.route_reference([s.detach() for s in sources], rows.query[site].detach(),
+                                               rows.key_norm[site].detach(), self.settings.heads, self.settings.eps,
                                                return_weights=True, permutation=self.settings.permutation)
         return weights

@@ -23,15 +23,15 @@ from torch import nn
 from mhar_titan.config.sections import Optimizer
 from mhar_titan.errors import ConfigError
 
-from .groups import clean_name, param_group_of
+from .groups import clean_name, never_decayed, param_group_of
 from .muon import MuonWithAdamW, ShardedMuon, muon_comm_bytes, resolved_ns_dtype
 
 logger = logging.getLogger(__name__)
 
 
 def _adamw_groups(named: list[tuple[str, nn.Parameter]], groups: dict[str, str], cfg) -> list[dict]:
-    decay = [p for n, p in named if groups[n] not in cfg.no_decay]
-    no_decay = [p for n, p in named if groups[n] in cfg.no_decay]
+    decay = [p for n, p in named if groups[n] not in cfg.no_decay and not never_decayed(n)]
+    no_decay = [p for n, p in named if groups[n] in cfg.no_decay or never_decayed(n)]
     out = [{"name": "decay", "params": decay, "weight_decay": cfg.weight_decay}] if decay else []
     if no_decay:
         out.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})

@@ -5,6 +5,13 @@ split read them) and the groups the gradient norms are logged by.
 pseudo-queries, key norms, gates, null source), ``embeddings`` (``tok_embeddings``), ``norms``
 (RMSNorm/LayerNorm weights), ``biases``, ``head`` (the untied LM head ``output``) and ``other``
 (the hidden matrices). ``grad_norm_group``: ``routing_query``, ``routing_gate``, ``rest``.
+
+``never_decayed``: parameters that no weight decay touches whatever ``optimizer.no_decay`` says:
+the learned routing log-temperatures (``routing.log_temperature``, in the ``routing`` group).
+Decay would pull log t towards 0, i.e. the temperature towards 1, not towards its configured
+start (``model.routing_logit_scale``): a bias toward one particular temperature, the very
+quantity the temperature-matched experiments compare. The routing group is never Muon's either
+(``optimizer_split``), so it is never orthogonalised.
 """
 from __future__ import annotations
 
@@ -54,6 +61,15 @@ def param_group_of(model: nn.Module) -> dict[str, str]:
             groups[n] = "other"
     assert set(groups.values()) <= set(PARAM_GROUPS)
     return groups
+
+
+NEVER_DECAYED = ("routing.log_temperature",)
+"""Clean names of the parameters that are never weight-decayed (module docstring)."""
+
+
+def never_decayed(clean: str) -> bool:
+    """Whether the parameter of clean name ``clean`` is exempt from weight decay (``NEVER_DECAYED``)."""
+    return clean in NEVER_DECAYED
 
 
 GRAD_NORM_GROUPS = ("routing_query", "routing_gate", "rest")
