@@ -164,10 +164,10 @@ def test_generate_prints_a_greedy_sample_from_the_latest_checkpoint(runs, capsys
     assert exit_.value.code == 2 and "argument --top-p" in capsys.readouterr().err
 
 
-def test_the_readme_sampling_line_stops_at_a_blank_line(runs, capsys):
-    """README's ``generate ... --stop "\\n\\n"`` as written (split as the shell splits it, on the
-    fixture's run): its sample is the one without ``--stop`` cut before the first blank line."""
-    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+def test_the_documented_sampling_line_stops_at_a_blank_line(runs, capsys):
+    """docs/ANALYSIS.md's ``generate ... --stop "\\n\\n"`` as written (split as the shell splits it, on
+    the fixture's run): its sample is the one without ``--stop`` cut before the first blank line."""
+    line = next(line for line in (ROOT / "docs" / "ANALYSIS.md").read_text().splitlines()
                 if line.startswith("python -m mhar_titan.generate") and "--stop" in line)
     argv = shlex.split(line, comments=True)[3:]
     assert "\\n\\n" in argv  # the shell hands over backslash, n, backslash, n

@@ -94,10 +94,10 @@ def test_a_device_this_machine_lacks_is_refused_before_loading(main, argv, capsy
         assert "CPU-only build" in line or "no CUDA GPU" in line, line
 
 
-def readme_line(*words: str) -> list[str]:
-    """The README's command line holding all of ``words``, split as a POSIX shell splits it
-    (quotes and backslashes as bash reads them), its ``# comment`` dropped."""
-    found = [line for line in (ROOT / "README.md").read_text().splitlines()
+def readme_line(*words: str, doc: str = "README.md") -> list[str]:
+    """The command line of ``doc`` (the README, or a guide in docs/) holding all of ``words``, split
+    as a POSIX shell splits it (quotes and backslashes as bash reads them), its ``# comment`` dropped."""
+    found = [line for line in (ROOT / doc).read_text().splitlines()
              if line.startswith("python -m ") and all(w in line for w in words)]
     assert len(found) == 1, found
     return shlex.split(found[0], comments=True)
@@ -113,11 +113,11 @@ def test_the_readme_lm_eval_line_on_a_cpu_only_torch_says_so_in_one_line(capsys)
 
 
 def test_the_readme_stop_flag_means_a_blank_line():
-    """README's ``--stop "\\n\\n"``: the shell passes backslash-n twice; the command reads it as two
-    newlines (its sampling itself: tests/test_analysis_runs.py)."""
+    """docs/ANALYSIS.md's ``--stop "\\n\\n"``: the shell passes backslash-n twice; the command reads it
+    as two newlines (its sampling itself: tests/test_analysis_runs.py)."""
     from mhar_titan.generate import parse_args
 
-    argv = readme_line("mhar_titan.generate", "--stop")
+    argv = readme_line("mhar_titan.generate", "--stop", doc="docs/ANALYSIS.md")
     assert "\\n\\n" in argv  # what bash hands over: four characters
     _, args, _ = parse_args(argv[3:])
     assert args.stop == ["\n\n"]
