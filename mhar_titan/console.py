@@ -151,9 +151,8 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
     elif validation_freq is None:
         lines.append(["val loss", "none (validation.enable = false)"])
     else:
-        due = (steps // validation_freq + 1) * validation_freq
-        lines.append(["val loss", f"none yet (validation.freq = {validation_freq}: the run stopped at step {steps}, "
-                                  f"before the next validation, due at step {due} or the last step)"])
+        lines.append(["val loss", f"none in this run (validation.freq = {validation_freq}: the run stopped at step "
+                                  f"{steps}, before a validation finished)"])
     lines.append(["run folder", run_dir])
     lines.append(["checkpoint", checkpoint or "none written"])
     lines.append(["metrics", *metrics])

@@ -17,6 +17,20 @@ SIGINT into SIGTERM for them, so they save the same way.
 Ranks can receive the signal at slightly different times, so ``should_stop()``
 all-reduces the flag (MAX) over the default process group: every rank gets
 the same answer at the same step and they save the same step together.
+
+Long work inside the loop asks too, so a signal does not wait for it: validation
+(``Trainer.validate``) calls ``should_stop()`` before every forward of
+``validation.local_batch_size`` sequences, and the ``[eval]`` tasks
+(``components.downstream``) fold ``requested()`` into the all-reduce they make
+before every forward of ``eval.local_batch_size`` sequences. Once the ranks agree,
+the work stops (its partial numbers are not logged; the console says so), the
+step's checkpoint is saved and the run exits 0. Bound: from the signal to the start
+of the save, at most the rest of the current optimizer step or one such forward
+(plus, for ``[eval]``, the building of the task being started: lm-eval's task and
+request set-up, read from local files), every rank within the same forward. The
+saved checkpoint is the state after that optimizer step, so the resumed run
+trains exactly as a run never stopped; the interrupted validation or evaluation of
+that step is not rerun.
 """
 from __future__ import annotations
 
@@ -58,6 +72,11 @@ class PreemptionHandler:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C aborts
         if self.received is None or signum != signal.SIGINT:
             self.received = signal.Signals(signum)
+
+    def requested(self) -> bool:
+        """Whether this rank has received a stop signal (no collective: for work that agrees
+        across ranks by its own collective, ``components.downstream.EvalBudget``)."""
+        return self.received is not None
 
     def should_stop(self) -> bool:
         """Whether any rank has received a stop signal; the same answer on every rank.

@@ -158,6 +158,8 @@ class Trainer:
         self.state.wandb_id = self.metrics.wandb_id or self.state.wandb_id
         self.state.sync_from_rank0(env.world_size)
         self.preemption = PreemptionHandler()
+        if self.downstream is not None:  # a stop signal ends an [eval] pass within one forward
+            self.downstream.stop_requested = self.preemption.requested
         self.started = (time.perf_counter(), self.state.step)  # for the end-of-run summary
         self.metrics.event(self.state.step, *startup_fields(
             cfg, self.model_args, self.model, env.world_size, self.device, self.global_batch_size,
@@ -263,14 +265,17 @@ class Trainer:
         return loss, grad_norm, group_norms, torch.isfinite(loss) & torch.isfinite(grad_norm)
 
     @torch.no_grad()
-    def validate(self) -> dict:
+    def validate(self) -> Optional[dict]:
         """``{"val_loss": mean loss}`` (nats per target token) over the validation batches, all
         ranks together; for a mixture also ``val_loss/<source>`` per source with validation
-        files, ``val_loss`` then being the mean over all their target tokens."""
+        files, ``val_loss`` then being the mean over all their target tokens. None on every rank
+        when a stop signal came: the ranks agree before every forward (``preemption``)."""
         names = list(self.val_loader)
         total = torch.zeros(len(names), 2, device=self.device)
         for i, name in enumerate(names):
             for x, y in self.val_loader[name]:
+                if self.preemption is not None and self.preemption.should_stop():
+                    return None
                 x, y = x.to(self.device), y.to(self.device)
                 total[i, 0] += self.model(x, y, loss_fn=self.eval_loss_fn)
                 total[i, 1] += target_count(y)
@@ -343,10 +348,11 @@ class Trainer:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
                     if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log(step, self.validate())
-                    if self.downstream is not None and self.downstream.due(step, t.steps):
+                            self._log_or_stopped(step, "validation", self.validate())
+                    if self.downstream is not None and self.downstream.due(step, t.steps) \
+                            and not self.preemption.should_stop():  # every rank asks: the same answer
                         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log(step, self.downstream.evaluate(self.model))
+                            self._log_or_stopped(step, "[eval]", self.downstream.evaluate(self.model))
                     self.state.check_health(t.max_consecutive_nonfinite)
                     if self.checkpointer is not None and self.checkpointer.save(step, last=step == t.steps):
                         self.metrics.flush()  # everything logged up to a checkpoint survives a crash
@@ -360,13 +366,21 @@ class Trainer:
                             self.checkpointer.save(step, force=True)
                         self.metrics.flush()
                         self.preempted = True
-                        self.metrics.event(step, "preempted", f"signal {self.preemption.received}",
+                        signal_name = getattr(self.preemption.received, "name", "on another rank")
+                        self.metrics.event(step, "preempted", f"signal {signal_name}",
                                            "checkpoint saved" if self.checkpointer is not None else "no checkpoint",
                                            kind="warn")
                         break
         finally:
             gc.enable()
         return self.state
+
+    def _log_or_stopped(self, step: int, what: str, row: Optional[dict]) -> None:
+        """Log the row of a validation or ``[eval]`` pass, or say that a stop signal ended it (None)."""
+        if row is not None:
+            self._log(step, row)
+        else:
+            self.metrics.event(step, f"{what} stopped", "stop signal: not logged; saving this step", kind="warn")
 
     def _count_source_windows(self, seq_len: int) -> None:
         """Add this step's windows per mixture source, all ranks together, to the train state (on

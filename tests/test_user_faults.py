@@ -124,5 +124,5 @@ def test_early_preemption_summary_says_validation_is_on_but_not_due_yet(tmp_path
     out = capsys.readouterr().out
     (line,) = [text for text in out.splitlines() if "| val loss |" in text]
     assert "validation.enable = false" not in line
-    assert line.endswith("| val loss | none yet (validation.freq = 20: the run stopped at step 1, before the next "
-                         "validation, due at step 20 or the last step)")
+    assert line.endswith("| val loss | none in this run (validation.freq = 20: the run stopped at step 1, before a "
+                         "validation finished)")

@@ -18,7 +18,9 @@ own seeding is off; its few-shot sampler keeps its own seed), and no gradient is
 Time budget (``eval.time_budget_s``): before every forward the ranks agree, on rank 0's clock
 (``clock``, ``time.monotonic`` unless a test passes another), whether the evaluation's time is
 spent; if so the task being scored stops (its partial numbers are not logged) and the tasks after
-it are skipped. Logged per evaluation: ``eval/<task>/<metric>`` (a filter other than lm-eval's
+it are skipped. A stop signal (``stop_requested``, the trainer's ``PreemptionHandler.requested``)
+joins the same agreement: when any rank has one, the evaluation stops before the next forward on
+every rank and ``evaluate`` returns None (nothing is logged; the trainer saves and exits). Logged per evaluation: ``eval/<task>/<metric>`` (a filter other than lm-eval's
 "none" is appended as ``/<filter>``), ``eval/sequences`` (sequences scored over all ranks),
 ``eval/tasks_over_budget`` and ``eval/seconds``.
 """
@@ -46,24 +48,33 @@ class DownstreamEvalError(UserError, ValueError):
 
 
 class EvalBudget:
-    """Whether an evaluation's time is left, the same answer on every rank (rank 0's clock)."""
+    """Whether an evaluation may go on, the same answer on every rank: its time is left (rank 0's
+    clock) and no rank has a stop signal (``stop_requested``: this rank's flag, no collective).
+    ``stopped`` says the answer was no because of a stop signal."""
 
     def __init__(self, seconds: Optional[float], clock: Callable[[], float], world_size: int,
-                 device: torch.device):
+                 device: torch.device, stop_requested: Optional[Callable[[], bool]] = None):
         self.seconds, self.clock, self.world_size, self.device = seconds, clock, world_size, device
+        self.stop_requested = stop_requested
         self.t0 = 0.0
+        self.stopped = False
 
     def start(self) -> None:
         self.t0 = self.clock()
 
     def left(self, rank: int) -> bool:
-        """True while time is left (always without a budget). One broadcast when world_size > 1."""
-        if self.seconds is None:
+        """True while time is left (always without a budget) and no rank has a stop signal. One
+        all-reduce (MAX of rank 0's "time spent" and every rank's stop flag) when world_size > 1."""
+        if self.seconds is None and self.stop_requested is None:
             return True
-        ok = torch.tensor([1 if rank != 0 or self.clock() - self.t0 < self.seconds else 0], device=self.device)
+        spent = self.seconds is not None and rank == 0 and self.clock() - self.t0 >= self.seconds
+        stop = self.stopped or (self.stop_requested is not None and self.stop_requested())
+        flags = torch.tensor([int(spent), int(stop)], device=self.device)
         if self.world_size > 1:
-            dist.broadcast(ok, src=0)
-        return bool(ok.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        spent, stop = flags.tolist()
+        self.stopped = bool(stop)
+        return not (spent or stop)
 
 
 class ShardedLM(MharLM):
@@ -80,7 +91,7 @@ class ShardedLM(MharLM):
         self.over_budget = False
         self.sequences = 0
 
-    def _score(self, pieces):
+    def _score(self, pieces, *_, **__):  # the adapter's progress label, if any: the trainer's console shows none
         n, world = len(pieces), self.world
         per_rank = math.ceil(n / world)
         local = [pieces[i] if i < n else pieces[0] for i in range(self.rank_, per_rank * world, world)]
@@ -164,15 +175,18 @@ class DownstreamEval:
         tokenizer: the run's tokenizer.
         rank, world_size, device: this rank's place in the data-parallel group.
         clock: seconds for the time budget (read on rank 0 only).
+        stop_requested: whether this rank has a stop signal (``PreemptionHandler.requested``; may be
+            set after construction); checked with the budget before every forward.
     """
 
     def __init__(self, cfg, tokenizer, rank: int, world_size: int, device: torch.device,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, stop_requested: Optional[Callable[[], bool]] = None):
         from mhar_titan.eval.tasks import task_manager
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rank, self.world_size, self.device = rank, world_size, device
         self.clock = clock
+        self.stop_requested = stop_requested
         try:
             self.manager = task_manager(cfg.tasks, cfg.include_path, setting="eval.include_path")
             self._check_output_types()
@@ -190,24 +204,29 @@ class DownstreamEval:
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.cfg.freq == 0 or step == total_steps
 
-    def evaluate(self, model: torch.nn.Module) -> dict:
+    def evaluate(self, model: torch.nn.Module) -> Optional[dict]:
         """Score the tasks on ``model`` (every rank together); returns the metrics row (the task metrics
-        only where lm-eval returns them: on local rank 0, which includes the logging rank)."""
+        only where lm-eval returns them: on local rank 0, which includes the logging rank), or None on
+        every rank when a stop signal ended it (within one forward: module docstring)."""
         from mhar_titan.eval.tasks import run_tasks
 
         began = time.perf_counter()
-        budget = EvalBudget(self.cfg.time_budget_s, self.clock, self.world_size, self.device)
+        budget = EvalBudget(self.cfg.time_budget_s, self.clock, self.world_size, self.device, self.stop_requested)
         row, over, sequences = {}, 0, 0
         with untouched_training_state(model), quiet_lm_eval():
             budget.start()
             for task in self.cfg.tasks:
                 lm = ShardedLM(model, self.tokenizer, self.cfg.local_batch_size, self.rank, self.world_size, budget)
                 if not budget.left(self.rank):
+                    if budget.stopped:
+                        return None
                     over += 1
                     continue
                 results = run_tasks(lm, [task], self.manager, limit=self.cfg.limit, num_fewshot=self.cfg.num_fewshot,
                                     bootstrap_iters=0, seeded=False)
                 sequences += lm.sequences
+                if budget.stopped:
+                    return None
                 if lm.over_budget:
                     over += 1
                 elif results is not None:  # lm-eval returns its results on LOCAL_RANK 0 only
