@@ -101,11 +101,10 @@ def routing_temperature_metrics(model: torch.nn.Module) -> dict:
     temperature or the baseline (the fixed scale is in the config). Under FSDP2 the sharded
     parameter is gathered (a collective: every rank calls this, as the trainer's logged steps do)."""
     routing = getattr(model, "routing", None)
-    log_t = getattr(routing, "log_temperature", None) if routing is not None else None
-    if log_t is None:
+    if routing is None or not routing.learned:
         return {}
-    full = log_t.full_tensor() if hasattr(log_t, "full_tensor") else log_t
-    t = full.detach().double().exp()
+    t = routing.temperatures()  # (S, H)
+    t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().double()
     return dict(zip(TEMPERATURE_KEYS, (float(t.mean()), float(t.min()), float(t.max()))))
 
 

@@ -122,9 +122,9 @@ class ProbeTrace:
         if len(sources) < 2:
             return
         # the site's effective query (its logit scale or learned temperature folded in), as the forward routes
-        rows = router.rows if router is not None else None  # this forward's rows, as it routes
-        q = (rows.query[site] if rows is not None else self.queries[site]).detach()
-        g = (rows.key_norm[site] if rows is not None else self.routing.key_norm[site]).detach()
+        # the site's effective query of this forward (its scale or temperature folded in), as it routes
+        q, g = router.site_rows(site) if router is not None else (self.queries[site], self.routing.key_norm[site])
+        q, g = q.detach(), g.detach()
         kl = slice_kl(sources, q, g, self.slices, self.eps)
         learned = kl.double().sum().item()
         per_draw = [slice_kl(sources, draw[site], g, self.slices, self.eps).double().sum().item()

@@ -1,14 +1,17 @@
 """Conversion commands.
 
     python -m mhar_titan.convert import FOLDER OUT_CHECKPOINT [--to-delta paper|clean] [--dtype bfloat16]
-                                      [--max-seq-len 8192]
+                                      [--max-seq-len 8192] [--routing-logit-scale S]
+                                      [--routing-temperature fixed|learned]
     python -m mhar_titan.convert export RUN_OR_CHECKPOINT OUT_FOLDER [--step N] [--format auto|hf|mhar|authors]
                                       [--dtype bfloat16] [--tokenizer NAME]
 
 ``import`` reads a pretrained folder (a Hugging Face Llama folder, one of our ``mhar_titan``
 folders or the authors' ``llama_attnres`` ones; streamed shard by shard) and writes a model-only
 DCP checkpoint for ``checkpoint.initial_load_path``; ``--to-delta`` converts a Llama model to
-delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the same logits).
+delta-MHAR on the way (H = 8, blocks of 4 layers, null sources, gates 0: the same logits), with
+``--routing-logit-scale`` / ``--routing-temperature`` as the ``model.`` keys of the same names
+(a learned temperature starts at the scale; the gates 0 keep the logits the original's).
 ``export`` rebuilds the model of a DCP checkpoint (a run folder's newest complete one, or
 ``--step``, or a ``step-N`` / converted checkpoint folder, found as ``generate`` and ``eval`` find
 it; arguments from its ``complete.json``; its weight EMA when it has one, unless ``--no-ema``) and
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from argparse import ArgumentTypeError
 from pathlib import Path
 
 import torch
@@ -39,12 +43,27 @@ from mhar_titan.data.hf_tokenizer import is_hf_tokenizer_folder
 from mhar_titan.data.tokenizer import HF_PREFIX, N_VOCAB, Tokenizer
 from mhar_titan.errors import UserError
 from mhar_titan.files import atomic_folder, check_output_folder
+from mhar_titan.models.args import ROUTING_TEMPERATURES, logit_scale
 
 from .dcp_io import dcp_model_args, load_model_dcp, save_model_dcp
 from .delta import delta_fields
 from .folders import FORMATS, export_pretrained, folder_kind, folder_model_type, load_pretrained, resolve_format
 from .hf_config import ConversionError, read_json
 from .hf_llama import hf_args
+
+
+def _logit_scale(text: str) -> float | str:
+    """A ``--routing-logit-scale`` value as ``model.routing_logit_scale`` takes it: a number, or the
+    string "match_heads:H"; checked by ``args.logit_scale`` (argparse's one-line error, exit 2)."""
+    try:
+        value: float | str = float(text)
+    except ValueError:
+        value = text
+    try:
+        logit_scale(value)
+    except ValueError as e:
+        raise ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _parser() -> ArgumentParser:
@@ -56,6 +75,12 @@ def _parser() -> ArgumentParser:
     imp.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the written weights")
     imp.add_argument("--to-delta", choices=("paper", "clean"), default=None,
                      help="convert a Llama model to delta-MHAR in this routing layout")
+    imp.add_argument("--routing-logit-scale", type=_logit_scale, default=None,
+                     help="with --to-delta: the depth-logit scale, a number > 0 or match_heads:H (1/sqrt(H)); "
+                          "model.routing_logit_scale")
+    imp.add_argument("--routing-temperature", choices=ROUTING_TEMPERATURES, default=None,
+                     help="with --to-delta: fixed, or learned (a log-temperature per site and head starting at the "
+                          "scale); model.routing_temperature")
     imp.add_argument("--max-seq-len", type=positive_int, default=None,
                      help="RoPE table length (default: config.json max_position_embeddings)")
     exp = sub.add_parser("export", help="DCP checkpoint -> pretrained folder")
@@ -140,7 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                 if folder_model_type(opts.folder) not in ("llama", "qwen3"):
                     raise ConversionError("--to-delta converts a Hugging Face Llama or Qwen3 folder "
                                           "(model_type llama or qwen3)")
-                overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta))
+                routing = {k: v for k, v in (("routing_logit_scale", opts.routing_logit_scale),
+                                             ("routing_temperature", opts.routing_temperature)) if v is not None}
+                overrides.update(delta_fields(hf_args(opts.folder), opts.to_delta, **routing))
+            elif opts.routing_logit_scale is not None or opts.routing_temperature is not None:
+                raise ConversionError("--routing-logit-scale and --routing-temperature set the routing of a delta-MHAR "
+                                      "conversion: add --to-delta paper|clean (a folder's own routing model keeps its "
+                                      "saved settings)")
             model = load_pretrained(opts.folder, getattr(torch, opts.dtype), **overrides)
             tokenizer = {"tokenizer": f"{HF_PREFIX}{Path(opts.folder).resolve()}"} \
                 if is_hf_tokenizer_folder(opts.folder) else {}

@@ -221,6 +221,11 @@ class DepthRouting(nn.Module):
         return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
 
     @property
+    def learned(self) -> bool:
+        """Whether the temperatures are learned (`routing_temperature = "learned"`)."""
+        return self.log_temperature is not None
+
+    @property
     def scaled(self) -> bool:
         """Whether the effective pseudo-queries differ from the raw ones (a scale other than 1, or
         a learned temperature)."""
@@ -522,14 +527,19 @@ class Router:
                          rows.key_norm[index], alpha, self.settings)
         return site_input(call, sources, h, rows.query[index], rows.key_norm[index], alpha, self.settings)
 
+    def site_rows(self, site: int) -> tuple[Tensor, Tensor]:
+        """(effective pseudo-query, key-norm weight) of `site` in this forward, each (d,): the rows
+        its routing call reads (`DepthRouting.effective_queries`), for analysis."""
+        return self.rows.query[site], self.rows.key_norm[site]
+
     @torch.no_grad()
     def weights(self, site: int, sources: Sequence[Tensor]) -> Tensor:
         """Depth-softmax weights (N, B, T, H), compute dtype, of `site` over `sources` (as handed to
         the observer), from the reference implementation (`route_reference(return_weights=True)`)
         with the site's effective pseudo-query of this forward (its logit scale or learned
         temperature folded in, `DepthRouting.effective_queries`): the weights the forward used."""
-        rows = self.rows  # this forward's rows: the effective pseudo-query (`DepthRouting.effective_queries`)
-        _, weights = reference.route_reference([s.detach() for s in sources], rows.query[site].detach(),
-                                               rows.key_norm[site].detach(), self.settings.heads, self.settings.eps,
+        query, key_norm = self.site_rows(site)
+        _, weights = reference.route_reference([s.detach() for s in sources], query.detach(),
+                                               key_norm.detach(), self.settings.heads, self.settings.eps,
                                                return_weights=True, permutation=self.settings.permutation)
         return weights

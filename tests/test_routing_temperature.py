@@ -1,0 +1,421 @@
+"""The depth-logit scale and the learned routing temperature (model.routing_logit_scale,
+model.routing_temperature; router.DepthRouting.effective_queries).
+
+* every routing path (eager, compile, the fused kernels per call, grouped phase 1 and the fused
+  merge, replace and delta, sublayer and block granularity, permuted heads, N up to 73, H in
+  {1, 2, 8}): the logits and every gradient (the log-temperature's included) within 2e-4 of a
+  float64 forward written here from the formula, softmax over depth of t_h <q_h, RMSNorm(k)_h>,
+  from the raw pseudo-queries and temperatures (not through the accessor);
+* scale 1 with a fixed temperature is the unscaled model bit for bit;
+* the analysis reads what the forward routes with: the heatmap recorder's weights of every site
+  equal the weights of the query the routing call was given (a scale planted inside the forward
+  only fails the check), the probe reads the effective logits;
+* no package code reads the raw pseudo-query or log-temperature outside the accessor;
+* learned temperatures: never weight-decayed, never Muon's, logged; bad settings exit 2.
+
+Triton runs through its interpreter on CPU (conftest), at tiny B*T and d.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import ROOT
+from mhar_kernels import dispatch, reference
+from mhar_titan.models import ModelArgs, Transformer
+from mhar_titan.models.model import new_sources
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 128
+
+
+def build(seed: int = 0, dtype=torch.float32, **fields) -> Transformer:
+    """A tiny routing model with every routing parameter off its init (queries, key norms,
+    log-temperatures, gates, null sources), so that routing is far from uniform and every
+    gradient is non-zero."""
+    base = dict(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=VOCAB, max_seq_len=16,
+                residual="attn_res")
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**{**base, **fields}))
+    model.init_weights()
+    r = model.routing
+    with torch.no_grad():
+        r.query.normal_(0.0, 1.0)
+        r.key_norm.uniform_(0.5, 1.5)
+        if r.log_temperature is not None:
+            r.log_temperature.add_(torch.randn_like(r.log_temperature) * 0.3)
+        if r.alpha is not None:
+            r.alpha.uniform_(0.3, 0.8)
+        if r.null_source is not None:
+            r.null_source.normal_(0.0, 0.5)
+    return model.to(dtype)
+
+
+def tokens(batch: int = 1, length: int = 3, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------- the float64 formula
+def formula_mix(sources, query, temperature, norm_weight, heads, eps, permutation=None):
+    """softmax over depth of t_h <q_h, RMSNorm_g(s_n)_h>, the mix of the un-normalised sources,
+    in float64; a (d,) null source broadcasts; head h reads coordinates permutation[h K:(h+1) K]."""
+    shape = next(s.shape for s in sources if s.dim() > 1)
+    x = torch.stack([s.double().expand(shape) for s in sources])  # (N, ..., d)
+    key = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    q = query.double()
+    if permutation is not None:
+        x, key, q = x[..., permutation], key[..., permutation], q[permutation]
+    split = x.shape[:-1] + (heads, x.shape[-1] // heads)
+    logits = temperature.double() * (key.reshape(split) * q.reshape(heads, -1)).sum(-1)  # (N, ..., H)
+    weights = torch.softmax(logits, dim=0)
+    mix = (weights.unsqueeze(-1) * x.reshape(split)).sum(0).flatten(-2)
+    return mix if permutation is None else mix[..., torch.argsort(permutation)]
+
+
+def formula_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits with every routing site computed by `formula_mix` from the RAW
+    parameters (query, key norm, exp(log_temperature) or the configured scale): the block
+    structure of model.TransformerBlock, the sources by the plan (model.new_sources)."""
+    args, plan, r = model.args, model.plan, model.routing
+    heads = args.resolved_routing_heads
+    scale = args.resolved_logit_scale
+    temps = r.log_temperature.exp() if r.log_temperature is not None else \
+        torch.full((plan.n_sites, heads), scale, dtype=torch.float64)
+    perm = reference.head_permutation(args.dim, args.routing_head_layout_seed) \
+        if args.routing_head_layout == "permuted" else None
+    context = model.attention_context(ids)
+    h = model.tok_embeddings(ids)
+    nulls = iter(r.null_sources())
+    sources = [next(nulls) if e.kind == "null" else h for e in plan.initial]
+    stream = h if plan.stream else None
+
+    def route(site):
+        i = site.index
+        mix = formula_mix([sources[j] for j in site.reads], r.query[i], temps[i], r.key_norm[i], heads,
+                          args.routing_eps, perm).to(h.dtype)
+        return stream + r.alpha[i] * mix if site.gated else mix
+
+    for layer in model.layers:
+        attention_site, mlp_site = layer.sites
+        a = layer.attention(layer.attention_norm(route(attention_site)), context)
+        stream = None if stream is None else stream + a
+        sources += new_sources(attention_site, sources, a, stream)
+        m = layer.feed_forward(layer.ffn_norm(route(mlp_site)))
+        stream = None if stream is None else stream + m
+        sources += new_sources(mlp_site, sources, m, stream)
+    final = route(plan.final) if plan.final is not None else stream
+    return F.linear(model.norm(final), model.tok_embeddings.weight)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def logits_and_grads(model, ids, logits_fn, weight):
+    model.zero_grad(set_to_none=True)
+    logits = logits_fn(model, ids)
+    (logits.double() * weight).sum().backward()
+    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+PATHS = {  # name: ModelArgs fields (besides the tiny shape)
+    "eager H=1 learned": dict(routing_heads=1, routing_temperature="learned", routing_logit_scale=0.5),
+    "eager H=2 match_heads:8 block delta null": dict(
+        routing_heads=2, routing_logit_scale="match_heads:8", routing_granularity="block", routing_block_layers=1,
+        routing_mode="delta", routing_null_source=True),
+    "eager H=8 learned permuted": dict(routing_heads=8, routing_temperature="learned",
+                                       routing_head_layout="permuted", routing_head_layout_seed=3),
+    "eager grouped g=3 H=2 learned": dict(routing_heads=2, routing_temperature="learned", routing_group_size=3),
+    "compile H=2 learned": dict(routing_heads=2, routing_temperature="learned", routing_kernel="compile"),
+    "triton H=8 learned": dict(routing_heads=8, routing_temperature="learned", routing_kernel="triton"),
+    "triton H=2 fixed 2.5 delta null": dict(routing_heads=2, routing_logit_scale=2.5, routing_kernel="triton",
+                                            routing_mode="delta", routing_null_source=True),
+    "triton grouped g=3 H=2 learned block": dict(
+        routing_heads=2, routing_temperature="learned", routing_kernel="triton", routing_group_size=3,
+        routing_granularity="block", routing_block_layers=1, n_layers=3),
+    "triton grouped g=2 H=1 learned delta null": dict(
+        routing_heads=1, routing_temperature="learned", routing_logit_scale="match_heads:8", routing_kernel="triton",
+        routing_group_size=2, routing_mode="delta", routing_null_source=True),
+    "triton N=73 H=8 learned": dict(routing_heads=8, routing_temperature="learned", routing_logit_scale=0.7,
+                                    routing_kernel="triton", n_layers=36, max_seq_len=4),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_every_path_matches_the_float64_formula(name):
+    """Logits and every parameter's gradient (pseudo-queries, key norms, log-temperatures, gates,
+    nulls and the backbone) of each routing path in float32 within 2e-4 of the float64 formula."""
+    fields = PATHS[name]
+    ids = tokens(length=2 if fields.get("n_layers") == 36 else 3)
+    model = build(**fields)
+    reference_model = copy.deepcopy(model).double()  # formula_logits routes by the formula, not by a kernel
+    weight = torch.randn(*ids.shape, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    logits, grads = logits_and_grads(model, ids, lambda m, x: m(x), weight)
+    ref_logits, ref_grads = logits_and_grads(reference_model, ids, formula_logits, weight)
+    assert set(grads) == set(ref_grads)
+    if model.routing.log_temperature is not None:
+        assert "routing.log_temperature" in grads and grads["routing.log_temperature"].abs().sum() > 0
+    if fields.get("n_layers") == 36:
+        assert max(model.plan.source_counts) == 73
+    errors = {"logits": rel_err(logits, ref_logits), **{n: rel_err(grads[n], ref_grads[n]) for n in grads}}
+    assert max(errors.values()) < 2e-4, {k: v for k, v in errors.items() if v >= 2e-4}
+
+
+def test_the_kernel_paths_ran():
+    """The "triton" and grouped cases above run the fused kernels here (the interpreter), not a
+    silent eager fallback: the dispatcher picks them for these shapes."""
+    assert dispatch.backend("triton", torch.device("cpu"), 16, 8) == "triton"
+    assert dispatch.backend("triton", torch.device("cpu"), 16, 1) == "triton"
+
+
+# ---------------------------------------------------------------------------- scale 1 is today's model
+@pytest.mark.parametrize("kernel", ["eager", "triton"])
+def test_scale_one_fixed_is_the_unscaled_model_bitwise(kernel):
+    """At routing_logit_scale = 1 with a fixed temperature the forward reads the raw parameter
+    itself (no multiplication in the graph) and the logits and gradients equal those of a model
+    built without the keys, bit for bit."""
+    ids = tokens(batch=2, length=4)
+    plain = build(routing_heads=2, routing_kernel=kernel)
+    explicit = build(routing_heads=2, routing_kernel=kernel, routing_logit_scale=1.0, routing_temperature="fixed")
+    explicit.load_state_dict(plain.state_dict())
+    assert explicit.routing.effective_queries() is explicit.routing.query
+    weight = torch.randn(*ids.shape, VOCAB, dtype=torch.float64)
+    a, grads_a = logits_and_grads(plain, ids, lambda m, x: m(x), weight)
+    b, grads_b = logits_and_grads(explicit, ids, lambda m, x: m(x), weight)
+    assert torch.equal(a, b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    # a scale of 1 written as match_heads:1 is the same factor, and still no multiplication
+    assert build(routing_heads=2, routing_logit_scale="match_heads:1").routing.effective_queries().grad_fn is None
+
+
+def test_scale_and_temperature_values():
+    """match_heads:H is 1/sqrt(H); a learned temperature starts at the scale (log-temperature
+    log(scale)) and folds into the query per head; a fixed scale multiplies every row."""
+    model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=VOCAB,
+                                  residual="attn_res", routing_heads=4, routing_logit_scale="match_heads:8",
+                                  routing_temperature="learned"))
+    model.init_weights()
+    r = model.routing
+    assert model.args.resolved_logit_scale == 1 / math.sqrt(8)
+    assert torch.allclose(r.temperatures(), torch.full((3, 4), 1 / math.sqrt(8)))
+    with torch.no_grad():
+        r.query.normal_()
+        r.log_temperature.copy_(torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3)))
+    expected = r.query.detach().view(3, 4, 4) * torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1)
+    assert torch.allclose(r.effective_queries().detach(), expected.view(3, 16), rtol=1e-6)
+    assert torch.equal(r.effective_query(1).detach(), r.effective_queries()[1].detach())
+
+
+# ---------------------------------------------------------------------------- analysis reads the forward's query
+def forward_and_heatmap_weights(model, ids, plant: float | None = None):
+    """(per site: the weights of the query each per-call routing call was GIVEN (recorded inside
+    `dispatch.route`, where `plant` multiplies it: a scale applied only inside the forward), the
+    weights the heatmap recorder took from the Router)."""
+    from mhar_titan.analysis.routing import RoutingRecorder
+
+    given = []
+    original = dispatch.route
+
+    def spy(sources, query, norm_weight, heads, eps=1e-6, kernel="eager", **kw):
+        if plant is not None:
+            query = query * plant
+        _, weights = reference.route_reference([s.detach() for s in sources], query.detach(), norm_weight.detach(),
+                                                heads, eps, return_weights=True, permutation=kw.get("permutation"))
+        given.append(weights)
+        return original(sources, query, norm_weight, heads, eps, kernel, **kw)
+
+    recorder = RoutingRecorder(model, keep_weights=True)
+    dispatch.route = spy
+    try:
+        with torch.no_grad(), model.observe_routing(recorder):
+            model.hidden_states(ids)
+    finally:
+        dispatch.route = original
+    return given, recorder.weights
+
+
+def assert_heatmap_is_the_forward(model, ids, plant=None):
+    given, heatmap = forward_and_heatmap_weights(model, ids, plant)
+    assert len(given) == len(heatmap) == model.plan.n_sites
+    for site, (a, b) in enumerate(zip(given, heatmap)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"site {site}: the heatmap's weights are not the forward's"
+
+
+@pytest.fixture(scope="module")
+def permuted_learned():
+    model = build(routing_heads=4, routing_temperature="learned", routing_head_layout="permuted",
+                  routing_head_layout_seed=7, routing_logit_scale="match_heads:8")
+    return model.eval(), tokens(batch=2, length=4)
+
+
+def test_heatmap_weights_are_the_forwards_with_a_temperature_and_permuted_heads(permuted_learned):
+    model, ids = permuted_learned
+    assert_heatmap_is_the_forward(model, ids)
+    # the temperatures matter here: the raw query's weights differ from the forward's
+    given, _ = forward_and_heatmap_weights(model, ids)
+    raw = reference.route_reference(
+        [s.detach() for s in __import__("helpers").site_sources(model, ids)[-1]], model.routing.query[-1].detach(),
+        model.routing.key_norm[-1].detach(), 4, model.args.routing_eps, return_weights=True,
+        permutation=model.routing_settings.permutation)[1]
+    assert not torch.allclose(raw, given[-1], atol=1e-3)
+
+
+def test_a_scale_planted_inside_the_forward_fails_the_check(permuted_learned):
+    """The check above is not vacuous: a scale applied in the forward only (not through the
+    accessor) makes the heatmap disagree with the forward."""
+    model, ids = permuted_learned
+    with pytest.raises(AssertionError, match="not the forward's"):
+        assert_heatmap_is_the_forward(model, ids, plant=1.7)
+
+
+def test_probe_reads_the_effective_logits():
+    """The query probe's per-site KL is that of the effective query t * q (single head)."""
+    from helpers import site_sources
+    from mhar_titan.analysis.probe import query_probe, slice_kl
+
+    model = build(routing_heads=1, routing_temperature="learned", routing_logit_scale=0.25).eval()
+    ids = tokens(batch=2, length=4)
+    result = query_probe(model, [ids], slices=4, draws=2, seed=0)
+    per_site = dict((site, kl) for site, kl, _ in result.per_site)
+    r = model.routing
+    with torch.no_grad():
+        for site, sources in enumerate(site_sources(model, ids)):
+            if len(sources) < 2:
+                continue
+            effective = r.query[site] * r.log_temperature[site].exp()
+            expected = slice_kl(sources, effective, r.key_norm[site], 4, model.args.routing_eps).mean().item()
+            raw = slice_kl(sources, r.query[site], r.key_norm[site], 4, model.args.routing_eps).mean().item()
+            assert per_site[site] == pytest.approx(expected, rel=1e-5)
+            assert abs(raw - expected) > 1e-4 * max(abs(expected), 1e-3)  # the temperature matters here
+
+
+# ---------------------------------------------------------------------------- one accessor
+PACKAGES = ("mhar_titan", "kernels/mhar_kernels")
+RAW = ("query", "log_temperature")
+
+
+def raw_reads(path: Path) -> list[str]:
+    """`x.query` / `x.log_temperature` reads in one source file outside the accessor's class
+    (router.DepthRouting), except the fields of the rows tuples (SiteRows, BlockRouting: their
+    `query` rows are the effective ones) read as `rows.query`, `self.rows.query` or
+    `routing.query` in router.py."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    allowed_nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "DepthRouting":
+            allowed_nodes |= {id(n) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in RAW and id(node) not in allowed_nodes:
+            receiver = node.value
+            rows_tuple = (isinstance(receiver, ast.Name) and receiver.id in ("rows", "routing")
+                          or isinstance(receiver, ast.Attribute) and receiver.attr == "rows")
+            if path.name == "router.py" and rows_tuple and node.attr == "query":
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in RAW \
+                and id(node) not in allowed_nodes:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: getattr(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_package_code_reads_the_raw_query_outside_the_accessor():
+    found = [hit for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py")) for hit in raw_reads(path)]
+    assert not found, "read the effective query through DepthRouting.effective_queries / temperatures:\n" + \
+        "\n".join(found)
+
+
+def test_the_walk_finds_a_raw_read(tmp_path):
+    """The walk above catches the trap of the issue (an analysis reading `p.query[site]`)."""
+    planted = ROOT / "mhar_titan" / "analysis" / "_planted_raw_read_for_test.py"
+    planted.write_text("def weights(p, site):\n    return p.query[site]\n")
+    try:
+        assert raw_reads(planted) == [f"{planted.relative_to(ROOT)}:2: .query"]
+    finally:
+        planted.unlink()
+
+
+# ---------------------------------------------------------------------------- optimizer and metrics
+def test_learned_temperature_is_routing_never_decayed_never_muon():
+    from mhar_titan.config.sections import Optimizer
+    from mhar_titan.metrics import routing_temperature_metrics
+    from mhar_titan.optim import build_optimizer, param_group_of
+    from mhar_titan.optim.build import optimizer_split
+
+    model = build(routing_heads=2, routing_temperature="learned", routing_logit_scale="match_heads:4")
+    assert param_group_of(model)["routing.log_temperature"] == "routing"
+    t = model.routing.log_temperature
+    for cfg in (Optimizer(weight_decay=0.1), Optimizer(name="Muon", weight_decay=0.1, muon_groups=["other"])):
+        optimizer = build_optimizer(model, cfg)
+        groups = [g for opt in getattr(optimizer, "optimizers", [optimizer]) for g in opt.param_groups]
+        holding = [g for g in groups if any(p is t for p in g["params"])]
+        assert len(holding) == 1 and holding[0]["weight_decay"] == 0.0
+        assert "routing.log_temperature" not in dict(optimizer_split(model, cfg)["Muon"])
+    metrics = routing_temperature_metrics(model)
+    temps = t.detach().double().exp()
+    assert metrics == pytest.approx({"routing_temperature_mean": temps.mean().item(),
+                                     "routing_temperature_min": temps.min().item(),
+                                     "routing_temperature_max": temps.max().item()})
+    assert routing_temperature_metrics(build(routing_heads=2, routing_logit_scale=0.5)) == {}
+
+
+def test_parameter_count_includes_the_temperatures():
+    from mhar_titan.models.args import count_parameters
+
+    model = build(routing_heads=4, routing_temperature="learned")
+    assert count_parameters(model.args).total == sum(p.numel() for p in model.parameters())
+
+
+def test_conversion_to_delta_keeps_the_logits_with_a_learned_temperature():
+    """A standard model converted to delta-MHAR with a learned temperature (gates 0) computes the
+    original's logits bit for bit; its log-temperatures start at log(scale)."""
+    from mhar_titan.convert.delta import convert_to_delta
+
+    torch.manual_seed(0)
+    standard = Transformer(ModelArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=VOCAB))
+    standard.init_weights()
+    ids = tokens(batch=2, length=5)
+    with torch.no_grad():
+        expected = standard(ids)
+    converted = convert_to_delta(standard, "clean", routing_heads=2, routing_block_layers=1,
+                                 routing_temperature="learned", routing_logit_scale="match_heads:8")
+    assert torch.allclose(converted.routing.log_temperature, torch.tensor(-0.5 * math.log(8)))
+    with torch.no_grad():
+        assert torch.equal(converted(ids), expected)
+
+
+# ---------------------------------------------------------------------------- bad settings
+BAD = ["0", "-1", "nan", "inf", "1e400", "true", "match_heads:0", "match_heads:x", "match_heads:-3", "match_heads:",
+       "match_heads:2.5", "'1.0'"]
+
+
+@pytest.mark.parametrize("value", BAD)
+def test_bad_scale_is_one_config_error_naming_the_key(value):
+    from mhar_titan.config import load_config
+    from mhar_titan.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="routing_logit_scale") as caught:
+        load_config(str(ROOT / "train_configs" / "debug_attnres.toml"), [f"--model.routing_logit_scale={value}"])
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_settings_exit_2_with_one_line_before_the_model_is_built(tmp_path):
+    for flag in ("--model.routing_logit_scale=match_heads:0", "--model.routing_temperature=warm",
+                 "--model.routing_logit_scale=-2"):
+        run = subprocess.run([sys.executable, "train.py", "--config", "train_configs/debug_attnres.toml", flag,
+                              f"--job.dump_folder={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and flag.split("=")[0][2:] in lines[0], run.stderr
+        assert not any(tmp_path.iterdir())  # nothing was built or written
