@@ -126,3 +126,65 @@ def test_early_preemption_summary_says_validation_is_on_but_not_due_yet(tmp_path
     assert "validation.enable = false" not in line
     assert line.endswith("| val loss | none in this run (validation.freq = 20: the run stopped at step 1, before a "
                          "validation finished)")
+
+
+# --------------------------------------------------------------------------- eval paired: output paths first
+
+
+def _paired_outputs(tmp_path, kind: str):
+    """Two inputs of ``kind`` ("scored": folders of results; "runs": run folders whose checkpoints
+    would be scored: empty here, so any loading would fail with another message)."""
+    runs = []
+    for name in ("a_in", "b_in"):
+        folder = tmp_path / name
+        folder.mkdir()
+        if kind == "scored":
+            (folder / "results_2026-01-01T00-00-00.json").write_text('{"results": {}}')
+        runs.append(str(folder))
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["scored", "runs"])
+@pytest.mark.parametrize("fault", ["output_is_a_file", "a_is_a_file", "json_is_a_folder", "under_a_file"])
+def test_eval_paired_refuses_an_output_path_it_cannot_write_before_any_work(tmp_path, monkeypatch, capsys, kind,
+                                                                              fault):
+    from helpers import ROOT
+
+    from mhar_titan.eval.__main__ import main as eval_main
+
+    monkeypatch.chdir(ROOT)  # --include-path eval_tasks
+    run_a, run_b = _paired_outputs(tmp_path, kind)
+    out = tmp_path / "paired"
+    if fault == "output_is_a_file":
+        out.write_text("not a folder")
+        needle = f"--output-path: {out} is a regular file"
+    elif fault == "under_a_file":
+        out.write_text("not a folder")
+        out = out / "inner"
+        needle = f"--output-path: {out} is under the regular file"
+    elif fault == "a_is_a_file":
+        out.mkdir()
+        (out / "a").write_text("not a folder")
+        needle = f"{out / 'a'} is a regular file"
+    else:
+        (out / "paired.json").mkdir(parents=True)
+        needle = f"{out / 'paired.json'} is a folder"
+    if fault == "a_is_a_file" and kind == "scored":  # nothing is written under a/ when A is scored already
+        needle = f"{out / 'paired.json'}"
+        (out / "paired.json").mkdir()
+    code = eval_main(["paired", run_a, run_b, "--tasks", "shakespeare_choice", "--include-path", "eval_tasks",
+                      "--output-path", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_experiments_slurm_refuses_an_out_that_is_a_folder_before_planning(tmp_path, capsys):
+    from helpers import ROOT
+
+    from mhar_titan.experiments.__main__ import main as experiments_main
+
+    code = experiments_main(["slurm", str(ROOT / "train_configs" / "sweeps" / "study_bytes.toml"),
+                             "--out", str(tmp_path), "--check"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {tmp_path} is a folder" in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

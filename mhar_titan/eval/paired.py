@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mhar_titan.files import write_text
+from mhar_titan.files import OutputFolderError, check_output_folder, write_text
 
 SAMPLE_KEYS = ("doc_id", "doc_hash", "prompt_hash", "target_hash", "filter", "metrics")
 """What a per-example log must hold to be paired (lm-eval >= 0.4.2 writes them)."""
@@ -338,6 +338,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's resampling")
 
 
+def check_outputs(out: pathlib.Path, scored: Sequence[bool]) -> None:
+    """Refuse, before anything is loaded or scored, output paths the command could not write:
+    ``out`` (``--output-path``) a file, read-only or under a file; ``out/a`` or ``out/b`` (where
+    a run that is not a scored folder writes its results) a file; ``out/paired.json`` a folder.
+
+    Raises:
+        OutputFolderError: naming the path and the fix.
+    """
+    check_output_folder(out, "--output-path")
+    for which, done in zip(("a", "b"), scored):
+        if not done:
+            check_output_folder(out / which, f"--output-path's {which}/ (run {which.upper()}'s lm-eval results)")
+    if (out / "paired.json").is_dir():
+        raise OutputFolderError(f"--output-path: {out / 'paired.json'} is a folder, where the command writes its "
+                                "table as a file; remove it or choose another --output-path")
+
+
 def run(args) -> str:
     """The command: score both runs, pair, write paired.json; returns the table."""
     from mhar_titan.eval.tasks import check_include_paths, require_lm_eval, task_manager
@@ -354,6 +371,7 @@ def run(args) -> str:
     check_include_paths(args.include_path)
     out = pathlib.Path(args.output_path)
     scored = [is_scored_folder(p) for p in (args.run_a, args.run_b)]
+    check_outputs(out, scored)
     manager = None
     if not all(scored):
         require_lm_eval("the paired command")

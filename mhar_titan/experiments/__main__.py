@@ -38,7 +38,7 @@ from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
                                           world_size_of)
 from mhar_titan.experiments.sweep import load_sweep
-from mhar_titan.files import check_output_folder, write_text
+from mhar_titan.files import OutputFolderError, check_output_folder, write_text
 
 
 def _select(sweep, only):
@@ -126,6 +126,9 @@ def main(argv=None) -> int:
         if args.command == "slurm":
             if args.out:
                 check_output_folder(pathlib.Path(args.out).parent, "--out's folder")
+                if pathlib.Path(args.out).is_dir():
+                    raise OutputFolderError(f"--out {args.out} is a folder; name the script file to write, e.g. "
+                                            f"{pathlib.Path(args.out) / 'submit.sh'}")
             runs = _select(sweep, args.only)
             if args.check:
                 world = world_size_of([*sweep.slurm_args, *args.sbatch_args])
