@@ -47,6 +47,8 @@ CASES = {  # name: (ModelArgs fields, tokenizer, transformers class or None for 
     "attn_res H=1": (dict(FAMILIES["attn_res H=1"]), "bytes", None),
     "mhar H=8 untied": (dict(FAMILIES["mhar H=8"], tie_embeddings=False), "llama3", None),
     "block H=8": (dict(FAMILIES["block H=8"]), "bytes", None),
+    "mhar H=8 learned temperature": (dict(FAMILIES["mhar H=8"], routing_temperature="learned",
+                                          routing_logit_scale="match_heads:8"), "bytes", None),
     "delta block clean": (dict(FAMILIES["delta block H=8 +null"]), "bytes", None),
     "delta paper": (dict(FAMILIES["delta block H=8 +null"], routing_layout="paper", routing_eps=1e-6), "bytes", None),
 }

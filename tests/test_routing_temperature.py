@@ -419,3 +419,115 @@ def test_bad_settings_exit_2_with_one_line_before_the_model_is_built(tmp_path):
         lines = [line for line in run.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and flag.split("=")[0][2:] in lines[0], run.stderr
         assert not any(tmp_path.iterdir())  # nothing was built or written
+
+
+# ---------------------------------------------------------------------------- train, resume, export
+WORDS = "the of and to in that it is was he for on are as with his they at be this from have or by one had".split()
+TRAIN_STEPS = 6
+
+
+def write_corpus(root: Path) -> None:
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    root.mkdir(parents=True)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) + "." for _ in range(80)]
+    pq.write_table(pa.table({"text": docs}), root / "train-0.parquet")
+
+
+def train(out: Path, corpus: Path, name: str, *flags: str) -> int:
+    """`python train.py --config train_configs/debug_attnres.toml FLAGS`, shrunk (in process)."""
+    from mhar_titan.train import main
+
+    return main(["--config", str(ROOT / "train_configs" / "debug_attnres.toml"),
+                 "--job.dump_folder", str(out), "--job.name", name,
+                 "--data.files", f'["{corpus}/train-*.parquet"]', "--data.validation_files", "[]",
+                 "--validation.enable", "false", "--training.local_batch_size", "2", "--training.seq_len", "16",
+                 "--training.steps", str(TRAIN_STEPS), "--lr_scheduler.warmup_steps", "1",
+                 "--metrics.log_freq", "1", "--debug.deterministic", "true",
+                 "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", *flags])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Runs of the debug AttnRes config with match_heads:8 and with a learned temperature, and the
+    learned run resumed from its step-3 checkpoint (a copy of the run without step 6)."""
+    import shutil
+
+    from mhar_titan.data.prepare_tokenizer import prepare_encoding
+    from mhar_titan.data.tokenizer import default_cache_dir
+
+    prepare_encoding("gpt2", default_cache_dir())
+    out = tmp_path_factory.mktemp("temperature_runs")
+    corpus = out / "corpus"
+    write_corpus(corpus)
+    assert train(out, corpus, "match", "--model.routing_logit_scale=match_heads:8") == 0
+    assert train(out, corpus, "learned", "--model.routing_temperature=learned") == 0
+    shutil.copytree(out / "learned", out / "resumed")
+    shutil.rmtree(out / "resumed" / "checkpoints" / f"step-{TRAIN_STEPS}")
+    (out / "resumed" / "metrics.jsonl").unlink()  # the rows of steps 4-6 below are the resumed run's own
+    assert train(out, corpus, "resumed", "--model.routing_temperature=learned") == 0
+    return out
+
+
+def losses(run: Path) -> dict[int, dict]:
+    from helpers import read_metrics
+
+    return {row["step"]: row for row in read_metrics(run) if "loss" in row}
+
+
+@pytest.mark.parametrize("name", ["match", "learned"])
+def test_debug_config_trains_to_a_falling_loss(trained, name):
+    rows = losses(trained / name)
+    assert sorted(rows) == list(range(1, TRAIN_STEPS + 1))
+    first, last = rows[1]["loss"], rows[TRAIN_STEPS]["loss"]
+    assert last < first - 0.5, (first, last)
+    if name == "learned":  # the temperature is logged, starts at 1 and moves
+        assert rows[1]["routing_temperature_mean"] == pytest.approx(1.0, abs=1e-2)
+        assert rows[TRAIN_STEPS]["routing_temperature_max"] != rows[TRAIN_STEPS]["routing_temperature_min"]
+    else:
+        assert "routing_temperature_mean" not in rows[1]
+
+
+def test_learned_temperature_resumes_bitwise(trained):
+    """Steps 4-6 of the run resumed from step 3 equal the uninterrupted run's, bit for bit
+    (loss, gradient norm, the temperatures), and so do the final weights."""
+    from mhar_titan.convert.dcp_io import load_model_dcp
+
+    straight, resumed = losses(trained / "learned"), losses(trained / "resumed")
+    assert sorted(resumed) == list(range(4, TRAIN_STEPS + 1))
+    for step in range(4, TRAIN_STEPS + 1):
+        for key in ("loss", "grad_norm", "routing_temperature_mean", "routing_temperature_min",
+                    "routing_temperature_max"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+    a = load_model_dcp(trained / "learned" / "checkpoints" / f"step-{TRAIN_STEPS}").state_dict()
+    b = load_model_dcp(trained / "resumed" / "checkpoints" / f"step-{TRAIN_STEPS}").state_dict()
+    assert "routing.log_temperature" in a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_learned_temperature_checkpoint_exports_and_generates_in_transformers(trained, tmp_path):
+    """The learned run's checkpoint, exported (python -m mhar_titan.convert export), loads in stock
+    transformers (remote code) with its temperatures and generates our greedy tokens."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from mhar_titan.convert.__main__ import main as convert
+    from mhar_titan.convert.dcp_io import load_model_dcp
+    from mhar_titan.eval.generation import generate
+
+    folder = tmp_path / "exported"
+    assert convert(["export", str(trained / "learned"), str(folder)]) == 0
+    ours = load_model_dcp(trained / "learned" / "checkpoints" / f"step-{TRAIN_STEPS}").eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    assert hf.model.args.routing_temperature == "learned"
+    assert torch.equal(hf.model.routing.log_temperature, ours.routing.log_temperature)
+    assert not torch.allclose(ours.routing.log_temperature, torch.zeros(()))  # trained off its init
+    prompt = [464, 286, 290, 284, 287]
+    expected = generate(ours, prompt, 8).tolist()
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert got == expected
