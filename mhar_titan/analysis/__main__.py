@@ -5,7 +5,9 @@ heatmap RUN   routing heatmaps (PNG: the mean over heads, and the heads one by o
               batches of the run's newest (or --step) checkpoint; --vmax fixes the colour range
 probe RUN     the query probe of a single-head model (Markdown, and a per-site PNG)
 compare RUN RUN ...  loss against tokens and the difference to the baseline (PNG; --ylim,
-              --diff-ylim fix the y ranges) and a tail-mean validation-loss table (Markdown)
+              --diff-ylim fix the y ranges) and a tail-mean validation-loss table naming each
+              run's arm (Markdown); --pair A B (repeatable): the difference B - A instead, tabulated;
+              runs that learn their routing temperature: its trajectory (routing_temperature.png)
 
 Outputs go to --out (default: <run>/analysis, or <parent of the first run>/comparison).
 Every flag is checked before anything is loaded. Bad input: a message on stderr and exit status 2.
@@ -84,7 +86,8 @@ _PROG = "python -m mhar_titan.analysis"
 
 def _compare(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.plots import pyplot
-    from mhar_titan.analysis.compare import (check_ylim, comparison_table, plot_comparison, read_run, short_tails,
+    from mhar_titan.analysis.compare import (check_pairs, check_ylim, comparison_table, pair_rows, pairs_markdown,
+                                             plot_comparison, plot_temperatures, read_run, short_tails,
                                              table_markdown)
 
     check_ylim(args.ylim, "--ylim")
@@ -95,17 +98,26 @@ def _compare(args) -> list[pathlib.Path]:
     names = [p.name for p in paths]
     if len(set(names)) < len(names):  # same folder names in different parents: use the paths
         names = [str(p) for p in paths]
+    pairs = check_pairs(args.pair or [], names, "--pair")
     runs = [read_run(p, n) for p, n in zip(paths, names)]
     rows = comparison_table(runs, args.baseline, args.k)
     for note in short_tails(rows) + [f"{r.name} is not paired with the baseline: {r.unpaired}" for r in rows
                                      if r.paired is False]:
         print(f"{_PROG} compare: warning: {note}", file=sys.stderr)
     png = out / "loss_vs_tokens.png"
-    pyplot().close(plot_comparison(runs, rows, png, dpi=args.dpi, ylim=args.ylim, diff_ylim=args.diff_ylim))
+    pyplot().close(plot_comparison(runs, rows, png, dpi=args.dpi, ylim=args.ylim, diff_ylim=args.diff_ylim,
+                                   pairs=pairs))
     md = out / "comparison.md"
-    write_text(md, f"# Run comparison\n\n![loss against tokens]({png.name})\n\n" + table_markdown(rows, args.k))
-    print(table_markdown(rows, args.k))
-    return [png, md]
+    tables = table_markdown(rows, args.k) + ("\n" + pairs_markdown(pair_rows(runs, pairs, args.k), args.k)
+                                             if pairs else "")
+    written, figures = [png], f"![loss against tokens]({png.name})\n\n"
+    if any(r.temperature for r in runs):
+        written.append(out / "routing_temperature.png")
+        pyplot().close(plot_temperatures(runs, written[-1], dpi=args.dpi))
+        figures += f"![learned routing temperature against tokens]({written[-1].name})\n\n"
+    write_text(md, "# Run comparison\n\n" + figures + tables)
+    print(tables)
+    return [*written, md]
 
 
 def main(argv=None) -> int:
@@ -136,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: <parent of the first run>/comparison)")
     p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
     add_ylim_arguments(p)
+    p.add_argument("--pair", nargs=2, action="append", default=None, metavar=("A", "B"),
+                   help="runs (folder names) whose difference B - A is plotted and tabulated instead of each run "
+                        "minus the baseline (repeatable)")
     args = parser.parse_args(argv)
     command = {"heatmap": _heatmap, "probe": _probe, "compare": _compare}[args.command]
     try:

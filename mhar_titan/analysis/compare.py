@@ -12,7 +12,16 @@ rows carry ``loss`` and ``tokens_seen``, validation rows ``val_loss``. Tokens of
   ``[data]`` settings that decide the order (files, tokenizer, sharding, shuffling, effective seed:
   data.seed or else debug.seed), the same sequence length and tokens per step, and the same last
   step and ``tokens_seen``. Paired deltas are much less noisy than unpaired ones (same batches,
-  same validation windows); an unpaired row says what differs.
+  same validation windows); an unpaired row says what differs;
+* arm: what model each run is, in the family table's terms (``models.args.family_name`` of its
+  resolved ``[model]``, e.g. ``"attn_res H=1"``), so runs named by folder say what they compare;
+* pairs: (A, B) runs whose difference B - A is reported and plotted (``pair_rows``,
+  ``plot_comparison(pairs=...)``), for comparisons other than "each run minus the baseline",
+  e.g. MHAR H = 8 against the temperature-matched single head;
+* routing temperature: a run with ``model.routing_temperature = "learned"`` logs the mean, min and
+  max over routing sites and heads of its learned temperatures (``metrics.TEMPERATURE_KEYS``);
+  ``plot_temperatures`` draws them against tokens, beside each fixed-temperature run's scale
+  (``model.routing_logit_scale``, e.g. 1/sqrt(8) for the temperature-matched single head).
 """
 from __future__ import annotations
 
@@ -20,9 +29,10 @@ import dataclasses
 import math
 import pathlib
 import statistics
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mhar_titan.analysis.plots import new_figure, save_figure
+from mhar_titan.errors import ConfigError
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries, resume permissions).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
@@ -89,6 +99,15 @@ class RunCurves:
     seed_val: Optional[dict[int, list[tuple[int, float]]]] = None
     """seed -> (step, val_loss) of each run averaged into these curves (None for a single run):
     what the paired difference to a baseline family is taken over (``val_difference``)."""
+    arm: Optional[str] = None
+    """What model the run is (module docstring: "arm"); None without a config.toml."""
+    temperature: list[tuple[int, float, float, float]] = dataclasses.field(default_factory=list)
+    """(step, mean, min, max) over routing sites and heads of the learned routing temperature
+    (``metrics.TEMPERATURE_KEYS``; over seeds too for a seed mean: the mean of the means, the
+    least min and the largest max); empty without a learned temperature."""
+    logit_scale: Optional[float] = None
+    """The fixed depth-logit scale of a routed run with a fixed temperature (``models.args.logit_scale``
+    of ``model.routing_logit_scale``); None for a learned temperature, the baseline or without a config."""
 
     def tokens(self, step: int) -> float:
         return step * self.tokens_per_step
@@ -181,11 +200,16 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
         FileNotFoundError: no metrics file in the folder.
         ValueError: the metrics file has no training row with ``tokens_seen`` (tokens unknown).
     """
+    from mhar_titan.metrics import TEMPERATURE_KEYS
+
     path = pathlib.Path(path)
     cfg, by_step, metrics = run_metrics(path)
-    train, val, rates, speeds, seen, last = [], [], [], [], 0, 0
+    train, val, rates, speeds, temperature, seen, last = [], [], [], [], [], 0, 0
     for step in sorted(by_step):
         row = by_step[step]
+        values = [_finite(row.get(key)) for key in TEMPERATURE_KEYS]
+        if None not in values:
+            temperature.append((step, *values))
         if _finite(row.get("loss")) is not None:
             train.append((step, _finite(row["loss"])))
         if _finite(row.get("val_loss")) is not None:
@@ -198,9 +222,25 @@ def read_run(path: str | pathlib.Path, name: Optional[str] = None) -> RunCurves:
     if not rates:
         raise ValueError(f"{metrics} has no training row with tokens_seen, so tokens per step are unknown")
     order = data_order(cfg, rates[-1]) if cfg is not None else None
+    arm, scale = model_of(cfg)
     return RunCurves(name=name or path.name, path=path, train=train, val=val, tokens_per_step=rates[-1],
                      data_order=order, tokens_seen=seen, steps=last, tokens_per_s=tuple(speeds),
-                     tokenizer=cfg.data.tokenizer if cfg is not None else None)
+                     tokenizer=cfg.data.tokenizer if cfg is not None else None, arm=arm, temperature=temperature,
+                     logit_scale=scale)
+
+
+def model_of(cfg) -> tuple[Optional[str], Optional[float]]:
+    """(arm, fixed depth-logit scale) of a job config: what model it trains in the family table's
+    terms (``models.args.family_name`` of its resolved ``[model]``, e.g. ``"mhar H=8"``), and
+    ``routing_logit_scale`` as a number for a routed model with a fixed temperature (else None);
+    (None, None) for None."""
+    from mhar_titan.models.args import family_name, logit_scale, resolve_model_args
+
+    if cfg is None:
+        return None, None
+    args = resolve_model_args(cfg.model, cfg.training.seq_len)
+    fixed = args.residual == "attn_res" and args.routing_temperature == "fixed"
+    return family_name(args), logit_scale(args.routing_logit_scale) if fixed else None
 
 
 BYTE_TOKENIZER = "bytes"
@@ -230,6 +270,8 @@ class TableRow:
     """Evaluations asked for the tail mean (``evals`` < k: the run has fewer)."""
     unpaired: str = ""
     """What differs from the baseline when ``paired`` is False (e.g. "steps 200 vs 20")."""
+    arm: Optional[str] = None
+    """What model the run is (``RunCurves.arm``)."""
 
 
 def _differences(run: RunCurves, base: RunCurves) -> str:
@@ -270,8 +312,88 @@ def comparison_table(runs: Sequence[RunCurves], baseline: Optional[str] = None, 
         if run.data_order is not None and base.data_order is not None:
             unpaired = _differences(run, base)
             paired = not unpaired
-        rows.append(TableRow(run.name, mean, n, mean - base_mean, paired, run is base, k, unpaired))
+        rows.append(TableRow(run.name, mean, n, mean - base_mean, paired, run is base, k, unpaired, run.arm))
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRow:
+    """The tail-mean difference B - A of one pair of runs."""
+
+    a: str
+    b: str
+    delta: float
+    """B's tail mean minus A's (nats per token; negative = B has the lower loss)."""
+    evals: tuple[int, int]
+    """Evaluations in A's and B's tail means."""
+    paired: Optional[bool]
+    """Same tokens in the same order for the same steps (None when either has no config.toml)."""
+    unpaired: str = ""
+    """What differs when ``paired`` is False."""
+
+
+def check_pairs(pairs: Any, names: list[str], what: str) -> tuple[tuple[str, str], ...]:
+    """``pairs`` (a list of [A, B] lists) as (A, B) tuples of distinct names from ``names``
+    (families of a sweep, or runs of a comparison).
+
+    Raises:
+        ConfigError: not a list of two-name lists, a name that is none of ``names``, A = B, or a
+            pair given twice (the message starts with ``what``).
+    """
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(n, str) for n in p) for p in pairs):
+        raise ConfigError(f"{what} must be a list of [A, B] name pairs (the difference B - A is reported), "
+                          f"got {pairs!r}")
+    out = []
+    for a, b in pairs:
+        for n in (a, b):
+            if n not in names:
+                raise ConfigError(f"{what}: {n!r} is none of {names}")
+        if a == b:
+            raise ConfigError(f"{what}: pair [{a!r}, {b!r}] compares {a} with itself; give two different names")
+        if (a, b) in out:
+            raise ConfigError(f"{what}: pair [{a!r}, {b!r}] is given twice")
+        out.append((a, b))
+    return tuple(out)
+
+
+def run_pairs(runs: Sequence[RunCurves], pairs) -> list[tuple[RunCurves, RunCurves]]:
+    """The (A, B) runs of ``pairs`` ((A name, B name), ...).
+
+    Raises:
+        ConfigError: as ``check_pairs`` over the runs' names.
+    """
+    by_name = {r.name: r for r in runs}
+    return [(by_name[a], by_name[b]) for a, b in check_pairs([list(p) for p in pairs], list(by_name), "pairs")]
+
+
+def pair_rows(runs: Sequence[RunCurves], pairs, k: int = 11) -> list[PairRow]:
+    """One row per (A, B) pair of run names: tail mean of B minus that of A over the last k
+    evaluations, and whether the two are paired.
+
+    Raises:
+        ValueError: k < 1. ConfigError: as ``run_pairs``.
+    """
+    if k < 1:
+        raise ValueError(f"k (evaluations in the tail mean) must be >= 1, got {k}")
+    rows = []
+    for a, b in run_pairs(runs, pairs):
+        (mean_a, n_a), (mean_b, n_b) = a.tail_mean(k), b.tail_mean(k)
+        paired, unpaired = None, ""
+        if a.data_order is not None and b.data_order is not None:
+            unpaired = _differences(b, a)
+            paired = not unpaired
+        rows.append(PairRow(a.name, b.name, mean_b - mean_a, (n_a, n_b), paired, unpaired))
+    return rows
+
+
+def pairs_markdown(rows: Sequence[PairRow], k: int) -> str:
+    """The pair rows as a Markdown table (B - A, both tail means' evaluations, paired)."""
+    lines = [f"| B - A | tail-mean difference (last {k}) | evals (A, B) | paired |", "|---|---:|---|---|"]
+    for r in rows:
+        paired = {True: "yes", False: f"no ({r.unpaired})", None: "unknown"}[r.paired]
+        lines.append(f"| {r.b} - {r.a} | {r.delta:+.4f} | {r.evals[0]}, {r.evals[1]} | {paired} |")
+    return "\n".join(lines) + "\n"
 
 
 def short_tails(rows: Sequence[TableRow]) -> list[str]:
@@ -282,13 +404,13 @@ def short_tails(rows: Sequence[TableRow]) -> list[str]:
 
 def table_markdown(rows: Sequence[TableRow], k: int) -> str:
     """The table as Markdown; runs with fewer than k evaluations and unpaired runs are noted under it."""
-    lines = [f"| run | tail-mean val loss (last {k}) | evals | delta vs baseline | paired |",
-             "|---|---:|---:|---:|---|"]
+    lines = [f"| run | tail-mean val loss (last {k}) | evals | delta vs baseline | paired | arm |",
+             "|---|---:|---:|---:|---|---|"]
     for r in rows:
         delta = "baseline" if r.baseline else f"{r.delta:+.4f}"
         paired = "-" if r.baseline else {True: "yes", False: f"no ({r.unpaired})", None: "unknown"}[r.paired]
         evals = f"{r.evals} of {k}" if r.evals < k else str(r.evals)
-        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {evals} | {delta} | {paired} |")
+        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {evals} | {delta} | {paired} | {r.arm or 'unknown'} |")
     notes = short_tails(rows)
     if any(r.paired is False for r in rows):
         notes.append("an unpaired delta compares runs that did not see the same tokens for the same steps")
@@ -323,7 +445,7 @@ def add_ylim_arguments(parser) -> None:
 
 def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: str | pathlib.Path,
                     dpi: int = 200, ylim: Optional[tuple[float, float]] = None,
-                    diff_ylim: Optional[tuple[float, float]] = None):
+                    diff_ylim: Optional[tuple[float, float]] = None, pairs: Sequence[tuple[str, str]] = ()):
     """Three panels against tokens, drawn at a paper's column width (`heatmap.COLUMN_WIDTH_IN`,
     fonts `heatmap.FONT_PT`), one colour per run: training loss (top), validation loss
     (middle), each with a legend marking the baseline, the runs paired with it and the seed
@@ -337,15 +459,20 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
         ylim: (low, high) of both loss panels in that unit, e.g. to draw several comparisons on
             the same range (default: each panel's own).
         diff_ylim: (low, high) of the difference panel (default: its own range).
+        pairs: (A, B) run names: the difference panel draws B - A for each pair instead
+            (``val_difference(B, A)``, with its band over paired seeds), e.g. MHAR H = 8 minus
+            the temperature-matched single head; 0 = no difference.
 
     Saves a PNG without version metadata (the same runs give the same bytes); returns the figure.
 
     Raises:
         ValueError: ylim or diff_ylim is not two finite numbers with low < high.
+        ConfigError: a pair names no run (``run_pairs``).
     """
     from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
 
     ylim, diff_ylim = check_ylim(ylim), check_ylim(diff_ylim, "diff_ylim")
+    chosen = run_pairs(runs, pairs)
     unit, scale = loss_unit(runs)
     fig, (train_ax, val_ax, diff_ax) = new_figure(3, 1, panel_size=(COLUMN_WIDTH_IN, 1.75), dpi=dpi, sharex=True,
                                                   height_ratios=(1, 1, 0.9))
@@ -364,19 +491,15 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
             if band:
                 ax.fill_between([run.tokens(s) for s, _, _ in band], [lo * scale for _, lo, _ in band],
                                 [hi * scale for _, _, hi in band], color=color, alpha=0.25, lw=0)
-        if k == base_row:
-            continue
-        diff = val_difference(run, base)
-        x = [run.tokens(s) for s in diff.steps]
-        diff_ax.plot(x, [v * scale for v in diff.mean], "o-", color=color, lw=1, ms=2.5,
-                     label=run.name + (f", {diff.seeds} paired seeds, +/- 1 SE" if diff.band else ""))
-        if diff.band:
-            diff_ax.fill_between(x, [lo * scale for lo, _ in diff.band], [hi * scale for _, hi in diff.band],
-                                 color=color, alpha=0.25, lw=0)
-    diff_ax.axhline(0.0, color="k", lw=0.8, label=base.name + ("" if base.name == "baseline" else " (baseline)"))
+        if k != base_row and not chosen:
+            _plot_difference(diff_ax, run, base, run.name, scale, color)
+    for a, b in chosen:
+        _plot_difference(diff_ax, b, a, f"{b.name} - {a.name}", scale, None)
+    diff_ax.axhline(0.0, color="k", lw=0.8, label="0 (no difference)" if chosen else
+                    base.name + ("" if base.name == "baseline" else " (baseline)"))
     banded = " (mean, band = +/- 1 SE over seeds)" if any(r.train_band or r.val_band for r in runs) else ""
     for ax, title in ((train_ax, "training loss" + banded), (val_ax, "validation loss" + banded),
-                      (diff_ax, f"validation loss minus {base.name}'s")):
+                      (diff_ax, "validation loss, B - A" if chosen else f"validation loss minus {base.name}'s")):
         ax.set_title(title, fontsize=FONT_PT)
         ax.set_ylabel(f"loss ({unit})" if ax is not diff_ax else f"difference ({unit})", fontsize=FONT_PT)
         ax.tick_params(labelsize=FONT_PT)
@@ -391,5 +514,62 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
     if diff_ylim is not None:
         diff_ax.set_ylim(*diff_ylim)
     diff_ax.set_xlabel("tokens", fontsize=FONT_PT)
+    save_figure(fig, path, dpi)
+    return fig
+
+
+def _plot_difference(ax, run: RunCurves, base: RunCurves, label: str, scale: float, color) -> None:
+    """``val_difference(run, base)`` against tokens on ``ax``, with its band over paired seeds."""
+    diff = val_difference(run, base)
+    x = [run.tokens(s) for s in diff.steps]
+    line, = ax.plot(x, [v * scale for v in diff.mean], "o-", color=color, lw=1, ms=2.5,
+                    label=label + (f", {diff.seeds} paired seeds, +/- 1 SE" if diff.band else ""))
+    if diff.band:
+        ax.fill_between(x, [lo * scale for lo, _ in diff.band], [hi * scale for _, hi in diff.band],
+                        color=line.get_color(), alpha=0.25, lw=0)
+
+
+def plot_temperatures(runs: Sequence[RunCurves], path: str | pathlib.Path, dpi: int = 200):
+    """The learned routing temperature against tokens, one colour per run at a paper's column
+    width: the mean over routing sites and heads (line) with their min-max range (band), and the
+    routed fixed-temperature runs' scales as grey levels, one per distinct scale naming its runs
+    (1 for plain routing, 1/sqrt(8) = 0.354 for the temperature-matched single head), so a learned
+    temperature reads against the fixed ones. The temperature is the factor every depth logit is
+    multiplied by (below 1: a flatter depth softmax). Saves a PNG without version metadata;
+    returns the figure.
+
+    Raises:
+        ValueError: no run has a learned temperature (``RunCurves.temperature`` empty).
+    """
+    from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
+
+    learned = [r for r in runs if r.temperature]
+    if not learned:
+        raise ValueError("no run logged a learned routing temperature (model.routing_temperature = 'learned'): "
+                         "nothing to plot")
+    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.4), dpi=dpi)
+    x_range = [min(r.tokens(t[0]) for r in learned for t in r.temperature),
+               max(r.tokens(t[0]) for r in learned for t in r.temperature)]
+    for run in learned:
+        x = [run.tokens(step) for step, *_ in run.temperature]
+        line, = ax.plot(x, [mean for _, mean, _, _ in run.temperature], lw=1,
+                        label=run.name + (f", {run.seeds} seeds" if run.seeds > 1 else ""))
+        ax.fill_between(x, [lo for _, _, lo, _ in run.temperature], [hi for _, _, _, hi in run.temperature],
+                        color=line.get_color(), alpha=0.25, lw=0)
+    levels: dict[float, list[str]] = {}
+    for run in runs:
+        if not run.temperature and run.logit_scale is not None:
+            levels.setdefault(run.logit_scale, []).append(run.name)
+    for k, (scale, names) in enumerate(sorted(levels.items())):
+        ax.plot(x_range, [scale] * 2, ls=("--", ":", "-.")[k % 3], color="0.35", lw=1,
+                label=f"fixed {scale:.3g}: " + (", ".join(names) if len(names) <= 2 else f"{len(names)} runs"))
+    seeds = ", seeds" if any(r.seeds > 1 for r in learned) else ""
+    ax.set_title(f"routing temperature (learned: mean,\nband = min-max over sites, heads{seeds})", fontsize=FONT_PT)
+    ax.set_ylabel("temperature", fontsize=FONT_PT)
+    ax.set_xlabel("tokens", fontsize=FONT_PT)
+    ax.tick_params(labelsize=FONT_PT)
+    ax.xaxis.get_offset_text().set_fontsize(FONT_PT)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=FONT_PT, frameon=False, loc="best", handlelength=1.5, labelspacing=0.25, borderaxespad=0.2)
     save_figure(fig, path, dpi)
     return fig

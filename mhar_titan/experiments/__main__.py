@@ -9,8 +9,11 @@ slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per
                 default stdout); --check runs the trainer's dry run of every run at the job's
                 world size first (with --memory-gib G also the memory fit in G GiB per rank);
                 extra sbatch options after `--`
-results SWEEP   RESULTS.md (tables) and loss_vs_tokens.png from the run folders (--out DIR,
-                default <dump_folder>/results; --ylim, --diff-ylim fix the plot's y ranges)
+results SWEEP   RESULTS.md (its tables also printed) and loss_vs_tokens.png from the run
+                folders (--out DIR, default <dump_folder>/results; --ylim, --diff-ylim fix the
+                plot's y ranges; --pair A B, repeatable: report and plot family B minus family
+                A, paired by seed, instead of the sweep's [sweep] pairs); with a learned routing
+                temperature also routing_temperature.png, its trajectory
 compare A B     --check-schedule: A and B (each a job config or a run folder) are schedule-matched:
                 the same LR at every step (planned or logged), tokens per step and data order
                 (mhar_titan.experiments.schedule); --world-size N for configs (default 1). Prints
@@ -91,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
     p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
     add_ylim_arguments(p)
+    p.add_argument("--pair", nargs=2, action="append", default=None, metavar=("A", "B"),
+                   help="families whose paired difference B - A is tabulated and plotted (repeatable; "
+                        "default: the sweep's [sweep] pairs, else each family minus the baseline)")
     p = sub.add_parser("compare", help="check that two arms are schedule-matched")
     p.add_argument("arms", nargs=2, metavar="CONFIG_OR_RUN", help="a job config (TOML) or a run folder, twice")
     p.add_argument("--check-schedule", action="store_true",
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
             else:
                 print(text, end="")
             return 0
-        from mhar_titan.analysis.compare import check_ylim
+        from mhar_titan.analysis.compare import check_pairs, check_ylim
         from mhar_titan.experiments.results import write_results
 
         try:
@@ -150,9 +156,10 @@ def main(argv=None) -> int:
             check_ylim(args.diff_ylim, "--diff-ylim")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        pairs = None if args.pair is None else check_pairs(args.pair, list(sweep.families), "--pair")
         check_output_folder(args.out or sweep.dump_folder / "results", "--out")
         for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi, ylim=args.ylim,
-                                  diff_ylim=args.diff_ylim):
+                                  diff_ylim=args.diff_ylim, pairs=pairs, echo=print):
             print(f"wrote {path}")
         return 0
     except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk

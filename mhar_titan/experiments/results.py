@@ -12,13 +12,22 @@ k = ``sweep.tail_evals``:
   and its standard error  SE = sd / sqrt(n),  sd = sqrt(sum (x_i - mean)^2 / (n - 1))
   (undefined for n = 1, written "n/a");
 * tokens seen (the last training row) and the measured throughput: the median ``tokens_per_s``
-  of the logged training rows after step 1.
+  of the logged training rows after step 1;
+* per pair (A, B) of families (``[sweep] pairs`` or ``--pair A B``) and grid point: B's tail mean
+  minus A's, seed by seed over the seeds that have both runs (same tokens in the same order), then
+  the mean and standard error as above: e.g. MHAR H = 8 minus the temperature-matched single head,
+  the "heads or temperature?" question of the MHAR paper's v2 control.
+
+The file also names each family's arm (``Sweep.arms``: the family-table row and the keys the
+sweep adds, e.g. ``attn_res H=1 + routing_logit_scale=match_heads:8``).
 
 The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged)
 with a band of -/+ one standard error, and each family's paired validation-loss difference to the
-baseline family with its band over seeds, in the tokenizer's unit (bits per byte for the byte
-tokenizer), through ``mhar_titan.analysis.compare.plot_comparison``. Nothing in either file depends on the
-time or the software version: rerunning on the same run folders rewrites the same bytes.
+baseline family (or, with pairs, B - A for each pair) with its band over seeds, in the tokenizer's
+unit (bits per byte for the byte tokenizer), through
+``mhar_titan.analysis.compare.plot_comparison``; with a learned routing temperature a second plot
+shows its trajectory (``plot_temperatures``). Nothing in these files depends on the time or the
+software version: rerunning on the same run folders rewrites the same bytes.
 """
 from __future__ import annotations
 
@@ -26,12 +35,12 @@ import dataclasses
 import math
 import pathlib
 import statistics
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from mhar_titan.analysis.compare import (RunCurves, comparison_table, loss_unit, mean_and_se, plot_comparison,
-                                         read_run)
+from mhar_titan.analysis.compare import (RunCurves, check_pairs, comparison_table, loss_unit, mean_and_se,
+                                         plot_comparison, plot_temperatures, read_run)
 from mhar_titan.analysis.plots import pyplot
-from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline
+from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline, paired_run
 from mhar_titan.files import write_text
 
 
@@ -95,13 +104,51 @@ def collect(sweep: Sweep) -> tuple[list[RunResult], list[GroupResult]]:
     return results, groups
 
 
+@dataclasses.dataclass(frozen=True)
+class PairResult:
+    """B - A for one pair of families at one grid point, over the seeds that have both runs."""
+
+    a: str
+    b: str
+    point_tag: str
+    seeds: int
+    """Seeds with both runs evaluated."""
+    delta_mean: Optional[float]
+    """Mean over those seeds of B's tail mean minus A's (None without any)."""
+    delta_se: Optional[float]
+    paired: Optional[bool]
+    """Every seed's two runs read the same tokens in the same order (None when unknown)."""
+
+
+def pair_results(sweep: Sweep, results: Sequence[RunResult], pairs: Sequence[tuple[str, str]]) -> list[PairResult]:
+    """One ``PairResult`` per pair of families and grid point (in the sweep's order of grid points)."""
+    by_name = {r.run.name: r for r in results}
+    out = []
+    for a, b in pairs:
+        for point in dict.fromkeys(r.run.point for r in results):
+            deltas, orders = [], []
+            for run_b in (r.run for r in results if r.run.family == b and r.run.point == point):
+                rb, ra = by_name[run_b.name], by_name[paired_run(sweep, run_b, a).name]
+                if ra.evals and rb.evals:
+                    deltas.append(rb.tail_mean - ra.tail_mean)
+                    known = ra.curves.data_order is not None and rb.curves.data_order is not None
+                    orders.append(ra.curves.data_order == rb.curves.data_order if known else None)
+            tag = next(r.run.point_tag for r in results if r.run.point == point).lstrip("_")
+            mean, se = mean_and_se(deltas) if deltas else (None, None)
+            paired = None if not orders or None in orders else all(orders)
+            out.append(PairResult(a, b, tag, len(deltas), mean, se, paired))
+    return out
+
+
 def _num(value: Optional[float], fmt: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
 def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[GroupResult],
-                     plot_name: Optional[str] = None) -> str:
-    """The results file: how it was made, the per-family table of paired differences, the per-run table."""
+                     plots: Sequence[str] = (), pairs: Sequence[PairResult] = ()) -> str:
+    """The results file: how it was made, the plots (file names: the loss plot, then the learned
+    routing temperature's when there is one), the arms, the per-family table of paired differences,
+    the pairs' differences (when ``pairs``), the per-run table."""
     k = sweep.tail_evals
     unit = loss_unit([r.curves for r in results if r.curves is not None])[0]
     lines = [f"# Sweep {sweep.name}", "",
@@ -109,9 +156,22 @@ def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequenc
              f"`{sweep.dump_folder}`. Tail mean: the mean of the last {k} validation losses (nats per token). "
              f"Paired difference: a run's tail mean minus that of the `{sweep.baseline}` run with the same seed "
              "(same tokens in the same order); mean and standard error over seeds (negative = lower loss).", ""]
-    if plot_name:
-        lines += [f"![loss against tokens, mean over seeds]({plot_name})", "",
+    if plots:
+        lines += [f"![loss against tokens, mean over seeds]({plots[0]})", "",
                   f"(The plot's losses are in {unit}; the tables' in nats per token.)", ""]
+    if len(plots) > 1:
+        lines += [f"![learned routing temperature against tokens]({plots[1]})", ""]
+    return "\n".join(lines) + "\n" + results_tables(sweep, results, groups, pairs)
+
+
+def results_tables(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[GroupResult],
+                   pairs: Sequence[PairResult] = ()) -> str:
+    """The results file's tables (Markdown): the arms, the per-family paired differences to the
+    baseline, the pairs' differences (when ``pairs``), the per-run table."""
+    k = sweep.tail_evals
+    lines = []
+    if sweep.arms:
+        lines += ["| family | arm |", "|---|---|", *(f"| {f} | {sweep.arms[f]} |" for f in sweep.families), ""]
     lines += [f"| family | grid | seeds | tail-mean val loss (mean) | paired diff vs {sweep.baseline} | SE | "
               "paired seeds |", "|---|---|---:|---:|---:|---:|---:|"]
     for g in groups:
@@ -119,6 +179,14 @@ def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequenc
         lines.append(f"| {g.family} | {g.point_tag or '-'} | {g.seeds} | {g.tail_mean:.4f} | "
                      f"{'baseline' if base else _num(g.delta_mean, '+.4f')} | "
                      f"{'-' if base else _num(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
+    if pairs:
+        lines += ["", "Pairs: B's tail mean minus A's, seed by seed (same tokens in the same order), mean and "
+                  "standard error over the seeds that have both runs (negative = B has the lower loss).", "",
+                  "| B - A | grid | paired seeds | tail-mean diff | SE | paired |", "|---|---|---:|---:|---:|---|"]
+        for p in pairs:
+            paired = {True: "yes", False: "NO", None: "unknown"}[p.paired] if p.seeds else "-"
+            lines.append(f"| {p.b} - {p.a} | {p.point_tag or '-'} | {p.seeds} | {_num(p.delta_mean, '+.4f')} | "
+                         f"{_num(p.delta_se, '.4f')} | {paired} |")
     lines += ["", f"| run | seed | tail-mean val loss (last {k}) | evals | paired diff | paired | tokens seen | "
               "tokens/s (median) |", "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
@@ -157,19 +225,41 @@ def group_curves(results: Sequence[RunResult]) -> list[RunCurves]:
             out.append(RunCurves(name=group, path=members[0].path, train=train, val=val,
                                  tokens_per_step=members[0].tokens_per_step, data_order=None,
                                  tokenizer=members[0].tokenizer, seeds=len(members), train_band=train_band,
-                                 val_band=val_band, seed_val=dict(zip(seeds, (m.val for m in members)))))
+                                 val_band=val_band, seed_val=dict(zip(seeds, (m.val for m in members))),
+                                 arm=members[0].arm, temperature=_mean_temperature([m.temperature for m in members]),
+                                 logit_scale=members[0].logit_scale))
     return out
 
 
+def _mean_temperature(curves: Sequence[Sequence[tuple[int, float, float, float]]]) -> list:
+    """(step, mean of the means, least min, largest max) of learned-temperature curves
+    (``RunCurves.temperature``) at the steps all of them logged; empty if any is empty."""
+    if not all(curves):
+        return []
+    by_step = [{step: rest for step, *rest in c} for c in curves]
+    common = sorted(set.intersection(*(set(c) for c in by_step)))
+    return [(step, math.fsum(c[step][0] for c in by_step) / len(by_step), min(c[step][1] for c in by_step),
+             max(c[step][2] for c in by_step)) for step in common]
+
+
 def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=None,
-                  diff_ylim=None) -> list[pathlib.Path]:
+                  diff_ylim=None, pairs: Optional[Sequence[tuple[str, str]]] = None,
+                  echo: Optional[Callable[[str], None]] = None) -> list[pathlib.Path]:
     """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png`` (``ylim``, ``diff_ylim``: the
-    plot's fixed y ranges, as ``plot_comparison``); returns the paths written.
+    plot's fixed y ranges, as ``plot_comparison``), and ``<out>/routing_temperature.png``
+    (``plot_temperatures``) when a family learns its routing temperature; returns the paths written.
+
+    pairs: (A, B) families (checked by ``analysis.compare.check_pairs``) whose difference B - A the file
+    tabulates and the plot's difference panel draws, at every grid point both have run (default:
+    the sweep's ``pairs``; none: each family minus the baseline). echo: called with the tables
+    (``results_tables``) once the files are written (the command prints them).
 
     Raises:
         FileNotFoundError: no run of the sweep has a metrics file yet.
         ValueError: ylim or diff_ylim is not two finite numbers with low < high.
+        ConfigError: a pair names no family of the sweep.
     """
+    pairs = sweep.pairs if pairs is None else check_pairs([list(p) for p in pairs], list(sweep.families), "pairs")
     results, groups = collect(sweep)
     if not groups:
         raise FileNotFoundError(f"no run of sweep {sweep.name} has metrics under {sweep.dump_folder}; "
@@ -182,9 +272,20 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=No
     baseline = next((r.run.group for r in results if r.run.family == sweep.baseline and r.run.group in names),
                     names[0])
     png = out / "loss_vs_tokens.png"
+    groups_of = {(r.run.family, r.run.point): r.run.group for r in results}
+    plotted = [(groups_of[a, point], groups_of[b, point]) for a, b in pairs
+               for point in dict.fromkeys(r.run.point for r in results)
+               if groups_of[a, point] in names and groups_of[b, point] in names]
     fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi, ylim=ylim,
-                          diff_ylim=diff_ylim)
+                          diff_ylim=diff_ylim, pairs=plotted)
     pyplot().close(fig)
+    written = [png]
+    if any(c.temperature for c in curves):
+        written.append(out / "routing_temperature.png")
+        pyplot().close(plot_temperatures(curves, written[-1], dpi=dpi))
     md = out / "RESULTS.md"
-    write_text(md, results_markdown(sweep, results, groups, png.name))
-    return [md, png]
+    pair_rows = pair_results(sweep, results, pairs)
+    write_text(md, results_markdown(sweep, results, groups, [p.name for p in written], pair_rows))
+    if echo is not None:
+        echo(results_tables(sweep, results, groups, pair_rows))
+    return [md, *written]

@@ -10,6 +10,9 @@ A sweep names a base job config and what varies around it::
     seed_keys = ["debug.seed", "data.seed"]  # optional (this default): keys set to the seed
     baseline = "baseline"                    # family the paired differences are taken against
     tail_evals = 11                          # validation evaluations in the tail mean (results)
+    pairs = [["attnres", "mhar_h8"]]         # optional: (A, B) families whose paired difference
+                                             # B - A the results report and plot (default: each
+                                             # family minus the baseline)
 
     [sweep.set]                              # overrides of every run
     "training.steps" = 300
@@ -21,11 +24,16 @@ A sweep names a base job config and what varies around it::
     baseline = "baseline"                    # a row of mhar_titan.models.args.FAMILIES
     attnres = "attn_res H=1"
     mhar = { residual = "attn_res", routing_heads = [2, 4, 8] }   # a list expands: mhar_h2, mhar_h4, mhar_h8
+    attnres_tau = { family = "attn_res H=1", routing_logit_scale = "match_heads:8" }   # a row plus keys
 
-A family's keys without a dot are ``[model]`` fields (``ModelArgs``), keys with a dot any config
-key (``optimizer.lr``). Runs are named ``<family>[_<grid tag>...]_s<seed>`` (``mhar_h8_lr0.001_s1``)
-and are the base config plus ``--section.key=value`` overrides, in this order: ``[sweep.set]``,
-the family, the grid point, ``job.dump_folder`` / ``job.name``, the seed keys.
+A family is a row of ``FAMILIES`` by name, or a table of keys, optionally starting from a row
+(``family = "<row>"``; its other keys are added to the row's or replace them). A family's keys
+without a dot are ``[model]`` fields (``ModelArgs``), keys with a dot any config key
+(``optimizer.lr``). Each family's *arm* (``Sweep.arms``) says what it is in those terms: the row
+and the keys added (``attn_res H=1 + routing_logit_scale=match_heads:8``), or the keys alone.
+Runs are named ``<family>[_<grid tag>...]_s<seed>`` (``mhar_h8_lr0.001_s1``) and are the base
+config plus ``--section.key=value`` overrides, in this order: ``[sweep.set]``, the family, the
+grid point, ``job.dump_folder`` / ``job.name``, the seed keys.
 
 Paired runs: every run of one seed sets ``debug.seed`` and ``data.seed`` to that seed, and families
 change only ``[model]`` keys (or what they name), so the runs of one seed and grid point read the
@@ -42,14 +50,17 @@ import itertools
 import pathlib
 from typing import Any, Optional
 
+from mhar_titan.analysis.compare import check_pairs
 from mhar_titan.config import ConfigError, JobConfig, load_config
 from mhar_titan.config.parser import read_toml
 
-SWEEP_KEYS = ("name", "base", "dump_folder", "seeds", "seed_keys", "baseline", "tail_evals", "set", "grid",
-              "slurm")
+SWEEP_KEYS = ("name", "base", "dump_folder", "seeds", "seed_keys", "baseline", "tail_evals", "pairs", "set",
+              "grid", "slurm")
 DEFAULT_SEED_KEYS = ("debug.seed", "data.seed")
 # Short tags of run names for common keys (others use the key's last part).
 SHORT_NAMES = {"routing_heads": "h", "optimizer.lr": "lr", "routing_head_layout": "", "training.steps": "steps"}
+FAMILY_ROW_KEY = "family"
+"""Key of a ``[families]`` table that names the ``FAMILIES`` row it starts from."""
 _RESERVED = ("job.name", "job.dump_folder")
 
 
@@ -102,6 +113,12 @@ class Sweep:
     families: tuple[str, ...]
     slurm_args: tuple[str, ...]
     runs: tuple[Run, ...]
+    arms: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Family -> what the family is (module docstring: "arm"), e.g. ``"attn_res H=1 +
+    routing_logit_scale=match_heads:8"``."""
+    pairs: tuple[tuple[str, str], ...] = ()
+    """(A, B) families whose paired difference B - A the results report (``[sweep] pairs``);
+    empty: each family against the baseline."""
 
 
 def _tag(key: str, value: Any) -> str:
@@ -121,31 +138,45 @@ def _override(key: str, value: Any) -> str:
     return f"--{key}={_cli_value(value)}"
 
 
-def _family_variants(name: str, spec: Any, where: str) -> list[tuple[str, dict]]:
-    """(family name, {config key: value}) for one ``[families]`` entry; list values expand."""
+def _family_variants(name: str, spec: Any, where: str) -> list[tuple[str, dict, str]]:
+    """(family name, {config key: value}, arm) for one ``[families]`` entry; list values expand.
+    The arm names the ``FAMILIES`` row the family starts from and the keys it adds (module docstring)."""
     from mhar_titan.models.args import FAMILIES
 
-    if isinstance(spec, str):
-        if spec not in FAMILIES:
-            raise ConfigError(f"{where}: family {name} = {spec!r} is not a row of mhar_titan.models.args.FAMILIES "
+    def row_of(row: Any, what: str) -> dict:
+        if not isinstance(row, str) or row not in FAMILIES:
+            raise ConfigError(f"{where}: family {name}{what} = {row!r} is not a row of mhar_titan.models.args.FAMILIES "
                               f"({', '.join(map(repr, FAMILIES))}); or give a table of [model] fields")
-        spec = FAMILIES[spec]
-    if not isinstance(spec, dict) or not spec:
+        return FAMILIES[row]
+
+    if isinstance(spec, str):
+        row_name, row, spec = spec, row_of(spec, ""), {}
+    elif isinstance(spec, dict) and FAMILY_ROW_KEY in spec:
+        row_name = spec[FAMILY_ROW_KEY]
+        row = row_of(row_name, f".{FAMILY_ROW_KEY}")
+        spec = {k: v for k, v in spec.items() if k != FAMILY_ROW_KEY}
+    else:
+        row_name, row = None, {}
+    if not isinstance(spec, dict) or not (spec or row):
         raise ConfigError(f"{where}: family {name} must be a FAMILIES row name or a non-empty table of keys, "
                           f"got {spec!r}")
-    keys = [k if "." in k else f"model.{k}" for k in spec]
-    for key in keys:
+    added = {k if "." in k else f"model.{k}": v for k, v in spec.items()}
+    settings = {**{f"model.{k}": v for k, v in row.items()}, **added}
+    for key in settings:
         if key in _RESERVED:
             raise ConfigError(f"{where}: family {name} sets {key}, which the sweep sets itself")
-    lists = [(k, v) for k, v in zip(keys, spec.values()) if isinstance(v, list)]
-    fixed = {k: v for k, v in zip(keys, spec.values()) if not isinstance(v, list)}
+    lists = [(k, v) for k, v in settings.items() if isinstance(v, list)]
+    fixed = {k: v for k, v in settings.items() if not isinstance(v, list)}
     if any(not values for _, values in lists):
         raise ConfigError(f"{where}: family {name} has an empty list of values")
     variants = []
     for combo in itertools.product(*(values for _, values in lists)):
         chosen = dict(zip((k for k, _ in lists), combo))
         tag = "".join(f"_{_tag(k.removeprefix('model.'), v)}" for k, v in chosen.items())
-        variants.append((name + tag, {**fixed, **chosen}))
+        values = {**fixed, **chosen}
+        keys = [f"{k.removeprefix('model.')}={_cli_value(values[k])}" for k in added]
+        arm = " + ".join([row_name, *keys]) if row_name else ", ".join(keys)
+        variants.append((name + tag, {k: values[k] for k in settings}, arm))
     return variants
 
 
@@ -194,13 +225,15 @@ def load_sweep(path: str | pathlib.Path, extra_set: Optional[dict] = None,
     families_raw = data.get("families", {})
     if not isinstance(families_raw, dict) or not families_raw:
         raise ConfigError(f"{where}: [families] must name at least one family")
-    families = [v for name, spec in families_raw.items() for v in _family_variants(name, spec, where)]
+    variants = [v for name, spec in families_raw.items() for v in _family_variants(name, spec, where)]
+    families = [(n, settings) for n, settings, _ in variants]
     names = [n for n, _ in families]
     if len(set(names)) < len(names):
         raise ConfigError(f"{where}: family names repeat after list expansion: {names}")
     baseline = raw.get("baseline", names[0])
     if baseline not in names:
         raise ConfigError(f"{where}: sweep.baseline {baseline!r} is none of the families {names}")
+    pairs = check_pairs(raw.get("pairs", []), names, f"{where}: sweep.pairs")
     tail_evals = raw.get("tail_evals", 11)
     if not isinstance(tail_evals, int) or tail_evals < 1:
         raise ConfigError(f"{where}: sweep.tail_evals must be an integer >= 1, got {tail_evals!r}")
@@ -236,11 +269,16 @@ def load_sweep(path: str | pathlib.Path, extra_set: Optional[dict] = None,
                                                 config=cfg))
     return Sweep(path=path, name=str(raw["name"]), base=base, dump_folder=dump, seeds=tuple(seeds),
                  baseline=baseline, tail_evals=tail_evals, families=tuple(names), slurm_args=tuple(slurm_args),
-                 runs=tuple(runs))
+                 runs=tuple(runs), arms={n: arm for n, _, arm in variants}, pairs=pairs)
 
 
 def paired_baseline(sweep: Sweep, run: Run) -> Optional[Run]:
     """The baseline-family run of the same seed and grid point (None for a baseline run itself)."""
     if run.family == sweep.baseline:
         return None
-    return next(r for r in sweep.runs if r.family == sweep.baseline and r.seed == run.seed and r.point == run.point)
+    return paired_run(sweep, run, sweep.baseline)
+
+
+def paired_run(sweep: Sweep, run: Run, family: str) -> Run:
+    """The run of ``family`` with the same seed and grid point as ``run`` (same tokens in the same order)."""
+    return next(r for r in sweep.runs if r.family == family and r.seed == run.seed and r.point == run.point)
