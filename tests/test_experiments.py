@@ -1,5 +1,6 @@
 """Sweeps: expansion, paired data order, the resumable local launcher, SLURM emission."""
 import hashlib
+import math
 import os
 import re
 import shlex
@@ -9,11 +10,14 @@ import sys
 
 import pytest
 
+from mhar_titan.analysis.compare import data_order
 from mhar_titan.components.memory import MemoryFitError
+from mhar_titan.dryrun import build_model_args
 from mhar_titan.config import ConfigError
 from mhar_titan.data import build_tokenizer, build_train_loader
 from mhar_titan.experiments.launch import check_runs, gpu_hours, run_local, run_state, slurm_script, world_size_of
 from mhar_titan.experiments.sweep import load_sweep, paired_baseline
+from mhar_titan.models.args import logit_scale
 from train_common import DEBUG_MHAR, ROOT, SAMPLE
 
 SWEEPS = ROOT / "train_configs" / "sweeps"
@@ -61,6 +65,32 @@ def test_sweep_expands_to_the_expected_runs(tmp_path):
     assert sweep.runs[names.index("baseline_lr0.001_s1")].config.model.overrides["residual"] == "standard"
 
 
+def test_a_family_starts_from_a_family_table_row_and_adds_keys(tmp_path):
+    """``family = "<row>"`` takes the row's [model] fields, the other keys are added or replace the
+    row's, a list still expands; the arm names the row and the keys added."""
+    path = small_sweep(tmp_path, seeds="[3]")
+    path.write_text(path.read_text().replace("mhar = {", """\
+tau = { family = "attn_res H=1", routing_logit_scale = "match_heads:4" }
+learned = { family = "mhar H=8", routing_temperature = "learned", routing_heads = [2, 8] }
+mhar = {"""))
+    sweep = load_sweep(path)
+    assert [r.name for r in sweep.runs] == ["baseline_s3", "attnres_s3", "tau_s3", "learned_h2_s3", "learned_h8_s3",
+                                           "mhar_h2_s3", "mhar_h4_s3"]
+    by = {r.family: r for r in sweep.runs}
+    assert by["tau"].config.model.overrides == {"residual": "attn_res", "routing_heads": 1,
+                                                "routing_logit_scale": "match_heads:4"}
+    assert "--model.routing_logit_scale=match_heads:4" in by["tau"].overrides
+    assert logit_scale(build_model_args(by["tau"].config).routing_logit_scale) == 0.5
+    assert by["learned_h2"].config.model.overrides == {"residual": "attn_res", "routing_heads": 2,
+                                                       "routing_temperature": "learned"}
+    assert sweep.arms == {"baseline": "baseline", "attnres": "attn_res H=1",
+                          "tau": "attn_res H=1 + routing_logit_scale=match_heads:4",
+                          "learned_h2": "mhar H=8 + routing_temperature=learned + routing_heads=2",
+                          "learned_h8": "mhar H=8 + routing_temperature=learned + routing_heads=8",
+                          "mhar_h2": "residual=attn_res, routing_heads=2", "mhar_h4": "residual=attn_res, routing_heads=4"}
+    assert paired_baseline(sweep, by["tau"]).name == "baseline_s3" and sweep.pairs == ()
+
+
 @pytest.mark.parametrize("body, message", [
     ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[families]\nb = "nope"', "not a row"),
     ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1, 1]\n[families]\nb = "baseline"', "distinct"),
@@ -68,6 +98,18 @@ def test_sweep_expands_to_the_expected_runs(tmp_path):
     ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[families]\nb = {{ routing_headz = 2 }}', "routing_headz"),
     ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[sweep.set]\n"job.name"="y"\n[families]\nb="baseline"',
      "sets itself"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[families]\nb = {{ family = "nope", routing_heads = 2 }}',
+     "family b.family = 'nope' is not a row"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[families]\nt = {{ family = "attn_res H=1", '
+     'routing_logit_scale = "match_heads:0" }}', "run t_s1: .*routing_logit_scale"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\n[families]\nt = {{ family = "attn_res H=1", '
+     'routing_temperature = "hot" }}', "run t_s1: .*routing_temperature"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\npairs=[["b", "zz"]]\n[families]\nb="baseline"\nm="mhar H=8"',
+     r"sweep.pairs: 'zz' is none of \['b', 'm'\]"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\npairs=[["m", "m"]]\n[families]\nb="baseline"\nm="mhar H=8"',
+     "compares m with itself"),
+    ('[sweep]\nname="x"\nbase="{base}"\nseeds=[1]\npairs=["b", "m"]\n[families]\nb="baseline"\nm="mhar H=8"',
+     r"sweep.pairs must be a list of \[A, B\] name pairs"),
 ])
 def test_bad_sweep_files_are_refused_naming_the_problem(tmp_path, body, message):
     with pytest.raises(ConfigError, match=message):
@@ -129,7 +171,7 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
     train.sbatch pass the job's own preflight (DRY_RUN=1 slurm/torchrun_node.sh, as train.sbatch
     runs it) at 1 node x 8 GPUs."""
     sweep = load_sweep(SWEEPS / "paper_fineweb_100m.toml")
-    assert len(sweep.runs) == 3 * 2 * 3
+    assert len(sweep.runs) == 6 * 2 * 3
     script = tmp_path / "submit.sh"
     script.write_text(slurm_script(sweep, sbatch_args=["--time=12:00:00"]))
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -141,7 +183,7 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
         assert {"--nodes=1", "--gpus-per-node=8", "--time=12:00:00", f"--job-name=paper_fineweb_100m-{run.name}"} \
             <= set(words)
     env = {**os.environ, "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": "8", "PYTHON": sys.executable}
-    for words in (lines[0], lines[2]):  # baseline and MHAR
+    for words in (lines[0], lines[2], lines[3], lines[5]):  # baseline, MHAR, the scaled and the learned temperature
         job_args = words[words.index("slurm/train.sbatch") + 1:]
         done = subprocess.run([str(ROOT / "slurm" / "torchrun_node.sh"), *job_args], cwd=ROOT, env=env,
                               capture_output=True, text=True)
@@ -177,21 +219,41 @@ def test_slurm_emission_leaves_out_done_runs(tmp_path):
 def test_paper_sweeps_expand_and_state_their_estimated_gpu_hours(size):
     path = SWEEPS / f"paper_fineweb_{size}.toml"
     sweep = load_sweep(path)
+    families = ("baseline", "attnres", "mhar", "attnres_tau", "attnres_learned", "mhar_learned")
     assert [r.name for r in sweep.runs] == [f"{f}_lr{lr}_s{s}" for s in (1, 2, 3) for lr in ("0.0005", "0.001")
-                                           for f in ("baseline", "attnres", "mhar")]
+                                           for f in families]
     assert {r.config.model.flavor for r in sweep.runs} == {size}
-    assert {(r.config.model.overrides["residual"], r.config.model.overrides.get("routing_heads"))
-            for r in sweep.runs} == {("standard", 8), ("attn_res", 1), ("attn_res", 8)}
+    # each family's residual path, routing heads and the depth-logit scale and temperature the model resolves
+    resolved = {}
+    for r in sweep.runs:
+        args = build_model_args(r.config)
+        resolved.setdefault(r.family, set()).add(
+            (args.residual, args.resolved_routing_heads if args.residual == "attn_res" else None,
+             logit_scale(args.routing_logit_scale), args.routing_temperature))
+    assert resolved == {"baseline": {("standard", None, 1.0, "fixed")}, "attnres": {("attn_res", 1, 1.0, "fixed")},
+                        "mhar": {("attn_res", 8, 1.0, "fixed")},
+                        "attnres_tau": {("attn_res", 1, 1 / math.sqrt(8), "fixed")},
+                        "attnres_learned": {("attn_res", 1, 1.0, "learned")},
+                        "mhar_learned": {("attn_res", 8, 1.0, "learned")}}
+    assert sweep.arms["attnres_tau"] == "attn_res H=1 + routing_logit_scale=match_heads:8"
+    assert sweep.pairs == (("attnres", "attnres_tau"), ("attnres_tau", "mhar"), ("attnres", "attnres_learned"),
+                           ("mhar", "mhar_learned"))
+    # paired by seed: the runs of one seed and learning rate differ only in [model]
+    for seed, lr in ((1, 5e-4), (3, 1e-3)):
+        members = [r for r in sweep.runs if r.seed == seed and r.config.optimizer.lr == lr]
+        assert len(members) == len(families)
+        assert len({str(data_order(r.config, 1.0)) for r in members}) == 1
+        assert len({(r.config.training.steps, r.config.training.global_batch_size) for r in members}) == 1
     # FLOPs x tokens / (MFU x peak): 1.0e18 FLOPs at MFU 0.5 of 1e15 FLOP/s take 2000 s
     run = sweep.runs[0]
     tokens = run.config.training.steps * run.config.training.global_batch_size * run.config.training.seq_len
     flops = gpu_hours(run, 8, 0.5, 1e15) * 3600 * 0.5e15
-    from mhar_titan.dryrun import build_model_args
     from mhar_titan.metrics import flops_per_token
     assert flops == pytest.approx(flops_per_token(build_model_args(run.config), run.config.training.seq_len).total
                                   * tokens)
     hours = sum(gpu_hours(r, 8, 0.35, 989e12) for r in sweep.runs)
-    assert f"about {hours:.0f} GPU-hours for the 18 runs" in path.read_text()
+    assert f"about {hours:.0f} GPU-hours for the 36 runs" in path.read_text()
+    assert "6 x 2 x 3 = 36 paired runs" in path.read_text()
 
 
 def test_launcher_reports_failures_and_unsaved_runs_and_goes_on(tmp_path):

@@ -1,10 +1,15 @@
-"""The study's byte-level tokenizer and its committed configs."""
+"""The study's byte-level tokenizer, its committed configs and the smoke run of its sweep."""
+import math
+import shlex
+
 import pytest
 
 from mhar_titan.config import load_config
 from mhar_titan.data import DataConfig, build_tokenizer
 from mhar_titan.dryrun import build_model_args
 from mhar_titan.experiments.sweep import load_sweep
+from mhar_titan.models.args import logit_scale
+from helpers import read_metrics
 from train_common import ROOT
 
 
@@ -17,12 +22,23 @@ def test_byte_tokenizer_needs_no_file_and_round_trips(tmp_path):
         build_tokenizer(DataConfig(tokenizer="bytes", tokenizer_file=str(tmp_path)))
 
 
-def test_study_sweep_pairs_five_families_over_three_seeds():
+STUDY_FAMILIES = ("baseline", "attnres", "mhar_h2", "mhar_h4", "mhar_h8", "attnres_tau", "attnres_learned",
+                  "mhar_h8_learned")
+
+
+def test_study_sweep_pairs_eight_families_over_three_seeds():
     sweep = load_sweep(ROOT / "train_configs" / "sweeps" / "study_bytes.toml")
-    assert [r.name for r in sweep.runs] == [f"{f}_s{s}" for s in (1, 2, 3)
-                                           for f in ("baseline", "attnres", "mhar_h2", "mhar_h4", "mhar_h8")]
-    args = build_model_args(sweep.runs[-1].config)
-    assert (args.vocab_size, args.resolved_routing_heads, args.n_routing_sites) == (384, 8, 25)
+    assert [r.name for r in sweep.runs] == [f"{f}_s{s}" for s in (1, 2, 3) for f in STUDY_FAMILIES]
+    args = {r.family: build_model_args(r.config) for r in sweep.runs if r.seed == 3}
+    assert (args["mhar_h8"].vocab_size, args["mhar_h8"].resolved_routing_heads, args["mhar_h8"].n_routing_sites) \
+        == (384, 8, 25)
+    resolved = {f: (a.resolved_routing_heads, logit_scale(a.routing_logit_scale), a.routing_temperature)
+                for f, a in args.items() if f not in ("baseline", "mhar_h2", "mhar_h4")}
+    assert resolved == {"attnres": (1, 1.0, "fixed"), "mhar_h8": (8, 1.0, "fixed"),
+                        "attnres_tau": (1, 1 / math.sqrt(8), "fixed"), "attnres_learned": (1, 1.0, "learned"),
+                        "mhar_h8_learned": (8, 1.0, "learned")}
+    assert sweep.pairs == (("attnres", "attnres_tau"), ("attnres_tau", "mhar_h8"), ("attnres", "attnres_learned"),
+                           ("mhar_h8", "mhar_h8_learned"))
     assert build_model_args(load_config(str(ROOT / "train_configs" / "study_bytes.toml"))).vocab_size == 384
 
 
@@ -36,3 +52,64 @@ def test_results_md_quotes_the_generated_family_table():
     quoted = (ROOT / "RESULTS.md").read_text()
     assert len(family_rows(generated)) == 5 and family_rows(quoted) == family_rows(generated)
     assert "docs/study/loss_vs_tokens.png" in quoted and (ROOT / "docs" / "study" / "loss_vs_tokens.png").exists()
+
+
+def header_commands(path) -> list[list[str]]:
+    """The smoke-test commands of a sweep file's header comment, as argument lists (after
+    ``python -m mhar_titan.experiments``), continuation lines joined."""
+    lines = path.read_text().split("# Smoke test", 1)[1].split("\n\n", 1)[0].splitlines()
+    text = " ".join(line.lstrip("#").strip() for line in lines[1:]).replace("\\ ", "")
+    commands = ["python -m mhar_titan.experiments " + c for c in text.split("python -m mhar_titan.experiments ")[1:]]
+    return [shlex.split(c)[3:] for c in commands]
+
+
+@pytest.mark.slow
+def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(tmp_path, monkeypatch, capsys):
+    """The header's smoke commands (2 steps per run), for seed 1 of the temperature arms and the
+    families they are paired with (`--only`): every run completes, and `results` prints the
+    arms, their paired rows and the pairs' differences with the values of their metrics files;
+    the plotted temperature is the one the checkpoint holds."""
+    from mhar_titan.eval.load import load_run
+    from mhar_titan.metrics import TEMPERATURE_KEYS
+
+    sweep_file = ROOT / "train_configs" / "sweeps" / "study_bytes.toml"
+    run_cmd, results_cmd = header_commands(sweep_file)
+    assert run_cmd[:2] == ["run", "train_configs/sweeps/study_bytes.toml"] and results_cmd[0] == "results"
+    assert "training.steps=2" in run_cmd and "outputs/sweeps/study_smoke" in run_cmd
+    folder = str(tmp_path / "smoke")
+    swap = {"outputs/sweeps/study_smoke": folder}
+    names = [f"{f}_s1" for f in ("baseline", "attnres", "mhar_h8", "attnres_tau", "attnres_learned", "mhar_h8_learned")]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainings are child processes; one thread each is quickest here
+    from mhar_titan.experiments.__main__ import main as experiments_main
+
+    assert experiments_main([swap.get(a, a) for a in run_cmd] + ["--only", *names]) == 0
+    assert f"sweep study_bytes: {len(names)} completed, 0 already done, 0 failed" in capsys.readouterr().out
+    assert experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+
+    def val_tail(name):  # the tail mean (tail_evals = 5: both of the smoke run's evaluations)
+        vals = [r["val_loss"] for r in read_metrics(tmp_path / "smoke" / name) if "val_loss" in r]
+        assert len(vals) == 2
+        return sum(vals) / 2
+
+    tails = {name: val_tail(name) for name in names}
+    for name in names[1:]:
+        assert (f"| {name} | 1 | {tails[name]:.4f} | 2 | {tails[name] - tails['baseline_s1']:+.4f} | yes | 8,192 |"
+                in printed), name
+    assert "| attnres_tau | attn_res H=1 + routing_logit_scale=match_heads:8 |" in printed
+    assert "| mhar_h8_learned | mhar H=8 + routing_temperature=learned |" in printed
+    for a, b in (("attnres", "attnres_tau"), ("attnres_tau", "mhar_h8"), ("mhar_h8", "mhar_h8_learned")):
+        delta = tails[f"{b}_s1"] - tails[f"{a}_s1"]
+        assert f"| {b} - {a} | - | 1 | {delta:+.4f} | n/a | yes |" in printed
+    assert "| attnres_tau_s2 | 2 | not run |" in printed
+    assert (tmp_path / "results" / "routing_temperature.png").is_file()
+    # the learned temperature logged at the last step is the checkpoint's exp(log_temperature)
+    for name, heads in (("attnres_learned_s1", 1), ("mhar_h8_learned_s1", 8)):
+        last = [r for r in read_metrics(tmp_path / "smoke" / name) if TEMPERATURE_KEYS[0] in r][-1]
+        assert last["step"] == 2
+        t = load_run(tmp_path / "smoke" / name).model.routing.log_temperature.detach().double().exp()
+        assert t.shape == (25, heads)
+        assert [last[k] for k in TEMPERATURE_KEYS] == pytest.approx([t.mean().item(), t.min().item(), t.max().item()],
+                                                                    rel=1e-6)
+    assert not any(TEMPERATURE_KEYS[0] in r for r in read_metrics(tmp_path / "smoke" / "attnres_tau_s1"))
