@@ -55,7 +55,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from routing_bytes import bytes_table, grouped_bytes_table, measured_bytes, measured_table  # noqa: E402
 from routing_gpu import bench, isolated, isolated_table, table  # noqa: E402
 from routing_harness import SHAPES  # noqa: E402
-from routing_host import host_ms, host_step_ms  # noqa: E402
+from routing_host import fold_host_ms, host_ms, host_step_ms  # noqa: E402
 from tables import SECTION, append_section, write_table  # noqa: E402, F401  (SECTION: the section the tables go to)
 
 IMPLS = ("eager", "compile", "triton")
@@ -133,6 +133,12 @@ def main(argv=None) -> None:
                 f"{r['standin_median']:.1f} ms (minimum {r['standin_min']:.1f} ms): routing {r['routing']:.1f} ms "
                 f"(minimum {r['min'] - r['standin_min']:.1f} ms)." for family, r in steps.items()) + (
                 f" Load average {load:.2f} on {where}.")
+            fold = fold_host_ms("1b")
+            text += "\n\n" + "Host time per 1b step of the routing parameters' rows and their backward " + \
+                "(`DepthRouting.rows`, once per forward; the logit scale / learned temperature folded into the " + \
+                "pseudo-queries there, the kernels unchanged), median (minimum) over 50 steps: " + "; ".join(
+                    f"routing_logit_scale {name}: {median:.3f} ms ({low:.3f} ms)" for name, (median, low) in fold.items()
+                ) + f". Load average {os.getloadavg()[0]:.2f}."
             if a.json:  # family -> the routing's host time per step and one call's, and the load
                 text = json.dumps({family: dict(step_ms_min=r["min"] - r["standin_min"], step_ms_median=r["routing"],
                                                 call_us_min=1e3 * host["call_min"], load=load)

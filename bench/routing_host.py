@@ -1,5 +1,6 @@
 """Host time of routing with the kernel launches stubbed: one call at N = 73 and one whole 1b
-step's routing, per call and grouped. Run through `bench/routing.py --host`.
+step's routing, per call and grouped; and the per-step cost of the routing logit scale /
+learned temperature (`fold_host_ms`). Run through `bench/routing.py --host`.
 """
 from __future__ import annotations
 
@@ -90,3 +91,44 @@ def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters:
         result["routing"] = result["median"] - result["standin_median"]
         return result
 
+
+
+def fold_host_ms(shape: str = "1b", iters: int = 50) -> dict:
+    """Host time (ms) per step of taking the routing parameters' rows (`DepthRouting.rows`, once
+    per forward) and their backward, for the 1b MHAR model (H = 8, sublayer, per call, bf16
+    parameters as FSDP2 mixed precision hands them to the forward) at routing_logit_scale 1
+    (today's: the raw parameter), a fixed scale ("match_heads:8": one (S, d) multiply folded into
+    the pseudo-queries) and a learned temperature (exp of an (S, H) log-temperature, a per-head
+    multiply). The fused kernels are the same in all three (they receive the effective query), so
+    this is the whole host-side difference of a scaled step. CPU tensors (host work only).
+
+    Returns {setting: (median, minimum)} over `iters` steps after 5 warm-up steps."""
+    from mhar_titan.models.args import FLAVORS, ModelArgs
+    from mhar_titan.models.router import DepthRouting
+
+    settings = {"1.0 (fixed)": {}, "match_heads:8 (fixed)": dict(routing_logit_scale="match_heads:8"),
+                "1.0 (learned)": dict(routing_temperature="learned")}
+    result = {}
+    for name, fields in settings.items():
+        args = ModelArgs(**FLAVORS[shape], residual="attn_res", routing_heads=8, routing_kernel="triton", **fields)
+        routing = DepthRouting(args)
+        routing.reset_parameters()
+        routing.to(torch.bfloat16)
+        with torch.no_grad():
+            routing.query.normal_(0.0, 0.3)
+        groups = routing_plan_groups(args)
+
+        def step():
+            rows = routing.rows(groups)
+            torch.autograd.backward([rows.query[0].float().sum(), rows.key_norm[0].float().sum()])
+        for _ in range(5):
+            step()
+        times = [host_timer(step) for _ in range(iters)]
+        result[name] = (statistics.median(times), min(times))
+    return result
+
+
+def routing_plan_groups(args):
+    from mhar_titan.models.plan import RoutingPlan
+
+    return RoutingPlan.from_args(args).groups

@@ -531,3 +531,47 @@ def test_learned_temperature_checkpoint_exports_and_generates_in_transformers(tr
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert got == expected
+
+
+def test_heatmap_spread_panel_reports_the_temperature(permuted_learned, tmp_path):
+    """The spread panel draws exp(entropy) of the forward's weights and names the temperature."""
+    from mhar_titan.analysis.heatmap import plot_routing_heatmaps, temperature_label
+    from mhar_titan.analysis.routing import routing_summary
+
+    model, ids = permuted_learned
+    label = temperature_label(model)
+    t = model.routing.temperatures()
+    assert label == f"t {float(t.min()):.3g}-{float(t.max()):.3g}"
+    assert temperature_label(build(routing_heads=2, routing_logit_scale="match_heads:8")) == "t = 0.354"
+    assert temperature_label(build(routing_heads=2)) == ""
+    summary = routing_summary(model, [ids])
+    heat = plot_routing_heatmaps(summary, tmp_path / "h.png", temperature=label)
+    side = heat.axes["effective sources"]
+    assert side.get_title() == f"spread, {label}"
+    drawn = side.get_lines()[0].get_xdata()
+    _, weights = forward_and_heatmap_weights(model, ids)
+    from mhar_titan.analysis.routing import token_entropy
+    expected = [math.exp(token_entropy(w).double().mean().item()) for w in weights]
+    assert list(drawn) == pytest.approx(expected, rel=1e-6)
+    heat.close()
+
+
+def test_fixed_scale_launches_move_todays_bytes():
+    """A counted debug-flavor training step (bench/byte_count.py: every Triton launch's distinct
+    bytes under the interpreter, every aten op's) with routing_logit_scale = match_heads:8 moves
+    exactly the bytes of scale 1 in its routing launches; the rest differs by the fold alone,
+    4 S d elements (the (S, d) multiply's read and write, forward and backward)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from byte_count import count_step
+
+    def count(**fields):
+        args = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=8, routing_kernel="triton",
+                                     n_layers=2, **fields)
+        step, _ = count_step(args, 1, 4)
+        return step, args
+
+    today, args = count()
+    scaled, _ = count(routing_logit_scale="match_heads:8")
+    assert scaled.total("launch") == today.total("launch") > 0
+    assert [e for e in scaled.entries if e.where == "launch"] == [e for e in today.entries if e.where == "launch"]
+    assert scaled.total() - today.total() == 4 * args.n_routing_sites * args.dim * 2  # bf16

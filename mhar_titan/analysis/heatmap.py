@@ -14,7 +14,10 @@ Two figures:
   ``COLUMN_HEIGHT_IN``, fonts ``FONT_PT``): rows are the routing sites (layer i's attention and
   MLP, then the final routing), columns the model's source list (``RoutingSummary.columns``;
   empty cells: not read); beside it each site's effective number of sources exp(entropy) against
-  its N_s sources (the value of uniform routing), with a legend;
+  its N_s sources (the value of uniform routing), with a legend, titled with the routing
+  temperature when one is given (``temperature_label``: the logit scale, or the learned
+  temperatures' range); the weights, hence exp(entropy), are those of the effective logits the
+  forward routes with (``Router.weights``: the scale or learned temperature folded in);
 * one panel per routing head, on a grid of up to ``HEADS_PER_ROW`` panels a row (the page's text
   width, ``PAGE_WIDTH_IN``; a column for two heads), with the site names on the first column
   only, the source names on the bottom row only and one colour bar, in its own file, drawn only
@@ -136,10 +139,24 @@ def heads_path_for(path: str | pathlib.Path) -> pathlib.Path:
     return path.with_name(f"{path.stem}_heads{path.suffix or '.png'}")
 
 
+def temperature_label(model) -> str:
+    """The routing temperature of ``model`` in words, for the spread panel: "" at the default
+    (scale 1, fixed), "t = 0.354" for a fixed logit scale, "t 0.31-0.42" (min-max over sites and
+    heads, ``DepthRouting.temperatures``) for a learned one."""
+    routing = getattr(model, "routing", None)
+    if routing is None or not routing.scaled:
+        return ""
+    if not routing.learned:
+        return f"t = {routing.logit_scale:.3g}"
+    t = routing.temperatures().detach()
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return f"t {float(t.min()):.3g}-{float(t.max()):.3g}"
+
+
 def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, title: str = "",
                           cmap: str = "RdBu_r", dpi: int = 200, agree_tol: float = 0.02,
                           vmax: Optional[float] = None,
-                          heads_path: Optional[str | pathlib.Path] = None) -> Heatmaps:
+                          heads_path: Optional[str | pathlib.Path] = None, temperature: str = "") -> Heatmaps:
     """Draw the figures of ``summary`` (see the module doc) and save them as PNGs: the mean over
     heads at ``path``, the per-head grid (when the heads disagree) at ``heads_path`` (default
     ``heads_path_for(path)``); folders are created.
@@ -147,6 +164,7 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
     Args:
         agree_tol: mean-weight difference below which the heads count as agreeing.
         vmax: fixed colour range -vmax..+vmax of log2(weight x N) (None: ``color_scale_max``).
+        temperature: shown in the spread panel's title (``temperature_label(model)``); "" for none.
 
     Raises:
         ValueError: vmax is not a finite number > 0.
@@ -183,7 +201,7 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
     y = np.arange(n_sites)
     side.plot(summary.effective_sources(), y, "o-", ms=2.5, lw=1, label="exp(entropy)")
     side.plot(n, y, "k:", lw=1, label="N (uniform)")
-    side.set_title("spread", fontsize=FONT_PT)
+    side.set_title(f"spread, {temperature}" if temperature else "spread", fontsize=FONT_PT)
     side.set_xlabel("effective sources", fontsize=FONT_PT)
     side.set_xlim(0, n.max() + 0.5)
     side.xaxis.set_major_locator(plt.MaxNLocator(2, integer=True))

@@ -13,7 +13,10 @@ this package reloads:
 - ``model.safetensors`` or shards + ``model.safetensors.index.json``, tensors named by our state
   dict keys under ``model.`` (``model.tok_embeddings.weight``, ``model.layers.{i}.attention.wq.weight``,
   ``model.routing.query`` (S, d), ``model.routing.key_norm`` (S, d), ``model.routing.alpha``
-  (S, 1), ``model.routing.null_source``...). Format version 1 (no ``auto_map``) stored the keys
+  (S, 1), ``model.routing.null_source``, ``model.routing.log_temperature`` (S, H) with a learned
+  routing temperature...; ``model_args`` carries ``routing_logit_scale`` and
+  ``routing_temperature``, and the remote code runs this package's forward, so the folder routes
+  with the trained temperatures). Format version 1 (no ``auto_map``) stored the keys
   without the prefix; it still loads here.
 
 Reload with ``load_mhar(folder)`` (a ``Transformer`` with the saved arguments) or
