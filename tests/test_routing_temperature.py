@@ -575,3 +575,22 @@ def test_fixed_scale_launches_move_todays_bytes():
     assert scaled.total("launch") == today.total("launch") > 0
     assert [e for e in scaled.entries if e.where == "launch"] == [e for e in today.entries if e.where == "launch"]
     assert scaled.total() - today.total() == 4 * args.n_routing_sites * args.dim * 2  # bf16
+
+
+@pytest.mark.parametrize("kernel", ["eager", "triton"])
+def test_kv_cache_decoding_with_a_learned_temperature(kernel):
+    """Decoding with the KV cache routes each new token with the effective queries: the cached
+    logits equal a full forward's, and greedy tokens equal those without a cache."""
+    from mhar_titan.eval.generation import generate
+    from mhar_titan.models.kv_cache import KVCache
+
+    model = build(routing_heads=2, routing_temperature="learned", routing_logit_scale="match_heads:8",
+                  routing_kernel=kernel).eval()
+    ids = tokens(batch=1, length=6, seed=4)
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(model.args.n_layers, [0], 8, model.args.max_seq_len)
+        stepped = torch.cat([model(ids[:, :3], cache=cache), model(ids[:, 3:4], cache=cache),
+                             model(ids[:, 4:], cache=cache)], dim=1)
+        torch.testing.assert_close(stepped, full, rtol=1e-5, atol=1e-5)
+        assert generate(model, ids[0], 6).tolist() == generate(model, ids[0], 6, use_cache=False).tolist()
