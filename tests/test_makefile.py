@@ -162,3 +162,32 @@ def test_the_test_extras_name_what_the_suite_imports():
     for name in ("pytest", "triton", "tensorboard", "matplotlib", "pillow", "transformers", "safetensors", "wandb",
                  "lm-eval"):
         assert name in wanted, name
+
+
+def _versions_script(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "versions.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_install_with_the_lock_stops_first_where_the_python_differs(clone, tmp_path):
+    lock = (ROOT / LOCK).read_text()
+    made_with = re.search(r"^# python (\d+\.\d+)$", lock, re.MULTILINE)
+    assert made_with, "the lock names the Python it was made with"
+    ours = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    other = "3.10" if ours != "3.10" else "3.12"
+    for version, status in ((ours, 0), (other, 2)):
+        (tmp_path / "lock.txt").write_text(lock.replace(made_with.group(0), f"# python {version}"))
+        done = _versions_script("--lock", str(tmp_path / "lock.txt"))
+        assert done.returncode == status, done.stderr
+    assert done.stderr.count("\n") == 1 and f"Python {other}" in done.stderr and "make setup LOCK=" in done.stderr
+    commands = dry_run(clone, "setup")
+    check = next(i for i, c in enumerate(commands) if f"scripts/versions.py --lock {LOCK}" in c)
+    assert check < next(i for i, c in enumerate(commands) if " pip install " in c)  # before anything is installed
+
+
+def test_the_versions_script_prints_what_the_environment_holds():
+    done = _versions_script()
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
+    import torch
+    assert lines["torch"] == torch.__version__ and lines["python"] == ".".join(map(str, sys.version_info[:3]))
