@@ -63,6 +63,7 @@ from mhar_titan.components.run_folder import RunFolder, on_rank0
 from mhar_titan.components.step_guard import guarded_step, read_step
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
+from mhar_titan.config.help import config_help, help_request
 from mhar_titan.console import LOG_FORMAT, LossEMA, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
@@ -498,8 +499,22 @@ def run_training(cfg: JobConfig) -> TrainState:
         trainer.close()
 
 
+def _print_help(section: Optional[str]) -> int:
+    """``--help [SECTION]`` (``config.help``) on stdout (once under torchrun: rank 0); exit code 0, or 2
+    with one line for an unknown section."""
+    try:
+        text = config_help(section)
+    except UserError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(text)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point: ``python train.py --config FILE [--section.key=value ...]``.
+    """Entry point: ``python train.py --config FILE [--section.key=value ...]``; ``-h`` / ``--help
+    [SECTION]`` prints the usage and the config's keys with their defaults and meanings.
 
     Returns the exit code, the same on every rank: 0 on success (also after a preemption);
     2 for any ``UserError``: a bad config or an unwritable run folder (nothing is built), launch
@@ -512,6 +527,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_known_warnings()
     argv = sys.argv[1:] if argv is None else argv
+    if help_request(argv) is not None:  # -h, --help [SECTION]: the keys, from the config schema
+        return _print_help(help_request(argv)[0])
     cfg = None
     try:
         cfg = load_config(None, argv)

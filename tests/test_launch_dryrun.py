@@ -36,7 +36,7 @@ def own_mib(field):  # "VmRSS" (now) or "VmHWM" (peak) of this process
 # Runs in a fresh interpreter: forbid network, dry-run every config, run the zoo listing,
 # report this process's RSS after its imports and its peak. Prints one JSON line at the end.
 PROBE = OWN_MEMORY + r"""
-import contextlib, io, json, runpy, socket, sys
+import contextlib, io, json, socket, sys
 
 def no_network(*args, **kwargs):
     raise RuntimeError(f"network access attempted during the dry run: {args!r}")
@@ -54,7 +54,7 @@ for config in sys.argv[1:]:
     results[config] = {"code": code, "stdout": out.getvalue()}
 listing = io.StringIO()
 with contextlib.redirect_stdout(listing):
-    runpy.run_module("mhar_titan.models", run_name="__main__")
+    mhar_titan.models.__main__.main([])  # the listing python -m mhar_titan.models prints
 print(json.dumps({"results": results, "listing": listing.getvalue(),
                   "base_mib": base_mib, "peak_mib": own_mib("VmHWM")}))
 """

@@ -241,7 +241,8 @@ def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE")
+            raise ConfigError(f"unexpected argument {arg!r}: expected --section.key=value or --config FILE "
+                              "(python train.py --help lists the keys)")
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv):
@@ -251,7 +252,8 @@ def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
         if name in ("config", "job.config_file"):
             config_file = value
         elif "." not in name:
-            raise ConfigError(f"--{name}: expected --section.key (sections: {', '.join(SECTIONS)})")
+            raise ConfigError(f"--{name}: expected --section.key (sections: {', '.join(SECTIONS)}; python train.py "
+                              f"--help SECTION lists a section's keys)")
         else:
             pairs.append((name, value))
     return config_file, pairs
