@@ -594,3 +594,17 @@ def test_kv_cache_decoding_with_a_learned_temperature(kernel):
                              model(ids[:, 4:], cache=cache)], dim=1)
         torch.testing.assert_close(stepped, full, rtol=1e-5, atol=1e-5)
         assert generate(model, ids[0], 6).tolist() == generate(model, ids[0], 6, use_cache=False).tolist()
+
+
+def test_authors_format_refuses_a_scaled_model():
+    """The authors' code has no logit scale: exporting a scaled model in their format is refused
+    (before any weight is read), naming the setting and the format that holds it."""
+    from mhar_titan.convert.folders import resolve_format
+    from mhar_titan.convert.hf_config import ConversionError
+
+    for fields in (dict(routing_logit_scale="match_heads:8"), dict(routing_temperature="learned")):
+        args = build(routing_heads=2, **fields).args
+        with pytest.raises(ConversionError, match="--format mhar"):
+            resolve_format(args, "authors")
+        assert resolve_format(args, "auto") == "mhar"
+    assert resolve_format(build(routing_heads=2).args, "authors") == "authors"

@@ -123,8 +123,15 @@ def import_authors(folder: str | os.PathLike, dtype: torch.dtype = torch.float32
 
 
 def authors_mode(args: ModelArgs) -> str:
-    """Their ``attnres_mode`` for our arguments (ConversionError when there is none)."""
+    """Their ``attnres_mode`` for our arguments (ConversionError when there is none, or when the
+    model scales its depth logits: their code has no logit scale or temperature, so it would
+    route with other weights)."""
     heads = args.resolved_routing_heads
+    if args.routing_logit_scale != 1.0 or args.routing_temperature != "fixed":
+        raise ConversionError(
+            f"the authors' format has no depth-logit scale or temperature (this model has routing_logit_scale="
+            f"{args.routing_logit_scale!r}, routing_temperature={args.routing_temperature!r}): their code would "
+            "route with unscaled logits; export with --format mhar (our folder, loaded with trust_remote_code=True)")
     mode = {
         ("delta", "block", "paper"): "delta_mh",
         ("delta", "sublayer", "paper"): "delta" if heads == 1 else None,

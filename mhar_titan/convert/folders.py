@@ -68,7 +68,8 @@ def resolve_format(args: ModelArgs, fmt: str) -> str:
     model with ``args``; checked before any weight is read.
 
     Raises:
-        ConversionError: an unknown format, or "hf" for a routing model (the message names "mhar").
+        ConversionError: an unknown format, "hf" for a routing model (the message names "mhar"), or
+            "authors" for a model their format cannot hold (``authors.authors_mode``).
     """
     if fmt not in FORMATS:
         raise ConversionError(f"unknown export format {fmt!r}; choose one of {FORMATS}")
@@ -78,6 +79,8 @@ def resolve_format(args: ModelArgs, fmt: str) -> str:
         raise ConversionError(f"a {args.residual!r} (routing) model has no stock transformers architecture, so format "
                               "'hf' cannot hold it; use format 'mhar' (--format mhar, or the default --format auto): "
                               "our own model type, which transformers loads with trust_remote_code=True")
+    if fmt == "authors":
+        authors.authors_mode(args)  # a model their format cannot hold is refused before any weight is read
     return fmt
 
 
