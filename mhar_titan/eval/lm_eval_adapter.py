@@ -133,11 +133,14 @@ class MharLM(_Base):
         return context_ids, whole[len(context_ids):]
 
     @torch.no_grad()
-    def _score(self, pieces: Sequence[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+    def _score(self, pieces: Sequence[tuple[list[int], int]], desc: Optional[str] = None) -> list[tuple[float, bool]]:
         """For each (tokens, n): sum of log p of the last n tokens of ``tokens`` given the ones
-        before, and whether each was the argmax. ``len(tokens) <= max_length + 1``."""
+        before, and whether each was the argmax. ``len(tokens) <= max_length + 1``. With ``desc``,
+        the batches show progress under that label (`mhar_titan.progress`: a bar on a terminal, a
+        line every few seconds in a log)."""
         out = []
-        for start in range(0, len(pieces), self.batch_size):
+        starts = range(0, len(pieces), self.batch_size)
+        for start in (starts if desc is None else progress(starts, desc=desc, unit="batch")):
             chunk = pieces[start:start + self.batch_size]
             width = max(len(t) - 1 for t, _ in chunk)
             x = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -156,7 +159,7 @@ class MharLM(_Base):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per request (nats, summed over tokens)."""
         pieces = []
-        for request in progress(requests, desc="loglikelihood", unit="req"):
+        for request in requests:  # tokenization only: the progress is the scoring's
             context, continuation = _args(request)[:2]
             ctx, cont = self.encode_pair(context, continuation)
             if not cont:
@@ -171,7 +174,7 @@ class MharLM(_Base):
                                            "its first tokens")
             tokens = (ctx + cont)[-(self.max_length + 1):]
             pieces.append((tokens, min(len(cont), len(tokens) - 1)))
-        return self._score(pieces)
+        return self._score(pieces, desc="loglikelihood")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """log p(text) per request (nats), given only the eos token, in windows of max_length."""

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -378,10 +379,15 @@ def run(args) -> str:
         manager = task_manager(tasks, args.include_path)
     results, names = [], []
     for which, path, step in (("a", args.run_a, args.step_a), ("b", args.run_b, args.step_b)):
+        # what runs now (the scoring then shows its own progress: mhar_titan.progress)
+        print(f"paired: run {which.upper()}: {'reading' if is_scored_folder(path) else 'scoring'} {path} on "
+              f"{', '.join(tasks)}", file=sys.stderr, flush=True)
         res, name = score(path, tasks, manager, out / which, step=step, device=args.device,
                           batch_size=args.batch_size, limit=args.limit, num_fewshot=args.num_fewshot)
         results.append(res)
         names.append(name)
+    print(f"paired: pairing the examples, {args.bootstrap_resamples} bootstrap resamples per metric", file=sys.stderr,
+          flush=True)
     rows = pair_results(results[0], results[1], tasks, args.bootstrap_resamples, args.seed)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "paired.json", json.dumps({
