@@ -12,7 +12,7 @@ from mhar_titan.analysis.compare import (comparison_table, mean_and_se, pair_row
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.config import to_toml
 from mhar_titan.experiments.__main__ import main as experiments_main
-from mhar_titan.experiments.results import collect, group_curves, pair_results
+from mhar_titan.experiments.results import collect, group_curves, group_pairs, pair_results
 from mhar_titan.experiments.sweep import load_sweep
 from mhar_titan.metrics import TEMPERATURE_KEYS
 from train_common import DEBUG_MHAR
@@ -37,7 +37,9 @@ def tail(values, k=2):
     return sum(values[-k:]) / k
 
 
-def constructed_sweep(tmp_path, pairs='[["attnres", "attnres_tau"], ["attnres_tau", "mhar"]]'):
+def constructed_sweep(tmp_path, pairs='[["attnres", "attnres_tau"], ["attnres_tau", "mhar"]]', grid=""):
+    """The sweep's run folders with the metrics of ``VAL`` (and, at the grid point lr 3e-3, 1.0 more
+    loss for attnres_tau), ``TEMPERATURE`` for the learned arm."""
     path = tmp_path / "sweep.toml"
     path.write_text(f"""
 [sweep]
@@ -47,6 +49,7 @@ dump_folder = "{tmp_path / 'runs'}"
 seeds = [1, 2, 3]
 tail_evals = 2
 pairs = {pairs}
+{grid}
 [families]
 baseline = "baseline"
 attnres = "attn_res H=1"
@@ -59,7 +62,8 @@ mhar_learned = {{ family = "mhar H=8", routing_temperature = "learned" }}
         run.run_dir.mkdir(parents=True)
         (run.run_dir / "config.toml").write_text(to_toml(run.config))
         rows = []
-        for step, val in enumerate(VAL[run.family][run.seed], 1):
+        shift = 1.0 if run.family == "attnres_tau" and dict(run.point).get("optimizer.lr") == 3e-3 else 0.0
+        for step, val in enumerate((v + shift for v in VAL[run.family][run.seed]), 1):
             row = {"step": step, "loss": val + 0.1, "tokens_seen": step * TOKENS_PER_STEP, "tokens_per_s": 100.0}
             if run.family == "mhar_learned":
                 row.update(zip(TEMPERATURE_KEYS, TEMPERATURE[run.seed][step - 1]))
@@ -106,6 +110,20 @@ def test_pairs_are_tabulated_seed_by_seed_and_printed_with_the_arms(tmp_path, ca
         err = capsys.readouterr().err.strip()
         assert err.startswith("python -m mhar_titan.experiments results: error: ") and message in err
         assert "\n" not in err and not (tmp_path / "never").exists()
+
+
+def test_pairs_of_a_grid_are_taken_at_each_grid_point(tmp_path):
+    sweep = constructed_sweep(tmp_path, grid='[sweep.grid]\n"optimizer.lr" = [1e-3, 3e-3]')
+    results, _ = collect(sweep)
+    assert group_pairs(results, sweep.pairs) == [("attnres_lr0.001", "attnres_tau_lr0.001"),
+                                                 ("attnres_lr0.003", "attnres_tau_lr0.003"),
+                                                 ("attnres_tau_lr0.001", "mhar_lr0.001"),
+                                                 ("attnres_tau_lr0.003", "mhar_lr0.003")]
+    rows = {(p.b, p.point_tag): p for p in pair_results(sweep, results, sweep.pairs)}
+    assert rows["attnres_tau", "lr0.001"].delta_mean == pytest.approx(-0.4 / 3)
+    assert rows["attnres_tau", "lr0.003"].delta_mean == pytest.approx(1.0 - 0.4 / 3)  # tau 1.0 worse at lr 3e-3
+    assert rows["mhar", "lr0.003"].delta_mean == pytest.approx(-1.0 - 0.1 / 3)
+    assert rows["mhar", "lr0.001"].delta_se == pytest.approx(0.1 / 3) and rows["mhar", "lr0.003"].seeds == 3
 
 
 def test_the_difference_panel_draws_any_pair_with_its_seed_band(tmp_path):

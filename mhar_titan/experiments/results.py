@@ -140,6 +140,15 @@ def pair_results(sweep: Sweep, results: Sequence[RunResult], pairs: Sequence[tup
     return out
 
 
+def group_pairs(results: Sequence[RunResult], pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (A, B) family pairs as pairs of groups (``Run.group``: family and grid point), one per
+    pair and grid point, in the sweep's order of grid points (``attnres_lr0.001``,
+    ``attnres_tau_lr0.001``): what the plot's difference panel draws."""
+    group_of = {(r.run.family, r.run.point): r.run.group for r in results}
+    points = dict.fromkeys(r.run.point for r in results)
+    return [(group_of[a, point], group_of[b, point]) for a, b in pairs for point in points]
+
+
 def _num(value: Optional[float], fmt: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
 
@@ -272,10 +281,7 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=No
     baseline = next((r.run.group for r in results if r.run.family == sweep.baseline and r.run.group in names),
                     names[0])
     png = out / "loss_vs_tokens.png"
-    groups_of = {(r.run.family, r.run.point): r.run.group for r in results}
-    plotted = [(groups_of[a, point], groups_of[b, point]) for a, b in pairs
-               for point in dict.fromkeys(r.run.point for r in results)
-               if groups_of[a, point] in names and groups_of[b, point] in names]
+    plotted = [(a, b) for a, b in group_pairs(results, pairs) if a in names and b in names]
     fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi, ylim=ylim,
                           diff_ylim=diff_ylim, pairs=plotted)
     pyplot().close(fig)
