@@ -113,3 +113,25 @@ def test_stop_signal_during_in_training_evaluation_ends_it_within_one_forward(tm
                 for r in read_metrics(tmp_path / name) if r["step"] == 4 and "eval/sequences" in r]
 
     assert last_eval("stopped") == last_eval("straight") and last_eval("straight")[0]
+
+
+@pytest.mark.slow  # three 2-rank torchrun trainings: about a minute on 2 busy cores
+@pytest.mark.distributed
+def test_a_signal_on_one_rank_stops_every_rank_within_the_same_validation_forward(tmp_path):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone",
+                           str(ROOT / "tests" / "preemption_long_work_worker.py"), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"read-{r}.json").read_text()) for r in (0, 1)]
+    # rank 0 got no signal: it stopped at the same batch as rank 1, after one forward of its 6
+    assert ranks == [{"read": [0, 1], "step": 2, "preempted": True}] * 2
+    assert metric_losses(tmp_path / "stopped") == metric_losses(tmp_path / "straight")  # the resume is exact
+    val = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "straight") if "val_loss" in r}
+    resumed = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "stopped") if "val_loss" in r}
+    assert sorted(val) == [2, 4] and resumed == {4: val[4]}
