@@ -80,6 +80,7 @@ from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
 from mhar_titan.parallel import build_model, init_distributed
 from mhar_titan.preemption import PreemptionHandler
+from mhar_titan.say_once import quiet_other_ranks, report_user_error
 
 logger = logging.getLogger("mhar_titan")
 
@@ -463,6 +464,14 @@ def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optiona
     return code
 
 
+def _refuse(cfg: Optional[JobConfig], line: str, step: Optional[int] = None) -> int:
+    """A user's error: record the exit status (bad_input, 2), then say ``line`` once for the launch
+    (``say_once.report_user_error``: rank 0, and another rank only where its error differs); 2."""
+    code = _record_exit(cfg, "bad_input", 2, step)
+    report_user_error(line)
+    return code
+
+
 def quiet_known_warnings() -> None:
     """Silence warnings known to be harmless: torchdata 0.11 calls a torch API that torch 2.13
     deprecated (``set_vital``), printed once per loader worker."""
@@ -526,6 +535,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_known_warnings()
+    quiet_other_ranks()  # warnings on rank 0 only, a library's log line once, hub retries as one line
     argv = sys.argv[1:] if argv is None else argv
     if help_request(argv) is not None:  # -h, --help [SECTION]: the keys, from the config schema
         return _print_help(help_request(argv)[0])
@@ -534,17 +544,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = load_config(None, argv)
         model_args = check_config(cfg)
     except UserError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return _record_exit(cfg, "bad_input", 2)
+        return _refuse(cfg, f"config error: {e}")
     try:
         trainer = Trainer(cfg, model_args)
     except UserError as e:
-        print(f"cannot start training: {type(e).__name__}: {e}", file=sys.stderr)
         if dist.is_initialized():
             dist.barrier()  # every rank refused (the checks agree): leave together
             dist.destroy_process_group()
-        return _record_exit(cfg, "bad_input", 2)
-    status, code = "completed", 0
+        return _refuse(cfg, f"cannot start training: {type(e).__name__}: {e}")
+    status, code, refused = "completed", 0, ""
     try:
         trainer.train()
         if trainer.preempted:
@@ -553,12 +561,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"training stopped: {e}", file=sys.stderr)
         status, code = "health", 1
     except UserError as e:
-        print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        refused = f"training stopped: {type(e).__name__}: {e}"
         status, code = "bad_input", 2
     finally:
         try:
             trainer.close()
         except UserError as e:  # an async checkpoint save that failed (disk full) is reported at close
-            print(f"training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+            refused = f"training stopped: {type(e).__name__}: {e}"
             status, code = "bad_input", 2
+    if status == "bad_input":
+        return _refuse(cfg, refused, trainer.state.step)
     return _record_exit(cfg, status, code, trainer.state.step)

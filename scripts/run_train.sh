@@ -7,7 +7,8 @@
 #   CONFIG     TOML job file            (default: train_configs/debug_mhar.toml)
 #   NGPU       worker processes         (default: the GPUs visible here, counted by count_gpus
 #              in slurm/lib.sh; 1 without GPUs)
-#   LOG_RANK   ranks whose output is shown, comma-separated (default: 0)
+#   LOG_RANK   ranks whose output is shown, comma-separated (default: all; ranks other than 0 print
+#              only errors, and a user's error only where it differs from rank 0's: mhar_titan/say_once.py)
 #   PYTHON     interpreter with torch   (default: <repo>/.venv/bin/python if present, else python3)
 #   DRY_RUN=1  do not train: build the model on the meta device, validate the whole config
 #              for NGPU ranks, print parameter counts, a memory estimate and the resolved
@@ -16,8 +17,9 @@
 # Overrides after the script name are passed to train.py unchanged. For several nodes use
 # slurm/train.sbatch (or slurm/torchrun_node.sh on each node).
 #
-# Exit code: the trainer's own (0 after training or a clean preemption save, 2 for bad input,
-# 1 for a health stop), read from the exit status it writes (mhar_titan/exit_status.py),
+# Exit code: the trainer's own (0 after training or a clean preemption save, 2 for bad input:
+# its one line, without torchrun's traceback (python -m mhar_titan.torchrun, the torchrun it
+# runs), 1 for a health stop), read from the exit status it writes (mhar_titan/exit_status.py),
 # since torchrun exits 1 after a SIGTERM even when every worker saved and exited 0; torchrun's
 # exit code when the trainer wrote no status (a crash). SIGTERM or SIGUSR1 sent to this script
 # is passed to torchrun as SIGTERM (workers finish the step, save and exit); Ctrl-C reaches the
@@ -51,10 +53,14 @@ MHAR_EXIT_STATUS_FILE="$(mktemp "${TMPDIR:-/tmp}/mhar-exit-status.XXXXXX")"
 export MHAR_EXIT_STATUS_FILE
 rm -f "$MHAR_EXIT_STATUS_FILE"
 trap 'rm -f "$MHAR_EXIT_STATUS_FILE"' EXIT
-"$python" -m torch.distributed.run \
+ranks_filter=()
+if [[ -n "${LOG_RANK:-}" ]]; then
+  ranks_filter=(--local-ranks-filter="$LOG_RANK")
+fi
+"$python" -m mhar_titan.torchrun \
   --nnodes=1 --nproc_per_node="$NGPU" \
   --rdzv_backend=c10d --rdzv_endpoint=localhost:0 \
-  --local-ranks-filter="${LOG_RANK:-0}" --role=rank --tee=3 \
+  ${ranks_filter[@]+"${ranks_filter[@]}"} --role=rank --tee=3 \
   train.py --config "$config" "$@" &
 child=$!
 # shellcheck disable=SC2317  # called by the traps

@@ -23,7 +23,7 @@ count_gpus() {
 }
 
 # python_for REPO: print the interpreter the launchers run (and take torchrun from, as
-# `"$python" -m torch.distributed.run`), first match wins:
+# `"$python" -m mhar_titan.torchrun`, torchrun with user errors as one line), first match wins:
 #   1. PYTHON when it is set;
 #   2. REPO/.venv/bin/python, the project's virtual environment, when it exists;
 #   3. python3 from PATH.

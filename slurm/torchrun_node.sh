@@ -76,7 +76,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-${TORCH_ELASTIC_SHUTD
 
 rdzv_endpoint="${RDZV_ENDPOINT:?RDZV_ENDPOINT (host:port of the rendezvous, the first node) is not set}"
 cmd=(
-  "$python" -m torch.distributed.run
+  "$python" -m mhar_titan.torchrun
   --nnodes="$nnodes"
   --node_rank="$node_rank"
   --nproc_per_node="$nproc"

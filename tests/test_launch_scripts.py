@@ -48,7 +48,7 @@ def test_node_command_from_slurm_variables():
          "SLURM_JOB_ID": "777", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1"},
         "train_configs/x.toml", "--training.steps=5", "--job.description=two words",
     )
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[1:3] == ["-m", "mhar_titan.torchrun"]
     assert opt(argv, "nnodes") == "4" and opt(argv, "node_rank") == "3"
     assert opt(argv, "nproc_per_node") == "8"  # SLURM_GPUS_ON_NODE wins over CUDA_VISIBLE_DEVICES
     assert opt(argv, "rdzv_backend") == "c10d" and opt(argv, "rdzv_endpoint") == "node001:29123"
@@ -137,7 +137,7 @@ def test_launchers_default_to_the_repository_venv_python(tmp_path, with_venv):
     r = subprocess.run(["bash", str(tmp_path / "slurm" / "torchrun_node.sh"), "c.toml"], capture_output=True,
                        text=True, env=dict(env, PRINT_CMD="1", RDZV_ENDPOINT="127.0.0.1:1"))
     argv = shlex.split(r.stderr.strip().splitlines()[-1].split("] ", 1)[1])
-    assert argv[:3] == [expected, "-m", "torch.distributed.run"]  # torchrun of that same Python
+    assert argv[:3] == [expected, "-m", "mhar_titan.torchrun"]  # torchrun (mhar_titan.torchrun) of that same Python
     if with_venv:
         r = subprocess.run(["bash", str(tmp_path / "scripts" / "run_train.sh")], capture_output=True, text=True,
                            env=dict(env, DRY_RUN="1"))
