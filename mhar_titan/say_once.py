@@ -166,6 +166,12 @@ def quiet_other_ranks() -> None:
     for handler in logging.root.handlers:
         if not any(isinstance(f, _PrintedByLibrary) for f in handler.filters):
             handler.addFilter(_PrintedByLibrary())
+    one_line_hub_retries()
+
+
+def one_line_hub_retries() -> None:
+    """huggingface_hub's retries of a request as one line (`HubRetries`), for every command that
+    may reach the hub (training's hub data, lm-eval's task data)."""
     http = logging.getLogger("huggingface_hub.utils._http")
     if not any(isinstance(f, HubRetries) for f in http.filters):
         http.addFilter(HubRetries())

@@ -99,3 +99,27 @@ def test_an_unreachable_hub_is_one_counted_line_not_a_page_of_retries(tmp_path):
     hub = [line for line in lines if line.startswith("hub: ")]
     assert len(hub) == 1 and f"http://127.0.0.1:{port}/" in hub[0] and "retries it up to 5 times" in hub[0], out
     assert lines[-1].startswith("cannot start training: DataError: opening the training data"), out
+
+
+def test_hub_retries_of_one_request_log_one_line():
+    """The filter every command that may reach the hub installs (train.py, python -m mhar_titan.eval),
+    on huggingface_hub's own retry loop against a closed loopback port (a fresh process: the tests
+    run with HF_HUB_OFFLINE set, which refuses before any request)."""
+    url = f"http://127.0.0.1:{closed_port()}/datasets/x/resolve/main/README.md"
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(format='%(name)s | %(message)s')\n"
+        "from huggingface_hub.utils import http_backoff\n"
+        "from mhar_titan.say_once import quiet_other_ranks\n"
+        "quiet_other_ranks()\n"
+        "try:\n"
+        f"    http_backoff('HEAD', {url!r}, max_retries=3, base_wait_time=0.01, max_wait_time=0.01)\n"
+        "except Exception as e:\n"
+        "    print('raised', type(e).__name__, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S,
+                       env=env)
+    lines = r.stderr.splitlines()
+    assert lines[-1] == "raised ConnectError", r.stderr
+    assert len(lines) == 2 and lines[0].startswith(f"hub: HEAD {url} failed (") and "up to 3 times" in lines[0], \
+        r.stderr

@@ -75,6 +75,9 @@ def _lm_eval(args) -> str:
 
 
 def main(argv=None) -> int:
+    from mhar_titan.say_once import one_line_hub_retries
+
+    one_line_hub_retries()  # lm-eval's task data may come from the hub: its retries as one line
     parser = ArgumentParser(prog="python -m mhar_titan.eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("perplexity", "validation loss and perplexity"), ("lm-eval", "lm-eval tasks")):
