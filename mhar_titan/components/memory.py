@@ -15,6 +15,15 @@ available number of bytes and, with ``training.memory_check``:
 the node. The estimate is a planning number without headroom (it ignores allocator
 fragmentation and workspaces), so a job it calls fitting may still run out; one it calls not
 fitting would need at least that much.
+
+What each number covers: the trainer checks the job as it will run on its own device (on CPU:
+fp32 compute and the routing implementation that runs there, usually eager, which saves routing
+keys); the dry run plans the job for the target device type (``--device cuda`` by default:
+``training.mixed_precision_param`` compute and, for routing_kernel "auto" or "triton", the fused
+kernels where they fit, whatever the planning machine has installed). The same formula
+(``dryrun.estimate_memory``) gives both, so ``python -m mhar_titan.dryrun --device cpu`` prints the
+trainer's own CPU number, and a CPU start of a GPU job's config reports a larger estimate than
+the GPU plan.
 """
 from __future__ import annotations
 
