@@ -183,9 +183,9 @@ class DepthRouting(nn.Module):
     effective query moves about c * lr per step: with zero-initialised queries and Adam's eps
     negligible, a fixed scale acts like a query-only learning rate times c. It is still a
     different experiment from rescaling a learning rate: the routing group's lr also moves the key
-    norms, gates and null sources; Adam's eps is c times larger relative to the query's gradient;
-    weight decay on the query is unscaled; and Muon or a random query init break the
-    correspondence again. A learned temperature is a different parametrisation altogether.
+    norms, gates and null sources; Adam's eps is 1/c times larger relative to the query's
+    gradient; AdamW's decoupled decay shrinks the query by lr * wd per step, not by c * lr * wd
+    as a c-times learning rate would; and a random query init breaks the correspondence again. A learned temperature is a different parametrisation altogether.
     """
 
     def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
