@@ -127,3 +127,17 @@ def test_every_module_command_and_subcommand_answers_help():
     assert ["mhar_titan.eval", "paired"] in subcommands
     for argv, code, out, err in run_all(subcommands):
         assert code == 0 and out.startswith(f"usage: python -m {' '.join(argv)}"), (argv, code, err[-2000:])
+
+
+def test_the_model_listing_takes_help_and_refuses_other_arguments(capsys):
+    from mhar_titan.models.__main__ import main as listing
+
+    with pytest.raises(SystemExit) as done:
+        listing(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m mhar_titan.models [-h]")
+    with pytest.raises(SystemExit) as done:
+        listing(["debug"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.strip().splitlines() == [
+        "python -m mhar_titan.models: error: unrecognized arguments: debug (see python -m mhar_titan.models --help)"]
+    assert listing([]) == 0 and capsys.readouterr().out.startswith("flavor ")
