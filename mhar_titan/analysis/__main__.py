@@ -36,7 +36,7 @@ def _check_out(args) -> None:
 
 
 def _heatmap(args) -> list[pathlib.Path]:
-    from mhar_titan.analysis.heatmap import check_vmax, plot_routing_heatmaps, routing_report
+    from mhar_titan.analysis.heatmap import check_vmax, plot_routing_heatmaps, routing_report, temperature_label
     from mhar_titan.analysis.routing import routing_summary
 
     try:
@@ -51,7 +51,7 @@ def _heatmap(args) -> list[pathlib.Path]:
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     title = f"{loaded.run_dir.name}, step {loaded.step}: routing weight vs uniform"
     heat = plot_routing_heatmaps(summary, out / f"routing_step{loaded.step}.png", title=title, dpi=args.dpi,
-                                 vmax=args.vmax)
+                                 vmax=args.vmax, temperature=temperature_label(loaded.model))
     heat.close()
     pngs = [heat.path] + ([heat.heads_path] if heat.heads_path is not None else [])
     md = out / f"routing_step{loaded.step}.md"
