@@ -547,7 +547,7 @@ def test_heatmap_spread_panel_reports_the_temperature(permuted_learned, tmp_path
     summary = routing_summary(model, [ids])
     heat = plot_routing_heatmaps(summary, tmp_path / "h.png", temperature=label)
     side = heat.axes["effective sources"]
-    assert side.get_title() == f"spread, {label}"
+    assert side.get_title() == f"spread\n{label}"
     drawn = side.get_lines()[0].get_xdata()
     _, weights = forward_and_heatmap_weights(model, ids)
     from mhar_titan.analysis.routing import token_entropy

@@ -201,7 +201,7 @@ def plot_routing_heatmaps(summary: RoutingSummary, path: str | pathlib.Path, tit
     y = np.arange(n_sites)
     side.plot(summary.effective_sources(), y, "o-", ms=2.5, lw=1, label="exp(entropy)")
     side.plot(n, y, "k:", lw=1, label="N (uniform)")
-    side.set_title(f"spread, {temperature}" if temperature else "spread", fontsize=FONT_PT)
+    side.set_title(f"spread\n{temperature}" if temperature else "spread", fontsize=FONT_PT)
     side.set_xlabel("effective sources", fontsize=FONT_PT)
     side.set_xlim(0, n.max() + 0.5)
     side.xaxis.set_major_locator(plt.MaxNLocator(2, integer=True))
