@@ -141,3 +141,12 @@ def test_the_model_listing_takes_help_and_refuses_other_arguments(capsys):
     assert done.value.code == 2 and err.strip().splitlines() == [
         "python -m mhar_titan.models: error: unrecognized arguments: debug (see python -m mhar_titan.models --help)"]
     assert listing([]) == 0 and capsys.readouterr().out.startswith("flavor ")
+
+
+def test_a_meaning_is_the_first_whole_sentence(capsys):
+    assert main(["--help", "eval"]) == 0
+    out = capsys.readouterr().out
+    # "e.g." and a period inside parentheses do not end the sentence
+    assert '      Folders of local lm-eval task YAML files (e.g. ["eval_tasks"]; relative to the working\n' \
+           "      folder).\n" in out
+    assert max(len(line) for line in out.splitlines()) <= 101

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -55,6 +56,16 @@ def test_the_gpu_plan_does_not_depend_on_whether_this_machine_has_triton():
     # an eager job plans eager wherever it is planned
     eager = dry_run(WITHOUT_TRITON, *argv, "--model.routing_kernel=eager").stdout
     assert "routing: the eager path on cuda ranks (model.routing_kernel = 'eager')" in eager, eager
+
+
+def test_a_grouped_gpu_plan_needs_no_triton_either():
+    """Grouped routing's step-time model takes the fused kernels' layout (sites per program) from
+    `mhar_kernels.contract`, not from the Triton modules."""
+    argv = ("--config", MHAR_1B, "--world-size", "8", "--model.routing_group_size=4")
+    without = dry_run(WITHOUT_TRITON, *argv)
+    assert without.returncode == 0, without.stderr
+    assert dry_run(WITH_TRITON_IF_ANY, *argv).stdout == without.stdout
+    assert re.search(r"GPU +[\d.]+ ms  modelled", without.stdout), without.stdout
 
 
 def test_a_cpu_dry_run_is_the_trainers_own_fit_check():

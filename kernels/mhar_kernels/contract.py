@@ -1,4 +1,6 @@
-"""The routing op's contract: argument checks, compute dtype and null-source handling.
+"""The routing op's contract: argument checks, compute dtype and null-source handling; and which
+shapes the fused kernels take and how they lay them out (`fits_tile`, `grouped_layout`), torch-only
+so that planning a GPU job (the dry run) needs no triton.
 
 Every routing path (the eager reference, `torch.compile`, the fused kernels) obeys this one
 contract; the dispatcher (`dispatch.route`) checks a call's arguments here once and then runs
@@ -31,6 +33,31 @@ def _next_pow2(n: int) -> int:
 def fits_tile(heads: int, head_dim: int) -> bool:
     """True when one token's [next_pow2(H), next_pow2(K)] tile is at most MAX_TILE elements."""
     return _next_pow2(heads) * _next_pow2(head_dim) <= MAX_TILE
+
+
+# Grouped phase 1's GPU layout (`triton_grouped.launch_config`). A program's source tile
+# [BLOCK_T, HB, KB] gives each thread ROW_ELEMENTS contiguous elements of a source row (in the
+# aligned variant one 16-byte cp.async of bf16), so the warps follow the tile: one token per program
+# (BLOCK_T > 1 only where one token is less than one warp's share), at most MAX_WARPS warps (beyond
+# that a thread holds more of the row). SB sites make the [BLOCK_T, SB, HB, KB] fp32 tile SB times a
+# thread's source elements: at most TILE_PER_THREAD (2 sites of 8 elements) keeps both kernels
+# within 168 registers per thread.
+ROW_ELEMENTS = 8
+TILE_PER_THREAD = 16
+MAX_WARPS = 8
+
+
+def grouped_layout(bt: int, group: int, heads: int, head_dim: int, site_block: Optional[int] = None) -> dict:
+    """{'BLOCK_T', 'SB', 'HB', 'KB', 'num_warps'} of grouped phase 1 on a GPU for B*T tokens and a
+    group of `group` sites (the comment above; site_block overrides SB). A new dict."""
+    hb, kb = _next_pow2(heads), _next_pow2(head_dim)
+    token = hb * kb  # one token's [HB, KB] tile
+    warp_share = 32 * ROW_ELEMENTS
+    block_t = min(_next_pow2(max(bt, 1)), max(1, warp_share // token))
+    num_warps = max(1, min(MAX_WARPS, block_t * token // warp_share))
+    per_thread = max(1, block_t * token // (32 * num_warps))  # source elements per thread
+    sb = site_block or min(_next_pow2(group), max(1, TILE_PER_THREAD // per_thread))
+    return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -23,15 +23,8 @@ from .triton_routing import (
     _TL_DTYPES, INTERPRET, NUM_STAGES, _cdiv, _device_table, _next_pow2, _source_table, aligned, reduce_programs,
 )
 
-# GPU layout. A program's source tile [BLOCK_T, HB, KB] gives each thread _ROW_ELEMENTS
-# contiguous elements of a source row (in the aligned variant one 16-byte cp.async of bf16), so
-# the warps follow the tile: one token per program (BLOCK_T > 1 only where one token is less than
-# one warp's share), at most _MAX_WARPS warps (beyond that a thread holds more of the row). SB
-# sites make the [BLOCK_T, SB, HB, KB] fp32 tile SB times a thread's source elements: at most
-# _TILE_PER_THREAD (2 sites of 8 elements) keeps both kernels within 168 registers per thread.
-_ROW_ELEMENTS = 8
-_TILE_PER_THREAD = 16
-_MAX_WARPS = 8
+# GPU layout: `contract.grouped_layout` (triton-free, so that the dry run plans a grouped job's
+# traffic without triton installed).
 # ptxas's register limit for the backward (.maxnreg): without one it stays at 128 registers at
 # H = 1 by spilling two values; the forward needs no limit (at most 128 registers).
 _BWD_MAX_REGISTERS = 168
@@ -58,17 +51,10 @@ def launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool
 def _launch_config(bt: int, group: int, heads: int, head_dim: int, backward: bool,
                    site_block: Optional[int]) -> dict:
     """`launch_config`, cached (host time per launch); callers must not change it."""
-    hb, kb = _next_pow2(heads), _next_pow2(head_dim)
-    token = hb * kb  # one token's [HB, KB] tile
-    warp_share = 32 * _ROW_ELEMENTS
-    block_t = min(_next_pow2(max(bt, 1)), max(1, warp_share // token))
-    num_warps = max(1, min(_MAX_WARPS, block_t * token // warp_share))
-    per_thread = max(1, block_t * token // (32 * num_warps))  # source elements per thread
-    sb = site_block or min(_next_pow2(group), max(1, _TILE_PER_THREAD // per_thread))
+    layout = contract.grouped_layout(bt, group, heads, head_dim, site_block)
     if INTERPRET:
-        block_t = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
-    return dict(BLOCK_T=block_t, SB=sb, HB=hb, KB=kb, num_warps=num_warps,
-                maxnreg=_BWD_MAX_REGISTERS if backward else None)
+        layout["BLOCK_T"] = min(_next_pow2(max(bt, 1)), _INTERPRET_BLOCK_T)
+    return dict(layout, maxnreg=_BWD_MAX_REGISTERS if backward else None)
 
 
 def _read_table(reads: Sequence[Sequence[bool]], n: int, padded: int, device: torch.device) -> Tensor:

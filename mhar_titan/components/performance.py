@@ -261,12 +261,12 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
                          programs: int = H200_PROGRAMS) -> Traffic:
     """Counted routing bytes of one grouped training step (`mhar_kernels.traffic.grouped_traffic`),
     with the phase-1 backward's site chunks of the fused kernels' launch configuration."""
-    from mhar_kernels.triton_grouped import launch_config
+    from mhar_kernels.contract import grouped_layout  # the fused kernels' layout, without triton
 
     groups = plan_groups(args)
     heads = args.resolved_routing_heads
     g = max(len(late) for _, late in groups)
-    block = launch_config(tokens, g, heads, args.dim // heads, backward=True)["SB"]
+    block = grouped_layout(tokens, g, heads, args.dim // heads)["SB"]
     t = grouped_traffic(groups, dim=args.dim, tokens=tokens, dtype=dtype, heads=heads,
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                         programs=programs, backward_site_block=block,

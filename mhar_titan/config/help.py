@@ -59,13 +59,17 @@ def help_request(argv: list[str]) -> Optional[tuple[Optional[str]]]:
     return None
 
 
+ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.")
+"""Periods that do not end a sentence."""
+
+
 def _first_sentence(text: str) -> str:
     """The description's first sentence, on one line, without reST's double backquotes."""
     text = " ".join(text.replace("``", "").split())
-    for end in (". ", ".\n"):
-        cut = text.find(end)
-        if cut > 0:
-            return text[:cut + 1]
+    for cut in (i for i, c in enumerate(text) if c == "." and text[i + 1:i + 2] == " "):
+        head = text[:cut + 1]
+        if head.count("(") == head.count(")") and not head.endswith(ABBREVIATIONS):
+            return head
     return text
 
 
@@ -160,7 +164,7 @@ def section_help(section: str) -> str:
     if section not in SECTIONS:
         raise ConfigError(f"--help {section}: unknown section; sections: {', '.join(SECTIONS)}")
     cls = _section_class(section)
-    lines = [f"[{section}]  {_section_summary(section)}"]
+    lines = textwrap.wrap(f"[{section}]  {_section_summary(section)}", WIDTH, subsequent_indent="    ")
     if section == "model":
         from mhar_titan.models.args import FLAVORS, ModelArgs
 
