@@ -109,8 +109,8 @@ class ModelArgs:
     routing_layout: Literal["clean", "paper"] = "clean"  # delta bookkeeping: ours or the authors' (plan.py)
     routing_head_layout: Literal["contiguous", "permuted"] = "contiguous"  # permuted: eager kernel only
     routing_head_layout_seed: int = 0  # seed of the permuted layout's fixed permutation of the d coordinates
-    routing_logit_scale: float | str = 1.0  # multiplies every depth logit; "match_heads:H" = 1/sqrt(H) (`logit_scale`)
-    routing_temperature: Literal["fixed", "learned"] = "fixed"  # learned: a log-temperature per site and head
+    routing_logit_scale: float | str = 1.0  # multiplies every depth logit (> 0); "match_heads:H" = 1/sqrt(H)
+    routing_temperature: Literal["fixed", "learned"] = "fixed"  # learned: a log-temperature per site and head, from the scale
 
     def __post_init__(self) -> None:
         self.validate()
