@@ -608,3 +608,17 @@ def test_authors_format_refuses_a_scaled_model():
             resolve_format(args, "authors")
         assert resolve_format(args, "auto") == "mhar"
     assert resolve_format(build(routing_heads=2).args, "authors") == "authors"
+
+
+def test_checkpoints_from_before_the_keys_keep_their_fingerprint():
+    """At the defaults the two keys are left out of the checkpoint fingerprint, so a checkpoint
+    saved before they existed resumes; a scaled or learned run records them (a resume across a
+    change of scale or temperature is refused as another model)."""
+    from mhar_titan.checkpoint.fingerprint import checkpoint_fingerprint
+
+    keys = ("routing_logit_scale", "routing_temperature")
+    plain = checkpoint_fingerprint(build(routing_heads=2).args, "gpt2")["model_args"]
+    assert not set(keys) & set(plain)
+    scaled = checkpoint_fingerprint(build(routing_heads=2, routing_logit_scale="match_heads:8",
+                                          routing_temperature="learned").args, "gpt2")["model_args"]
+    assert (scaled["routing_logit_scale"], scaled["routing_temperature"]) == ("match_heads:8", "learned")
