@@ -28,9 +28,10 @@ step's checkpoint is saved and the run exits 0. Bound: from the signal to the st
 of the save, at most the rest of the current optimizer step or one such forward
 (plus, for ``[eval]``, the building of the task being started: lm-eval's task and
 request set-up, read from local files), every rank within the same forward. The
-saved checkpoint is the state after that optimizer step, so the resumed run
-trains exactly as a run never stopped; the interrupted validation or evaluation of
-that step is not rerun.
+saved checkpoint is the state after that optimizer step and lists the evaluations
+the signal left unfinished (``TrainState.unfinished``): the resumed run does them
+first, on the same weights, then trains exactly as a run never stopped, so its
+metrics are that run's.
 """
 from __future__ import annotations
 

@@ -300,6 +300,15 @@ class Trainer:
         snapshots = MemorySnapshots(cfg.profiling, self.run_dir, self.env.rank, self.device)
         snapshots.start()
         tokens_per_step = self.global_batch_size * t.seq_len
+        if self.state.unfinished:  # the saved step's evaluations a stop signal ended: done first
+            available = {"validation": self.val_loader is not None, "eval": self.downstream is not None}
+            self.state.unfinished = self._evaluations(self.state.step, [n for n in self.state.unfinished
+                                                                         if available.get(n)])
+            if self.state.unfinished:  # stopped again: the checkpoint still lists them
+                self.preempted = True
+                self.metrics.event(self.state.step, "preempted", "during the resumed step's evaluations",
+                                   "the checkpoint is unchanged", kind="warn")
+                return self.state
         if self.state.step >= t.steps:
             self.metrics.event(
                 self.state.step, "nothing to do",
@@ -348,13 +357,11 @@ class Trainer:
                             group_norms = {k: v.item() for k, v in group_norms_t.items()}
                     if not finite or logged:
                         self._log_step(step, loss, grad_norm, group_norms, lr, throughput, micro[0][0])
-                    if self.val_loader is not None and (step % cfg.validation.freq == 0 or step == t.steps):
-                        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log_or_stopped(step, "validation", self.validate())
-                    if self.downstream is not None and self.downstream.due(step, t.steps) \
-                            and not self.preemption.should_stop():  # every rank asks: the same answer
-                        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                            self._log_or_stopped(step, "[eval]", self.downstream.evaluate(self.model))
+                    due = ["validation"] if self.val_loader is not None and (
+                        step % cfg.validation.freq == 0 or step == t.steps) else []
+                    if self.downstream is not None and self.downstream.due(step, t.steps):
+                        due.append("eval")
+                    self.state.unfinished = self._evaluations(step, due)  # saved with the step's checkpoint
                     self.state.check_health(t.max_consecutive_nonfinite)
                     if self.checkpointer is not None and self.checkpointer.save(step, last=step == t.steps):
                         self.metrics.flush()  # everything logged up to a checkpoint survives a crash
@@ -377,12 +384,20 @@ class Trainer:
             gc.enable()
         return self.state
 
-    def _log_or_stopped(self, step: int, what: str, row: Optional[dict]) -> None:
-        """Log the row of a validation or ``[eval]`` pass, or say that a stop signal ended it (None)."""
-        if row is not None:
+    def _evaluations(self, step: int, due: list[str]) -> list[str]:
+        """Run the step's due evaluations in order ("validation", then "eval": the ``[eval]`` tasks)
+        on the weights validation uses (the EMA when there is one), all ranks together, and log
+        them. Returns those a stop signal left unfinished: the one it ended (within one forward,
+        nothing of it logged) and every one after it; the same list on every rank."""
+        for i, name in enumerate(due):
+            with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+                row = self.validate() if name == "validation" else self.downstream.evaluate(self.model)
+            if row is None:
+                self.metrics.event(step, f"{'validation' if name == 'validation' else '[eval]'} stopped",
+                                   "stop signal: not logged; the resumed run does it first", kind="warn")
+                return due[i:]
             self._log(step, row)
-        else:
-            self.metrics.event(step, f"{what} stopped", "stop signal: not logged; saving this step", kind="warn")
+        return []
 
     def _count_source_windows(self, seq_len: int) -> None:
         """Add this step's windows per mixture source, all ranks together, to the train state (on

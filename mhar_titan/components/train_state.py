@@ -21,6 +21,9 @@ class TrainState:
     wandb_id: Optional[str] = None
     source_tokens: dict = dataclasses.field(default_factory=dict)
     """Training tokens per data-mixture source (name -> tokens; empty for one source)."""
+    unfinished: list = dataclasses.field(default_factory=list)
+    """Evaluations of ``step`` ("validation", "eval") a stop signal ended before they finished: the
+    resumed run does them first, so its metrics are those of a run never stopped."""
 
     def state_dict(self) -> dict:
         self.settled_source_tokens()
