@@ -6,14 +6,15 @@ smoothed final training loss, mean throughput and MFU, validation, run folder, c
 the level for log records (``INFO | checkpoint step-200 saved ...``, `LOG_FORMAT`). A logged
 step reads
 
-    step   20/200 | batch loss 5.1234 | ema20 loss 5.3012 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s | mfu 1.2% | mem 1.21 GiB | eta 1m23s
+    step   20/200 | batch loss 5.1234 | ema20 loss 5.3012 | lr 3.0e-03 | gnorm 0.52 | 12.3k tok/s
+                  | mfu 1.2% | mem 1.21 GiB | eta 1m23s
 
-"batch loss" is the loss of that one step's batch (the mean over its target tokens, all ranks and
-micro-batches: it jumps from batch to batch); "ema20 loss" smooths it, an exponential moving
-average of every step's batch loss with a span of `LOSS_EMA_STEPS` = 20 steps (`LossEMA`: weight
-2 / 21 on the newest step, bias-corrected at the start; a run resumed from a checkpoint starts it
-afresh), and is logged as ``loss_ema`` in the metrics files. MFU only where the device's peak is
-known (`metrics.peak_flops`). Full metrics go to the
+(one line on the console, wrapped here). "batch loss" is the loss of that one step's batch (the
+mean over its target tokens, all ranks and micro-batches: it jumps from batch to batch); "ema20
+loss" smooths it, an exponential moving average of every step's batch loss with a span of
+`LOSS_EMA_STEPS` = 20 steps (`LossEMA`: weight 2 / 21 on the newest step, bias-corrected at the
+start; a run resumed from a checkpoint starts it afresh), logged as ``loss_ema`` in the metrics
+files. MFU only where the device's peak is known (`metrics.peak_flops`). Full metrics go to the
 JSONL / TensorBoard / wandb sinks; the console shows these few. Colour (the tag) only when the
 output is a terminal.
 """

@@ -150,7 +150,8 @@ def test_console_fields_eta_and_units():
     row = {"loss": 5.12345, "lr": 3e-3, "grad_norm": 0.5, "tokens_per_s": 12_300.0, "mfu": 41.23,
            "peak_mem_gib": 1.5, "nonfinite_skipped": 0}
     assert console.line(console.step_tag(20, 200), console.step_fields(row, 83.0)) == (
-        "step  20/200 | batch loss 5.1235 | lr 3.0e-03 | gnorm 0.5 | 12.3k tok/s | mfu 41.2% | mem 1.50 GiB | eta 1m23s")
+        "step  20/200 | batch loss 5.1235 | lr 3.0e-03 | gnorm 0.5 | 12.3k tok/s | mfu 41.2% | mem 1.50 GiB | "
+        "eta 1m23s")
     assert console.step_fields({"loss": math.nan, "nonfinite_skipped": 2}, None) == ["batch loss nan", "skipped 2"]
     assert console.step_fields({"loss": 5.0, "loss_ema": 5.25}, None) == ["batch loss 5.0000", "ema20 loss 5.2500"]
     ema = console.LossEMA(3)  # a = 1/2: values 4, (2*4 + 8)/3 ... bias-corrected

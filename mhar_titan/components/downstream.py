@@ -20,9 +20,10 @@ Time budget (``eval.time_budget_s``): before every forward the ranks agree, on r
 spent; if so the task being scored stops (its partial numbers are not logged) and the tasks after
 it are skipped. A stop signal (``stop_requested``, the trainer's ``PreemptionHandler.requested``)
 joins the same agreement: when any rank has one, the evaluation stops before the next forward on
-every rank and ``evaluate`` returns None (nothing is logged; the trainer saves and exits). Logged per evaluation: ``eval/<task>/<metric>`` (a filter other than lm-eval's
-"none" is appended as ``/<filter>``), ``eval/sequences`` (sequences scored over all ranks),
-``eval/tasks_over_budget`` and ``eval/seconds``.
+every rank and ``evaluate`` returns None (nothing is logged; the trainer saves, and the resumed
+run evaluates that step first). Logged per evaluation: ``eval/<task>/<metric>`` (a filter other
+than lm-eval's "none" is appended as ``/<filter>``), ``eval/sequences`` (sequences scored over all
+ranks), ``eval/tasks_over_budget`` and ``eval/seconds``.
 """
 from __future__ import annotations
 

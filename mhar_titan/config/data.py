@@ -267,8 +267,8 @@ class DataConfig(SourceFields):
         total = sum(weights)
         if not math.isfinite(total):
             raise ValueError(f"the weights of data.sources sum to {total:g}, more than a float holds ({listed}): "
-                             f"only the ratios of the data.sources[i].weight keys matter, so scale them down, e.g. to shares "
-                             f"that sum to 1")
+                             f"only the ratios of the data.sources[i].weight keys matter, so scale them down, "
+                             f"e.g. to shares that sum to 1")
         if not total > 0:
             raise ValueError(f"the weights of data.sources sum to {total:g}: at least one source needs a weight "
                              f"> 0 ({listed})")
