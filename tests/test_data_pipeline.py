@@ -440,6 +440,24 @@ def test_hub_retries_transient_errors_then_fails_clearly():
         with_retries(missing, "open hub", attempts=3, backoff_s=1.0, sleep=lambda s: pytest.fail("retried"))
 
 
+def test_each_hub_retry_is_one_counted_line_naming_what_is_retried(caplog):
+    """A hub error whose message runs to several lines (huggingface_hub's do) is logged as one
+    line per retry: what is retried, the error's first line, the count."""
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("Couldn't reach 'org/corpus' on the Hub\n  request id: 123\n  " + "x" * 500)
+        return "stream"
+
+    with caplog.at_level("WARNING", logger="mhar_titan.data.sources"):
+        assert with_retries(flaky, "opening org/corpus", attempts=4, backoff_s=1.0, sleep=lambda s: None) == "stream"
+    lines = [r.getMessage() for r in caplog.records if r.name == "mhar_titan.data.sources"]
+    assert lines == [f"opening org/corpus: transient error ConnectionError: Couldn't reach 'org/corpus' on the Hub; "
+                     f"retry {k}/3 in {w:.1f} s" for k, w in ((1, 1.0), (2, 2.0))]
+
+
 def test_hub_retries_stop_after_the_time_budget_with_the_hint():
     """A hub that never answers: each attempt takes 20 s (a fake clock), waits double from 2 s;
     with a 60 s budget no retry starts past it, so 3 attempts instead of 10, and the error ends

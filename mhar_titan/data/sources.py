@@ -151,8 +151,10 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int, backoff_s: float
             if k == attempts - 1 or (max_s is not None and spent + wait > max_s):
                 raise DataError(f"{what} failed after {k + 1} attempt(s) in {spent:.0f} s (last error "
                                 f"{type(e).__name__}: {e}).{suffix}") from e
+            # one line per retry, counted: a hub error's message can run to many lines
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             logger.warning("%s: transient error %s: %s; retry %d/%d in %.1f s",
-                           what, type(e).__name__, e, k + 1, attempts - 1, wait)
+                           what, type(e).__name__, first, k + 1, attempts - 1, wait)
             sleep(wait)
     raise AssertionError("unreachable")
 
