@@ -554,6 +554,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if help_request(argv) is not None:  # -h, --help [SECTION]: the keys, from the config schema
         return _print_help(help_request(argv)[0])
+    if not argv:  # the defaults alone name no data: say what to pass instead of failing on data.files
+        print("config error: no job given: pass --config FILE (e.g. train_configs/debug_mhar.toml) and any "
+              "--section.key=value overrides; python train.py --help lists the sections and keys", file=sys.stderr)
+        return _record_exit(None, "bad_input", 2)
     cfg = None
     try:
         cfg = load_config(None, argv)

@@ -150,3 +150,10 @@ def test_a_meaning_is_the_first_whole_sentence(capsys):
     assert '      Folders of local lm-eval task YAML files (e.g. ["eval_tasks"]; relative to the working\n' \
            "      folder).\n" in out
     assert max(len(line) for line in out.splitlines()) <= 101
+
+
+def test_no_arguments_say_what_to_pass_in_one_line(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: no job given: pass --config FILE") and \
+        "python train.py --help" in err[0]
