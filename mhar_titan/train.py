@@ -525,15 +525,15 @@ def run_training(cfg: JobConfig) -> TrainState:
 
 def _print_help(section: Optional[str]) -> int:
     """``--help [SECTION]`` (``config.help``) on stdout (once under torchrun: rank 0); exit code 0, or 2
-    with one line for an unknown section."""
+    with one line for an unknown section (recorded for the launch scripts: ``_record_exit``)."""
     try:
         text = config_help(section)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _record_exit(None, "bad_input", 2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(text)
-    return 0
+    return _record_exit(None, "completed", 0)  # nothing left to do: a launcher does not retry
 
 
 def main(argv: Optional[list[str]] = None) -> int:
