@@ -1,0 +1,334 @@
+"""README.md as a new user reads it: every fenced code block, run in order after the quickstart.
+
+The README marks a block that is not run here with an HTML comment on the line before it:
+
+- ``<!-- doc-test: quickstart -->``: the quickstart. Its ``make train`` runs with the set-up a
+  fresh clone's ``make train`` made (the virtual environment, the tokenizer cache, the Shakespeare
+  sample: this checkout's), shrunk to the first look the README itself shows
+  (``make train ARGS="..."``); its ``make test`` is this suite and is not started from inside it.
+- ``<!-- doc-test: gpu -->`` (needs CUDA) and ``<!-- doc-test: hub -->`` (needs the Hugging Face
+  hub): not run; bash must parse them and every repository path they name must exist.
+- ``<!-- doc-test: file PATH -->``: an excerpt of PATH, which must hold it verbatim.
+
+Every other block must be ``bash`` or ``python`` and runs, in the README's order, in a copy of the
+repository (a git repository of its own) with the virtual environment activated, shrunk by nothing
+but what the README shows. A block fails when it exits non-zero, prints "nothing to do", or holds a
+training command whose run folder logged no new step; no example may train in the quickstart's run
+folder (the test shrinks the quickstart, so what an example did there would not be what a user
+sees). Afterwards ``git status`` of the copy must show nothing new or changed outside ignored paths.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import PATIENCE_S, ROOT
+
+README = ROOT / "README.md"
+SAMPLE = ROOT / "data" / "shakespeare" / "validation-00000-of-00001.parquet"
+MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<kind>[a-z]+)(?:\s+(?P<arg>\S+))?\s*-->\s*$")
+FENCE = re.compile(r"^```(?P<info>\S*)\s*$")
+# commands that train: their run folders must log new steps
+TRAINS = re.compile(r"(?:^|\s)(?:\S*/)?(?:train\.py|toy_midtrain\.sh)(?:\s|$)|mhar_titan\.experiments run |make .*\btrain\b")
+NOTHING = re.compile(r"nothing (?:left )?to do", re.IGNORECASE)
+REPO_PATH = re.compile(r"^(?:train_configs|scripts|slurm|eval_tasks|bench|docs)/[^\s*?{}\[\]]+$")
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    info: str  # the fence's info string: bash, python, toml, ...
+    kind: str  # the marker's kind, "run" without one
+    arg: str | None
+    text: str
+
+    def __str__(self):
+        return f"README.md:{self.line} ({self.info}, {self.kind})"
+
+
+def readme_blocks(text: str | None = None) -> list[Block]:
+    """Every fenced block of the README (top level and indented), with the marker on the line before."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i].strip())
+        if not fence:
+            i += 1
+            continue
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        marker = MARKER.match(lines[i - 1].strip()) if i else None
+        body = "\n".join(line[indent:] for line in lines[i + 1:end]) + "\n"
+        blocks.append(Block(i + 1, fence["info"], marker["kind"] if marker else "run",
+                            marker["arg"] if marker else None, body))
+        i = end + 1
+    return blocks
+
+
+def commands(block: Block) -> list[str]:
+    """The block's shell commands, continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block.text)
+    return [line for line in (ln.strip() for ln in joined.splitlines()) if line and not line.startswith("#")]
+
+
+def words_of(command: str) -> list[str]:
+    """shlex words of a command, leading VAR=value assignments dropped."""
+    words = shlex.split(command, comments=True)
+    while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+        words = words[1:]
+    return words
+
+
+# ---------------------------------------------------------------------------------------------
+# fast checks of the document itself
+
+
+def test_every_block_is_run_or_marked_and_the_readme_is_short():
+    """The front door stays under 300 lines; a block the doc test does not run says why."""
+    text = README.read_text()
+    assert len(text.splitlines()) < 300, f"README.md has {len(text.splitlines())} lines: move reference text to docs/"
+    blocks = readme_blocks(text)
+    assert sum(b.kind == "quickstart" for b in blocks) == 1, "mark the quickstart block <!-- doc-test: quickstart -->"
+    for b in blocks:
+        assert b.kind in {"run", "quickstart", "gpu", "hub", "file"}, f"{b}: unknown doc-test marker {b.kind!r}"
+        if b.kind == "run":
+            assert b.info in {"bash", "python"}, f"{b}: a block that is not run needs a doc-test marker"
+            # make's set-up targets would install into the virtual environment the run shares with
+            # this checkout; show `make` variants in the quickstart's text instead
+            assert b.info != "bash" or not any(words_of(c)[:1] == ["make"] for c in commands(b)), \
+                f"{b}: only the quickstart block runs make"
+        if b.kind == "file":
+            assert b.arg and (ROOT / b.arg).is_file(), f"{b}: names no file of the repository"
+            assert b.text in (ROOT / b.arg).read_text(), f"{b}: is not a verbatim excerpt of {b.arg}"
+        if b.kind in {"gpu", "hub", "quickstart"}:
+            assert b.info == "bash", f"{b}: a marked command block is bash"
+            parsed = subprocess.run(["bash", "-n"], input=b.text, capture_output=True, text=True)
+            assert parsed.returncode == 0, f"{b}: {parsed.stderr}"
+            for command in commands(b):
+                for word in words_of(command):
+                    if REPO_PATH.match(word):
+                        assert (ROOT / word).exists(), f"{b}: {word} does not exist"
+
+
+def test_readme_commands_write_under_outputs():
+    """No README command writes into the repository's tracked folders: every output flag, dump
+    folder and export destination is under outputs/ (ignored by git)."""
+    for b in readme_blocks():
+        if b.info != "bash":
+            continue
+        for command in commands(b):
+            words = words_of(command)
+            for flag in ("--out", "--output-path", "--dump-folder", "--job.dump_folder"):
+                for i, word in enumerate(words):
+                    value = words[i + 1] if word == flag and i + 1 < len(words) else \
+                        word.split("=", 1)[1] if word.startswith(flag + "=") else None
+                    if value is not None:
+                        assert value.startswith("outputs/"), f"{b}: {command!r} writes to {value}"
+            if words[:4] == ["python", "-m", "mhar_titan.convert", "export"]:
+                destination = [w for w in words[4:] if not w.startswith("-")][1]
+                assert destination.startswith("outputs/"), f"{b}: {command!r} exports to {destination}"
+        for value in re.findall(r'--(?:out|output-path|dump-folder)[= ](\S+)', b.text):
+            assert value.startswith("outputs/") or value.startswith("$"), f"{b}: writes to {value}"
+
+
+def test_readme_says_what_the_figures_need_before_the_first_figure_command():
+    """The figures need matplotlib, which `make train` does not install: the README says so (and
+    how to get it) before its first analysis command."""
+    text = README.read_text()
+    first = min(text.index(f"mhar_titan.analysis {c}") for c in ("heatmap", "probe", "compare"))
+    before = text[:first]
+    section = before[before.rindex("\n## "):]
+    assert "matplotlib" in section and "make setup" in section, section
+
+
+def test_readme_shows_a_sampled_generation_before_any_greedy_one():
+    """Greedy decoding of the quickstart's tiny model prints newlines: the README's first
+    generation (command or Python) samples, and the text says what greedy decoding gives."""
+    text = README.read_text()
+    generations = [c for b in readme_blocks(text) if b.kind == "run" for c in commands(b)
+                   if "mhar_titan.generate" in c or "generate_batch(" in c]
+    assert generations, "the README shows no generation"
+    first = generations[0]
+    temperature = re.search(r"(?:--temperature[= ]|temperature=)([0-9.]+)", first)
+    if "generate_batch(" in first and not temperature:  # the call may continue on the next line
+        block = next(b for b in readme_blocks(text) if first in commands(b))
+        temperature = re.search(r"temperature=([0-9.]+)", block.text)
+    assert temperature and float(temperature.group(1)) > 0, f"the first generation is greedy: {first}"
+    assert re.search(r"[Gg]reedy decoding[^.]*repeats", text), "say what greedy decoding of a tiny model gives"
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
+    found = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and (heading := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
+            found.add(re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "RESULTS.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_links_between_the_readme_and_the_guides_resolve(doc):
+    """Text moved from the README into docs/ keeps working links: every relative link of the README,
+    the guides, RESULTS.md and BENCHMARKS.md names a file of the repository and, with #anchor, one
+    of its headings."""
+    path = ROOT / doc
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        name, _, anchor = target.partition("#")
+        linked = (path.parent / name).resolve() if name else path
+        assert linked.exists(), f"{doc}: the link {target} names no file"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{doc}: the link {target} names no heading of {linked.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the blocks, run
+
+
+def copy_of_the_repository(dest: Path) -> Path:
+    """The checkout's files (tracked and untracked-but-not-ignored, as they are now) in ``dest``,
+    made a git repository of its own with everything staged, plus what the quickstart's set-up
+    leaves: .venv (a link to this one), the tokenizer cache and the Shakespeare sample."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    (dest / ".venv").symlink_to(ROOT / ".venv", target_is_directory=True)
+    shutil.copytree(ROOT / "data" / "shakespeare", dest / "data" / "shakespeare")
+    if (ROOT / ".cache" / "tiktoken").is_dir():
+        shutil.copytree(ROOT / ".cache" / "tiktoken", dest / ".cache" / "tiktoken")
+    git = ["git", "-c", "core.autocrlf=false"]
+    subprocess.run([*git, "init", "-q"], cwd=dest, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
+    return dest
+
+
+def run_folders(root: Path) -> dict[Path, int]:
+    """Run folder -> the last step its metrics.jsonl logged, for every run folder under outputs/."""
+    found = {}
+    for metrics in (root / "outputs").rglob("metrics.jsonl"):
+        steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+        found[metrics.parent] = max(steps, default=0)
+    return found
+
+
+def train_folder(command: str, root: Path) -> Path | None:
+    """The run folder a ``python train.py --config ...`` command trains, as the trainer resolves it."""
+    from mhar_titan.config import load_config
+
+    words = words_of(command)
+    if words[:2] != ["python", "train.py"]:
+        return None
+    argv = [str(root / w) if i and words[i - 1] == "--config" else
+            "--config=" + str(root / w.split("=", 1)[1]) if w.startswith("--config=") else w
+            for i, w in enumerate(words[2:], start=2)]
+    cfg = load_config(None, argv)
+    folder = Path(cfg.job.dump_folder) / cfg.job.name
+    return folder if folder.is_absolute() else root / folder
+
+
+def quickstart_script(block: Block, readme: str) -> str:
+    """The quickstart as it runs here: `make train` with the set-up done (the targets that install are
+    taken as up to date, the venv's python) and the first-look ARGS the README shows; not `make test`."""
+    shown = re.search(r'`make train ARGS="([^"`]+)"`', readme)
+    assert shown, 'the README shows no shorter first look (`make train ARGS="--training.steps=N"`)'
+    lines = []
+    for command in commands(block):
+        words = words_of(command)
+        if words[:2] == ["make", "train"]:
+            setup = re.search(r"^train:\s*(.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1).split()
+            lines.append(shlex.join(["make", *[f"--assume-old={t}" for t in setup], *words[1:], "PY=python",
+                                     f"ARGS={shown.group(1)}"]))
+        else:
+            assert words[:2] == ["make", "test"], f"{block}: an unexpected quickstart command {command!r}"
+    return "\n".join(lines) + "\n"
+
+
+def run_block(block: Block, script: str, root: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "VIRTUAL_ENV"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    if block.info == "python":
+        (root / "outputs").mkdir(exist_ok=True)
+        path = root / "outputs" / f"readme_block_{block.line}.py"
+        path.write_text(script)
+        argv = ["bash", "-c", f"source .venv/bin/activate && python {shlex.quote(str(path))}"]
+    else:
+        argv = ["bash", "-e", "-o", "pipefail", "-c", "source .venv/bin/activate\n" + script]
+    done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, f"{block} exited {done.returncode}:\n{script}\n{out[-4000:]}"
+    assert not NOTHING.search(out), f"{block} did nothing:\n{script}\n{out[-3000:]}"
+    return out
+
+
+
+def run_in_order(readme: str, root: Path) -> int:
+    """Run the blocks of ``readme`` in ``root`` (a copy of the repository) as the module docstring
+    says; AssertionError at the first block that fails, does nothing, or trains where it must not.
+    Returns how many blocks ran."""
+    quickstart: set[Path] = set()
+    ran = 0
+    for block in readme_blocks(readme):
+        if block.kind not in {"run", "quickstart"}:
+            continue
+        script = quickstart_script(block, readme) if block.kind == "quickstart" else block.text
+        before = run_folders(root)
+        started = time.monotonic()
+        run_block(block, script, root)
+        print(f"{block}: {time.monotonic() - started:.0f} s")  # with -s: where the test's time goes
+        ran += 1
+        after = run_folders(root)
+        advanced = {f for f, step in after.items() if step > before.get(f, -1)}
+        if block.kind == "quickstart":
+            assert advanced, f"{block}: the quickstart trained nothing"
+            quickstart = advanced
+            continue
+        assert not advanced & quickstart, (f"{block} trains in the quickstart's run folder "
+                                          f"{sorted(advanced & quickstart)}: give it its own --job.name")
+        trains = [c for c in commands(block) if TRAINS.search(c)] if block.info == "bash" else []
+        if block.info == "python" and "run_training(" in block.text:
+            trains = ["run_training"]
+        assert not trains or advanced, f"{block}: {trains[0]!r} logged no new step in any run folder"
+        for command in trains:
+            folder = train_folder(command, root)
+            assert folder is None or folder in advanced, f"{block}: {command!r} logged no new step in {folder}"
+    return ran
+
+
+def git_status(root: Path) -> list[str]:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+@pytest.mark.slow  # 6-7 minutes on 2 idle cores: every example's training, analysis, evaluation, export, sweep
+@pytest.mark.lm_eval
+@pytest.mark.skipif(not SAMPLE.exists(), reason="run `make train` (or `make setup`) first: no Shakespeare sample")
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("matplotlib") is None,
+                    reason="the README's evaluation and figures need `make setup`")
+def test_the_readme_blocks_run_in_order_after_the_quickstart(tmp_path):
+    test_every_block_is_run_or_marked_and_the_readme_is_short()  # nothing runs unless every block is accounted for
+    root = copy_of_the_repository(tmp_path / "clone")
+    assert all(line.startswith("A  ") for line in git_status(root)), git_status(root)[:5]
+    ran = run_in_order(README.read_text(), root)
+    assert ran >= 10, f"only {ran} README blocks ran"
+    stray = [line for line in git_status(root) if not line.startswith("A  ")]
+    assert not stray, f"README commands wrote or changed files that git sees (write under outputs/): {stray[:20]}"
