@@ -120,10 +120,16 @@ def test_every_block_is_run_or_marked_and_the_readme_is_short():
                         assert (ROOT / word).exists(), f"{b}: {word} does not exist"
 
 
-def test_readme_commands_write_under_outputs():
-    """No README command writes into the repository's tracked folders: every output flag, dump
-    folder and export destination is under outputs/ (ignored by git)."""
-    for b in readme_blocks():
+def under_outputs(value: str) -> bool:
+    return value in {"outputs", "outputs/"} or value.startswith("outputs/")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "RESULTS.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_documented_commands_write_under_outputs(doc):
+    """No command of the README, the guides or RESULTS.md writes into the repository's tracked
+    folders: every output flag, dump folder and export destination is under outputs/ (ignored by git)."""
+    for b in readme_blocks((ROOT / doc).read_text()):
         if b.info != "bash":
             continue
         for command in commands(b):
@@ -133,12 +139,12 @@ def test_readme_commands_write_under_outputs():
                     value = words[i + 1] if word == flag and i + 1 < len(words) else \
                         word.split("=", 1)[1] if word.startswith(flag + "=") else None
                     if value is not None:
-                        assert value.startswith("outputs/"), f"{b}: {command!r} writes to {value}"
+                        assert under_outputs(value), f"{doc}: {b}: {command!r} writes to {value}"
             if words[:4] == ["python", "-m", "mhar_titan.convert", "export"]:
                 destination = [w for w in words[4:] if not w.startswith("-")][1]
-                assert destination.startswith("outputs/"), f"{b}: {command!r} exports to {destination}"
+                assert under_outputs(destination), f"{doc}: {b}: {command!r} exports to {destination}"
         for value in re.findall(r'--(?:out|output-path|dump-folder)[= ](\S+)', b.text):
-            assert value.startswith("outputs/") or value.startswith("$"), f"{b}: writes to {value}"
+            assert under_outputs(value) or value.startswith("$"), f"{doc}: {b}: writes to {value}"
 
 
 def test_readme_says_what_the_figures_need_before_the_first_figure_command():
