@@ -70,10 +70,10 @@ class EvalBudget:
             return True
         spent = self.seconds is not None and rank == 0 and self.clock() - self.t0 >= self.seconds
         stop = self.stopped or (self.stop_requested is not None and self.stop_requested())
-        flags = torch.tensor([int(spent), int(stop)], device=self.device)
         if self.world_size > 1:
+            flags = torch.tensor([int(spent), int(stop)], device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        spent, stop = flags.tolist()
+            spent, stop = flags.tolist()
         self.stopped = bool(stop)
         return not (spent or stop)
 
