@@ -41,6 +41,7 @@ FENCE = re.compile(r"^```(?P<info>\S*)\s*$")
 # commands that train: their run folders must log new steps
 TRAINS = re.compile(r"(?:^|\s)(?:\S*/)?(?:train\.py|toy_midtrain\.sh)(?:\s|$)|mhar_titan\.experiments run |make .*\btrain\b")
 NOTHING = re.compile(r"nothing (?:left )?to do", re.IGNORECASE)
+HELP = re.compile(r"(?:^|\s)(?:--help|-h)(?:\s|=|$)")  # a command asking for its usage trains nothing
 REPO_PATH = re.compile(r"^(?:train_configs|scripts|slurm|eval_tasks|bench|docs)/[^\s*?{}\[\]]+$")
 
 
@@ -310,7 +311,7 @@ def run_in_order(readme: str, root: Path) -> int:
             continue
         assert not advanced & quickstart, (f"{block} trains in the quickstart's run folder "
                                           f"{sorted(advanced & quickstart)}: give it its own --job.name")
-        trains = [c for c in commands(block) if TRAINS.search(c)] if block.info == "bash" else []
+        trains = [c for c in commands(block) if TRAINS.search(c) and not HELP.search(c)] if block.info == "bash" else []
         if block.info == "python" and "run_training(" in block.text:
             trains = ["run_training"]
         assert not trains or advanced, f"{block}: {trains[0]!r} logged no new step in any run folder"
