@@ -326,7 +326,8 @@ def git_status(root: Path) -> list[str]:
                           capture_output=True, text=True, check=True).stdout.splitlines()
 
 
-@pytest.mark.slow  # 6-7 minutes on 2 idle cores: every example's training, analysis, evaluation, export, sweep
+@pytest.mark.slow  # every example's training, analysis, evaluation, export, sweep: 14 and 25 min on 2 cores
+# shared with other test runs (load average 3-7 and 7-9, 2026-12-04), most of it the trainings
 @pytest.mark.lm_eval
 @pytest.mark.skipif(not SAMPLE.exists(), reason="run `make train` (or `make setup`) first: no Shakespeare sample")
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("matplotlib") is None,
