@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MHAR paper's mid-training experiment end to end at toy size on CPU (README, "The mid-training
+# The MHAR paper's mid-training experiment end to end at toy size on CPU (docs/EXPERIMENTS.md, "The mid-training
 # experiment on CPU"): a debug baseline trained briefly and exported as a Hugging Face folder, two arms
 # mid-trained from it (plain and delta-MHAR) on a two-source local mixture with matched schedules,
 # and the paired downstream table of the two on a held-out multiple-choice task.
