@@ -96,7 +96,7 @@ $(TRANSFORMERS_OLDEST)/transformers: $(CORE_STAMP)
 
 # prepare_shakespeare writes into a temporary folder renamed to data/shakespeare when complete,
 # so the sample file exists only in a complete folder (an interrupted run leaves none).
-$(SAMPLE): $(CORE_STAMP)
+$(SAMPLE): | $(CORE_STAMP)
 	$(PY) -m mhar_titan.data.prepare_shakespeare --out data/shakespeare
 
 clean-runs:

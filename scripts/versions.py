@@ -8,6 +8,7 @@ Used by `make test-latest` and `make lock` (which versions a run tested), by .ci
 Makefile before it installs with the lock (a lock made with Python 3.11 pins wheels, numpy 2.4
 for one, that Python 3.10 cannot install: pip's "no matching distribution" would hide why).
 """
+import argparse
 import importlib.metadata
 import platform
 import re
@@ -32,32 +33,49 @@ def versions() -> dict[str, str]:
 
 def lock_python(lock: str) -> str | None:
     """The Python version (major.minor) the lock file says it was made with (its `# python X.Y`
-    line), None where it says none."""
+    line), None where it has no `# python` line.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: a `# python` line that is not X.Y."""
     with open(lock, encoding="utf-8") as f:
         for line in f:
-            found = re.match(r"#\s*python\s+(\d+\.\d+)\s*$", line.strip())
-            if found:
+            if re.match(r"#\s*python\b", line.strip()):
+                found = re.fullmatch(r"#\s*python\s+(\d+\.\d+)", line.strip())
+                if not found:
+                    raise ValueError(f"{lock}: the line {line.strip()!r} should read '# python X.Y' (e.g. 3.11)")
                 return found.group(1)
     return None
 
 
 def check_lock(lock: str) -> str | None:
     """None when this Python can install ``lock``, else the one-line reason (and what to do)."""
-    wanted, have = lock_python(lock), ".".join(platform.python_version_tuple()[:2])
+    try:
+        wanted = lock_python(lock)
+    except OSError as e:
+        return f"cannot read the lock file {lock}: {e.strerror or e}; restore it (git checkout {lock}) or pass LOCK="
+    except ValueError as e:
+        return str(e)
+    have = ".".join(platform.python_version_tuple()[:2])
     if wanted is None or wanted == have:
         return None
     return (f"{lock} pins the versions tested with Python {wanted}, and this is Python {have}: install the newest "
             f"versions pyproject.toml allows instead with `make setup LOCK=` (or run make with PYTHON=python{wanted})")
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--lock"] and len(sys.argv) == 3:
-        problem = check_lock(sys.argv[2])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python scripts/versions.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--lock", metavar="FILE", help="exit 2 with one line unless this Python can install FILE")
+    args = parser.parse_args(argv)
+    if args.lock is not None:
+        problem = check_lock(args.lock)
         if problem:
             print(problem, file=sys.stderr)
-            sys.exit(2)
-        sys.exit(0)
-    if sys.argv[1:]:
-        sys.exit(__doc__)
+            return 2
+        return 0
     for name, version in versions().items():
         print(f"{name}=={version}" if version != "not installed" else f"{name}: not installed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -191,3 +191,25 @@ def test_the_versions_script_prints_what_the_environment_holds():
     lines = dict(line.split("==", 1) for line in done.stdout.splitlines() if "==" in line)
     import torch
     assert lines["torch"] == torch.__version__ and lines["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_a_redone_install_keeps_the_prepared_sample(clone):
+    """The sample needs the venv to exist, not to be older than it: a reinstall (a changed lock or
+    pyproject.toml, a new .venv-latest) must not prepare it again (prepare_shakespeare refuses a
+    folder that is not empty, which stopped make there)."""
+    set_up(clone, ".mhar-core", ".mhar-test", oldest_transformers=True)
+    later = (clone / ".venv" / "transformers-4.51" / "transformers").stat().st_mtime + 10
+    os.utime(clone / ".venv" / ".mhar-core", (later, later))  # the core install redone after the sample
+    assert not any("prepare_shakespeare" in c for c in dry_run(clone, "train"))
+    (clone / "data" / "shakespeare" / "validation-00000-of-00001.parquet").unlink()
+    assert any("prepare_shakespeare" in c for c in dry_run(clone, "train"))  # a missing sample is still made
+
+
+def test_the_lock_check_refuses_a_missing_or_malformed_lock_in_one_line(tmp_path):
+    (tmp_path / "odd.txt").write_text("# python 3\nnumpy==2.4.6\n")
+    for args in (["--lock", str(tmp_path / "missing.txt")], ["--lock", str(tmp_path)],
+                 ["--lock", str(tmp_path / "odd.txt")], ["--lock"], ["--bogus"]):
+        done = _versions_script(*args)
+        assert done.returncode == 2 and done.stderr.strip() and "Traceback" not in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) <= 2, (args, done.stderr)  # argparse: usage + one line
+    assert "'# python X.Y'" in _versions_script("--lock", str(tmp_path / "odd.txt")).stderr
