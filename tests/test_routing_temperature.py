@@ -397,7 +397,26 @@ def test_conversion_to_delta_keeps_the_logits_with_a_learned_temperature():
 
 # ---------------------------------------------------------------------------- bad settings
 BAD = ["0", "-1", "nan", "inf", "1e400", "true", "match_heads:0", "match_heads:x", "match_heads:-3", "match_heads:",
-       "match_heads:2.5", "'1.0'"]
+       "match_heads:2.5", "'1.0'",
+       # finite as a Python float, but overflowing or vanishing once folded into a float32/bf16 query
+       "1e39", "1e-46", "1e-300", "2e6", "match_heads:1099511627777"]
+
+
+def test_the_scale_a_setting_means_decides_not_its_spelling():
+    """'match_heads:1', 1 and 1.0 are the unscaled model: a baseline takes them, and a checkpoint's
+    fingerprint records the scale, so a run resumes under either spelling."""
+    from mhar_titan.checkpoint.fingerprint import checkpoint_fingerprint
+    from mhar_titan.models.args import LOGIT_SCALE_RANGE, ModelArgs, logit_scale
+
+    assert logit_scale("match_heads:1") == logit_scale(1) == 1.0
+    assert [logit_scale(x) for x in LOGIT_SCALE_RANGE] == list(LOGIT_SCALE_RANGE)  # the bounds themselves pass
+    ModelArgs.from_flavor("debug", residual="standard", routing_logit_scale="match_heads:1")  # no error
+    prints = [checkpoint_fingerprint(ModelArgs.from_flavor("debug", residual="attn_res", routing_logit_scale=v), "gpt2")
+              for v in (1.0, 1, "match_heads:1")]
+    assert prints[0] == prints[1] == prints[2]
+    eight = [checkpoint_fingerprint(ModelArgs.from_flavor("debug", residual="attn_res", routing_logit_scale=v), "gpt2")
+             for v in ("match_heads:8", 1 / 8 ** 0.5)]
+    assert eight[0] == eight[1] and eight[0] != prints[0]
 
 
 @pytest.mark.parametrize("value", BAD)

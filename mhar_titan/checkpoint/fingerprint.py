@@ -24,8 +24,12 @@ def checkpoint_fingerprint(model_args, tokenizer_name: str) -> dict:
     """What must match between a checkpoint and the run resuming it: the fields of
     ``model_args`` (a ``ModelArgs``) that shape or define the weights (not
     ``WEIGHT_NEUTRAL_FIELDS``, nor ``LEGACY_MODEL_DEFAULTS`` fields at their legacy value)
-    and the tokenizer name."""
-    args = {k: v for k, v in dataclasses.asdict(model_args).items()
+    and the tokenizer name. ``routing_logit_scale`` is recorded as the scale it resolves to
+    (``ModelArgs.resolved_logit_scale``)."""
+    fields = dataclasses.asdict(model_args)
+    # the scale a setting means, not its spelling: "match_heads:1", 1 and 1.0 are one model
+    fields["routing_logit_scale"] = model_args.resolved_logit_scale
+    args = {k: v for k, v in fields.items()
             if k not in WEIGHT_NEUTRAL_FIELDS and not (k in LEGACY_MODEL_DEFAULTS and v == LEGACY_MODEL_DEFAULTS[k])}
     return {"model_args": args, "tokenizer": tokenizer_name}
 

@@ -220,7 +220,8 @@ class ModelArgs:
         pseudo-query, router.py `DepthRouting.effective_queries`), so no kernel is rejected."""
         logit_scale(self.routing_logit_scale)
         _check_choice("routing_temperature", self.routing_temperature, ROUTING_TEMPERATURES)
-        if self.residual == "standard" and (self.routing_temperature != "fixed" or self.routing_logit_scale != 1.0):
+        if self.residual == "standard" and (self.routing_temperature != "fixed"
+                                            or logit_scale(self.routing_logit_scale) != 1.0):
             raise ValueError(f"routing_logit_scale={self.routing_logit_scale!r} and routing_temperature="
                              f"{self.routing_temperature!r} scale the depth logits, which need residual='attn_res' "
                              "(the standard residual has no routing sites); set residual='attn_res', or "
@@ -282,20 +283,37 @@ def logit_scale(value) -> float:
     Raises:
         ValueError: naming the field: a bool, a number <= 0, NaN or infinite, a string other than
             "match_heads:H", or H not a positive integer ("match_heads:0", "match_heads:x",
-            "match_heads:-3", "match_heads:").
+            "match_heads:-3", "match_heads:"), or a scale outside `LOGIT_SCALE_RANGE`.
     """
     if isinstance(value, str):
         count = value[len(MATCH_HEADS):] if value.startswith(MATCH_HEADS) else None
         if count is None or not (0 < len(count) <= 18 and count.isascii() and count.isdigit()) or int(count) <= 0:
             raise ValueError(f"routing_logit_scale must be a number > 0 or 'match_heads:H' with H a positive integer "
                              f"(the scale 1/sqrt(H)), got {value!r}; e.g. routing_logit_scale='match_heads:8'")
-        return 1.0 / math.sqrt(int(count))
+        return _within_range(1.0 / math.sqrt(int(count)), value)
     try:
         scale = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
     except OverflowError:  # an int beyond the float range
         scale = math.inf
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"routing_logit_scale must be a finite number > 0 or 'match_heads:H', got {value!r}")
+    return _within_range(scale, value)
+
+
+LOGIT_SCALE_RANGE = (2.0 ** -20, 2.0 ** 20)
+"""The scales `logit_scale` accepts (about 9.5e-7 to 1.0e6). The scale is folded into the
+pseudo-query in the parameters' dtype (float32) and then the compute dtype (bf16 on GPUs): 1e39
+overflows float32 (the first step's loss is NaN), 1e-46 rounds to 0 (uniform routing, the very
+setting 0 is refused for), and scales far inside those bounds already put the depth logits, or
+their gradients (scale x the query's), beyond what a bf16 step keeps finite and meaningful."""
+
+
+def _within_range(scale: float, value) -> float:
+    low, high = LOGIT_SCALE_RANGE
+    if not low <= scale <= high:
+        raise ValueError(f"routing_logit_scale = {value!r} is the scale {scale:g}, outside [{low:.3g}, {high:.3g}] "
+                         f"(2^-20 to 2^20): folded into the pseudo-query it would overflow or vanish in float32/bf16 "
+                         f"training; use a scale in that range, e.g. 'match_heads:8' (0.354)")
     return scale
 
 
