@@ -591,3 +591,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if status == "bad_input":
         return _refuse(cfg, refused, trainer.state.step)
     return _record_exit(cfg, status, code, trainer.state.step)
+
+
+if __name__ == "__main__":  # `python -m mhar_titan.train ...` is `python train.py ...`
+    sys.exit(main())
