@@ -73,7 +73,7 @@ import torch
 from mhar_kernels import dispatch
 from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
 from mhar_titan.components.batches import batch_geometry
-from mhar_titan.components.cuda_graphs import check_cuda_graphs
+from mhar_titan.components.cuda_graphs import capture_blockers, check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
 from mhar_titan.components.run_folder import RunFolder
 from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, planned_routing,
@@ -436,16 +436,20 @@ def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int
     global_batch = world_size * t.local_batch_size * accum
     split = (f"training.local_batch_size = {v['local_batch']} with gradient accumulation {v['accumulation']} "
              f"(the same global batch of {global_batch} sequences)")
+    # graphs are advised only as the check that refuses them would take them (capture_blockers)
+    blockers = capture_blockers(cfg, args)
+    graphs = ("CUDA graphs (training.cuda_graphs = true)" if not blockers else
+              "CUDA graphs once this job can be captured (training.cuda_graphs = true refuses it today: "
+              + "; ".join(blockers) + ")")
     if v["local_batch"] is not None and v["covers"]:
-        lines.append(f"  to change       {split}, or CUDA graphs (training.cuda_graphs = true)")
+        lines.append(f"  to change       {split}, or {graphs}")
     elif v["local_batch"] is not None:
         lines.append(f"  to change       {split}: still host-bound by {v['then_by']:.2f}x (the largest local batch "
-                     "that keeps the global batch), or CUDA graphs (training.cuda_graphs = true), or a larger "
-                     "global batch")
+                     f"that keeps the global batch), or {graphs}, or a larger global batch")
     else:
-        lines.append("  to change       CUDA graphs, training.cuda_graphs = true (no larger local batch keeps the "
-                     f"global batch of {global_batch} sequences at {world_size} ranks: the gradient accumulation is "
-                     f"{accum}), or a larger global batch")
+        lines.append(f"  to change       {graphs} (no larger local batch keeps the global batch of {global_batch} "
+                     f"sequences at {world_size} ranks: the gradient accumulation is {accum}), or a larger global "
+                     "batch")
     if v["local_batch"] is not None:
         lines.append("  (a larger local batch needs more activation memory: dry-run it with the override)")
     return lines

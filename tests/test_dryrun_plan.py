@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from mhar_titan.components import performance
-from mhar_titan.config import load_config
+from mhar_titan.config import ConfigError, load_config
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory, report
 from slurm_tools import ROOT
 
@@ -89,6 +89,24 @@ def test_with_cuda_graphs_on_the_verdict_does_not_advise_turning_them_on():
     # the same job without graphs is host-bound and is told about graphs
     plain = step_lines(report(load_config(BASELINE_1B, ["--training.local_batch_size=1"]), 8, "cuda")[0])
     assert "host-bound" in plain and "training.cuda_graphs = true" in plain, plain
+
+
+def test_graphs_are_advised_only_as_the_graph_check_would_take_them():
+    """Advice the trainer would refuse is no advice: a routed 1b job on the fused kernels is told
+    that graphs refuse it today and why (the same sentences `check_cuda_graphs` gives); the baseline,
+    which they capture, is told to turn them on."""
+    from mhar_titan.components.cuda_graphs import capture_blockers, check_cuda_graphs
+
+    cfg = load_config(MHAR_1B, ["--training.local_batch_size=1"])
+    step = step_lines(report(cfg, 8, "cuda")[0])
+    blockers = capture_blockers(cfg, build_model_args(cfg))
+    assert "host-bound" in step and blockers and all(b in step for b in blockers), step
+    assert "CUDA graphs (training.cuda_graphs = true)" not in step
+    graphed = load_config(MHAR_1B, ["--training.local_batch_size=1", "--training.cuda_graphs=true"])
+    with pytest.raises(ConfigError, match="cannot capture this job"):
+        check_cuda_graphs(graphed, build_model_args(graphed), cuda_available=True)
+    base = step_lines(report(load_config(BASELINE_1B, ["--training.local_batch_size=1"]), 8, "cuda")[0])
+    assert "CUDA graphs (training.cuda_graphs = true)" in base and "refuses it today" not in base, base
 
 
 def test_eager_routing_gets_no_host_time_measured_on_the_triton_path():
