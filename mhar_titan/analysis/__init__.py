@@ -5,7 +5,8 @@
                 effective number of sources; ``routing_entropy`` (the trainer's metric)
 ``heatmap``     PNG heatmaps (one panel per routing head and the single-head view) + report
 ``probe``       the query probe of MHAR_SPEC 3.3 (slice discrepancy vs random queries)
-``compare``     loss curves against tokens and a tail-mean validation-loss table
+``compare``     loss curves against tokens, a tail-mean validation-loss table naming each run's arm, B - A for
+                chosen pairs, the learned routing temperature
 ``plots``       the headless matplotlib set-up
 ==============  =============================================================
 
