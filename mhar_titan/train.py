@@ -523,11 +523,11 @@ def run_training(cfg: JobConfig) -> TrainState:
         trainer.close()
 
 
-def _print_help(section: Optional[str]) -> int:
-    """``--help [SECTION]`` (``config.help``) on stdout (once under torchrun: rank 0); exit code 0, or 2
+def _print_help(*sections: Optional[str]) -> int:
+    """``--help [SECTION ...]`` (``config.help``) on stdout (once under torchrun: rank 0); exit code 0, or 2
     with one line for an unknown section (recorded for the launch scripts: ``_record_exit``)."""
     try:
-        text = config_help(section)
+        text = config_help(*sections)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
         return _record_exit(None, "bad_input", 2)
@@ -552,8 +552,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     quiet_known_warnings()
     quiet_other_ranks()  # warnings on rank 0 only, a library's log line once, hub retries as one line
     argv = sys.argv[1:] if argv is None else argv
-    if help_request(argv) is not None:  # -h, --help [SECTION]: the keys, from the config schema
-        return _print_help(help_request(argv)[0])
+    if help_request(argv) is not None:  # -h, --help [SECTION ...]: the keys, from the config schema
+        return _print_help(*help_request(argv))
     if not argv:  # the defaults alone name no data: say what to pass instead of failing on data.files
         print("config error: no job given: pass --config FILE (e.g. train_configs/debug_mhar.toml) and any "
               "--section.key=value overrides; python train.py --help lists the sections and keys", file=sys.stderr)

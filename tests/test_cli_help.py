@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import PATIENCE_S, ROOT
 
-from mhar_titan.config import SECTIONS, JobConfig
+from mhar_titan.config import SECTIONS, ConfigError, JobConfig
 from mhar_titan.config.help import config_help, field_descriptions, help_request
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.train import main
@@ -72,6 +72,11 @@ def test_help_is_not_taken_from_a_key_value():
     assert help_request(["--job.description", "--help"]) is None  # the description's value
     assert help_request(["--job.description=x", "--help"]) == (None,)
     assert help_request(["--training.steps", "5", "-h", "--x.y=1"]) == (None,)
+    assert help_request(["--help", "model", "job", "--x.y=1"]) == ("model", "job")  # each section named
+    both = config_help("model", "job")
+    assert both == config_help("model") + "\n\n" + config_help("job")
+    with pytest.raises(ConfigError, match="nosuch"):
+        config_help("model", "nosuch")
 
 
 @dataclass

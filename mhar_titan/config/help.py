@@ -1,4 +1,4 @@
-"""``python train.py --help [SECTION]``: the job config's sections and keys, read from the schema.
+"""``python train.py --help [SECTION ...]``: the job config's sections and keys, read from the schema.
 
 Every key of every section is listed with its TOML type, its default and the first sentence of
 its description, all taken from the section dataclasses (``mhar_titan.config.sections``, and
@@ -7,7 +7,7 @@ description is the string literal after it (an attribute docstring) or, failing 
 ``#`` comment on its line. A key added to a dataclass therefore appears here with nothing else
 to edit.
 
-``help_request(argv)`` finds ``-h`` / ``--help [SECTION]`` on a training command line;
+``help_request(argv)`` finds ``-h`` / ``--help [SECTION ...]`` on a training command line;
 ``config_help(section)`` is the text. Imports no torch.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mhar_titan.errors import ConfigError
 USAGE = """\
 usage: python train.py --config FILE [--section.key=value ...]
        torchrun --nproc_per_node=N train.py --config FILE [--section.key=value ...]
-       python train.py --help [SECTION]
+       python train.py --help [SECTION ...]
 
 Trains the job a TOML file describes (train_configs/*.toml); each --section.key=value (or
 --section.key value) overrides one key: command line > TOML file > the defaults below.
@@ -42,15 +42,20 @@ WIDTH = 100
 """Characters per line of the key descriptions."""
 
 
-def help_request(argv: list[str]) -> Optional[tuple[Optional[str]]]:
-    """``(section,)`` when ``argv`` asks for help (``-h``, ``--help``, ``--help SECTION``, ``--help=SECTION``;
-    section None for all), else None. The values of ``--section.key VALUE`` pairs are skipped."""
+def help_request(argv: list[str]) -> Optional[tuple[Optional[str], ...]]:
+    """The sections asked for when ``argv`` asks for help (``-h``, ``--help``, ``--help SECTION
+    [SECTION ...]``, ``--help=SECTION``): ``(None,)`` for all, ``(section, ...)`` for those named;
+    else None. The values of ``--section.key VALUE`` pairs are skipped."""
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            return (nxt if nxt is not None and not nxt.startswith("-") else None,)
+            named = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("-"):
+                    break
+                named.append(nxt)
+            return tuple(named) or (None,)
         if arg.startswith("--help="):
             return (arg.split("=", 1)[1] or None,)
         if arg.startswith("--") and "=" not in arg:
@@ -185,14 +190,14 @@ def section_help(section: str) -> str:
     return "\n".join(lines)
 
 
-def config_help(section: Optional[str] = None) -> str:
-    """The usage and every section's keys (``section`` None), or one section's.
+def config_help(section: Optional[str] = None, *more: str) -> str:
+    """The usage and every section's keys (``section`` None), or the keys of the sections named.
 
     Raises:
-        ConfigError: an unknown ``section``.
+        ConfigError: an unknown section (every name is checked before any text is made).
     """
     if section is not None:
-        return section_help(section)
+        return "\n\n".join([section_help(name) for name in (section, *more)])
     index = "\n".join(f"  {name:<22} " + textwrap.shorten(_section_summary(name), WIDTH - 25, placeholder=" ...")
                       for name in SECTIONS)
     return "\n\n".join([USAGE, "sections (python train.py --help SECTION for one):\n" + index,
