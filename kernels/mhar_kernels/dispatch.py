@@ -52,6 +52,14 @@ KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routin
 BACKENDS = ("eager", "compile", "triton")
 
 
+def _named(kernel: str) -> str | None:
+    """The implementation `kernel` names ("eager", "compile") or None where the device decides
+    ("triton", "auto"). Raises ValueError for an unknown kernel name, listing the valid ones."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
+    return kernel if kernel in ("eager", "compile") else None
+
+
 def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> str:
     """The implementation that computes routing of (..., dim) sources on `device` with `heads`
     routing heads for the configured `kernel` (one of KERNELS): "eager", "compile" or "triton"
@@ -60,10 +68,9 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
     Raises:
         ValueError: an unknown kernel name, listing the valid ones.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    if kernel in ("eager", "compile"):
-        return kernel
+    named = _named(kernel)
+    if named is not None:
+        return named
     if isinstance(device, str):
         device = torch.device(device)
     if kernel == "auto" and device.type != "cuda":
@@ -82,10 +89,9 @@ def planned_backend(kernel: str, device_type: str, dim: int, heads: int) -> str:
     Raises:
         ValueError: an unknown kernel name, listing the valid ones.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    if kernel in ("eager", "compile"):
-        return kernel
+    named = _named(kernel)
+    if named is not None:
+        return named
     if device_type != "cuda":
         return "eager"
     return "triton" if contract.fits_tile(heads, dim // heads) else "eager"
