@@ -289,3 +289,23 @@ def read_wandb_file(path, timeout: float = PATIENCE_S) -> tuple[list[dict], dict
                     value = {**config[c.key], **value}  # wandb updates its internal "_wandb" key in parts
                 config[c.key] = value
     return wandb_history(records), config
+
+
+def assert_config_refused_in_one_line(path, needle: str, tmp_path, capsys, match: str | None = None) -> None:
+    """The job config at ``path`` is refused naming ``needle``: `load_config` raises a one-line
+    ConfigError (matching ``match`` where given), and `train.main` exits 2 with that one line on
+    stderr, no traceback, no run folder and no process group."""
+    import pytest
+    import torch.distributed as dist
+
+    from mhar_titan.config import ConfigError, load_config
+    from mhar_titan.train import main
+
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(str(path))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    runs = tmp_path / "runs"
+    assert main(["--config", str(path), f"--job.dump_folder={runs}", "--model.vocab_size=384"]) == 2
+    out = capsys.readouterr().err
+    assert needle in out and "Traceback" not in out and len(out.strip().splitlines()) == 1
+    assert not runs.exists() and not dist.is_initialized()  # no run folder, no process group, no model

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import read_metrics
+from helpers import assert_config_refused_in_one_line, read_metrics
 from train_common import DEBUG_MHAR, SAMPLE, debug_cfg
 
 from mhar_titan.components.loss import target_count
-from mhar_titan.config import ConfigError, load_config
+from mhar_titan.config import load_config
 from mhar_titan.data import (DataConfig, DataError, DataStateError, build_tokenizer, build_train_loader,
                              build_validation_loader)
 from mhar_titan.data.checks import check_data_files
@@ -285,14 +285,7 @@ def test_bad_mixture_config_exits_2_in_one_line_before_anything_is_built(tmp_pat
     entries, needle = BAD_CONFIG[case]
     path = tmp_path / "job.toml"
     path.write_text(_sources_toml(*entries))
-    with pytest.raises(ConfigError) as err:
-        load_config(str(path))
-    assert needle in str(err.value) and "\n" not in str(err.value)
-    runs = tmp_path / "runs"
-    assert main(["--config", str(path), f"--job.dump_folder={runs}", "--model.vocab_size=384"]) == 2
-    out = capsys.readouterr().err
-    assert needle in out and "Traceback" not in out and len(out.strip().splitlines()) == 1
-    assert not runs.exists() and not dist.is_initialized()  # no run folder, no process group, no model
+    assert_config_refused_in_one_line(path, needle, tmp_path, capsys)
 
 
 def test_mixture_config_reads_tables_and_writes_back_to_an_equal_config(tmp_path):

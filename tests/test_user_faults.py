@@ -5,9 +5,9 @@ that cannot be written, Muon settings left beside AdamW, and the end-of-run summ
 import logging
 
 import pytest
-import torch.distributed as dist
+from helpers import assert_config_refused_in_one_line
 
-from mhar_titan.config import ConfigError, load_config
+from mhar_titan.config import load_config
 from mhar_titan.data.mixture import thresholds
 from mhar_titan.dryrun import main as dryrun
 from mhar_titan.train import main
@@ -36,14 +36,7 @@ def test_mixture_weights_that_do_not_normalise_exit_2_in_one_line_before_the_mod
     weights, needle = BAD_WEIGHTS[case]
     path = tmp_path / "job.toml"
     path.write_text(_mixture_toml(*weights))
-    with pytest.raises(ConfigError, match="data.sources") as err:
-        load_config(str(path))
-    assert needle in str(err.value) and "\n" not in str(err.value)
-    runs = tmp_path / "runs"
-    assert main(["--config", str(path), f"--job.dump_folder={runs}", "--model.vocab_size=384"]) == 2
-    out = capsys.readouterr().err
-    assert needle in out and "Traceback" not in out and len(out.strip().splitlines()) == 1
-    assert not runs.exists() and not dist.is_initialized()
+    assert_config_refused_in_one_line(path, needle, tmp_path, capsys, match="data.sources")
     # the dry run refuses the same job in the same line, without a traceback
     assert dryrun(["--config", str(path), "--device", "cpu"]) != 0
     out = capsys.readouterr()
