@@ -92,17 +92,18 @@ def test_with_cuda_graphs_on_the_verdict_does_not_advise_turning_them_on():
 
 
 def test_graphs_are_advised_only_as_the_graph_check_would_take_them():
-    """Advice the trainer would refuse is no advice: a routed 1b job on the fused kernels is told
-    that graphs refuse it today and why (the same sentences `check_cuda_graphs` gives); the baseline,
-    which they capture, is told to turn them on."""
+    """Advice the trainer would refuse is no advice: a routed 1b job with a setting graphs cannot
+    capture (the RNG state saved by checkpointing) is told that graphs refuse it today and why (the
+    same sentences `check_cuda_graphs` gives); the baseline, which they capture, is told to turn them on."""
     from mhar_titan.components.cuda_graphs import capture_blockers, check_cuda_graphs
 
-    cfg = load_config(MHAR_1B, ["--training.local_batch_size=1"])
+    cfg = load_config(MHAR_1B, ["--training.local_batch_size=1", "--activation_checkpoint.preserve_rng_state=true"])
     step = step_lines(report(cfg, 8, "cuda")[0])
     blockers = capture_blockers(cfg, build_model_args(cfg))
     assert "host-bound" in step and blockers and all(b in step for b in blockers), step
     assert "CUDA graphs (training.cuda_graphs = true)" not in step
-    graphed = load_config(MHAR_1B, ["--training.local_batch_size=1", "--training.cuda_graphs=true"])
+    graphed = load_config(MHAR_1B, ["--training.local_batch_size=1", "--training.cuda_graphs=true",
+                                    "--activation_checkpoint.preserve_rng_state=true"])
     with pytest.raises(ConfigError, match="cannot capture this job"):
         check_cuda_graphs(graphed, build_model_args(graphed), cuda_available=True)
     base = step_lines(report(load_config(BASELINE_1B, ["--training.local_batch_size=1"]), 8, "cuda")[0])

@@ -1,24 +1,55 @@
 """``training.cuda_graphs``: each micro-batch's forward and backward replayed as one CUDA graph.
 
-Why: at the paper's 1b recipe (micro-batch 4 x 1024) the host needs about as long to queue a step's
-kernels as the GPU needs to run them (BENCHMARKS.md, "Host time per step"); a replayed graph
-queues the whole forward and backward with one call. How (the pattern of PyTorch's CUDA-graph
-notes, as TorchTitan's trainer applies it): the first ``WARMUP_CALLS`` micro-batches run eagerly
-on a side stream (lazy initialisation: cuBLAS workspaces, NCCL communicators, FSDP2's buffers,
-the routing kernels' per-shape tables); the next call captures forward and backward into a graph
-over static input buffers, with one memory pool for the run; every later call copies its batch
-and loss scale into those buffers and replays. The step around it (clipping, the optimizer, the
-EMA) stays eager; the training step reads nothing back from the device inside forward and
-backward (``tests/test_capture_safe.py``), which capture needs. Gradients must keep their storage,
-so the trainer zeroes them in place (``zero_grad(set_to_none=False)``) when graphs are on.
+Why: at the paper's 1b recipe (micro-batch 4 x 1024) even the baseline's eager step is host-bound
+(BENCHMARKS.md, "Host time per step"); a replayed graph queues the whole forward and backward with
+one call. How (the pattern of PyTorch's CUDA-graph notes, as TorchTitan's trainer applies it): the
+first ``WARMUP_CALLS`` micro-batches run eagerly on a side stream, which makes everything that is
+made once (cuBLAS workspaces, NCCL communicators, FSDP2's buffers, Triton's compiled and autotuned
+kernels, and with ``compile.enable`` or ``model.routing_kernel = "compile"`` every compiled graph
+the step runs); the next call captures forward and backward into a graph over static input
+buffers, with one memory pool for the run; every later call copies its batch and loss scale into
+those buffers and replays. The step around it (clipping, the optimizer, the EMA) stays eager; the
+forward and backward read nothing back from the device (``tests/test_capture_safe.py``), which
+capture needs. Gradients must keep their storage, so the trainer zeroes them in place
+(``zero_grad(set_to_none=False)``) when graphs are on.
 
-Status: **this path has not run on a GPU yet.** The GPU suite's row ``trainer_cuda_graphs``
-(bench/gpu_suite.sh) compares 20 steps of the 1b model with and without it, losses bitwise; until
-that row has run, the option stays off by default and should be treated as experimental.
+What composes with it, and why:
+- **the fused routing kernels** (``model.routing_kernel = "triton"`` / ``"auto"``): their
+  launches take device tensors and shapes fixed per model, nothing written from the host during
+  the step (``tests/test_capture_safe.py`` compares every launch's arguments across steps).
+- **torch.compile** (``compile.enable``, any component; ``model.routing_kernel = "compile"``):
+  compiled code is compiled in the warm-up call, which runs the same forward and backward at the
+  same shapes. What runs on the host at a later call is the guard check: Python reading tensor
+  metadata (shape, dtype, device, strides) and Python values, no device read and no launch, so it
+  records nothing into the graph and passes for the static buffers as it passed for the warm-up
+  batch. Should a guard still fail inside the capture (a recompile would run the compiler, and its
+  benchmarks, inside the graph), the capture runs under ``torch.compiler.set_stance
+  ("fail_on_recompile")`` and stops at once with ``RecompiledDuringCapture``, naming the guard; the
+  same guard fails on every rank, so every rank stops with it instead of some waiting in a
+  collective.
+- **document masking** (``model.attn_mask_type = "block_causal"``, ``model.rope_per_document``):
+  the model builds the batch's attention context inside its forward, from the token tensor it is
+  given (``Transformer.attention_context``), so under capture it is built from the static token
+  buffer by device ops only: document ids (a cumulative sum), the dense mask or FlexAttention's
+  ``create_block_mask`` (arange, the mask function vmapped over indices, block sums, a stable
+  argsort: every shape a function of (B, T), no host read; checked against torch's source and
+  ``tests/test_cuda_graphs.py``), and the per-document RoPE positions (a cumulative max and a
+  gather). The block mask's tensors and the document ids its mask function closes over are
+  allocated from the graph's pool and rewritten by every replay, so nothing is copied in by hand.
+
+Refused (``capture_blockers``): ``debug.force_nonfinite_loss_steps`` (a poisoned step runs
+another forward than the graph holds) and ``activation_checkpoint.preserve_rng_state`` with
+checkpointing on (the recomputation saves and restores the CUDA RNG state through the host, which
+torch refuses during capture).
+
+Status: **this path has not run on a GPU yet.** The GPU suite's ``graphs`` rows (bench/gpu_suite.sh)
+compare 20 steps with and without it, losses bitwise; until they have run, the option stays off
+by default and should be treated as experimental.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -26,29 +57,27 @@ from mhar_titan.config import ConfigError
 
 WARMUP_CALLS = 1
 """Micro-batches run eagerly on a side stream before the capture (PyTorch's notes use a few; one
-suffices once the optimizer state exists, since capture comes only after the first step)."""
+suffices here: capture comes only after it, it runs every compiled graph the step needs at the
+step's shapes, and the optimizer state exists by then)."""
+
+
+class RecompiledDuringCapture(RuntimeError):
+    """Compiled code met a guard it had not met in the warm-up while a micro-batch step was being
+    captured (the message names the function and the failed guard)."""
 
 
 def capture_blockers(cfg, args) -> list[str]:
     """Settings of ``cfg`` (a ``JobConfig``; ``args``: its resolved ``ModelArgs``) under which a
-    captured forward and backward would be wrong or cannot be captured, each as a sentence naming
-    the key; empty when there are none."""
+    captured forward and backward would be wrong or cannot be captured, each as one sentence naming
+    the key and why; empty when there are none (everything else composes: module docstring)."""
     blockers = []
-    if cfg.compile.enable:
-        blockers.append("compile.enable = true (compiled graphs guard and recompile on the host at every call; "
-                        "capture only eager blocks: set compile.enable = false)")
-    if args.routing_kernel == "compile":
-        blockers.append("model.routing_kernel = \"compile\" (use \"eager\")")
-    if args.residual == "attn_res" and args.routing_kernel in ("triton", "auto"):
-        blockers.append(f"model.routing_kernel = {args.routing_kernel!r} (the fused kernels' pointer tables are "
-                        "written from host buffers during forward and backward, which a replayed graph would read "
-                        "stale; capture the eager routing path: model.routing_kernel = \"eager\")")
-    if args.attn_mask_type != "causal":
-        blockers.append(f"model.attn_mask_type = {args.attn_mask_type!r} (its block mask is built from each "
-                        "batch's document ends outside the graph's buffers; use \"causal\")")
     if cfg.debug.force_nonfinite_loss_steps:
         blockers.append("debug.force_nonfinite_loss_steps (a poisoned step runs another forward than the graph "
                         "holds; leave it empty)")
+    if cfg.activation_checkpoint.mode != "none" and cfg.activation_checkpoint.preserve_rng_state:
+        blockers.append("activation_checkpoint.preserve_rng_state = true (a checkpointed block saves and restores "
+                        "the CUDA RNG state through the host, which torch refuses during capture; the model draws "
+                        "no random numbers: set it false)")
     return blockers
 
 
@@ -71,6 +100,23 @@ def check_cuda_graphs(cfg, args, cuda_available: Optional[bool] = None) -> None:
         raise ConfigError("'training.cuda_graphs' = true cannot capture this job: " + "; ".join(blockers))
 
 
+@contextlib.contextmanager
+def no_recompile() -> Iterator[None]:
+    """Run compiled code only from its cache: a recompile (a guard the warm-up did not meet)
+    raises ``RecompiledDuringCapture`` naming the function and the guard, instead of compiling
+    inside a capture. Code not under torch.compile is unaffected."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield
+    except RuntimeError as e:
+        if "fail_on_recompile" not in str(e):
+            raise
+        raise RecompiledDuringCapture(
+            "training.cuda_graphs: compiled code recompiled while the micro-batch step was being captured, after "
+            f"{WARMUP_CALLS} eager warm-up micro-batch(es) at the same shapes ({e}); run with "
+            "training.cuda_graphs = false, or TORCH_LOGS=recompiles to see every guard that failed") from e
+
+
 class GraphedMicroStep:
     """Forward and backward of one micro-batch, captured once and replayed (module docstring).
 
@@ -82,6 +128,7 @@ class GraphedMicroStep:
 
     Raises:
         ValueError: a batch of another shape than the captured one.
+        RecompiledDuringCapture: compiled code recompiled during the capture (``no_recompile``).
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable):
@@ -98,7 +145,7 @@ class GraphedMicroStep:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls <= WARMUP_CALLS:
+        if self.calls <= WARMUP_CALLS:  # compiles, autotunes and allocates what is made once
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -106,10 +153,12 @@ class GraphedMicroStep:
             torch.cuda.current_stream().wait_stream(side)
             return loss
         if self.graph is None:
+            # the static buffers: the attention context (document mask, RoPE positions) is built
+            # from static["x"] inside the captured forward, so every replay rebuilds it on the device
             self.static = {"x": x.clone(), "y": y.clone(), "scale": scale.clone()}
             self.pool = torch.cuda.graph_pool_handle()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
+            with torch.cuda.graph(self.graph, pool=self.pool), no_recompile():
                 self.static["loss"] = self._eager(self.static["x"], self.static["y"], self.static["scale"])
         elif x.shape != self.static["x"].shape or y.shape != self.static["y"].shape:
             raise ValueError(f"a captured micro-batch step takes batches of {tuple(self.static['x'].shape)}, got "
