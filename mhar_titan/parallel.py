@@ -130,6 +130,7 @@ def apply_compile(model: nn.Module, compile_cfg) -> None:
     _raise_recompile_limits(len(model.layers))
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(block, backend=compile_cfg.backend)
+    model.compiled_blocks = True  # the fused routing runs as custom ops inside them (models.Transformer)
 
 
 def compile_whole_model(model: nn.Module, backend: str, fullgraph: bool = False) -> nn.Module:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mhar_titan.models.model as model_module
-from mhar_kernels import dispatch, launch
+from mhar_kernels import dispatch
 from mhar_titan.config import ActivationCheckpoint
 from mhar_kernels import grouped_reference as grouped
 from mhar_titan.models import router

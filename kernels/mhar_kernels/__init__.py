@@ -8,7 +8,10 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   analysis; `routing_logits`; `route_stacked`, the torch.compile body), the tests' oracle.
 - `grouped_reference`: grouped routing's eager phase 1 and merge.
 - `dispatch`: `backend(kernel, device, dim, heads)`, the ONE rule that picks an implementation,
-  and `route` / `share_gradient` / `phase1` / `merge`, which every caller uses.
+  and `route` / `phase1` / `merge` (lists of sources) and `route_rows` / `phase1_rows` /
+  `merge_rows` (rows of a depth buffer), which every caller uses.
+- `depth_buffer`: one micro-batch's sources as rows of one tensor, the slot writes and their
+  token chain, and the per-call `Reads` (torch only).
 - `route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None,
   null_source=None)`: the fused kernels as the registered custom op `mhar::depth_route` with
   autograd (`op.py`); `can_run(device, dim, heads)` says where it runs (CUDA; CPU under
@@ -18,11 +21,8 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   fused merge (phase 2) of a grouped site on the per-call kernels.
 - `routing_kernels`, `grouped_kernels`: the kernels' device code (`@triton.jit` only);
   `triton_routing` and `triton_grouped` are their launch side (configurations cached per shape,
-  alignment, per-launch tables, the launch wrappers `route_forward` / `route_backward` /
+  alignment, the launch wrappers `route_forward` / `route_backward` /
   `phase1_forward` / `phase1_backward`).
-- `launch`: the launch side of a routing call: the source tables the shared sources are
-  registered in (one per micro-batch, reused per shape; a call over consecutive entries launches
-  on slices of its rows) and the lean `autograd.Function` call (torch only).
 - `traffic`: bytes each routing launch reads and writes, against the floor.
 - `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
   mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
@@ -35,7 +35,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "triton_merge", "launch", "traffic", "compile_report", "routing_kernels", "grouped_kernels")
+               "triton_merge", "depth_buffer", "traffic", "compile_report", "routing_kernels", "grouped_kernels")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import contract, grouped_reference, launch, reference
+from . import contract, grouped_reference, reference
 
 _loaded: dict = {}  # the Triton-side modules, imported on first use (a function-level import costs per call)
 
@@ -97,20 +97,6 @@ def planned_backend(kernel: str, device_type: str, dim: int, heads: int) -> str:
     return "triton" if contract.fits_tile(heads, dim // heads) else "eager"
 
 
-def _checked(full: list, query: Tensor, norm_weight: Tensor, heads: int, partial: Tensor | None = None,
-             alpha: Tensor | None = None, null_source: Tensor | None = None) -> tuple[int, tuple]:
-    """`contract.check_route_args` of one call over the (B, T, d) sources `full` (null excluded), and
-    (their gradient sinks, their `launch.lookup`) for the fused kernels. Sources that are consecutive
-    entries of one source table were checked against each other when they were shared
-    (`launch.SourceTable.accepts`): only the first is checked against the rest. Returns (heads as an
-    int, (sinks, lookup)); raises ValueError as `contract.check_route_args`."""
-    sinks = launch.sinks(full)
-    found = launch.lookup(sinks) if full else None
-    heads = contract.check_route_args(full[:1] if found is not None else full, query, norm_weight, heads, partial,
-                                      alpha, null_source)
-    return heads, (sinks, found)
-
-
 def route(
     sources: Sequence[Tensor],
     query: Tensor,
@@ -139,14 +125,14 @@ def route(
     null_source, full = contract.split_null_source(sources)
     if kernel not in KERNELS:
         raise ValueError(f"unknown routing kernel {kernel!r}; choose one of {KERNELS}")
-    heads, (sinks, found) = _checked(full, query, norm_weight, heads, partial, alpha, null_source)
+    heads = contract.check_route_args(full, query, norm_weight, heads, partial, alpha, null_source)
     if permutation is not None and kernel != "eager":
         raise ValueError(f"the permuted head layout runs on the eager path only, not routing_kernel={kernel!r}; "
                          "set routing_kernel='eager'")
     chosen = backend(kernel, full[0].device, full[0].shape[-1], heads)
     if chosen == "triton":
         return _module("op").route_unchecked(full, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
-                                             null_source=null_source, looked_up=(sinks, found))
+                                             null_source=null_source)
     sources = contract.with_null_source(null_source, full)
     if chosen == "compile":
         mix = reference.route_compiled(sources, query, norm_weight, heads, eps)
@@ -157,26 +143,39 @@ def route(
     return partial + alpha.to(mix.dtype) * mix
 
 
-def share_gradient(source: Tensor, kernel: str, heads: int, outlives: bool = False, remakes=None) -> Tensor:
-    """The entry the routing sites read for a new (B, T, d) source: where the backend is "triton"
-    (outside torch.compile), a view whose gradient the kernels of every site that reads it
-    accumulate in one buffer (`op.share_gradient`: no per-site gradient tensors, no autograd
-    additions); otherwise `source` itself. (d,) null sources are returned as they are.
-    outlives: the entry is alive for the whole backward anyway (an input of a later block or read
-    outside the blocks), so its readers keep it by reference (`op.share_gradient`). remakes: the
-    gradient sink (`gradient_sinks`) of the same entry in the block's first forward, when activation
-    checkpointing recomputes the block (`op.share_gradient`)."""
-    if source.dim() == 1 or torch.compiler.is_compiling():
-        return source
-    if backend(kernel, source.device, source.shape[-1], heads) != "triton":
-        return source
-    return _module("op").share_gradient(source, outlives, remakes)
+def route_rows(buffer, reads, token: Tensor | None, query: Tensor, norm_weight: Tensor, heads: int, eps: float, *,
+               partial: Tensor | None = None, alpha: Tensor | None = None,
+               null_source: Tensor | None = None) -> Tensor:
+    """Per-call routing (as `route`) over the rows `reads` of a depth buffer
+    (`depth_buffer.DepthBuffer`, `depth_buffer.Reads`) after the write that made `token`: the
+    fused kernels' path for callers that keep one buffer per micro-batch (the models' Router, where
+    `backend` is "triton" outside torch.compile). null_source: the (d,) null source, source 0, or
+    None. The caller checked the arguments (the buffer's rows share one shape, dtype and device)."""
+    return _module("op").route_buffer(buffer, reads, token, query, norm_weight, heads, eps, partial=partial,
+                                      alpha=alpha, null_source=null_source)
 
 
-def gradient_sinks(entries: Sequence[Tensor]) -> list:
-    """The gradient sink of each entry `share_gradient` returned (None where it returned the
-    source), as `launch.sinks` reads them."""
-    return launch.sinks(entries)
+def phase1_rows(buffer, reads, token: Tensor | None, queries: Tensor, norm_weights: Tensor, site_reads: tuple,
+                heads: int, eps: float, null_source: Tensor | None = None) -> tuple:
+    """Phase 1 (as `phase1`) over the rows `reads` of a depth buffer after the write that made
+    `token`, on the fused kernels; null_source: the (d,) null source (source 0 of `site_reads`) or
+    None. Returns (mix_1..g (B, T, d) in the buffer's dtype, norm_1..g, lse (g, B, T, H), the
+    group's `triton_grouped.MixGradients`, which its merges (`merge_rows`) write their mix
+    gradients into)."""
+    grouped = _module("triton_grouped")
+    given = grouped.MixGradients()
+    return (*grouped.phase1_buffer(buffer, reads, token, queries, norm_weights, site_reads, heads, eps, null_source,
+                                   given), given)
+
+
+def merge_rows(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float,
+               buffer, reads, token: Tensor | None, given: tuple | None, *, partial: Tensor | None = None,
+               alpha: Tensor | None = None) -> Tensor:
+    """The merge (as `merge`) of a grouped site whose in-group sources are the rows `reads` of a
+    depth buffer (None: it reads none) after the write that made `token`, on the fused kernels;
+    given: (the group's `MixGradients` from `phase1_rows`, the site's position, the group size)."""
+    return _module("triton_merge").merge_buffer(mix, norm, lse, query, norm_weight, heads, eps, buffer, reads, token,
+                                                partial=partial, alpha=alpha, given=given)
 
 
 def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps: float, kernel: str,
@@ -191,7 +190,7 @@ def phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int, eps:
     Raises:
         ValueError: no (B, T, d) source, or bad arguments as `contract.check_route_args`."""
     null_source, shared = contract.split_null_source(sources)
-    heads = _checked(shared, queries[0], norm_weights[0], heads, null_source=null_source)[0]
+    heads = contract.check_route_args(shared, queries[0], norm_weights[0], heads, null_source=null_source)
     full = sources[-1]
     if backend(kernel, full.device, full.shape[-1], heads) == "triton":
         return _module("triton_grouped").route_phase1(queries, norm_weights, reads, heads, float(eps), *sources)
@@ -208,12 +207,11 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
     `alpha` (1,) and gets partial + alpha * mix (MHAR_SPEC section 1.4). Returns (B, T, d) in
     `dtype`. The in-group sources are checked once per call (`route`'s rule) against the query and
     norm weight. Raises ValueError for bad arguments as `contract.check_route_args`."""
-    looked_up = None
     if late:
-        heads, looked_up = _checked(list(late), query, norm_weight, heads)
+        heads = contract.check_route_args(list(late), query, norm_weight, heads)
     if (backend(kernel, mix.device, mix.shape[-1], heads) == "triton" and not torch.compiler.is_compiling()
             and mix.dtype == dtype):
         return _module("triton_merge").merge(mix, norm, lse, query, norm_weight, heads, eps, *late, partial=partial,
-                                             alpha=alpha, looked_up=looked_up)
+                                             alpha=alpha)
     out = grouped_reference.merge(mix, norm, lse, query, norm_weight, heads, eps, dtype, *late)
     return out if partial is None else partial + alpha.to(out.dtype) * out

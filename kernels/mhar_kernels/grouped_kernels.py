@@ -60,27 +60,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .routing_kernels import _inv_rms_and_key, _load_source, _source_base, _to_storage
+from .routing_kernels import _inv_rms_and_key, _load_null, _load_source, _slot_base, _to_storage
 
 
 # ---------------------------------------------------------------------------- device code
 @triton.jit
-def _site_rows(TABLE, s, smask, TY: tl.constexpr, ALIGNED: tl.constexpr):
-    """[SB] pointers to row 0 of the per-site tensors listed in TABLE (int64 data pointers)."""
-    base = tl.load(TABLE + s, mask=smask, other=0).to(tl.pointer_type(TY))
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    return base
+def _phase1_step(v, n, acc, m, l, READS, C, s, gq, D, eps, SB: tl.constexpr, SRC_TY: tl.constexpr,
+                 CDT: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Source n's tile v [BLOCK_T, HB, KB] into the SB sites' online depth softmax (acc, m, l), for
+    the sites that read it (read-table row n)."""
+    r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+    logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
+    read = tl.load(READS + n * C * SB + s) != 0  # [SB]; padded sites read nothing
+    logit = tl.where(read[None, :, None], logit, float("-inf"))
+    m_new = tl.maximum(m, logit)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a site that has read nothing yet
+    keep = l * tl.exp(m - shift)
+    p = tl.exp(logit - shift)
+    l_new = keep + p
+    inv = tl.where(l_new > 0, 1.0 / tl.where(l_new > 0, l_new, 1.0), 0.0)
+    acc = acc * (keep * inv)[:, :, :, None] + v[:, None, :, :] * (p * inv)[:, :, :, None]
+    return acc, m_new, l_new
 
 
 @triton.jit
 def _phase1_fwd_kernel(
-    PTRS, RSTRIDES, READS, MIX_PTRS, SRC0, Q, G, LSE,
+    BUF, SLOTS, NULL, READS, MIX, Q, G, LSE,
     N, NG, C, BT, D, H, K, eps,
-    ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, SB: tl.constexpr,
+    HAS_NULL: tl.constexpr, ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, SB: tl.constexpr,
     HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    SRC_TY: tl.constexpr = BUF.dtype.element_ty
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
@@ -103,26 +113,17 @@ def _phase1_fwd_kernel(
     acc = tl.zeros([BLOCK_T, SB, HB, KB], CDT)
     m = tl.full([BLOCK_T, SB, HB], float("-inf"), CDT)
     l = tl.zeros([BLOCK_T, SB, HB], CDT)
+    if HAS_NULL:  # the (d,) null source is source 0 (read-table row 0)
+        v = _load_null(NULL, rows, cols, mask, CDT)
+        acc, m, l = _phase1_step(v, 0, acc, m, l, READS, C, s, gq, D, eps, SB, SRC_TY, CDT, RNE_BF16)
     for n in tl.range(0, N, num_stages=NUM_STAGES):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-        logit = tl.sum(khat[:, None, :, :] * gq[None, :, :, :], axis=3)  # [BLOCK_T, SB, HB]
-        read = tl.load(READS + n * C * SB + s) != 0  # [SB]; padded sites read nothing
-        logit = tl.where(read[None, :, None], logit, float("-inf"))
-        m_new = tl.maximum(m, logit)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a site that has read nothing yet
-        keep = l * tl.exp(m - shift)
-        p = tl.exp(logit - shift)
-        l_new = keep + p
-        inv = tl.where(l_new > 0, 1.0 / tl.where(l_new > 0, l_new, 1.0), 0.0)
-        acc = acc * (keep * inv)[:, :, :, None] + v[:, None, :, :] * (p * inv)[:, :, :, None]
-        m = m_new
-        l = l_new
+        v = _load_source(_slot_base(BUF, SLOTS, n, BT, D, ALIGNED), rows, cols, mask, D, CDT)
+        acc, m, l = _phase1_step(v, n + HAS_NULL, acc, m, l, READS, C, s, gq, D, eps, SB, SRC_TY, CDT, RNE_BF16)
 
     th = s[None, :, None] * BT * H + t[:, None, None] * H + h[None, None, :]  # (g, B*T, H): site-major
     thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
     tl.store(LSE + th, m + tl.log(tl.where(thmask, l, 1.0)), mask=thmask)
-    out = _site_rows(MIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # mixes in the storage dtype
+    out = MIX + (s.to(tl.int64) * BT * D)[None, :, None, None]  # the (g, B*T, d) mixes, in the storage dtype
     tl.store(out + rows[:, None] * D + cols[:, None], _to_storage(acc, SRC_TY, RNE_BF16),
              mask=mask[:, None] & smask[None, :, None, None])
 
@@ -147,13 +148,13 @@ def _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps,
 
 @triton.jit
 def _phase1_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, READS, DMIX_PTRS, SRC0, Q, G, DNORM, LSE, T_PART, DNULL_PART,
+    BUF, SLOTS, GRADS, ACCUM, NULL, READS, DMIX, Q, G, DNORM, LSE, T_PART, DNULL_PART,
     N, NG, C, BT, D, H, K, eps,
     HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, CHUNKED: tl.constexpr, ALIGNED: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr,
     SB: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    SRC_TY: tl.constexpr = BUF.dtype.element_ty
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
@@ -181,7 +182,7 @@ def _phase1_bwd_kernel(
             site_cmask = smask[:, None, None] & cmask
             q = tl.load(Q + site_cols, mask=site_cmask, other=0.0).to(CDT)
             gq = tl.load(G + site_cols, mask=site_cmask, other=0.0).to(CDT) * q  # [SB, HB, KB]
-            dmix_rows = _site_rows(DMIX_PTRS, s, smask, SRC_TY, ALIGNED)[None, :, None, None]  # storage dtype
+            dmix_rows = DMIX + (s.to(tl.int64) * BT * D)[None, :, None, None]  # (g, B*T, d), storage dtype
             mask4 = mask[:, None] & smask[None, :, None, None]
             th = s[None, :, None] * BT * H + t[:, None, None] * H + h[None, None, :]  # (g, B*T, H)
             thmask = (t[:, None, None] < BT) & smask[None, :, None] & (h[None, None, :] < H)
@@ -190,18 +191,18 @@ def _phase1_bwd_kernel(
             lse = tl.load(LSE + th, mask=thmask, other=0.0).to(CDT)
             tchunk = tl.zeros([SB, HB, KB], CDT)
             if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
-                v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
+                v = _load_null(NULL, rows, cols, mask, CDT)
                 dv, t_n = _phase1_source_grad(v, 0, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
                                               CDT, RNE_BF16)
                 tchunk += t_n
                 dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
             # One read of each source, one write of its gradient (the chunks of a tile add into it).
-            for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
-                v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-                dv, t_n = _phase1_source_grad(v, n, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
+            for n in tl.range(0, N, num_stages=NUM_STAGES):
+                v = _load_source(_slot_base(BUF, SLOTS, n, BT, D, ALIGNED), rows, cols, mask, D, CDT)
+                dv, t_n = _phase1_source_grad(v, n + HAS_NULL, READS, C, s, gq, dmix, dnorm, lse, thmask, D, eps, SB, SRC_TY,
                                               CDT, RNE_BF16)
                 tchunk += t_n
-                dptr = _source_base(DPTRS, n, SRC_TY, ALIGNED) + rows * D + cols
+                dptr = _slot_base(GRADS, SLOTS, n, BT, D, ALIGNED) + rows * D + cols
                 if HAS_ACCUM:  # add into the shared buffer a later reader wrote, or an earlier chunk did
                     add = ((rows * 0 + tl.load(ACCUM + n)) != 0) | (chunk > 0)  # [BLOCK_T, 1, 1]
                     dv += tl.load(dptr, mask=mask & add, other=0.0).to(CDT)

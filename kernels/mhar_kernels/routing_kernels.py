@@ -65,24 +65,27 @@ def _to_storage(x, TY: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _source_base(PTRS, n, SRC_TY: tl.constexpr, ALIGNED: tl.constexpr):
-    """Pointer to row 0 of source n (or of its gradient) from the device table; in the aligned
-    variant it is known to be 16-byte aligned."""
-    base = tl.load(PTRS + n).to(tl.pointer_type(SRC_TY))
-    if ALIGNED:  # the int-to-pointer cast loses the alignment: restate it (bytes)
+def _slot_base(BUF, SLOTS, n, BT, D, ALIGNED: tl.constexpr):
+    """Pointer to token 0 of the depth-buffer row that source n of the call reads (or of its gradient
+    row, with BUF the gradient buffer): BUF + SLOTS[n] * B*T * d, in int64 (a row is up to 2^31
+    elements). In the aligned variant it is known to be 16-byte aligned."""
+    base = BUF + tl.load(SLOTS + n).to(tl.int64) * BT * D
+    if ALIGNED:
         base = tl.multiple_of(base, 16)
     return base
 
 
 @triton.jit
-def _load_source(PTRS, RSTRIDES, n, SRC_TY: tl.constexpr, rows, cols, mask, CDT: tl.constexpr,
-                 ALIGNED: tl.constexpr):
-    """Tile [BLOCK_T, HB, KB] of source n, cast to the compute dtype."""
-    base = _source_base(PTRS, n, SRC_TY, ALIGNED)
-    row_stride = tl.load(RSTRIDES + n)
-    if ALIGNED:
-        row_stride = tl.multiple_of(row_stride, 8)
-    return tl.load(base + rows * row_stride + cols, mask=mask, other=0.0).to(CDT)
+def _load_source(base, rows, cols, mask, D, CDT: tl.constexpr):
+    """Tile [BLOCK_T, HB, KB] of the source whose token 0 is at `base` (row stride d), cast to the
+    compute dtype."""
+    return tl.load(base + rows * D + cols, mask=mask, other=0.0).to(CDT)
+
+
+@triton.jit
+def _load_null(NULL, rows, cols, mask, CDT: tl.constexpr):
+    """The (d,) null source broadcast over the tile's tokens [BLOCK_T, HB, KB] (row stride 0)."""
+    return tl.load(NULL + rows * 0 + cols, mask=mask, other=0.0).to(CDT)
 
 
 @triton.jit
@@ -100,20 +103,36 @@ def _inv_rms_and_key(v, D, eps, SRC_TY: tl.constexpr, CDT: tl.constexpr, RNE_BF1
 
 
 @triton.jit
+def _online_step(v, row, acc, m, l, qg, g, LOGITS, th, thmask, BT, H, D, eps, SRC_TY: tl.constexpr,
+                 CDT: tl.constexpr, RNE_BF16: tl.constexpr):
+    """One source tile v [BLOCK_T, HB, KB] into the online depth softmax (acc, m, l); its logits
+    are stored in statistics row `row`."""
+    r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
+    logit = tl.sum(khat * g * qg, axis=2)  # [BLOCK_T, HB]
+    tl.store(LOGITS + row * BT * H + th, logit, mask=thmask)
+    m_new = tl.maximum(m, logit)
+    keep = l * tl.exp(m - m_new)
+    p = tl.exp(logit - m_new)
+    l_new = keep + p
+    acc = acc * (keep / l_new)[:, :, None] + v * (p / l_new)[:, :, None]
+    return acc, m_new, l_new
+
+
+@triton.jit
 def _route_fwd_kernel(
-    PTRS, RSTRIDES, SRC0, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
+    BUF, SLOTS, NULL, Q, G, PARTIAL, ALPHA, STATE_OUT, STATE_LSE,
     OUT, MIX, RES, STATS,
     N, BT, D, H, K, eps,
-    HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr, ALIGNED: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    HAS_NULL: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_STATE: tl.constexpr, HAS_RES: tl.constexpr,
+    ALIGNED: tl.constexpr, NUM_STAGES: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    SRC_TY: tl.constexpr = BUF.dtype.element_ty
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
-    LOGITS = STATS  # STATS (N + 1, B*T, H): the N logits rows, then the lse row
-    LSE = STATS + N * BT * H
+    LOGITS = STATS  # STATS (HAS_NULL + N + 1, B*T, H): the null's and the N sources' logits rows, then the lse row
+    LSE = STATS + (N + HAS_NULL) * BT * H
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, HB)
@@ -138,18 +157,13 @@ def _route_fwd_kernel(
         m = tl.full([BLOCK_T, HB], float("-inf"), CDT)
         l = tl.zeros([BLOCK_T, HB], CDT)
 
+    if HAS_NULL:  # the (d,) null source is source 0 (statistics row 0)
+        v = _load_null(NULL, rows, cols, mask, CDT)
+        acc, m, l = _online_step(v, 0, acc, m, l, qg, g, LOGITS, th, thmask, BT, H, D, eps, SRC_TY, CDT, RNE_BF16)
     for n in tl.range(0, N, num_stages=NUM_STAGES):
-        v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-        r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
-        logit = tl.sum(khat * g * qg, axis=2)  # [BLOCK_T, HB]
-        tl.store(LOGITS + n * BT * H + th, logit, mask=thmask)
-        m_new = tl.maximum(m, logit)
-        keep = l * tl.exp(m - m_new)
-        p = tl.exp(logit - m_new)
-        l_new = keep + p
-        acc = acc * (keep / l_new)[:, :, None] + v * (p / l_new)[:, :, None]
-        m = m_new
-        l = l_new
+        v = _load_source(_slot_base(BUF, SLOTS, n, BT, D, ALIGNED), rows, cols, mask, D, CDT)
+        acc, m, l = _online_step(v, n + HAS_NULL, acc, m, l, qg, g, LOGITS, th, thmask, BT, H, D, eps, SRC_TY, CDT,
+                                 RNE_BF16)
 
     tl.store(LSE + th, m + tl.log(l), mask=thmask)
     if HAS_PARTIAL:  # delta routing: partial + alpha * mix, one rounding at the store; the mix is kept
@@ -185,7 +199,7 @@ def _source_grad(v, w, dmix, S, qg, g, r, khat, D):
 
 @triton.jit
 def _route_bwd_kernel(
-    PTRS, RSTRIDES, DPTRS, ACCUM, SRC0, Q, G, ALPHA, DOUT, MIX, RES, STATS,
+    BUF, SLOTS, GRADS, ACCUM, NULL, Q, G, ALPHA, DOUT, MIX, RES, STATS,
     PARTS, DALPHA_PART, STATE_LSE, DSTATE, DSTATE_NORM,
     N, BT, D, H, K, eps,
     HAS_ALPHA: tl.constexpr, HAS_NULL: tl.constexpr, HAS_ACCUM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -193,12 +207,12 @@ def _route_bwd_kernel(
     NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, CDT: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
-    SRC_TY: tl.constexpr = SRC0.dtype.element_ty
+    SRC_TY: tl.constexpr = BUF.dtype.element_ty
     if ALIGNED:
         D = tl.multiple_of(D, 8)
         K = tl.multiple_of(K, 8)
-    LOGITS = STATS  # the forward's STATS (N + 1, B*T, H): the N logits rows, then the lse row
-    LSE = STATS + N * BT * H
+    LOGITS = STATS  # the forward's STATS (HAS_NULL + N + 1, B*T, H): the logits rows, then the lse row
+    LSE = STATS + (N + HAS_NULL) * BT * H
     # PARTS (2 or 3, programs, d) fp32: the programs' partial sums of dq, dg (and dnull)
     DQ_PART = PARTS
     DG_PART = PARTS + tl.num_programs(0) * D
@@ -242,7 +256,7 @@ def _route_bwd_kernel(
                 tl.store(DSTATE + rows * D + cols, _to_storage(w0[:, :, None] * dmix, DSTATE.dtype.element_ty,
                                                               RNE_BF16), mask=mask)
         if HAS_NULL:  # source 0 is the (d,) null source: its gradient is summed over the tokens
-            v = _load_source(PTRS, RSTRIDES, 0, SRC_TY, rows, cols, mask, CDT, False)
+            v = _load_null(NULL, rows, cols, mask, CDT)
             logit = tl.load(LOGITS + th, mask=thmask, other=0.0).to(CDT)
             w = tl.where(thmask, tl.exp(logit - lse), 0.0)
             r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
@@ -251,15 +265,15 @@ def _route_bwd_kernel(
             dg += dg_n
             dnull += tl.sum(tl.where(mask, dv, 0.0), axis=0)
         # One read of each source, one write of its gradient.
-        for n in tl.range(1 if HAS_NULL else 0, N, num_stages=NUM_STAGES):
-            v = _load_source(PTRS, RSTRIDES, n, SRC_TY, rows, cols, mask, CDT, ALIGNED)
-            logit = tl.load(LOGITS + n * BT * H + th, mask=thmask, other=0.0).to(CDT)
+        for n in tl.range(0, N, num_stages=NUM_STAGES):
+            v = _load_source(_slot_base(BUF, SLOTS, n, BT, D, ALIGNED), rows, cols, mask, D, CDT)
+            logit = tl.load(LOGITS + (n + HAS_NULL) * BT * H + th, mask=thmask, other=0.0).to(CDT)
             w = tl.where(thmask, tl.exp(logit - lse), 0.0)
             r, khat = _inv_rms_and_key(v, D, eps, SRC_TY, CDT, RNE_BF16)
             dv, dq_n, dg_n = _source_grad(v, w, dmix, S, qg, g, r, khat, D)
             dq += dq_n
             dg += dg_n
-            dptr = _source_base(DPTRS, n, SRC_TY, ALIGNED) + rows * D + cols
+            dptr = _slot_base(GRADS, SLOTS, n, BT, D, ALIGNED) + rows * D + cols
             if HAS_ACCUM:  # add into the gradient buffer that later sites' backward already wrote
                 accumulate = (rows * 0 + tl.load(ACCUM + n)) != 0  # [BLOCK_T, 1, 1]
                 dv += tl.load(dptr, mask=mask & accumulate, other=0.0).to(CDT)

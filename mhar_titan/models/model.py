@@ -163,12 +163,15 @@ class BlockOutput(NamedTuple):
     replaces it. sources: the entries its two sublayers added to the source list, in plan order
     (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
     states: grouped routing only, the phase-1 `router.State`s of later blocks' sites, in site
-    order (`router.LayerSchedule.leaving`); empty otherwise.
+    order (`router.LayerSchedule.leaving`); empty otherwise. token: the newest depth-buffer
+    write's token where routing runs on the fused kernels' buffer (`mhar_kernels.depth_buffer`),
+    else None.
     """
 
     h: Tensor | None
     sources: tuple[Tensor, ...]
     states: tuple[State, ...] = ()
+    token: Tensor | None = None
 
 
 def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Tensor | None) -> list[Tensor]:
@@ -217,24 +220,25 @@ class TransformerBlock(nn.Module):
 
     def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: BlockSources,
                 routing: BlockRouting | None) -> BlockOutput:
-        given, sources = sources, list(sources.entries)
-        start = len(sources)
+        given, entries = sources, list(sources.entries)
+        start = len(entries)
         # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
         schedule = self.schedule
         states = dict(zip(schedule.carried, routing.states)) if routing is not None else {}
+        token = routing.token if routing is not None else None
         attention_site, mlp_site = self.sites
         attention_call, mlp_call = schedule.calls
-        x = sublayer_input(attention_call, self.settings, 0, h, sources, routing, states)
+        x = sublayer_input(attention_call, self.settings, 0, h, entries, routing, states, given, token)
         a = self.attention(self.attention_norm(x), attention_context)
         h = None if h is None else h + a
-        sources += given.share(new_sources(attention_site, sources, a, h), self.settings, schedule.outlives[0],
-                               len(sources))
-        x = sublayer_input(mlp_call, self.settings, 1, h, sources, routing, states)
+        new, token = given.add(new_sources(attention_site, entries, a, h), schedule.slots[0], schedule.keeps[0], token)
+        entries += new
+        x = sublayer_input(mlp_call, self.settings, 1, h, entries, routing, states, given, token)
         m = self.feed_forward(self.ffn_norm(x))
         h = None if h is None else h + m
-        sources += given.share(new_sources(mlp_site, sources, m, h), self.settings, schedule.outlives[1],
-                               len(sources))
-        return BlockOutput(h, tuple(sources[start:]), tuple(states[s] for s in schedule.leaving))
+        new, token = given.add(new_sources(mlp_site, entries, m, h), schedule.slots[1], schedule.keeps[1], token)
+        entries += new
+        return BlockOutput(h, tuple(entries[start:]), tuple(states[s] for s in schedule.leaving), token)
 
 
 class Transformer(nn.Module):
@@ -250,6 +254,9 @@ class Transformer(nn.Module):
 
     check_token_ids: bool = True
     """Whether forward reads the token ids' range back from the device (see the class docstring)."""
+    compiled_blocks: bool = False
+    """Set where each block is torch.compile'd (`parallel.compile_blocks`): the fused routing then
+    runs as custom ops over lists of sources inside the compiled blocks, not over a depth buffer."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -313,13 +320,14 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 h = layer(h, context, NO_SOURCES, None).h
             return h
-        router = Router(self.routing_schedule, self.routing, self.routing_settings, self.routing_observer)
+        router = Router(self.routing_schedule, self.routing, self.routing_settings, self.routing_observer,
+                        buffered=not self.compiled_blocks)
         sources = router.initial_sources(h)
         h = h if self.plan.stream else None
         for i, (layer, schedule) in enumerate(zip(self.layers, self.routing_schedule.layers)):
-            h, new, states = layer(h, context, BlockSources(tuple(sources)), router.block_routing(i))
+            h, new, states, token = layer(h, context, router.sources(sources), router.block_routing(i))
             sources += new
-            router.block_done(i, states, sources, h)
+            router.block_done(i, states, sources, h, token)
             # Drop the entries no later site uses (block-delta partial sums are never routed over),
             # so that they are freed once autograd is done with them.
             for j in schedule.released:

@@ -26,13 +26,14 @@ through the Router.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from mhar_kernels import contract, dispatch, reference
+from mhar_kernels.depth_buffer import DepthBuffer, Reads, reads as device_reads
 
 from .args import ModelArgs
 from .plan import Group, RoutingPlan, Site
@@ -41,46 +42,44 @@ from .plan import Group, RoutingPlan, Site
 class State(NamedTuple):
     """Phase-1 routing state of one site: mix (B, T, d) (the storage dtype on the fused kernels,
     the compute dtype on the eager ones) and norm (B, T, H) fp32 (differentiable), lse (B, T, H)
-    fp32 (not differentiable)."""
+    fp32 (not differentiable); given, on the fused kernels over a depth buffer: (the group's
+    `MixGradients`, the site's position, the group size), where its merge writes the mix's
+    gradient (`dispatch.merge_rows`), else None."""
 
     mix: Tensor
     norm: Tensor
     lse: Tensor
+    given: tuple | None = None
 
 
 class BlockSources:
     """The source list as a block receives it: `entries`, a tuple of the entries so far ((B, T, d)
-    tensors, (d,) null sources, None for entries no later site reads), and `sinks`, the gradient
-    sinks of the entries the block made on its first forward (`share`).
+    tensors, (d,) null sources, None for entries no later site reads), and, where the fused kernels
+    route over a depth buffer, `buffer` (the micro-batch's `DepthBuffer`) and `reads` (the
+    schedule's `Reads` per fused call on the buffer's device), else None. A plain object, not a
+    tuple: the wrappers around a block (activation checkpointing, FSDP2) then do not walk the N
+    entries at every block; they are the Router's, alive for the whole step."""
 
-    A plain object, not a tuple, so that the wrappers around a block leave the entries as they are:
-    FSDP2 replaces every grad-requiring tensor it finds in a unit's arguments (lists and tuples
-    included) by a pass-through view of it, which would drop the gradient sinks the routing calls
-    read (`mhar_kernels.dispatch.share_gradient`: every call would take the general path and hand
-    per-site gradients to autograd), and activation checkpointing walks the arguments' tree at every
-    block. The entries need neither: they are the Router's, alive for the whole step, and the
-    block's FSDP2 post-backward still runs inside the backward, from its other arguments (the
-    sites' pseudo-query rows, which its first routing call reads, and the residual stream)."""
+    __slots__ = ("entries", "buffer", "reads")
 
-    __slots__ = ("entries", "sinks")
+    def __init__(self, entries: tuple, buffer: DepthBuffer | None = None, reads: tuple | None = None):
+        self.entries, self.buffer, self.reads = entries, buffer, reads
 
-    def __init__(self, entries: tuple):
-        self.entries = entries
-        self.sinks: list = []
-
-    def share(self, entries: list[Tensor], settings: "RoutingSettings", outlives: Sequence[bool],
-              at: int) -> list[Tensor]:
-        """The block's new `entries` (source-list indices at, at + 1, ...) as its sites read them
-        (`shared_entries`). The first forward records their gradient sinks; when activation
-        checkpointing recomputes the block (the same object again, inside the backward), each
-        recomputed entry takes its first forward's sink (`dispatch.share_gradient(remakes=)`), so
-        the recomputed routing calls find the first forward's source table as the first ones did."""
-        made = at - len(self.entries)
-        remade = self.sinks[made:made + len(entries)]  # empty on the first forward
-        shared = shared_entries(entries, settings, outlives, remade)
-        if not remade:
-            self.sinks += dispatch.gradient_sinks(shared)
-        return shared
+    def add(self, created: list[Tensor], slots: Sequence[int | None], keeps: Sequence[bool],
+            token: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+        """Write the new entries `created` into their depth-buffer slots (None: not routed over)
+        after the write that made `token`; returns (the entries as the source list holds them: the
+        buffer's row, or the tensor itself where a later entry is built from it (`keeps`) or it has
+        no slot; the newest token). Without a buffer, (created, token)."""
+        buffer = self.buffer
+        if buffer is None:
+            return created, token
+        entries = []
+        for value, slot, keep in zip(created, slots, keeps, strict=True):
+            if slot is not None:
+                token = buffer.write(slot, value, token)
+            entries.append(value if keep or slot is None else buffer.values[slot])
+        return entries, token
 
 
 class BlockRouting(NamedTuple):
@@ -89,7 +88,9 @@ class BlockRouting(NamedTuple):
     query, key_norm: the (d,) rows of the layer's two sites (attention, MLP); alpha: their (1,)
     rows, delta mode only. states: the phase-1 `State`s of the layer's sites computed in earlier
     blocks, in site order (`LayerSchedule.carried`). group_query, group_key_norm: (g, d) rows of
-    the group of more than one site whose first site is in this layer, else None.
+    the group of more than one site whose first site is in this layer, else None. token: the
+    newest depth-buffer write's token (`mhar_kernels.depth_buffer`) where the block routes over a
+    buffer, else None.
     """
 
     query: tuple[Tensor, Tensor]
@@ -98,6 +99,7 @@ class BlockRouting(NamedTuple):
     states: tuple[State, ...] = ()
     group_query: Tensor | None = None
     group_key_norm: Tensor | None = None
+    token: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,10 @@ class SiteCall(NamedTuple):
     null_only: every entry it reads is a (d,) null source (paper layout, layer 0's attention).
     group: its group of more than one site, None for a per-call site; position: its place in it;
     late: the in-group entries its merge reads (grouped only); starts: its block runs the
-    group's phase 1 here (position 0 of a group of more than one site)."""
+    group's phase 1 here (position 0 of a group of more than one site). null: the (d,) null
+    entry it reads first (its group's, for phase 1), else None. rows, phase1_rows: the indices of
+    its fused calls on the depth buffer in `RoutingSchedule.buffer_calls` (its per-call routing or
+    merge; the group's phase 1), None where it makes no such call."""
 
     site: Site
     reads: slice | tuple[int, ...]
@@ -289,6 +294,9 @@ class SiteCall(NamedTuple):
     position: int
     late: tuple[int, ...]
     starts: bool
+    null: int | None = None
+    rows: int | None = None
+    phase1_rows: int | None = None
 
 
 class LayerSchedule(NamedTuple):
@@ -298,17 +306,17 @@ class LayerSchedule(NamedTuple):
     in this block (their states leave it, in site order); group, the group of more than one site
     whose first site is in this layer, else None; released, the entries of the source list no
     site after this block reads or builds on (the forward drops them after it, so that they are
-    freed once autograd is done with them); outlives, per sublayer, one bool per entry it creates:
-    True when a site after this block reads or builds on the entry (an input of a later block, or
-    of the final site: alive for the whole backward anyway, so its readers keep it by reference,
-    `dispatch.share_gradient`)."""
+    freed once autograd is done with them); slots, per sublayer, one depth-buffer slot per entry
+    it creates (None: no site routes over it); keeps, per sublayer and entry: a later entry is
+    built from it, so the source list holds the tensor itself, not its buffer row."""
 
     calls: tuple[SiteCall | None, SiteCall | None]
     carried: tuple[int, ...]
     leaving: tuple[int, ...]
     group: Group | None
     released: tuple[int, ...]
-    outlives: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
+    slots: tuple[tuple[int | None, ...], tuple[int | None, ...]] = ((), ())
+    keeps: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
 
 
 def _as_slice(indices: tuple[int, ...]) -> slice | tuple[int, ...]:
@@ -344,36 +352,100 @@ def leaving_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+class BufferCall(NamedTuple):
+    """One fused call on the depth buffer, resolved from the plan: `slots`, the rows it reads in
+    its source order; `adds`, per row, whether its backward adds to the row's gradient (False: it
+    is the row's last reader in the forward, so the first in the backward, and writes it)."""
+
+    slots: tuple[int, ...]
+    adds: tuple[bool, ...]
+
+
+def buffer_layout(plan: RoutingPlan) -> tuple[dict[int, int], list[tuple[tuple, tuple[int, ...]]]]:
+    """The depth buffer of `plan` (docs/DESIGN.md "The depth buffer"): ({entry: slot} for every
+    (B, T, d) entry some site routes over, in list order), and the fused calls in forward order as
+    (key, entries read): ("site", s) per-call routing or the merge of site s (its in-group reads),
+    ("phase1", s) the phase 1 of the group starting at site s. A site that reads only null
+    sources makes no buffer call."""
+    routed = sorted({j for site in plan.sites for j in site.reads if plan.sources[j].kind != "null"})
+    slots = {j: slot for slot, j in enumerate(routed)}
+    calls = []
+    for site in plan.sites:
+        if all(plan.sources[j].kind == "null" for j in site.reads):
+            continue
+        group, position = plan.group_of(site.index)
+        if group.size == 1:
+            calls.append((("site", site.index), tuple(j for j in site.reads if j in slots)))
+            continue
+        if position == 0:
+            calls.append((("phase1", site.index), tuple(j for j in group.reads if j in slots)))
+        if group.late[position]:
+            calls.append((("site", site.index), tuple(group.late[position])))
+    return slots, calls
+
+
 @dataclass(frozen=True)
 class RoutingSchedule:
     """The routing plan resolved once per model (module docstring): `layers`, one
     `LayerSchedule` per layer (n_layers of them, also for the standard residual); `final`, the
-    final site's `SiteCall` (None where the plan has none). Build with `from_plan`."""
+    final site's `SiteCall` (None where the plan has none); for the fused kernels' depth buffer
+    (`buffer_layout`): `capacity` (its rows), `initial_slots` (per initial entry, its slot or
+    None), `buffer_calls` (every fused call's `BufferCall`, indexed by `SiteCall.rows` /
+    `SiteCall.phase1_rows`). Build with `from_plan`."""
 
     plan: RoutingPlan
     layers: tuple[LayerSchedule, ...]
     final: SiteCall | None
+    capacity: int = 0
+    initial_slots: tuple[int | None, ...] = ()
+    buffer_calls: tuple[BufferCall, ...] = ()
+    _reads: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_plan(cls, plan: RoutingPlan, n_layers: int) -> "RoutingSchedule":
         """The schedule of `plan` for a model of `n_layers` layers."""
+        slots, calls = buffer_layout(plan)
+        last = {j: i for i, (_, entries) in enumerate(calls) for j in entries}
+        buffer_calls = tuple(BufferCall(tuple(slots[j] for j in entries), tuple(last[j] != i for j in entries))
+                             for i, (_, entries) in enumerate(calls))
+        index = {key: i for i, (key, _) in enumerate(calls)}
+        built_from = {op for source in plan.sources for _, op in source.recipe if isinstance(op, int)}
+
+        def resolved(site: Site) -> SiteCall:
+            call = site_call(plan, site)
+            group = plan.group_of(site.index)[0]
+            first = (group.reads if call.starts else site.reads)[:1]
+            null = first[0] if first and plan.sources[first[0]].kind == "null" else None
+            return call._replace(null=null, rows=index.get(("site", site.index)),
+                                 phase1_rows=index.get(("phase1", site.index)))
+
         layers, released, created = [], set(), sum(1 for s in plan.sources if s.site is None)
         for layer in range(n_layers):
             sites = plan.layer_sites(layer)
-            calls = tuple(None if s is None else site_call(plan, s) for s in sites)
+            calls_here = tuple(None if s is None else resolved(s) for s in sites)
             made = []  # per sublayer, the entries it creates
             for s in sites:
                 made.append(range(created, created + (len(s.creates) if s is not None else 0)))
                 created += len(made[-1])
-            group = next((c.group for c in calls if c is not None and c.starts), None)
+            group = next((c.group for c in calls_here if c is not None and c.starts), None)
             # entries that exist after this block and that no site after it reads or builds on
             drop = tuple(j for j in range(created) if j not in released and plan.last_use[j] <= 2 * layer + 1)
             released.update(drop)
-            outlives = tuple(tuple(j not in drop for j in entries) for entries in made)
-            layers.append(LayerSchedule(calls, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
-                                        outlives))
-        final = None if plan.final is None else site_call(plan, plan.final)
-        return cls(plan, tuple(layers), final)
+            layers.append(LayerSchedule(
+                calls_here, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
+                tuple(tuple(slots.get(j) for j in entries) for entries in made),
+                tuple(tuple(j in built_from for j in entries) for entries in made)))
+        final = None if plan.final is None else resolved(plan.final)
+        initial = tuple(slots.get(source.index) for source in plan.initial)
+        return cls(plan, tuple(layers), final, len(slots), initial, buffer_calls)
+
+    def reads(self, device: torch.device) -> tuple[Reads, ...]:
+        """Every fused call's `Reads` on `device` (made once per device: their slot and add
+        vectors are the same at every step)."""
+        found = self._reads.get(device)
+        if found is None:
+            found = self._reads[device] = tuple(device_reads(c.slots, c.adds, device) for c in self.buffer_calls)
+        return found
 
 
 # ---------------------------------------------------------------------------- one site
@@ -433,38 +505,62 @@ def merge(site: Site, late: Sequence[Tensor], state: State, dtype: torch.dtype, 
                           alpha=alpha if site.gated else None)
 
 
-def shared_entries(entries: list[Tensor], settings: RoutingSettings, outlives: Sequence[bool],
-                   remakes: Sequence = ()) -> list[Tensor]:
-    """New source-list entries as the routing sites read them (`dispatch.share_gradient`);
-    outlives: per entry, whether it outlives its block (`LayerSchedule.outlives`); remakes: per
-    entry, the gradient sink of its first forward when activation checkpointing recomputes the
-    block (`BlockSources.share`; none given: every entry shared afresh)."""
-    remakes = remakes or [None] * len(entries)
-    return [dispatch.share_gradient(e, settings.kernel, settings.heads, keep, sink)
-            for e, keep, sink in zip(entries, outlives, remakes, strict=True)]
-
-
 def storage_dtype(sources: Sequence[Tensor | None]) -> torch.dtype:
     """The dtype of the (B, T, d) entries of a source list (every one has it)."""
     return next(s.dtype for s in sources if s is not None and s.dim() > 1)
 
 
+# ---------------------------------------------------------------------------- on a depth buffer
+def buffered_input(call: SiteCall, settings: RoutingSettings, h: Tensor | None, entries: Sequence,
+                   sources: BlockSources, token: Tensor | None, query: Tensor, key_norm: Tensor,
+                   alpha: Tensor | None, states: dict[int, State], group_query: Tensor | None,
+                   group_key_norm: Tensor | None) -> Tensor:
+    """The routing of `call`'s site on the fused kernels over the depth buffer `sources.buffer`
+    (the newest write's `token`): per call, or (grouped) phase 1 when its group starts here, then
+    its merge; the site's rows query, key_norm (d,), alpha (1,) (delta-gated sites), the group's
+    (g, d) rows where it starts. `states` as `sublayer_input`'s."""
+    site, reads = call.site, sources.reads
+    gated = site.gated
+    partial, alpha = (h, alpha) if gated else (None, None)
+    null = None if call.null is None else entries[call.null]
+    if call.group is None:
+        return dispatch.route_rows(sources.buffer, reads[call.rows], token, query, key_norm, settings.heads,
+                                   settings.eps, partial=partial, alpha=alpha, null_source=null)
+    if call.starts:
+        group = call.group
+        out = dispatch.phase1_rows(sources.buffer, reads[call.phase1_rows], token, group_query, group_key_norm,
+                                   group.phase1_reads, settings.heads, settings.eps, null)
+        g = group.size
+        given = out[-1]
+        states.update({s: State(out[i], out[g + i], out[2 * g][i], (given, i, g)) for i, s in enumerate(group.sites)})
+    state = states.pop(site.index)
+    return dispatch.merge_rows(state.mix, state.norm, state.lse, query, key_norm, settings.heads, settings.eps,
+                               sources.buffer, None if call.rows is None else reads[call.rows], token, state.given,
+                               partial=partial, alpha=alpha)
+
+
 # ---------------------------------------------------------------------------- inside a block
 def sublayer_input(call: SiteCall | None, settings: RoutingSettings, row: int, h: Tensor | None,
-                   sources: list[Tensor], routing: BlockRouting | None, states: dict[int, State]) -> Tensor:
+                   entries: list[Tensor], routing: BlockRouting | None, states: dict[int, State],
+                   sources: BlockSources, token: Tensor | None) -> Tensor:
     """Input of sublayer `row` (0 attention, 1 MLP) of a block: h for the standard residual
-    (`call` None), else the routing of its site (`call`, from the block's `LayerSchedule`): per
-    call, or (grouped) phase 1 when its group starts here, then its merge. `states`: the block's
-    phase-1 states by site (updated in place; the block owns the dict)."""
+    (`call` None), else the routing of its site (`call`, from the block's `LayerSchedule`) over the
+    source list `entries`: per call, or (grouped) phase 1 when its group starts here, then its
+    merge; on the depth buffer (`buffered_input`) where `sources` has one (with the newest write's
+    `token`). `states`: the block's phase-1 states by site (updated in place; the block owns the
+    dict)."""
     if call is None:
         return h
     alpha = None if routing.alpha is None else routing.alpha[row]
+    if sources.buffer is not None and (call.rows is not None or call.group is not None):
+        return buffered_input(call, settings, h, entries, sources, token, routing.query[row], routing.key_norm[row],
+                              alpha, states, routing.group_query, routing.group_key_norm)
     if call.group is None:
-        return site_input(call, sources, h, routing.query[row], routing.key_norm[row], alpha, settings)
+        return site_input(call, entries, h, routing.query[row], routing.key_norm[row], alpha, settings)
     if call.starts:
-        states.update(phase1(call.group, sources, routing.group_query, routing.group_key_norm, settings))
-    late = [sources[j] for j in call.late]
-    return merge(call.site, late, states.pop(call.site.index), storage_dtype(sources), h, routing.query[row],
+        states.update(phase1(call.group, entries, routing.group_query, routing.group_key_norm, settings))
+    late = [entries[j] for j in call.late]
+    return merge(call.site, late, states.pop(call.site.index), storage_dtype(entries), h, routing.query[row],
                  routing.key_norm[row], alpha, settings)
 
 
@@ -476,22 +572,48 @@ Observer = Callable[[int, list, "Router"], None]
 class Router:
     """Depth routing of one forward (module docstring): built from the `schedule`
     (`RoutingSchedule`), the routing parameters `params` (`DepthRouting`) and the `settings`;
-    `observer` (optional) sees every site. `plan` is the schedule's routing plan."""
+    `observer` (optional) sees every site. `plan` is the schedule's routing plan. `buffered`:
+    the fused kernels may route over one depth buffer per forward (False where the blocks are
+    compiled: torch.compile traces the list-of-sources custom ops instead). After
+    `initial_sources`, `buffer` is the forward's `DepthBuffer` (None where routing runs on another
+    backend) and `token` the newest write's token; `block_done` takes each block's back."""
 
     def __init__(self, schedule: RoutingSchedule, params: DepthRouting, settings: RoutingSettings,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, buffered: bool = True):
         self.schedule, self.plan, self.params, self.settings = schedule, schedule.plan, params, settings
         self.observer = observer
         self.rows = params.rows(self.plan.groups)
         self.pending: dict[int, State] = {}  # phase-1 states of sites in later blocks
+        self.buffered = buffered
+        self.buffer: DepthBuffer | None = None
+        self.reads: tuple[Reads, ...] | None = None
+        self.token: Tensor | None = None
 
     def initial_sources(self, h: Tensor) -> list[Tensor]:
-        """The plan's first entries (null sources, the embedding `h` (B, T, d) shared as the sites
-        read it, `dispatch.share_gradient`)."""
+        """The plan's first entries (null sources, the embedding `h` (B, T, d)). Where the fused
+        kernels route this forward (`dispatch.backend` is "triton", outside torch.compile), the
+        depth buffer is made here (its `capacity` rows, in h's dtype) and the embedding written
+        into its slot."""
+        schedule, settings = self.schedule, self.settings
+        if (self.buffered and schedule.capacity and not torch.compiler.is_compiling()
+                and dispatch.backend(settings.kernel, h.device, h.shape[-1], settings.heads) == "triton"):
+            contract.check_route_args([h], self.rows.query[0], self.rows.key_norm[0], settings.heads)
+            self.buffer, self.reads = DepthBuffer(schedule.capacity, h), schedule.reads(h.device)
         nulls = iter(self.params.null_sources())
-        # (made before the blocks: an input of every block, alive for the whole backward)
-        shared = shared_entries([h], self.settings, (True,))[0] if self.plan.initial else h
-        return [next(nulls) if entry.kind == "null" else shared for entry in self.plan.initial]
+        entries = []
+        for entry, slot in zip(self.plan.initial, schedule.initial_slots):
+            if entry.kind == "null":
+                entries.append(next(nulls))
+            elif self.buffer is not None and slot is not None:
+                self.token = self.buffer.write(slot, h, self.token)
+                entries.append(self.buffer.values[slot])
+            else:
+                entries.append(h)
+        return entries
+
+    def sources(self, entries: Sequence) -> BlockSources:
+        """The source list as the next block (or the final site) receives it."""
+        return BlockSources(tuple(entries), self.buffer, self.reads)
 
     def block_routing(self, layer: int) -> BlockRouting:
         """The routing argument of block `layer`: its rows and the states carried to it."""
@@ -501,12 +623,15 @@ class Router:
         group = schedule.group
         return BlockRouting(rows.query[two], rows.key_norm[two], None if rows.alpha is None else rows.alpha[two],
                             states, None if group is None else rows.group_query[group.index],
-                            None if group is None else rows.group_key_norm[group.index])
+                            None if group is None else rows.group_key_norm[group.index], self.token)
 
-    def block_done(self, layer: int, states: tuple[State, ...], sources: list, h: Tensor | None) -> None:
-        """Take block `layer`'s leaving states back and show the observer its two sites."""
+    def block_done(self, layer: int, states: tuple[State, ...], sources: list, h: Tensor | None,
+                   token: Tensor | None = None) -> None:
+        """Take block `layer`'s leaving states and newest token back and show the observer its two
+        sites."""
         schedule = self.schedule.layers[layer]
         self.pending.update(zip(schedule.leaving, states))
+        self.token = token
         if self.observer is not None:
             for call in schedule.calls:
                 self.observer(call.site.index, routed_sources(call, sources, h), self)
@@ -521,6 +646,9 @@ class Router:
         if self.observer is not None:
             self.observer(index, routed_sources(call, sources, h), self)
         alpha = None if rows.alpha is None else rows.alpha[index]
+        if self.buffer is not None and (call.rows is not None or call.group is not None):
+            return buffered_input(call, self.settings, h, sources, self.sources(sources), self.token,
+                                  rows.query[index], rows.key_norm[index], alpha, self.pending, None, None)
         if index in self.pending:
             late = [sources[j] for j in call.late]
             return merge(call.site, late, self.pending.pop(index), storage_dtype(sources), h, rows.query[index],
