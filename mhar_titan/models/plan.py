@@ -57,7 +57,6 @@ g = 1 is per-call routing: every group is one site whose reads are all early.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -146,16 +145,18 @@ class Group:
     reads: tuple[int, ...]
     early: tuple[tuple[int, ...], ...]
     late: tuple[tuple[int, ...], ...]
+    phase1_reads: tuple[tuple[bool, ...], ...] = field(init=False)
+    """Per site of the group, one bool per entry of `reads`: the site reads it in phase 1 (the
+    `reads` argument of `mhar_kernels.dispatch.phase1`); made once per group, not per forward (a
+    plain field: torch.compile reads it inside a compiled block)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase1_reads", tuple(tuple(j in early_set for j in self.reads)
+                                                       for early_set in map(set, self.early)))
 
     @property
     def size(self) -> int:
         return len(self.sites)
-
-    @functools.cached_property
-    def phase1_reads(self) -> tuple[tuple[bool, ...], ...]:
-        """Per site of the group, one bool per entry of `reads`: the site reads it in phase 1 (the
-        `reads` argument of `mhar_kernels.dispatch.phase1`); made once per group, not per forward."""
-        return tuple(tuple(j in early_set for j in self.reads) for early_set in map(set, self.early))
 
 
 @dataclass(frozen=True)
