@@ -10,12 +10,17 @@
 #
 # The plan is a list of rows (section, scale, family, impl, AC, budget), printed row by row before
 # anything runs and run in that order, most valuable first: the isolated 1b routing timing, the
-# real trainer (train.py under torchrun on 100m MHAR and the baseline with local data, a checkpoint,
-# a SIGKILL and a bitwise resume; then 20 steps of 1b with and without training.cuda_graphs), then
+# real trainer (train.py under torchrun on 100m MHAR and the baseline with local data, CUDA graphs
+# and document masking, a checkpoint, a SIGKILL and a bitwise resume; then 20 steps of 1b at
+# micro-batch 4, AC full, on the fused routing kernels, per call and grouped, with and without
+# training.cuda_graphs, losses bitwise and host-inclusive step times), then
 # per scale 1b before 100m the throughput rows (AC none and full side by side) and the Triton
 # routing rows, then the kernel tests, the eager routing rows, the sm_90 compile report, the
 # host-time row, and torch.compile last at one shape (1b). (The counted bytes are a CPU count:
-# `bench/routing.py --bytes` runs anywhere. 350m is left out to fit the window.) The trainer rows
+# `bench/routing.py --bytes` runs anywhere. 350m is left out to fit the window, and so is the 1b
+# graphs comparison with per-block compile: 36 distinct block graphs per family to compile twice on
+# a fresh machine take minutes; run it on its own: `python bench/trainer_row.py graphs --scale 1b
+# --families mhar,mhar-grouped --kernel triton --compile --out TABLE.md`.) The trainer rows
 # need .whl/ carried (bench/gpu_wheels.sh), data/shakespeare and .cache/tiktoken. Each row is its own process
 # under its own `timeout`, writes OUT_DIR/NN-<row>.md (its table, rewritten as its measurements
 # finish) and OUT_DIR/NN-<row>.log, and is appended to OUT_DIR/rows.tsv as soon as it ends, so a
@@ -52,7 +57,7 @@ if (( TINY )); then
   PLAN="env - - - - 10
 isolated toy mhar,mhar-grouped triton none 30
 trainer debug mhar,baseline torchrun none 300
-graphs debug mhar torchrun full 150
+graphs debug mhar,mhar-grouped torchrun full 150
 throughput debug $FAMILIES triton none 40
 throughput debug $FAMILIES triton full 40
 routing toy mhar,mhar-grouped triton none 30
@@ -62,22 +67,22 @@ compile sm_90 - triton - 30
 host 1b mhar,mhar-grouped stubbed none 30
 bytes 100m,350m,1b mhar,mhar-grouped model none,full 20"
 else
-  PLAN="env - - - - 8
-isolated 1b mhar,mhar-grouped triton none 30
+  PLAN="env - - - - 6
+isolated 1b mhar,mhar-grouped triton none 28
 trainer 100m mhar,baseline torchrun none 75
-graphs 1b mhar torchrun full 60
-throughput 1b $FAMILIES triton none 30
-throughput 1b $FAMILIES triton full 27
-routing 1b mhar,mhar-grouped triton none 12
-throughput 100m $FAMILIES triton none 18
-throughput 100m $FAMILIES triton full 16
-routing 100m mhar,mhar-grouped triton none 10
-tests - - triton - 30
-routing 1b mhar,mhar-grouped eager none 8
-routing 100m mhar,mhar-grouped eager none 6
-compile sm_90 - triton - 12
-host 1b mhar,mhar-grouped stubbed none 10
-routing 1b mhar compile none 8"
+graphs 1b mhar,mhar-grouped torchrun full 88
+throughput 1b $FAMILIES triton none 26
+throughput 1b $FAMILIES triton full 24
+routing 1b mhar,mhar-grouped triton none 11
+throughput 100m $FAMILIES triton none 15
+throughput 100m $FAMILIES triton full 14
+routing 100m mhar,mhar-grouped triton none 9
+tests - - triton - 26
+routing 1b mhar,mhar-grouped eager none 7
+routing 100m mhar,mhar-grouped eager none 5
+compile sm_90 - triton - 10
+host 1b mhar,mhar-grouped stubbed none 9
+routing 1b mhar compile none 7"
 fi
 
 # row_cmd SECTION SCALE FAMILY IMPL AC BUDGET TABLE: sets CMD to the row's command; it writes TABLE.
@@ -93,13 +98,15 @@ row_cmd() {
     trainer)
       local t_sizes=()
       (( TINY )) && t_sizes=(--tiny --steps 8 --checkpoint-at 3)
-      CMD=("$PY" bench/trainer_row.py resume --scale "$scale" --families "$family" "${t_sizes[@]}"
-           --budget-s "$stop_s" --out "$table") ;;
+      # with CUDA graphs (where CUDA is) and document masking: the resumed run captures afresh
+      CMD=("$PY" bench/trainer_row.py resume --scale "$scale" --families "$family" --graphs --mask block_causal
+           "${t_sizes[@]}" --budget-s "$stop_s" --out "$table") ;;
     graphs)
       local g_sizes=()
       (( TINY )) && g_sizes=(--tiny --steps 5)
-      CMD=("$PY" bench/trainer_row.py graphs --scale "$scale" --families "$family" --ac "$ac" "${g_sizes[@]}"
-           --budget-s "$stop_s" --out "$table") ;;
+      # per family eager, then graphs: the fused routing kernels in both (the paper's 1b recipe)
+      CMD=("$PY" bench/trainer_row.py graphs --scale "$scale" --families "$family" --ac "$ac" --kernel triton
+           "${g_sizes[@]}" --budget-s "$stop_s" --out "$table") ;;
     isolated) CMD=("${RUN[@]}" bench/routing.py --isolated "${shapes[@]}" --scales "$scale" --group auto
                    "${sizes[@]}" --out "$table") ;;
     throughput)
@@ -117,7 +124,8 @@ row_cmd() {
     tests)
       local tests=(tests/test_kernels_op.py tests/test_kernels_numerics.py tests/test_kernels_leaf.py
                    tests/test_kernels_shared_grad.py tests/test_kernels_model.py
-                   tests/test_attention_mask.py::test_flex_attention_forward_and_backward_on_cuda -m "not distributed")
+                   tests/test_attention_mask.py::test_flex_attention_forward_and_backward_on_cuda
+                   tests/test_cuda_graphs_gpu.py -m "not distributed")
       (( TINY )) && tests=(tests/test_kernels_op.py -k "bitwise or empty_token or non_contiguous")
       CMD=(env MHAR_SUITE_TESTS_TABLE="$table" "${RUN[@]}" -m pytest -v -p no:cacheprovider
            -p bench.suite_report --continue-on-collection-errors "${tests[@]}") ;;

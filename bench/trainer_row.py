@@ -1,7 +1,13 @@
 """The real trainer in the GPU suite: `train.py` under torchrun on one device, with local data.
 
-    python bench/trainer_row.py resume --scale 100m --families mhar,baseline --out TABLE.md
-    python bench/trainer_row.py graphs --scale 1b --families mhar --out TABLE.md
+    python bench/trainer_row.py resume --scale 100m --families mhar,baseline --graphs --mask block_causal --out T.md
+    python bench/trainer_row.py graphs --scale 1b --families mhar,mhar-grouped --out TABLE.md
+    python bench/trainer_row.py graphs --scale 1b --families mhar,mhar-grouped --compile --out TABLE.md
+
+Families: a config's name (`train_configs/<family>_<scale>.toml`), or `mhar-grouped`: the `mhar`
+config with `model.routing_group_size = "auto"` (grouped routing). `--kernel` sets
+`model.routing_kernel` (default "triton": the fused kernels), `--mask` `model.attn_mask_type`,
+`--compile` per-block `compile.enable`.
 
 `resume`: for each family, `torchrun --standalone --nproc_per_node=1 train.py --config
 train_configs/<family>_<scale>.toml` on the local Shakespeare sample (`data/shakespeare`, the
@@ -9,16 +15,21 @@ config's own tokenizer from the offline cache `.cache/tiktoken`), `--steps` step
 `--batch` x `--seq`, logging every step. For the first family it then runs the same job again,
 SIGKILLs it (the whole torchrun process group) once the checkpoint of step `--checkpoint-at` is
 complete (the launcher and its workers: torchrun starts them in sessions of their own), launches
-the same command again (it resumes from that checkpoint) and compares its
-losses with the straight run's, bitwise, at every step.
+the same command again (it resumes from that checkpoint, capturing its graph afresh with
+`--graphs`) and compares its losses with the straight run's, bitwise, at every step. `--graphs`
+turns `training.cuda_graphs` on where CUDA is (the table says whether it was).
 
-`graphs`: the same job `--steps` steps with `training.cuda_graphs` off and on (AC full, as the 1b
-recipe; routing on the eager path in both, since the fused kernels' per-step pointer tables cannot
-be captured), losses at every logged step compared bitwise, and the median time per step of each:
-host-inclusive eager steps beside graph replays. Needs CUDA; elsewhere the graphs half is reported
-as not run (the eager half still runs, so the row's command is tested on CPU).
+`graphs`: for each family the same job `--steps` steps with `training.cuda_graphs` off and on (AC
+full, as the 1b recipe), losses at every logged step compared bitwise, and the median time per
+step of each, host-inclusive (wall time between logged steps: the eager step's host work, and the
+graph replays' with the eager optimizer step around them). Needs CUDA; elsewhere the graphs half
+is reported as not run (the eager half still runs, so the row's command is tested on CPU). With
+`--compile` both halves compile every block (the warm-up micro-batch of the graphs half compiles,
+then the capture); a 1b model has 36 distinct block graphs per family to compile, minutes on a
+fresh machine, so the GPU suite's window leaves this variant out: run it on its own.
 
-`--tiny`: the debug configs at toy sizes (the CI test's CPU run of the suite). The packages the
+`--tiny`: the debug configs at toy sizes (the CI test's CPU run of the suite; `--compile` then
+uses the aot_eager backend). The packages the
 trainer needs beyond the GPU machine's image (torchdata, tomli-w: `bench/gpu_wheels.txt`) are
 installed from `.whl/` (made by `bench/gpu_wheels.sh`) into `<runs>/site` when missing. Every
 table is written as its measurements finish; the process exits 1 when a check fails.
@@ -58,8 +69,14 @@ def environment(runs: Path) -> dict:
     return env
 
 
+VARIANTS = {"mhar-grouped": ("mhar", ("--model.routing_group_size=auto",))}
+"""Families that are a config with overrides: name -> (config family, overrides)."""
+
+
 def job_argv(a, family: str, name: str, *extra: str) -> list[str]:
-    config = ROOT / "train_configs" / (f"debug_{family}.toml" if a.tiny else f"{family}_{a.scale}.toml")
+    base, overrides = VARIANTS.get(family, (family, ()))
+    config = ROOT / "train_configs" / (f"debug_{base}.toml" if a.tiny else f"{base}_{a.scale}.toml")
+    compiled = ["--compile.enable=true"] + (["--compile.backend=aot_eager"] if a.tiny else []) if a.compile else []
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
         str(ROOT / "train.py"), "--config", str(config), f"--job.dump_folder={a.runs}", f"--job.name={name}",
@@ -68,8 +85,19 @@ def job_argv(a, family: str, name: str, *extra: str) -> list[str]:
         f"--training.steps={a.steps}", f"--training.local_batch_size={a.batch}", f"--training.seq_len={a.seq}",
         "--training.global_batch_size=-1", "--validation.enable=false", f"--metrics.log_freq={a.log_freq}",
         "--metrics.disable_color_printing=true", "--metrics.enable_tensorboard=false", "--metrics.enable_wandb=false",
-        "--lr_scheduler.warmup_steps=5", f"--activation_checkpoint.mode={a.ac}", *extra,
+        "--lr_scheduler.warmup_steps=5", f"--activation_checkpoint.mode={a.ac}",
+        *([f"--model.routing_kernel={a.kernel}"] if a.kernel else []),
+        *([f"--model.attn_mask_type={a.mask}"] if a.mask else []), *compiled, *overrides, *extra,
     ]
+
+
+def command(a) -> str:
+    """The row's command line, for its notes (the flags that change the job)."""
+    flags = [f"--scale {a.scale}", f"--families {','.join(a.families)}", f"--ac {a.ac}"]
+    flags += [f"--kernel {a.kernel}"] if a.kernel else []
+    flags += [f"--mask {a.mask}"] if a.mask else []
+    flags += [f for f, on in (("--graphs", a.graphs), ("--compile", a.compile), ("--tiny", a.tiny)) if on]
+    return f"`python bench/trainer_row.py {a.mode} {' '.join(flags)}`"
 
 
 def rows(run: Path) -> list[dict]:
@@ -166,20 +194,24 @@ def table(path: Path, title: str, header: list[str], body: list[list], notes: li
 
 
 def resume_row(a, env) -> bool:
+    import torch
+
     body, ok = [], True
     header = ["family", "steps", "batch", "loss step 1", f"loss step {a.steps}", "step ms (median)", "tokens/s",
               "kill and resume"]
-    notes = [f"`python bench/trainer_row.py resume --scale {a.scale} --families {','.join(a.families)}"
-             f"{' --tiny' if a.tiny else ''}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+    graphs = a.graphs and torch.cuda.is_available()
+    notes = [f"{command(a)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; training.cuda_graphs "
+             + ("on" if graphs else "off" + (" (needs CUDA)" if a.graphs else ""))]
     for k, family in enumerate(a.families):
         run, log = a.runs / f"{family}-straight", a.runs / f"{family}-straight.log"
-        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false"), env, log, a.budget_s)
+        on = f"--training.cuda_graphs={'true' if graphs else 'false'}"
+        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false", on), env, log, a.budget_s)
         got = losses(run)
         ms = step_ms(run, a)
         verdict = "not run"
         if k == 0 and code == 0:
             killed = a.runs / f"{family}-killed"
-            argv = job_argv(a, family, killed.name, "--checkpoint.enable=true",
+            argv = job_argv(a, family, killed.name, "--checkpoint.enable=true", on,
                             f"--checkpoint.interval={a.checkpoint_at}", "--checkpoint.keep_latest_k=2")
             at = kill_after_checkpoint(argv, env, a.runs / f"{killed.name}.log", killed, a.checkpoint_at, a.budget_s)
             resumed = run_to_end(argv, env, a.runs / f"{killed.name}.log", a.budget_s)
@@ -200,36 +232,40 @@ def resume_row(a, env) -> bool:
 
 
 def graphs_row(a, env) -> bool:
+    """Per family: the job with training.cuda_graphs off, then on (CUDA only), losses compared bitwise."""
     import torch
 
-    family = a.families[0]
-    header = ["training.cuda_graphs", "steps", "batch", f"loss step {a.steps}", "step ms (median)", "losses"]
-    notes = [f"`python bench/trainer_row.py graphs --scale {a.scale}{' --tiny' if a.tiny else ''}`, AC {a.ac}; "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Eager: host-inclusive step time; graphs: replay."]
-    runs = {}
-    for on in (False, True):
-        if on and not torch.cuda.is_available():
-            runs[on] = None
-            continue
-        run = a.runs / f"{family}-graphs-{'on' if on else 'off'}"
-        # both halves on the eager routing path: the fused kernels' per-step pointer tables cannot be captured
-        code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false", "--model.routing_kernel=eager",
-                                   f"--training.cuda_graphs={'true' if on else 'false'}"),
-                          env, a.runs / f"{run.name}.log", a.budget_s)
-        runs[on] = (code, losses(run), step_ms(run, a))
-    body, ok = [], runs[False][0] == 0 and len(runs[False][1]) > 0
-    eager = runs[False][1]
-    for on, result in runs.items():
-        if result is None:
-            body.append(["on", "not run (needs CUDA)", "", "", "", ""])
-            continue
-        code, got, ms = result
-        same = "bitwise equal to eager" if on and got == eager else ("differ" if on else "reference")
-        ok &= code == 0 and (not on or got == eager)
-        body.append(["on" if on else "off", f"{a.steps} ({len(got)} logged)" if code == 0 else f"exit {code}",
-                     f"{a.batch} x {a.seq}",
-                     got.get(a.steps, "n/a"), f"{ms:.1f}" if ms else "n/a", same])
-    table(a.out, f"CUDA graphs, {a.scale if not a.tiny else 'debug'} {family}", header, body, notes)
+    header = ["family", "training.cuda_graphs", "steps", "batch", f"loss step {a.steps}", "step ms (median)",
+              "losses"]
+    notes = [f"{command(a)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Step ms: median wall time per "
+             "step between logged steps, host included (eager: the whole step; graphs: the replays and the eager "
+             "optimizer step around them)."]
+    body, ok = [], True
+    for family in a.families:
+        eager = None
+        for on in (False, True):
+            if on and not torch.cuda.is_available():
+                body.append([family, "on", "not run (needs CUDA)", "", "", "", ""])
+                table(a.out, f"CUDA graphs, {a.scale if not a.tiny else 'debug'}", header, body, notes)
+                continue
+            run = a.runs / f"{family}-graphs-{'on' if on else 'off'}"
+            code = run_to_end(job_argv(a, family, run.name, "--checkpoint.enable=false",
+                                       f"--training.cuda_graphs={'true' if on else 'false'}"),
+                              env, a.runs / f"{run.name}.log", a.budget_s)
+            got, ms = losses(run), step_ms(run, a)
+            finished = code == 0 and len(got) > 0
+            if not on:
+                eager = got if finished else None
+                verdict = "reference" if finished else "FAILED"
+            else:
+                verdict = ("bitwise equal to eager" if eager and got == eager else
+                           f"DIFFER ({sum(eager.get(s) == v for s, v in got.items())} of {len(got)} equal)"
+                           if eager and finished else "FAILED")
+            ok &= finished and (not on or got == eager)
+            body.append([family, "on" if on else "off", f"{a.steps} ({len(got)} logged)" if code == 0 else
+                         f"exit {code}", f"{a.batch} x {a.seq}", got.get(a.steps, "n/a"),
+                         f"{ms:.1f}" if ms else "n/a", verdict])
+            table(a.out, f"CUDA graphs, {a.scale if not a.tiny else 'debug'}", header, body, notes)
     return ok
 
 
@@ -246,6 +282,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--seq", type=positive_int, default=1024)
     p.add_argument("--ac", default=None, help="activation_checkpoint.mode (default: none for resume, full for graphs)")
+    p.add_argument("--kernel", choices=("eager", "compile", "triton", "auto"), default=None,
+                   help="model.routing_kernel (default: the config's)")
+    p.add_argument("--mask", choices=("causal", "block_causal"), default=None,
+                   help="model.attn_mask_type (default: the config's)")
+    p.add_argument("--compile", action="store_true", help="compile.enable = true (per-block torch.compile)")
+    p.add_argument("--graphs", action="store_true", help="resume: training.cuda_graphs = true (where CUDA is)")
     p.add_argument("--tiny", action="store_true", help="debug configs at toy sizes (CPU)")
     p.add_argument("--runs", type=Path, default=None, help="run folders (default: next to --out)")
     p.add_argument("--budget-s", type=positive_float, default=300, help="limit per launch")

@@ -1,8 +1,9 @@
 """``training.cuda_graphs``: what composes with it and what is refused before anything is built
 (on CPU, and with the settings a graph cannot capture), named in one line with exit code 2.
 
-The capture itself needs a GPU: bench/gpu_suite.sh's ``graphs`` rows run it (losses bitwise
-against eager); the step it captures is held capture-safe on CPU by tests/test_capture_safe.py.
+The capture itself needs a GPU: tests/test_cuda_graphs_gpu.py (the GPU suite's tests row) and
+bench/gpu_suite.sh's ``graphs`` rows run it (losses bitwise against eager); the step it captures
+is held capture-safe on CPU by tests/test_capture_safe.py.
 Here, on CPU: the fast settings (fused routing kernels, per-block compile, document masking,
 AC full, every FSDP reshard mode) pass the check when CUDA is reported available; the attention
 context of a document-masked batch is built from the token tensor by device ops only (on the
@@ -264,3 +265,4 @@ def test_a_recompile_during_capture_stops_with_the_guard_named():
         raise RuntimeError("other")
     compiled(torch.ones(3, 4))  # outside the context it compiles as usual
     assert len(graphs) == 2
+

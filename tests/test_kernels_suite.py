@@ -35,9 +35,10 @@ def test_gpu_suite_plan_puts_the_valuable_rows_first_and_fits_six_minutes():
     # the isolated do_bench timing of 1b routing, per call and grouped, before every other measurement
     assert [r["section"] for r in rows[:2]] == ["env", "isolated"]
     assert rows[1]["scale"] == "1b" and rows[1]["family"] == "mhar,mhar-grouped"
-    # then the real trainer: 100m MHAR (kill and resume) and the baseline, and 1b with and without CUDA graphs
+    # then the real trainer: 100m MHAR (kill and resume) and the baseline, and 1b per call and grouped
+    # with and without CUDA graphs
     assert [(r["section"], r["scale"], r["family"]) for r in rows[2:4]] == [
-        ("trainer", "100m", "mhar,baseline"), ("graphs", "1b", "mhar")]
+        ("trainer", "100m", "mhar,baseline"), ("graphs", "1b", "mhar,mhar-grouped")]
     # throughput: 1b before 100m, AC none and full side by side at each scale
     throughput = [(r["scale"], r["AC"]) for r in rows if r["section"] == "throughput"]
     assert throughput == [(s, ac) for s in SCALES for ac in ("none", "full")]
@@ -85,5 +86,7 @@ def test_gpu_suite_tiny_writes_every_table(tmp_path):
     assert "load average" in tables["host/stubbed"]
     # the trainer rows: a SIGKILL after a checkpoint and a bitwise resume; graphs report the eager half on CPU
     assert "resumed from 3: losses bitwise equal at all 8 steps" in tables["trainer/torchrun"]
-    assert "| off | 5 (2 logged) |" in tables["graphs/torchrun"] and "not run (needs CUDA)" in tables["graphs/torchrun"]
+    for family in ("mhar", "mhar-grouped"):
+        assert f"| {family} | off | 5 (2 logged) |" in tables["graphs/torchrun"], tables["graphs/torchrun"]
+        assert f"| {family} | on | not run (needs CUDA) |" in tables["graphs/torchrun"], tables["graphs/torchrun"]
     assert summary["versions"]["triton_interpret"] == "1" and summary["all_ok"]
