@@ -16,6 +16,14 @@ shared by every layer through ``AttentionContext.mask``:
   ``flex_attention`` (compiled whatever ``[compile]`` says: eager FlexAttention is a slow reference);
 - elsewhere (FlexAttention has no CPU backward in torch 2.13) a dense boolean mask
   (B, 1, T, T) for ``scaled_dot_product_attention`` (``dense_mask``), exact and differentiable.
+
+Everything here is built from the token tensor by device ops whose shapes depend on (B, T) only:
+no value is read back to the host and no table is made on it (``create_block_mask`` included: an
+arange, the mask function vmapped over indices, block sums and a stable argsort). So under
+``training.cuda_graphs`` the captured forward rebuilds the document ids, the mask (and the ids the
+BlockMask's mask function closes over) and the per-document positions from the static token
+buffer at every replay, with nothing copied in by hand (``components/cuda_graphs.py``;
+``tests/test_cuda_graphs.py`` checks it on the meta device and by replaying a trace).
 """
 from __future__ import annotations
 
