@@ -57,8 +57,9 @@ from mhar_titan.config import ConfigError
 
 WARMUP_CALLS = 1
 """Micro-batches run eagerly on a side stream before the capture (PyTorch's notes use a few; one
-suffices here: capture comes only after it, it runs every compiled graph the step needs at the
-step's shapes, and the optimizer state exists by then)."""
+suffices here: it runs the same forward and backward at the same shapes as every later call, so
+whatever is made once, compiled graphs included, exists before the capture; the optimizer step is
+never captured)."""
 
 
 class RecompiledDuringCapture(RuntimeError):
