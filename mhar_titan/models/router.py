@@ -166,28 +166,14 @@ class DepthRouting(nn.Module):
     `routing_temperature = "learned"` only, one learnable log-temperature per site and routing
     head, initialised to log(routing_logit_scale); None otherwise.
 
-    Logit scale and temperature (docs/DESIGN.md "Logit scale and temperature"): every depth logit
-    of site s and head h is t_{s,h} <q_s[h], RMSNorm(k)[h]>, with t the fixed
-    `routing_logit_scale` c or, learned, exp(log_temperature[s, h]). The logits are linear in the
-    query, so the factor is folded into it once per forward, q_eff[s, h] = t_{s,h} q_s[h]
-    (`effective_queries`, the ONE accessor of a site's effective pseudo-query: the forward, the
-    analysis' weights, the probe and the export read it, nothing reads `query` raw), and every
-    routing path (eager, compile, the fused kernels per call, grouped phase 1 and merge, replace
-    and delta, the permuted head layout) runs unchanged on q_eff: no kernel argument, no
-    per-call operation, the kernels' bytes are today's. At c = 1 with a fixed temperature the
-    raw parameter itself is used (no multiplication: bitwise the unscaled model).
-
-    Gradients: autograd through the fold gives dL/dq_s[h] = t_{s,h} dL/dq_eff[h], and for a
-    learned temperature dL/dlog t_{s,h} = <dL/dq_eff[h], q_eff[h]> (zero while the query is zero:
-    the temperature starts to move one step after the query does). Under SGD a fixed scale c would
-    be the unscaled model at a learning rate c^2 on the queries; under Adam the per-step update is
-    about lr whatever the gradient's size (it divides by the root of its second moment), so the
-    effective query moves about c * lr per step: with zero-initialised queries and Adam's eps
-    negligible, a fixed scale acts like a query-only learning rate times c. It is still a
-    different experiment from rescaling a learning rate: the routing group's lr also moves the key
-    norms, gates and null sources; Adam's eps is 1/c times larger relative to the query's
-    gradient; AdamW's decoupled decay shrinks the query by lr * wd per step, not by c * lr * wd
-    as a c-times learning rate would; and a random query init breaks the correspondence again. A learned temperature is a different parametrisation altogether.
+    Logit scale and temperature (docs/DESIGN.md "Logit scale and temperature", which also says
+    why Adam does not absorb a fixed scale): every depth logit of site s and head h is
+    t_{s,h} <q_s[h], RMSNorm(k)[h]>, t the fixed `routing_logit_scale` or, learned,
+    exp(log_temperature[s, h]). The factor is folded into the query once per forward,
+    q_eff[s, h] = t_{s,h} q_s[h] (`effective_queries`, the ONE accessor of a site's effective
+    pseudo-query), so every routing path runs unchanged on q_eff; at scale 1 with a fixed
+    temperature the raw parameter itself is used (bitwise the unscaled model). Gradients through
+    the fold: dL/dq_s[h] = t_{s,h} dL/dq_eff[h], dL/dlog t_{s,h} = <dL/dq_eff[h], q_eff[h]>.
     """
 
     def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
@@ -460,18 +446,6 @@ def routed_sources(call: SiteCall, sources: Sequence[Tensor], like: Tensor | Non
     return picked
 
 
-def site_input(call: SiteCall, sources: Sequence[Tensor], h: Tensor | None, query: Tensor, key_norm: Tensor,
-               alpha: Tensor | None, settings: RoutingSettings) -> Tensor:
-    """Per-call routing at the site of `call` over its entries of `sources` (each (B, T, d), a
-    (d,) null first): the mix (B, T, d), or h + alpha * mix for a delta-gated site (MHAR_SPEC 1.4).
-    query, key_norm (d,), alpha (1,): the site's rows. Raises ValueError as `dispatch.route`."""
-    gated = call.site.gated
-    return dispatch.route(
-        routed_sources(call, sources, h), query, key_norm, settings.heads, settings.eps, settings.kernel,
-        partial=h if gated else None, alpha=alpha if gated else None, permutation=settings.permutation,
-    )
-
-
 def phase1(group: Group, sources: Sequence[Tensor | None], query: Tensor, key_norm: Tensor,
            settings: RoutingSettings) -> dict[int, State]:
     """Phase 1 of `group` over the model's source list `sources` (entries `group.reads`; a
@@ -510,58 +484,55 @@ def storage_dtype(sources: Sequence[Tensor | None]) -> torch.dtype:
     return next(s.dtype for s in sources if s is not None and s.dim() > 1)
 
 
-# ---------------------------------------------------------------------------- on a depth buffer
-def buffered_input(call: SiteCall, settings: RoutingSettings, h: Tensor | None, entries: Sequence,
-                   sources: BlockSources, token: Tensor | None, query: Tensor, key_norm: Tensor,
-                   alpha: Tensor | None, states: dict[int, State], group_query: Tensor | None,
-                   group_key_norm: Tensor | None) -> Tensor:
-    """The routing of `call`'s site on the fused kernels over the depth buffer `sources.buffer`
-    (the newest write's `token`): per call, or (grouped) phase 1 when its group starts here, then
-    its merge; the site's rows query, key_norm (d,), alpha (1,) (delta-gated sites), the group's
-    (g, d) rows where it starts. `states` as `sublayer_input`'s."""
-    site, reads = call.site, sources.reads
-    gated = site.gated
-    partial, alpha = (h, alpha) if gated else (None, None)
-    null = None if call.null is None else entries[call.null]
+def route_site(call: SiteCall, settings: RoutingSettings, h: Tensor | None, entries: Sequence,
+               sources: BlockSources, token: Tensor | None, states: dict[int, State], query: Tensor,
+               key_norm: Tensor, alpha: Tensor | None, group_query: Tensor | None = None,
+               group_key_norm: Tensor | None = None) -> Tensor:
+    """The routing of `call`'s site over the source list `entries` (each (B, T, d), (d,) null
+    sources): per call, or (grouped) phase 1 when its group starts here, then its merge. On the
+    fused kernels' depth buffer where `sources` has one (after the write that made `token`), else
+    through the list functions of `mhar_kernels.dispatch`. query, key_norm (d,), alpha (1,): the
+    site's rows; group_query, group_key_norm (g, d): its group's, where the group starts here.
+    `states`: phase-1 states by site (updated in place: the group's added, the site's taken).
+    Returns the mix (B, T, d), or h + alpha * mix at a delta-gated site (MHAR_SPEC 1.4).
+    Raises ValueError for bad arguments as `mhar_kernels.contract.check_route_args`."""
+    partial, alpha = (h, alpha) if call.site.gated else (None, None)
+    buffer = sources.buffer if call.rows is not None or call.group is not None else None
+    reads = sources.reads
     if call.group is None:
-        return dispatch.route_rows(sources.buffer, reads[call.rows], token, query, key_norm, settings.heads,
-                                   settings.eps, partial=partial, alpha=alpha, null_source=null)
-    if call.starts:
-        group = call.group
-        out = dispatch.phase1_rows(sources.buffer, reads[call.phase1_rows], token, group_query, group_key_norm,
-                                   group.phase1_reads, settings.heads, settings.eps, null)
-        g = group.size
-        given = out[-1]
+        if buffer is not None:
+            null = None if call.null is None else entries[call.null]
+            return dispatch.route_rows(buffer, reads[call.rows], token, query, key_norm, settings.heads, settings.eps,
+                                       partial=partial, alpha=alpha, null_source=null)
+        return dispatch.route(routed_sources(call, entries, h), query, key_norm, settings.heads, settings.eps,
+                              settings.kernel, partial=partial, alpha=alpha, permutation=settings.permutation)
+    if call.starts and buffer is not None:
+        group, g = call.group, call.group.size
+        null = None if call.null is None else entries[call.null]
+        *out, given = dispatch.phase1_rows(buffer, reads[call.phase1_rows], token, group_query, group_key_norm,
+                                           group.phase1_reads, settings.heads, settings.eps, null)
         states.update({s: State(out[i], out[g + i], out[2 * g][i], (given, i, g)) for i, s in enumerate(group.sites)})
-    state = states.pop(site.index)
-    return dispatch.merge_rows(state.mix, state.norm, state.lse, query, key_norm, settings.heads, settings.eps,
-                               sources.buffer, None if call.rows is None else reads[call.rows], token, state.given,
-                               partial=partial, alpha=alpha)
+    elif call.starts:
+        states.update(phase1(call.group, entries, group_query, group_key_norm, settings))
+    state = states.pop(call.site.index)
+    if buffer is not None:
+        return dispatch.merge_rows(state.mix, state.norm, state.lse, query, key_norm, settings.heads, settings.eps,
+                                   buffer, None if call.rows is None else reads[call.rows], token, state.given,
+                                   partial=partial, alpha=alpha)
+    return merge(call.site, [entries[j] for j in call.late], state, storage_dtype(entries), h, query, key_norm, alpha,
+                 settings)
 
 
-# ---------------------------------------------------------------------------- inside a block
 def sublayer_input(call: SiteCall | None, settings: RoutingSettings, row: int, h: Tensor | None,
                    entries: list[Tensor], routing: BlockRouting | None, states: dict[int, State],
                    sources: BlockSources, token: Tensor | None) -> Tensor:
     """Input of sublayer `row` (0 attention, 1 MLP) of a block: h for the standard residual
-    (`call` None), else the routing of its site (`call`, from the block's `LayerSchedule`) over the
-    source list `entries`: per call, or (grouped) phase 1 when its group starts here, then its
-    merge; on the depth buffer (`buffered_input`) where `sources` has one (with the newest write's
-    `token`). `states`: the block's phase-1 states by site (updated in place; the block owns the
-    dict)."""
+    (`call` None), else `route_site` with the block's rows (`routing`); `states`: the block's
+    phase-1 states by site (the block owns the dict)."""
     if call is None:
         return h
-    alpha = None if routing.alpha is None else routing.alpha[row]
-    if sources.buffer is not None and (call.rows is not None or call.group is not None):
-        return buffered_input(call, settings, h, entries, sources, token, routing.query[row], routing.key_norm[row],
-                              alpha, states, routing.group_query, routing.group_key_norm)
-    if call.group is None:
-        return site_input(call, entries, h, routing.query[row], routing.key_norm[row], alpha, settings)
-    if call.starts:
-        states.update(phase1(call.group, entries, routing.group_query, routing.group_key_norm, settings))
-    late = [entries[j] for j in call.late]
-    return merge(call.site, late, states.pop(call.site.index), storage_dtype(entries), h, routing.query[row],
-                 routing.key_norm[row], alpha, settings)
+    return route_site(call, settings, h, entries, sources, token, states, routing.query[row], routing.key_norm[row],
+                      None if routing.alpha is None else routing.alpha[row], routing.group_query, routing.group_key_norm)
 
 
 # ---------------------------------------------------------------------------- once per forward
@@ -645,15 +616,8 @@ class Router:
         index, rows = call.site.index, self.rows
         if self.observer is not None:
             self.observer(index, routed_sources(call, sources, h), self)
-        alpha = None if rows.alpha is None else rows.alpha[index]
-        if self.buffer is not None and (call.rows is not None or call.group is not None):
-            return buffered_input(call, self.settings, h, sources, self.sources(sources), self.token,
-                                  rows.query[index], rows.key_norm[index], alpha, self.pending, None, None)
-        if index in self.pending:
-            late = [sources[j] for j in call.late]
-            return merge(call.site, late, self.pending.pop(index), storage_dtype(sources), h, rows.query[index],
-                         rows.key_norm[index], alpha, self.settings)
-        return site_input(call, sources, h, rows.query[index], rows.key_norm[index], alpha, self.settings)
+        return route_site(call, self.settings, h, sources, self.sources(sources), self.token, self.pending,
+                          rows.query[index], rows.key_norm[index], None if rows.alpha is None else rows.alpha[index])
 
     def site_rows(self, site: int) -> tuple[Tensor, Tensor]:
         """(effective pseudo-query, key-norm weight) of `site` in this forward, each (d,): the rows
