@@ -45,15 +45,11 @@ byte count does. C = 2 at the debug flavor (g = 3), 3 at 100m (g = 5), 4 at 350m
 at 1b (g = 11), forward and backward (docs/DESIGN.md "Grouped routing" lists registers and
 chunks).
 
-Shared gradients: a source passed as `op.share_gradient`'s view has one gradient buffer for
-every routing call that reads it; the phase-1 backward writes it (first reader in backward) or
-adds into it (HAS_ACCUM, per source by a flag in the pointer table) and returns None for that
-source, as the per-call kernels do.
-
-Sources, outputs (the per-site mixes) and incoming gradients are separate tensors addressed by
-device tables of data pointers, as in `triton_routing`; a (d,) null source is source 0 with row
-stride 0. All loads are cast to fp32 (fp64 for fp64 sources) and outputs are rounded at the
-store (`triton_routing._to_storage`: the interpreter cannot do bf16 arithmetic).
+Sources are rows of the depth buffer and their gradients rows of its gradient buffer, as in
+`routing_kernels` (the backward writes a row, or adds into it where ACCUM says a later reader
+wrote it); the g mixes and their incoming gradients are rows of one (g, B*T, d) tensor each; a
+(d,) null source is source 0. All loads are cast to fp32 (fp64 for fp64 sources) and outputs
+are rounded at the store (`_to_storage`: the interpreter cannot do bf16 arithmetic).
 """
 from __future__ import annotations
 

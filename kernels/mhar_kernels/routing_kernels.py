@@ -1,7 +1,6 @@
 """The fused per-call routing kernels' device code (`@triton.jit`; MHAR_SPEC sections 2 and 4).
-Their launch side (configurations, pointer tables, alignment, the launch wrappers) is
-`triton_routing`; grouped routing's phase-1 kernels (`grouped_kernels`) reuse the helpers here.
-
+Their launch side (configurations, alignment, the launch wrappers) is `triton_routing`; grouped
+routing's phase-1 kernels (`grouped_kernels`) reuse the helpers here.
 
 One program handles BLOCK_T tokens as a [BLOCK_T, HB, KB] register tile (HB = next_pow2(H),
 KB = next_pow2(K), K = d/H; masks cover non-power-of-two K such as 160) and loops once over
@@ -13,11 +12,9 @@ the N sources:
     online softmax over n, accumulator kept normalised (a running convex combination, so
     values near the storage dtype's maximum cannot overflow the fp32 accumulator).
 
-Sources are N separate tensors, never stacked: the launcher passes a device table of their
-data pointers (int64) and row strides, and the kernel casts each entry to a pointer of the
-sources' element type. This is valid Triton on CUDA (int-to-pointer cast) and works under
-TRITON_INTERPRET=1, where a data pointer is a host address. A (d,) null source is source 0
-with row stride 0 (broadcast over tokens, no expanded copy).
+Sources are rows of one depth buffer (`depth_buffer`): source n starts at
+BUF + SLOTS[n] * B*T*d (`_slot_base`, int64), its gradient at the same offset in GRADS. A (d,)
+null source is a separate argument, source 0 (row stride 0: broadcast over tokens).
 
 Saved for backward by the caller: the statistics STATS (N + 1, B*T, H) in fp32 (rows 0..N-1 the
 logits, row N the lse: one tensor, one allocation and one saved tensor per call) and the
@@ -25,14 +22,14 @@ normalised mix (B, T, d): the output itself in replacement mode, an extra output
 in delta mode (one row written). The backward kernel reads each source ONCE: S_h = <dmix_h, mix_h>
 comes from the saved mix (rounded to the storage dtype: in bf16 the measured gradient errors equal
 the eager path's), so every source's gradient is written in the same pass that reads it: into a
-new buffer, or (HAS_ACCUM, per source by a flag in the pointer table) added to the shared
-gradient buffer that deeper sites already wrote, one rounding to the storage dtype per addition.
+gradient row, or (HAS_ACCUM, per source by a flag in ACCUM) added to what a later site's
+backward already wrote there, one rounding to the storage dtype per addition.
 dq, dg, dalpha and dnull are accumulated over the token tiles of a fixed number of programs
 (`reduce_programs`) and written as (programs, d) partial sums that the host reduces in a fixed
 order: no atomics, so results are bitwise repeatable, and no per-site (B*T, d) partial buffers.
 
-Aligned variant (ALIGNED=True, chosen on the host by `aligned`): every source and gradient
-starts on a 16-byte boundary and its row stride and head width are multiples of 8 elements, so
+Aligned variant (ALIGNED=True, chosen on the host by `aligned`): every row starts on a 16-byte
+boundary and d and the head width are multiples of 8 elements, so
 the kernels tell the compiler so (`tl.multiple_of`) and get 128-bit loads and stores; otherwise
 the general variant makes no such promise (a wrong hint would fault). The loop over sources is
 software-pipelined (`tl.range(..., num_stages=NUM_STAGES)`).
