@@ -9,8 +9,9 @@ AC full, every FSDP reshard mode) pass the check when CUDA is reported available
 context of a document-masked batch is built from the token tensor by device ops only (on the
 meta device, where a host read of a value raises), and a trace of it taken on one batch replays
 exactly on another (make_fx records the aten ops of one call, as a capture records the kernels:
-a value computed on the host would be frozen into it, and a planted one is caught); a recompile
-during capture stops with an error naming the guard."""
+a value computed on the host would be frozen into it, and a planted one is caught), as does a
+trace of the whole micro-step (forward, loss, backward, AC); a recompile during capture stops
+with an error naming the guard."""
 import pathlib
 import sys
 import warnings
@@ -238,6 +239,41 @@ def test_a_host_built_context_is_caught_by_the_replay():
         torch.testing.assert_close(_host_built_flex_attention(b, q, k, v), _flex_attention(b, q, k, v))
         replay = make_fx(_host_built_flex_attention)(a, q, k, v)
         assert not torch.allclose(replay(b, q, k, v), _flex_attention(b, q, k, v))
+
+
+@pytest.mark.parametrize("group, ac", [(1, "none"), (2, "full")], ids=["per call, AC none", "grouped, AC full"])
+def test_a_whole_micro_step_captured_on_one_batch_replays_on_another(group, ac):
+    """The micro-step a graph captures, forward (document mask, RoPE per document, depth routing,
+    the loss) and backward (with AC full: the recomputation), traced by make_fx on batch A and run on
+    batch B gives B's loss and every gradient bitwise. Routing on the eager path: make_fx cannot see
+    into a Triton launch (the fused kernels' capture safety is tests/test_capture_safe.py's)."""
+    from types import SimpleNamespace
+
+    from mhar_titan.parallel import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                                  max_seq_len=128, eos_id=EOS, attn_mask_type="block_causal", rope_per_document=True,
+                                  residual="attn_res", routing_heads=4, routing_group_size=group,
+                                  routing_kernel="eager"))
+    model.init_weights()
+    model.check_token_ids = False  # as the trainer: ids are checked on the host before the copy
+    with torch.no_grad():
+        model.routing.query.normal_()  # routing far from uniform
+    assert apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="2", preserve_rng_state=False)) == \
+        (2 if ac == "full" else 0)
+    params = list(model.parameters())
+
+    def step(x, y):
+        loss = model(x, y)
+        return (loss, *torch.autograd.grad(loss, params))
+
+    (xa, ya), (xb, yb) = ((t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in (packed_batch(3, T=65),
+                                                                                      packed_batch(4, T=65)))
+    replay = make_fx(step)(xa, ya)
+    got, want = replay(xb, yb), step(xb, yb)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(want[0], step(xa, ya)[0])
 
 
 # ------------------------------------------------------------------ compiled code under capture
