@@ -68,10 +68,14 @@ def _settings(pairs) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(prog="python -m mhar_titan.experiments", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m mhar_titan.experiments",
+                            description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
+    helps = dict(list="the runs a sweep expands to, their state and command (or GPU-hours)",
+                 run="train a sweep's runs one after another here (done skipped, stopped resumed)",
+                 slurm="write one sbatch line per run of a sweep", results="RESULTS.md and plots from the run folders")
     for name in ("list", "run", "slurm", "results"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, help=helps[name])
         p.add_argument("sweep", help="sweep TOML file (train_configs/sweeps/*.toml)")
         p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                        help="extra override of every run (repeatable)")
