@@ -8,7 +8,11 @@ directly. Implementations (MHAR_SPEC sections 2 and 4, docs/DESIGN.md "Grouped r
 |-----------|--------------------------------------------|-----------------------------------|---------------------------|
 | "eager"   | `reference.route_reference`                | `grouped_reference.phase1`        | `grouped_reference.merge` |
 | "compile" | `reference.route_compiled`                 | `grouped_reference.phase1`        | `grouped_reference.merge` |
-| "triton"  | `op.route_unchecked` (fused custom op)     | `triton_grouped.route_phase1`     | `triton_merge.merge`      |
+| "triton"  | `op.route_unchecked` (fused)               | `triton_grouped.route_phase1`     | `triton_merge.merge`      |
+
+On "triton", callers that keep one depth buffer per micro-batch (`depth_buffer`; the models'
+Router outside torch.compile) call `route_rows`, `phase1_rows` and `merge_rows` instead, which
+read the buffer's rows; `route` / `phase1` / `merge` take lists of sources.
 
 The rule: the kernel names "eager" and "compile" are taken as they are; "triton" runs the fused
 kernels where they can run (`op.can_run`: triton installed, CUDA or CPU under
