@@ -261,17 +261,9 @@ def route(
                            null_source=null_source)
 
 
-def route_unchecked(
-    sources: list[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
-    *,
-    partial: Optional[Tensor] = None,
-    alpha: Optional[Tensor] = None,
-    null_source: Optional[Tensor] = None,
-) -> Tensor:
+def route_unchecked(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6, *,
+                    partial: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
+                    null_source: Optional[Tensor] = None) -> Tensor:
     """`route` for arguments that `contract.check_route_args` already accepted (heads an int).
     Raises RuntimeError where the kernels cannot run (`can_run`)."""
     if torch.compiler.is_compiling():  # an opaque node in the graph
@@ -282,19 +274,9 @@ def route_unchecked(
                         null_source=null_source)
 
 
-def route_buffer(
-    buffer: DepthBuffer,
-    reads: Reads,
-    token: Optional[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
-    *,
-    partial: Optional[Tensor] = None,
-    alpha: Optional[Tensor] = None,
-    null_source: Optional[Tensor] = None,
-) -> Tensor:
+def route_buffer(buffer: DepthBuffer, reads: Reads, token: Optional[Tensor], query: Tensor, norm_weight: Tensor,
+                 heads: int, eps: float = 1e-6, *, partial: Optional[Tensor] = None, alpha: Optional[Tensor] = None,
+                 null_source: Optional[Tensor] = None) -> Tensor:
     """Fused routing (as `route`) over the rows `reads` of a depth buffer (`depth_buffer`), after
     the write that made `token` (the newest write's). The arguments are the caller's to check
     (the models' Router: the routing plan made the reads; `dispatch.route` checked the rest once).
