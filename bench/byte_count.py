@@ -4,7 +4,7 @@
 loop; needs TRITON_INTERPRET=1 for the launches) that records one entry per
 - Triton launch: the distinct bytes its programs load and the distinct bytes they store (every
   masked-in address of every `tl.load` / `tl.store`, counted once per launch at its element
-  size: a launch's repeated reads of one address are cache hits). Pointer tables, strides and
+  size: a launch's repeated reads of one address are cache hits). Slot vectors, read tables and
   flags a kernel loads are counted like any other load. The aten ops the interpreter runs to
   stage the arguments are not counted (on a GPU the kernel reads the tensors in place).
 - aten op outside a launch: the bytes of its tensor inputs (read) and outputs (written). Views
@@ -232,16 +232,18 @@ def routing_count(args, batch: int, seq: int, ac: str = "none", baseline: ByteCo
     """The counted routing bytes of one step of the routed model `args` (bf16): its forward +
     backward count minus the baseline's (the same flavor with residual="standard"; pass its
     counter as `baseline` to reuse one) plus the baseline's `residual_additions`. Returns
-    {'routing', 'routed', 'baseline', 'residual', 'launches'} in bytes ('launches': the routed
-    step's Triton launches)."""
+    {'routing', 'routed', 'baseline', 'residual', 'launches', 'copies'} in bytes ('launches': the
+    routed step's Triton launches; 'copies': its copy_ ops beyond the baseline's, the sources'
+    depth-buffer slot writes among them)."""
     import dataclasses
 
     if baseline is None:
         baseline, _ = count_step(dataclasses.replace(args, residual="standard"), batch, seq, ac)
     routed, _ = count_step(args, batch, seq, ac)
     residual = residual_additions(args, batch * seq, torch.bfloat16, ac)
+    copies = routed.by_name().get("aten:copy_", 0) - baseline.by_name().get("aten:copy_", 0)
     return dict(routing=routed.total() - baseline.total() + residual, routed=routed.total(),
-                baseline=baseline.total(), residual=residual, launches=routed.total("launch"))
+                baseline=baseline.total(), residual=residual, launches=routed.total("launch"), copies=copies)
 
 
 def _cheap_end(outs_dtype: torch.dtype, b: int, t: int, d: int) -> int:

@@ -4,8 +4,8 @@ For each shape (the paper's: bf16, H = 8) it times one routing call over N sourc
 full set of calls of one training step (site s = 1..2L+1 reads s sources), and reports
 milliseconds (median after warm-up; CUDA events on a GPU), the bytes the fused kernels move
 as counted by `mhar_kernels.traffic` (forward, backward and reduce launches; in the step the
-sources are shared as the models share them, so their gradients are added inside the backward
-launches), the achieved GB/s and its fraction
+sources are rows of one depth buffer as in the models, so their gradients are added inside the
+backward launches, and each source's copy into its slot is counted), the achieved GB/s and its fraction
 of the measured device copy bandwidth. The same bytes are charged to eager and compile (they
 move more), so the GB/s column compares implementations at equal work. Gradients are taken
 with torch.autograd.grad (nothing accumulates into the leaves' .grad between calls).
@@ -119,9 +119,9 @@ def main(argv=None) -> None:
             host = host_ms(iters=a.iters)
             text, title = (
                 f"Host time (host CPU time of the thread, `time.thread_time`) of one forward+backward routing call "
-                f"(N = 73, d = 1280, H = 8, bf16, kernel launches stubbed, {a.iters} calls, sources shared as the models share them): median {host['call']:.3f} ms "
-                f"(minimum {host['call_min']:.3f} ms), plus {host['share']:.3f} ms per source for sharing its "
-                f"gradient (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
+                f"(N = 73, d = 1280, H = 8, bf16, kernel launches stubbed, {a.iters} calls, sources read as rows of one depth buffer as the models read them): median "
+                f"{host['call']:.3f} ms (minimum {host['call_min']:.3f} ms), plus {host['write']:.3f} ms per source for "
+                f"writing it into its slot (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"
             step_iters = max(3, a.iters // 20)
             steps = {family: host_step_ms("1b", family, iters=step_iters) for family in ("mhar", "mhar-grouped")}

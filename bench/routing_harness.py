@@ -24,7 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from mhar_kernels.dispatch import merge, phase1, route as model_route, share_gradient  # noqa: E402
+from mhar_kernels import dispatch  # noqa: E402  (the module: tests patch dispatch.backend)
+from mhar_kernels.depth_buffer import DepthBuffer, reads as device_reads  # noqa: E402
+from mhar_kernels.dispatch import merge, phase1, route as model_route  # noqa: E402
 from mhar_titan.models.args import ModelArgs  # noqa: E402
 from mhar_titan.models.plan import RoutingPlan  # noqa: E402
 
@@ -96,46 +98,104 @@ def make_inputs(b, t, d, n, dtype, device, seed=0):
 
 
 def one_call(impl, sources, query, norm_weight, heads):
+    """One routing call over all `sources` (forward, then one backward). On the fused kernels the
+    sources are copied into a depth buffer of their own first (`mhar_kernels.route`'s list API)."""
     def run():
         out = model_route(sources, query, norm_weight, heads, kernel=impl)
         torch.autograd.grad(out, [*sources, query, norm_weight], torch.ones_like(out))
     return run
 
 
+def last_reader_reads(readers, device):
+    """Per reader (the slots it reads, in forward order), its `depth_buffer.Reads` on `device`: the
+    last reader of a slot in the forward writes its gradient row, earlier ones add into it (the
+    models' rule, `router.RoutingSchedule.buffer_calls`). Made once per harness, as the models make
+    theirs once per model and device."""
+    last = {slot: i for i, slots in enumerate(readers) for slot in slots}
+    return [device_reads(slots, [last[slot] != i for slot in slots], device) for i, slots in enumerate(readers)]
+
+
+def _fused(impl, sources, heads) -> bool:
+    """Whether `impl` routes on the fused kernels here (`dispatch.backend`, the one rule), i.e. over
+    a depth buffer as the models do."""
+    x = sources[0]
+    return dispatch.backend(impl, x.device, x.shape[-1], heads) == "triton"
+
+
 def one_step(impl, sources, query, norm_weight, heads):
-    """All 2L+1 routing sites of a step: site s routes over sources[:s] (forward, then one backward)."""
+    """All 2L+1 routing sites of a step: site s routes over sources[:s] (forward, then one backward).
+    On the fused kernels as the models run them: one depth buffer per step, source s - 1 written
+    into slot s - 1 before site s (`DepthBuffer.write`), each site reading its rows of it; else
+    through the list API (`dispatch.route`)."""
+    n = len(sources)
+    fused = _fused(impl, sources, heads)
+    reads = last_reader_reads([range(s) for s in range(1, n + 1)], sources[0].device) if fused else None
+
     def run():
-        total = None
-        shared = [share_gradient(x, impl, heads, outlives=True) for x in sources]  # as the models pass their sources
-        for s in range(1, len(sources) + 1):
-            out = model_route(shared[:s], query, norm_weight, heads, kernel=impl)
+        total, buffer, token = None, DepthBuffer(n, sources[0]) if fused else None, None
+        for s in range(1, n + 1):
+            if fused:
+                token = buffer.write(s - 1, sources[s - 1], token)
+                out = dispatch.route_rows(buffer, reads[s - 1], token, query, norm_weight, heads, 1e-6)
+            else:
+                out = model_route(sources[:s], query, norm_weight, heads, kernel=impl)
             total = out.float().sum() if total is None else total + out.float().sum()
         torch.autograd.grad(total, [*sources, query, norm_weight])
     return run
 
 
 def one_grouped_step(impl, sources, query, norm_weight, heads, g: int, end=None):
-    """`one_step`'s sites in groups of g (grouped two-phase routing, `mhar_kernels.dispatch.phase1`
-    and `merge`): phase 1 of each group over the sources that exist when it starts (fused for impl
-    "triton"), then each site's merge with its in-group sources; a group of one site is a per-call
-    route. end(out) -> a scalar stands in for what follows each site (default `out.float().sum()`);
-    the step's loss is their sum."""
+    """`one_step`'s sites in groups of g (grouped two-phase routing): phase 1 of each group over the
+    sources that exist when it starts, then each site's merge with its in-group sources; a group of
+    one site is a per-call route. On the fused kernels as the models run them: one depth buffer per
+    step written source by source before the site that first reads it, phase 1 and the merges on
+    its rows (`dispatch.phase1_rows`, `merge_rows`: the merges write their mix gradients into the
+    group's rows); else through the list API (`dispatch.phase1`, `merge`). end(out) -> a scalar
+    stands in for what follows each site (default `out.float().sum()`); the step's loss is their
+    sum."""
     end = end or (lambda out: out.float().sum())
+    n = len(sources)
+    groups = step_groups(n, g)
+    fused = _fused(impl, sources, heads)
+    readers = []  # the fused calls' slots in forward order: phase 1 (or a per-call site), the merges' in-group rows
+    for start, late in groups:
+        readers.append(start)
+        readers += [ids for ids in late if len(late) > 1 and ids]
+    made = last_reader_reads(readers, sources[0].device) if fused else []
 
     def run():
-        total = None
-        shared = [share_gradient(x, impl, heads, outlives=True) for x in sources]  # as the models pass their sources
-        for start, late in step_groups(len(sources), g):
-            if len(late) == 1:
-                outs = [model_route([shared[j] for j in start], query, norm_weight, heads, kernel=impl)]
+        total, buffer, token = None, DepthBuffer(n, sources[0]) if fused else None, None
+        reads, written = iter(made), 0
+
+        def write_until(k):  # sources[:k] in their slots
+            nonlocal token, written
+            while written < k:
+                token = buffer.write(written, sources[written], token)
+                written += 1
+
+        for start, late in groups:
+            size = len(late)
+            if fused:
+                write_until(len(start))
+            if size == 1:
+                outs = [dispatch.route_rows(buffer, next(reads), token, query, norm_weight, heads, 1e-6) if fused
+                        else model_route([sources[j] for j in start], query, norm_weight, heads, kernel=impl)]
             else:
-                size = len(late)
                 rows = query.unsqueeze(0).expand(size, -1), norm_weight.unsqueeze(0).expand(size, -1)
-                reads = tuple((True,) * len(start) for _ in late)
-                states = phase1(*rows, reads, heads, 1e-6, impl, *[shared[j] for j in start])
-                outs = [merge(states[i], states[size + i], states[2 * size][i], query,
-                              norm_weight, heads, 1e-6, sources[0].dtype, impl, *[shared[j] for j in ids])
-                        for i, ids in enumerate(late)]
+                site_reads = tuple((True,) * len(start) for _ in late)
+                outs = []
+                if fused:
+                    states = dispatch.phase1_rows(buffer, next(reads), token, *rows, site_reads, heads, 1e-6)
+                    for i, ids in enumerate(late):
+                        write_until(len(start) + len(ids))
+                        outs.append(dispatch.merge_rows(states[i], states[size + i], states[2 * size][i], query,
+                                                        norm_weight, heads, 1e-6, buffer,
+                                                        next(reads) if ids else None, token,
+                                                        (states[-1], i, size)))
+                else:
+                    states = phase1(*rows, site_reads, heads, 1e-6, impl, *[sources[j] for j in start])
+                    outs = [merge(states[i], states[size + i], states[2 * size][i], query, norm_weight, heads, 1e-6,
+                                  sources[0].dtype, impl, *[sources[j] for j in ids]) for i, ids in enumerate(late)]
             for out in outs:
                 total = end(out) if total is None else total + end(out)
         torch.autograd.grad(total, [*sources, query, norm_weight])

@@ -19,47 +19,52 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from mhar_kernels.dispatch import route as model_route, share_gradient  # noqa: E402
-from routing_harness import (SHAPES, auto_group, make_inputs, one_grouped_step, one_step,  # noqa: E402
-                             standin_step, stubbed_launches, host_timer)
+from mhar_kernels.depth_buffer import DepthBuffer  # noqa: E402
+from mhar_kernels.dispatch import route_rows  # noqa: E402
+from routing_harness import (SHAPES, auto_group, last_reader_reads, make_inputs, one_grouped_step,  # noqa: E402
+                             one_step, standin_step, stubbed_launches, host_timer)
 
 
 def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dict:
-    """Host time (ms) of routing with the two kernel launches stubbed out (argument check,
-    pointer table, allocations, autograd; no device work), through the models' route
-    (kernel="triton") and over sources shared as the models share them (`share_gradient`).
-    CUDA tensors where there is a GPU; CPU tensors otherwise (needs TRITON_INTERPRET=1 so that
-    the op accepts them).
+    """Host time (ms) of routing with the two kernel launches stubbed out (allocations, autograd;
+    no device work), on the fused path as the models run it: rows of one depth buffer
+    (`dispatch.route_rows`). CUDA tensors where there is a GPU; CPU tensors otherwise (needs
+    TRITON_INTERPRET=1 so that the op accepts them).
 
-    Returns {'call': median and 'call_min': minimum of one forward+backward call over n sources
-    whose gradient buffers deeper sites already wrote (every site but a source's last reader),
-    'share': median per source of `share_gradient` forward + backward (once per source and
-    step, i.e. about once per call), 'total' = call + share}."""
+    Returns {'call': median and 'call_min': minimum of one forward+backward call over n rows whose
+    gradient rows deeper sites already wrote (every site but a row's last reader: its backward adds),
+    'write': median per source of writing it into its slot (`DepthBuffer.write`, forward + backward,
+    once per source and step, i.e. about once per call), 'total' = call + write}."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)
+    first = last_reader_reads([range(n), range(n)], device)[0]  # a reader before the last: every row added into
     with stubbed_launches():
         grad_out = torch.ones_like(sources[0])
-        shared = [share_gradient(x, "triton", heads, outlives=True) for x in sources]
+        buffer, token = DepthBuffer(n, sources[0]), None
+        for slot, x in enumerate(sources):
+            token = buffer.write(slot, x, token)
+        buffer.gradients()
 
-        def call():  # gradients of q and g only: the shared buffers stay with their sinks, as mid-step
-            out = model_route(shared, query, norm_weight, heads, kernel="triton")
+        def call():  # gradients of q and g only: the rows' gradients stay in the buffer, as mid-step
+            out = route_rows(buffer, first, token, query, norm_weight, heads, 1e-6)
             torch.autograd.grad(out, [query, norm_weight], grad_out)
 
-        def share():  # n sources shared, used, and their gradients handed on
-            views = [share_gradient(x, "triton", heads, outlives=True) for x in sources]
-            torch.autograd.grad([v.sum() for v in views], sources)
+        def write():  # n sources written into their slots (a token chain) and their gradient rows handed on
+            into, newest = DepthBuffer(n, sources[0]), None
+            into.gradients()
+            for slot, x in enumerate(sources):
+                newest = into.write(slot, x, newest)
+            torch.autograd.grad(newest, sources, newest.new_empty(0))
 
-        def plain():  # the same without share_gradient, subtracted from share()
-            torch.autograd.grad([x.sum() for x in sources], sources)
         measure = host_timer  # host CPU time: there is no device work
         result = {}
-        for name, fn in (("call", call), ("share", share), ("plain", plain)):
+        for name, fn in (("call", call), ("write", write)):
             for _ in range(10):
                 fn()
             times = [measure(fn) for _ in range(iters)]
             result[name], result[name + "_min"] = statistics.median(times), min(times)
-        result["share"] = max(0.0, result["share"] - result.pop("plain")) / n
-        result["total"] = result["call"] + result["share"]
+        result["write"] /= n
+        result["total"] = result["call"] + result["write"]
         return result
 
 
@@ -73,7 +78,7 @@ def host_step_ms(shape: str = "1b", family: str = "mhar", heads: int = 8, iters:
     Returns {'median', 'min'} of the whole harness step over `iters` steps after one warm-up,
     {'standin_median', 'standin_min'} of the same loop with no routing (`standin_step`: each
     site's output is its newest source, the harness's sums and backward stay), and 'routing' =
-    median - standin_median, the routing's own host time (sharing the sources included)."""
+    median - standin_median, the routing's own host time (the slot writes included)."""
     _, _, d, n = SHAPES["paper"][shape]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sources, query, norm_weight = make_inputs(1, 4, d, n, torch.bfloat16, device)

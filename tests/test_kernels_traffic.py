@@ -1,8 +1,8 @@
 """Bytes accounting of the routing kernels (issue 12, acceptance 1): `mhar_kernels.traffic`, fed
 with the routing plan's per-site sources, equals what a debug-flavor training step really
-launches (the tensors every routing launch reads and writes, including the shared gradient
-buffers a backward launch adds into), autograd adds no source gradients, and the counted
-traffic stays within 1.5x of the floor."""
+launches (the tensors and depth-buffer rows every routing launch reads and writes, including the
+gradient rows a backward launch adds into, and each source's copy into its slot), autograd adds
+no source gradients, and the counted traffic stays within 1.5x of the floor."""
 from __future__ import annotations
 
 import pathlib
@@ -47,45 +47,51 @@ def _bf16_training_step(args: ModelArgs, tokens: torch.Tensor) -> None:
 
 
 def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
-    """Bytes per launch kind, read from the tensors each real routing launch gets and returns,
-    and the source gradients the launches hand to autograd (which autograd would add)."""
-    measured = {"forward": 0, "backward": 0, "reduce": 0, "launches": 0, "returned": 0, "buffers": set()}
-    forward, backward = triton_routing.route_forward, triton_routing.route_backward
+    """Bytes per launch kind, read from the tensors and depth-buffer rows each real routing launch
+    gets and returns, the rows its backward writes or adds gradients into, and the sources written
+    into their slots (`DepthBuffer.write`)."""
+    from mhar_kernels import depth_buffer
 
-    def counting_forward(sources, query, norm_weight, heads, eps, *, partial=None, alpha=None, mix_residual=None,
-                         **kw):
-        out, mix, stats = forward(sources, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
+    measured = {"forward": 0, "backward": 0, "reduce": 0, "launches": 0, "writes": 0, "rows": set(),
+                "first": []}
+    forward, backward, write = triton_routing.route_forward, triton_routing.route_backward, depth_buffer.DepthBuffer.write
+
+    def rows(values, slots):
+        return [] if slots is None else [values[i] for i in slots.tolist()]
+
+    def counting_forward(values, slots, query, norm_weight, heads, eps, *, partial=None, alpha=None,
+                         mix_residual=None, **kw):
+        out, mix, stats = forward(values, slots, query, norm_weight, heads, eps, partial=partial, alpha=alpha,
                                   mix_residual=mix_residual, **kw)
-        measured["forward"] += _nbytes(*sources, partial, query, norm_weight) \
+        measured["forward"] += _nbytes(*rows(values, slots), partial, query, norm_weight) \
             + _nbytes(out, mix, mix_residual, stats)
         measured["launches"] += 1
         return out, mix, stats
 
-    def counting_backward(grad_out, sources, mix, query, norm_weight, heads, eps, stats, alpha=None,
+    def counting_backward(grad_out, values, slots, mix, query, norm_weight, heads, eps, stats, alpha=None, *,
                           grads=None, accumulate=None, mix_residual=None, **kw):
-        tables = kw.get("tables")
-        if tables is not None:  # a source table's rows: (pointers, strides, gradient pointers, add flags, aligned)
-            pointers = [p for p in tables[2].tolist() if p]  # one grad_out-sized buffer per (B, T, d) source
-            grads = [grad_out] * len(pointers)
-            accumulate = [tables[3] is not None] * len(pointers)
-        read_back = [g for g, add in zip(grads or [], accumulate or []) if add]
-        got, dq, dg, dalpha, dnull = backward(grad_out, sources, mix, query, norm_weight, heads, eps, stats,
-                                              alpha, grads=None if tables is not None else grads,
-                                              accumulate=None if tables is not None else accumulate,
-                                              mix_residual=mix_residual, **kw)
-        if tables is not None:
-            got = grads
+        sources = rows(values, slots)
+        adds = [False] * len(sources) if accumulate is None else [bool(a) for a in accumulate.tolist()]
+        dq, dg, dalpha, dnull = backward(grad_out, values, slots, mix, query, norm_weight, heads, eps, stats, alpha,
+                                         grads=grads, accumulate=accumulate, mix_residual=mix_residual, **kw)
         # fp32 partial sums of dq, dg (and dnull), one program on CPU; dq, dg come back cast (param_dtype)
         partials = FP32 * sum(t.numel() for t in (dq, dg, dnull) if t is not None) + (FP32 if alpha is not None else 0)
+        written = [grads[i] for i in slots.tolist()]  # every source's gradient row
+        read_back = [row for row, add in zip(written, adds) if add]
         measured["backward"] += _nbytes(grad_out, mix, mix_residual, *sources, stats, query, norm_weight) \
-            + _nbytes(*read_back) + _nbytes(*got) + partials
+            + _nbytes(*read_back) + _nbytes(*written) + partials
         measured["reduce"] += 2 * partials + _cast_bf16(dq, dg, dnull)  # the host sums the partials, casts
-        measured["returned"] += grads is None  # gradients not written into shared buffers
-        measured["buffers"].update(pointers if tables is not None else (g.data_ptr() for g in got))
-        return got, dq, dg, dalpha, dnull
+        measured["first"] += [i for i, add in zip(slots.tolist(), adds) if not add]  # rows written, not added to
+        measured["rows"].update(slots.tolist())
+        return dq, dg, dalpha, dnull
+
+    def counting_write(buffer, slot, source, token):
+        measured["writes"] += _nbytes(source) * 2  # the source read, its slot written
+        return write(buffer, slot, source, token)
 
     monkeypatch.setattr(triton_routing, "route_forward", counting_forward)
     monkeypatch.setattr(triton_routing, "route_backward", counting_backward)
+    monkeypatch.setattr(depth_buffer.DepthBuffer, "write", counting_write)
     _bf16_training_step(args, tokens)
     return measured
 
@@ -104,12 +110,15 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
     for kind in ("forward", "backward", "reduce"):
         assert measured[kind] == kinds[kind], (kind, measured[kind], kinds[kind])
     assert "accumulate" not in kinds
-    # every launch wrote into shared buffers, one per distinct source: nothing for autograd to add
-    assert measured["returned"] == 0
-    assert len(measured["buffers"]) == len({j for ids in sites for j in ids})
-    # separate per-site gradients summed by autograd would cost more
+    # every source written into its slot once; its gradient row written by one reader (its last in
+    # the forward), added into by the others: nothing for autograd to add
+    distinct = len({j for ids in sites for j in ids})
+    assert measured["writes"] == kinds["write"] == 2 * distinct * counted.row_bytes
+    assert len(measured["rows"]) == distinct and sorted(measured["first"]) == sorted(measured["rows"])
+    # separate source tensors, their per-site gradients summed by autograd, would cost more
     unshared = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)
-    assert unshared.total - counted.total == 2 * counted.row_bytes * (sum(map(len, sites)) - len(measured["buffers"]))
+    reads = sum(map(len, sites))
+    assert unshared.total - counted.total == 2 * counted.row_bytes * (reads - distinct) - kinds["write"] > 0
 
 
 def test_counted_traffic_at_1b_is_within_1_5x_of_the_floor():
@@ -139,11 +148,17 @@ def test_traffic_floor_and_rows_by_hand():
     assert [b.read for b in bwd] == [(1 + 3 + 1) * row + stats[0] + 32, (2 + 3) * row + stats[1] + 32]
     assert traffic.accumulated_reads([[0], [0, 1]]) == [1, 0]
     assert traffic.accumulated_reads([[0, 1], [1, 2], [0, 2]]) == [2, 1, 0]
+    # each of the two sources copied into its depth-buffer slot once (a row read, a row written)
+    assert [(w.read, w.written) for w in t.launches if w.kind == "write"] == [(2 * row, 2 * row)]
+    again = traffic.routing_traffic([[0], [0, 1]], dim=8, tokens=4, dtype=torch.bfloat16, heads=2, programs=1,
+                                    recomputed_writes=1)
+    assert again.total == t.total + 2 * row  # a write recomputed under activation checkpointing
     unshared = traffic.routing_traffic([[0], [0, 1]], dim=8, tokens=4, dtype=torch.bfloat16, heads=2, programs=1,
                                        shared=False)
     accumulate = next(launch for launch in unshared.launches if launch.kind == "accumulate")
     assert (accumulate.read, accumulate.written) == (2 * row, row)  # one source read twice: one addition
-    assert unshared.total == t.total - row + 3 * row  # the read-back replaced by a three-row addition
+    # the read-back replaced by a three-row addition, and no slot writes
+    assert unshared.total == t.total - row + 3 * row - 4 * row
     with pytest.raises(ValueError, match="at least one"):
         traffic.routing_traffic([[0], []], dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 
@@ -218,8 +233,13 @@ def test_grouped_traffic_by_hand():
     # site 1's backward: grad_out, mix, residual, source 3; its logits, lse, the state's lse; q, g
     assert merges[3].read == 4 * row + 3 * stat + 2 * 16
     assert merges[3].written == 2 * row + stat + 2 * 8 * 4  # source 3's gradient, the state's, dnorm, partials
-    assert merges[0].written == stat + 2 * 8 * 4  # site 0 passes grad_out on: only dnorm and the partials
-    assert not any(launch.kind == "accumulate" for launch in t.launches)  # every reader shares the buffers
+    # site 0 copies grad_out into its row of the group's mix gradients, writes dnorm and the partials
+    assert (merges[0].read, merges[0].written) == (3 * row + stat + 2 * 16, row + stat + 2 * 8 * 4)
+    # phase 1's mix gradients: per site the zeros autograd materialises, their addition into the row
+    assert (p1["upstream"].read, p1["upstream"].written) == (2 * 3 * row, 2 * 3 * row)
+    # the five sources copied into their slots once
+    assert [(w.read, w.written) for w in t.launches if w.kind == "write"] == [(5 * row, 5 * row)]
+    assert not any(launch.kind == "accumulate" for launch in t.launches)  # every reader shares the gradient rows
     with pytest.raises(ValueError, match="at least two sites"):
         traffic.phase1_launches(0, 3, 1, dim=8, tokens=4, dtype=torch.bfloat16, heads=2)
 

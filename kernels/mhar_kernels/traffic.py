@@ -8,17 +8,20 @@ depth softmax but not a row: it is d values, cache-resident), the kernels of thi
                        writes out (+ the mix in delta mode), logits (N', T, H) and lse (T, H) fp32,
                        and for bf16 / fp16 the mix residual (one row: what rounding the mix lost)
     backward launch    reads grad_out, the saved mix (+ its residual), N rows once, logits, lse, q, g, and the
-                       gradient buffer of every source a later site already wrote (A rows);
+                       gradient row of every source a later site already wrote (A rows);
                        writes N gradient rows and (P, d) fp32 partial sums of dq, dg (dnull)
     reduce             the host sums the (P, d) partials (P = programs of the backward launch) into
                        fp32 (d,) vectors and, for bf16 / fp16, casts each to the storage dtype
 
-Sources shared between sites (`op.share_gradient`, as the models pass them) have one gradient
-buffer: backward runs the sites in reverse, so a source's last reader writes it and every
-earlier reader adds into it inside its backward launch (A counts those), and autograd adds
-nothing. Without sharing, autograd would add the k gradients of a source read by k sites
-(k - 1 additions of three rows each); `routing_traffic(..., shared=False)` counts that as one
-"accumulate" entry.
+The sources are rows of one depth buffer per micro-batch (`depth_buffer`, as the models run the
+fused kernels): each source is copied into its slot once per forward (`DepthBuffer.write`: one
+row read, one written; kind "write"), and again where activation checkpointing recomputes the
+block that wrote it (`recomputed_writes`). The buffer has one gradient row per source: backward
+runs the sites in reverse, so a source's last reader writes its row and every earlier reader adds
+into it inside its backward launch (A counts those), and autograd adds nothing. Without the
+buffer (separate source tensors), autograd would add the k gradients of a source read by k sites
+(k - 1 additions of three rows each) and nothing would be copied into slots;
+`routing_traffic(..., shared=False)` counts that as one "accumulate" entry.
 
 The floor per site is N + 1 rows forward (read N sources, write the output) and 2N + 1 rows
 backward (read N sources and the upstream gradient, write N gradients), as in docs/DESIGN.md.
@@ -42,9 +45,11 @@ class Launch:
     """One kernel launch (or, for kind "accumulate", all autograd additions of a step without
     shared gradients).
 
-    site: routing site index (None for the accumulation total; a group's first site for its
-    phase 1); kind: "forward", "backward", "reduce" or "accumulate"; read / written: bytes;
-    phase: "call", or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
+    site: routing site index (None for the step's slot writes and the accumulation total; a
+    group's first site for its phase 1); kind: "forward", "backward", "reduce", "write" (the
+    step's copies of sources into their depth-buffer slots), "upstream" (grouped routing's
+    assembly of phase 1's mix gradients) or "accumulate"; read / written: bytes; phase: "call",
+    or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
 
     site: Optional[int]
     kind: str
@@ -124,6 +129,12 @@ def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: to
     return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
+def slot_writes(writes: int, row: int) -> Launch:
+    """The copies of `writes` (B, T, d) sources into their depth-buffer slots, `row` bytes each
+    (`depth_buffer.DepthBuffer.write`: a row read, a row written), as one entry of kind "write"."""
+    return Launch(None, "write", read=writes * row, written=writes * row)
+
+
 def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
     """Per site, how many of its sources' shared gradient buffers a later site already wrote.
 
@@ -139,7 +150,7 @@ def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
 
 def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: int, dtype: torch.dtype,
                     heads: int, delta: bool = False, null_source: bool = False, programs: int = H200_PROGRAMS,
-                    recomputed_sites: int = 0, shared: bool = True) -> Traffic:
+                    recomputed_sites: int = 0, recomputed_writes: int = 0, shared: bool = True) -> Traffic:
     """Traffic of every routing launch of one step and the floor.
 
     Args:
@@ -151,8 +162,12 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
         programs: backward programs P (partial sums are (P, d) fp32); 264 on one H200.
         recomputed_sites: the first this-many sites run their forward twice (activation
             checkpointing recomputes the blocks; the final routing is outside them).
-        shared: the sources' gradients are shared buffers the kernels add into (the models'
-            fused path); False counts separate gradients summed by autograd instead.
+        recomputed_writes: slot writes that run a second time (the sources written inside the
+            recomputed part of a recomputed block).
+        shared: the sources are rows of one depth buffer, each copied into its slot once (plus
+            `recomputed_writes`), their gradient rows written or added into by the kernels (the
+            models' fused path); False counts separate source tensors whose per-site gradients
+            autograd sums instead (no slot writes).
 
     Raises:
         ValueError: a site without sources.
@@ -166,8 +181,11 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
         launches += site_launches(site, n, dim=dim, tokens=tokens, dtype=dtype, heads=heads, delta=delta,
                                   null_source=null_source, programs=programs, recomputed=site < recomputed_sites,
                                   accumulated=accumulated[site])
-    if not shared:
-        additions = sum(counts) - len({source for ids in site_sources for source in ids})
+    distinct = len({source for ids in site_sources for source in ids})
+    if shared:
+        launches.append(slot_writes(distinct + recomputed_writes, row))
+    else:
+        additions = sum(counts) - distinct
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
     floor = sum((n + 1) + (2 * n + 1) for n in counts) * row
     return Traffic(tuple(launches), floor, row)
@@ -182,6 +200,13 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #                        dtype rows) and lse (g, B*T, H) fp32, site-major (each site's state
 #                        takes its lse as a view); the host makes g normalisers (B*T, H) fp32
 #                        of ones
+#     upstream           the g mix gradients reach phase 1's backward as rows of one (g, B*T, d)
+#                        tensor the merges write into (`triton_grouped.MixGradients`); autograd
+#                        still hands phase 1 a zero-filled gradient per mix (it materialises the
+#                        gradients the merges do not return: a row written each), which
+#                        `triton_grouped._upstream` adds into the row (`rows[i] += x`: the add
+#                        reads two rows and writes one, the item assignment copies the row onto
+#                        itself): UPSTREAM_ROWS (read, written) rows per site
 #     phase-1 backward   the host stacks the g normaliser gradients (g, B*T, H) and zeroes the
 #                        (P, g, d) fp32 partial sums; the launch reads n rows, the g mix gradients
 #                        (rows), the normaliser gradients, lse, the g query and key-norm rows and
@@ -199,21 +224,30 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #                        with m = 0 outside delta mode returns its state mix: no launch
 #     merge backward     reads grad_out, the saved mix (+ residual), m rows, logits, lse, the
 #                        state lse, q, g and the A rows a later reader wrote; writes m gradient
-#                        rows, the state mix gradient (a row; m = 0 outside delta mode passes
-#                        grad_out on instead), the state normaliser gradient (B*T, H) fp32 and
-#                        (P, d) partial sums of dq, dg (+ dalpha); reduce as per call
+#                        rows, the state mix gradient (a row of the group's mix gradients; at
+#                        m = 0 outside delta mode the host copies grad_out into that row
+#                        instead: a row read, a row written), the state normaliser gradient
+#                        (B*T, H) fp32 and (P, d) partial sums of dq, dg (+ dalpha); reduce as
+#                        per call
 #
-# Every reader (per-call site, phase 1, merge) adds into its sources' shared gradient buffers,
-# so autograd adds no source gradient. Sources are counted once per launch: repeated reads
+# Every reader (per-call site, phase 1, merge) reads its sources as rows of the depth buffer and
+# adds into their gradient rows, so autograd adds no source gradient; each source is copied into
+# its slot once (plus the recomputed writes), as per call. Sources are counted once per launch: repeated reads
 # within a launch (the forward's C chunk programs of one token tile, adjacent in launch order;
 # the backward's chunks of one tile in one program) are counted as cache hits.
+
+
+# (read, written) rows per grouped site of the assembly of phase 1's mix gradients (comment
+# above): the zero gradient autograd materialises (one row written), `triton_grouped._upstream`'s
+# addition (two read, one written) and its item assignment's copy (one read, one written).
+UPSTREAM_ROWS = (3, 3)
 
 
 def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                     null_source: bool = False, programs: int = H200_PROGRAMS, chunks: int = 1,
                     recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
-    """The phase-1 forward, backward and reduce of a group of `sites` sites starting at site
-    `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
+    """The phase-1 forward, the assembly of its mix gradients ("upstream"), backward and reduce of
+    a group of `sites` sites starting at site `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
     chunks C of the backward launch; accumulated: how many of the sources' shared gradient
     buffers another reader already wrote (A). Bytes as in the comment above (`phase="phase1"`)."""
     if n_rows < 1 or sites < 2:
@@ -240,7 +274,9 @@ def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int
                     read=partial_sums + 2 * (to_fp32[0] + 2 * vec * FP32) + cast_read,  # sums, T * rows
                     written=(vec + int(null_source) * dim) * FP32 + 2 * (to_fp32[1] + vec * FP32) + cast_written,
                     phase="phase1")
-    return [forward, *([forward] if recomputed else []), backward, reduce]
+    upstream = Launch(site, "upstream", read=UPSTREAM_ROWS[0] * sites * row, written=UPSTREAM_ROWS[1] * sites * row,
+                      phase="phase1")
+    return [forward, *([forward] if recomputed else []), upstream, backward, reduce]
 
 
 def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
@@ -263,10 +299,11 @@ def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: t
         launches += [forward, *([forward] if recomputed else [])]
     partial_sums = 2 * programs * dim * FP32 + int(delta) * programs * FP32
     state_grad = int(late_rows > 0 or delta)
+    copied = 1 - state_grad  # m = 0 outside delta mode: grad_out copied into the group's row
     stats_read = (late_rows + 2 if late_rows or delta else 1) * stat  # logits, lse, state lse (one tensor at m = 0)
     launches.append(Launch(site, "backward",
-                           read=(late_rows + 2 + residual + accumulated) * row + stats_read + params,
-                           written=(late_rows + state_grad) * row + stat + partial_sums, phase="merge"))
+                           read=(late_rows + 2 + residual + accumulated + copied) * row + stats_read + params,
+                           written=(late_rows + state_grad + copied) * row + stat + partial_sums, phase="merge"))
     cast_read, cast_written = storage_cast(2, dim, dtype)
     launches.append(Launch(site, "reduce", read=partial_sums + cast_read,
                            written=2 * dim * FP32 + int(delta) * FP32 + cast_written, phase="merge"))
@@ -276,7 +313,7 @@ def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: t
 def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], *, dim: int, tokens: int,
                     dtype: torch.dtype, heads: int, delta: bool = False, null_source: bool = False,
                     programs: int = H200_PROGRAMS, backward_site_block: int = 0, recomputed_sites: int = 0,
-                    shared: bool = True) -> Traffic:
+                    recomputed_writes: int = 0, shared: bool = True) -> Traffic:
     """Traffic of one step with grouped routing, and its floor.
 
     Args:
@@ -288,10 +325,12 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
             a group of g sites then runs ceil(g / block) site chunks.
         recomputed_sites: sites below this index run their forward launches twice (a group's
             phase 1 when its first site is below it).
-        shared: every reader (per-call site, phase 1, merge) adds into its sources' shared
-            gradient buffers (as `routing_traffic`: the last reader writes, earlier ones add);
-            False counts separate gradients that autograd adds (c - 1 additions of three rows
-            for c readers, "accumulate").
+        recomputed_writes: slot writes that run a second time, as `routing_traffic`'s.
+        shared: the sources are rows of one depth buffer (as `routing_traffic`: each copied into
+            its slot, every reader (per-call site, phase 1, merge) writing or adding into their
+            gradient rows, the last reader writes, earlier ones add); False counts separate
+            source tensors whose gradients autograd adds (c - 1 additions of three rows for c
+            readers, "accumulate"; no slot writes).
         dim, tokens, dtype, heads, delta, null_source, programs: as `routing_traffic`.
 
     The floor is what the routing must move at the least: per group, n + sum(m + 1) rows
@@ -330,8 +369,10 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
         m = [len(ids) for ids in late] if g > 1 else [0]
         floor_rows += (n + sum(k + 1 for k in m)) + (2 * n + sum(2 * k + 1 for k in m))
         site += g
-    if not shared:
-        reads = [j for ids in readers for j in ids]
+    reads = [j for ids in readers for j in ids]
+    if shared:
+        launches.append(slot_writes(len(set(reads)) + recomputed_writes, row))
+    else:
         additions = len(reads) - len(set(reads))
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
     return Traffic(tuple(launches), floor_rows * row, row)

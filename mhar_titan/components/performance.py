@@ -236,6 +236,19 @@ def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
     return Launch(None, "parameters", read=2 * read, written=2 * written)
 
 
+def recomputed_writes(args: ModelArgs, ac: str) -> int:
+    """Depth-buffer slot writes (`mhar_kernels.depth_buffer`) that activation checkpointing `ac`
+    runs a second time per step: under "full" a recomputed block writes the routed entries its
+    attention sublayer creates again; non-reentrant checkpointing stops recomputing at the block's
+    last saved activation (inside the MLP), before the MLP sublayer's writes. 0 otherwise."""
+    if ac != "full":
+        return 0
+    plan = RoutingPlan.from_args(args)
+    routed = {j for site in plan.sites for j in site.reads if plan.sources[j].kind != "null"}
+    attention = {site.index for site in plan.sites if site.sublayer == "attention"}
+    return sum(plan.sources[j].site in attention for j in routed)
+
+
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
                  programs: int = H200_PROGRAMS, shared: bool = True) -> Traffic:
     """Counted routing bytes of one training step of `args` at `tokens` tokens per micro-batch
@@ -244,7 +257,8 @@ def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "no
     sites = plan_sources(args)
     t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
-                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0, shared=shared)
+                        programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0,
+                        recomputed_writes=recomputed_writes(args, ac), shared=shared)
     return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
 
 
@@ -270,7 +284,8 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
     t = grouped_traffic(groups, dim=args.dim, tokens=tokens, dtype=dtype, heads=heads,
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                         programs=programs, backward_site_block=block,
-                        recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0)
+                        recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0,
+                        recomputed_writes=recomputed_writes(args, ac))
     return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
 
 
