@@ -10,8 +10,9 @@ context of a document-masked batch is built from the token tensor by device ops 
 meta device, where a host read of a value raises), and a trace of it taken on one batch replays
 exactly on another (make_fx records the aten ops of one call, as a capture records the kernels:
 a value computed on the host would be frozen into it, and a planted one is caught), as does a
-trace of the whole micro-step (forward, loss, backward, AC); a recompile during capture stops
-with an error naming the guard."""
+trace of the whole micro-step (forward, loss, backward, AC); after one warm-up micro-batch the
+trainer's compiled model (per-block compile, FSDP2, AC, document masking) runs from its cache
+under the capture's no-recompile guard, and a recompile there stops with an error naming the guard."""
 import pathlib
 import sys
 import warnings
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import ROOT  # noqa: E402
-from train_common import debug_argv, debug_cfg  # noqa: E402
+from train_common import SAMPLE, debug_argv, debug_cfg  # noqa: E402
 
 from mhar_titan.components.cuda_graphs import (RecompiledDuringCapture, capture_blockers,  # noqa: E402
                                                check_cuda_graphs, no_recompile)
@@ -301,4 +302,37 @@ def test_a_recompile_during_capture_stops_with_the_guard_named():
         raise RuntimeError("other")
     compiled(torch.ones(3, 4))  # outside the context it compiles as usual
     assert len(graphs) == 2
+
+
+@pytest.mark.skipif(not SAMPLE.exists(), reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+@pytest.mark.parametrize("family", ["per call", "grouped"])
+def test_one_warm_up_micro_batch_compiles_everything_the_capture_runs(tmp_path, family, one_thread):
+    """The trainer's model as built for a graphed job (per-block compile and the compiled loss, AC full,
+    FSDP2, document masking with RoPE per document; aot_eager, so that CPU compiles in seconds: the
+    guards are dynamo's whatever the backend): after one forward and backward, the next micro-batches
+    of the same shape run from the cache inside ``no_recompile`` (the capture's context), and a batch
+    of another shape is named there instead of compiled."""
+    from mhar_titan.train import Trainer
+
+    cfg = debug_cfg(tmp_path, "warm", "--compile.enable=true", "--compile.backend=aot_eager",
+                    "--compile.components=[\"model\", \"loss\"]", "--model.attn_mask_type=block_causal",
+                    "--model.rope_per_document=true", "--activation_checkpoint.mode=full",
+                    "--training.local_batch_size=2", *FAMILIES[family])
+    trainer = Trainer(cfg)
+    try:
+        g = torch.Generator().manual_seed(0)
+
+        def micro_step(T=32):
+            tokens = torch.randint(1, trainer.model_args.vocab_size, (2, T + 1), generator=g)
+            tokens[torch.rand(2, T + 1, generator=g) < 0.1] = trainer.model_args.eos_id
+            trainer.model(tokens[:, :-1], tokens[:, 1:], loss_fn=trainer.loss_fn).backward()
+
+        micro_step()  # the warm-up
+        with no_recompile():
+            micro_step()
+            micro_step()
+        with pytest.raises(RecompiledDuringCapture, match="training.cuda_graphs"), no_recompile():
+            micro_step(T=16)
+    finally:
+        trainer.close()
 
