@@ -16,13 +16,15 @@ capture needs. Gradients must keep their storage, so the trainer zeroes them in 
 What composes with it, and why:
 - **the fused routing kernels** (``model.routing_kernel = "triton"`` / ``"auto"``): their
   launches take device tensors and shapes fixed per model, nothing written from the host during
-  the step (``tests/test_capture_safe.py`` compares every launch's arguments across steps).
+  the step (the capture-safety tests, ``tests/test_capture_safe*.py``, compare every launch's
+  arguments across steps).
 - **torch.compile** (``compile.enable``, any component; ``model.routing_kernel = "compile"``):
   compiled code is compiled in the warm-up call, which runs the same forward and backward at the
   same shapes. What runs on the host at a later call is the guard check: Python reading tensor
   metadata (shape, dtype, device, strides) and Python values, no device read and no launch, so it
   records nothing into the graph and passes for the static buffers as it passed for the warm-up
-  batch. Should a guard still fail inside the capture (a recompile would run the compiler, and its
+  batch (``tests/test_cuda_graphs.py`` runs the trainer's compiled model from its cache after one
+  warm-up micro-batch). Should a guard still fail inside the capture (a recompile would run the compiler, and its
   benchmarks, inside the graph), the capture runs under ``torch.compiler.set_stance
   ("fail_on_recompile")`` and stops at once with ``RecompiledDuringCapture``, naming the guard; the
   same guard fails on every rank, so every rank stops with it instead of some waiting in a
@@ -42,9 +44,10 @@ another forward than the graph holds) and ``activation_checkpoint.preserve_rng_s
 checkpointing on (the recomputation saves and restores the CUDA RNG state through the host, which
 torch refuses during capture).
 
-Status: **this path has not run on a GPU yet.** The GPU suite's ``graphs`` rows (bench/gpu_suite.sh)
-compare 20 steps with and without it, losses bitwise; until they have run, the option stays off
-by default and should be treated as experimental.
+Status: **this path has not run on a GPU yet.** The GPU suite (bench/gpu_suite.sh) runs
+``tests/test_cuda_graphs_gpu.py`` and its ``graphs`` and ``trainer`` rows compare 20 steps with and
+without it, losses bitwise; until they have run, the option stays off by default and should be
+treated as experimental.
 """
 from __future__ import annotations
 
