@@ -2,16 +2,16 @@
 
 Why: at the paper's 1b recipe (micro-batch 4 x 1024) even the baseline's eager step is host-bound
 (BENCHMARKS.md, "Whole-step host time and the host-bound verdict"); a replayed graph queues the
-whole forward and backward with one call. How (the pattern of PyTorch's CUDA-graph notes, as TorchTitan's trainer applies it): the
-first ``WARMUP_CALLS`` micro-batches run eagerly on a side stream, which makes everything that is
-made once (cuBLAS workspaces, NCCL communicators, FSDP2's buffers, Triton's compiled and autotuned
-kernels, and with ``compile.enable`` or ``model.routing_kernel = "compile"`` every compiled graph
-the step runs); the next call captures forward and backward into a graph over static input
-buffers, with one memory pool for the run; every later call copies its batch and loss scale into
-those buffers and replays. The step around it (clipping, the optimizer, the EMA) stays eager; the
-forward and backward read nothing back from the device (``tests/test_capture_safe.py``), which
-capture needs. Gradients must keep their storage, so the trainer zeroes them in place
-(``zero_grad(set_to_none=False)``) when graphs are on.
+whole forward and backward with one call. How (the pattern of PyTorch's CUDA-graph notes, as
+TorchTitan's trainer applies it): the first ``WARMUP_CALLS`` micro-batches run eagerly on a side
+stream, which makes everything that is made once (cuBLAS workspaces, NCCL communicators, FSDP2's
+buffers, Triton's compiled and autotuned kernels, and with ``compile.enable`` or
+``model.routing_kernel = "compile"`` every compiled graph the step runs); the next call captures
+forward and backward into a graph over static input buffers, with one memory pool for the run;
+every later call copies its batch and loss scale into those buffers and replays. The step around it
+(clipping, the optimizer, the EMA) stays eager; the forward and backward read nothing back from the
+device (``tests/test_capture_safe.py``), which capture needs. Gradients must keep their storage, so
+the trainer zeroes them in place (``zero_grad(set_to_none=False)``) when graphs are on.
 
 What composes with it, and why:
 - **the fused routing kernels** (``model.routing_kernel = "triton"`` / ``"auto"``): their
