@@ -78,9 +78,11 @@ def route_with_state(sources, query, norm_weight, heads, eps=1e-6, *, state=None
     sources = list(sources)
     heads = contract.check_route_args(sources, query, norm_weight, heads, null_source=null_source)
     op._require(sources[0].device, sources[0].shape[-1], heads)
-    with torch.no_grad():
-        out, _, stats = route_forward(contract.with_null_source(null_source, sources), query, norm_weight, heads,
-                                      eps, state=state, out_dtype=torch.float32)
+    slots = torch.arange(len(sources), dtype=torch.int32, device=sources[0].device)
+    null = None if null_source is None else null_source.to(sources[0].dtype)
+    with torch.no_grad():  # the sources as rows 0..n-1 of a depth buffer of their own
+        out, _, stats = route_forward(torch.stack(sources), slots, query, norm_weight, heads, eps, null=null,
+                                      state=state, out_dtype=torch.float32)
     return out, stats[-1]
 
 

@@ -8,7 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import mhar_kernels
-from mhar_kernels import triton_routing
+from mhar_kernels import depth_buffer, op, triton_routing
+from mhar_kernels.depth_buffer import DepthBuffer
 from mhar_kernels.dispatch import route
 from mhar_kernels.reference import route_reference, route_stacked
 from kernels_oracle import DEVICE, leaves, make_inputs, merge_states, oracle_route, rel_err, route_with_state
@@ -21,49 +22,72 @@ def _route(inputs: dict, heads: int):
     )
 
 
-def _saved_outside_sources(fn, sources) -> tuple[int, list[torch.Tensor]]:
-    """Elements of the tensors autograd saves during fn() that share no storage with `sources`."""
-    source_storages = {s.untyped_storage().data_ptr() for s in sources}
+def _saved_during(fn) -> list[torch.Tensor]:
+    """Every tensor autograd saves for backward while fn() runs (what activation checkpointing
+    would drop and recompute)."""
     saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fn()
-    own = [t for t in saved if t.untyped_storage().data_ptr() not in source_storages]
-    return sum(t.numel() for t in own), saved
+    return saved
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [False, True])
-def test_saved_state_is_references_plus_per_token_head_scalars(delta, dtype):
-    """Acceptance 4: besides references to the sources, one call saves at most
-    2 * N * B * T * H elements (logits + lse), one (B, T, d) mix (the output itself in replacement
-    mode), in bf16 one (B, T, d) mix residual, and O(d) (query, norm weight, alpha, null source):
-    never N rows."""
+def test_a_call_saves_no_source_only_its_activations_and_rows(delta, dtype):
+    """Acceptance 4 on the depth buffer: sources written into one buffer and a call over its rows
+    (the models' path), or a list copied into a buffer of its own (`mhar_kernels.route`), save no
+    (B, T, d) source and nothing of the buffer; the call saves exactly its own activations and
+    parameter rows: the mix (its output in replacement mode, beside it in delta mode), in bf16 the
+    mix residual, the statistics as one (N + 1, B*T, H) tensor (the null source counts as a
+    source), the (d,) pseudo-query and norm weight, in delta mode the (1,) gate and (d,) null."""
     n, d, heads, batch, seq = 6, 64, 4, 2, 7
     inputs = make_inputs(n, d, heads, dtype, delta=delta)
-    own, saved = _saved_outside_sources(lambda: _route(inputs, heads), inputs["sources"])
-    n_all = n + int(delta)  # the null source counts as a source of the softmax
-    rows = 1 + int(dtype == torch.bfloat16)
-    assert own <= 2 * n_all * batch * seq * heads + rows * batch * seq * d + 4 * d + 1, own
-    assert own > 2 * n_all * batch * seq * heads + (rows - 1) * batch * seq * d, own  # the residual is there
-    saved_ptrs = {t.data_ptr() for t in saved}
-    assert all(s.data_ptr() in saved_ptrs for s in inputs["sources"])  # kept by reference
+    sources = inputs["sources"]
+    extra = dict(partial=inputs.get("partial"), alpha=inputs.get("alpha"), null_source=inputs.get("null_source"))
+    buffer = DepthBuffer(n, sources[0].detach())
+
+    def buffered():
+        token = None
+        for slot, source in enumerate(sources):
+            token = buffer.write(slot, source, token)
+        rows = depth_buffer.reads(range(n), [False] * n, DEVICE)
+        return op.route_buffer(buffer, rows, token, inputs["query"], inputs["norm_weight"], heads, **extra)
+
+    bt, n_all = batch * seq, n + int(delta)
+    expected = [(batch, seq, d)] * (1 + int(dtype == torch.bfloat16)) + [(n_all + 1, bt, heads), (d,), (d,)]
+    expected += [(1,), (d,)] if delta else []
+    for path in (buffered, lambda: _route(inputs, heads)):
+        saved = _saved_during(path)
+        assert sorted(tuple(t.shape) for t in saved) == sorted(expected), [tuple(t.shape) for t in saved]
+        outside = {_storage(s) for s in sources} | {_storage(buffer.values)}
+        assert not any(_storage(t) in outside for t in saved)
 
 
-def test_saved_state_bound_rejects_a_stacked_copy():
+def test_the_count_sees_a_call_that_saves_its_sources():
     """The same measurement on the stack-and-autograd path (the body `kernel="compile"` compiles)
-    exceeds the bound: the check can tell a stacked copy from references."""
+    finds an (N, B, T, d) tensor: the count above can tell a call that saves its sources."""
     n, d, heads = 6, 64, 4
     inputs = make_inputs(n, d, heads, torch.float32)
     srcs = inputs["sources"]
-    own, _ = _saved_outside_sources(
-        lambda: route_stacked(torch.stack(srcs), inputs["query"], inputs["norm_weight"], heads, 1e-6), srcs
-    )
-    assert own > 2 * n * 2 * 7 * heads + 2 * 7 * d + 4 * d + 1
+    saved = _saved_during(lambda: route_stacked(torch.stack(srcs), inputs["query"], inputs["norm_weight"], heads,
+                                                1e-6))
+    assert any(t.numel() >= n * srcs[0].numel() for t in saved)
+
+
+def test_a_parameter_row_changed_in_place_fails_the_backward():
+    """A call saves its pseudo-query row for backward: the row modified in place between the
+    forward and the backward makes the backward raise, naming the cause (as for any saved tensor)."""
+    inputs = make_inputs(2, 16, 4, torch.float32)
+    row = inputs["query"] * 1
+    out = mhar_kernels.route(inputs["sources"], row, inputs["norm_weight"], 4)
+    with torch.no_grad():
+        row.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_bitwise_repeatable():
