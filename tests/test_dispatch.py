@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mhar_kernels import dispatch, op, reference, triton_grouped
+from mhar_kernels import dispatch, op, reference, triton_grouped, triton_merge
 from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.config import ActivationCheckpoint
 from mhar_titan.dryrun import _activation_elements_per_token
@@ -39,8 +39,11 @@ def patched(monkeypatch):
         raise AssertionError("a fused kernel ran although the backend rule said eager")
     monkeypatch.setattr(dispatch, "backend", decide)
     monkeypatch.setattr(op, "route_unchecked", refuse)
-    monkeypatch.setattr(op, "share_gradient", refuse)
+    monkeypatch.setattr(op, "route_buffer", refuse)  # the models' depth-buffer path
     monkeypatch.setattr(triton_grouped, "route_phase1", refuse)
+    monkeypatch.setattr(triton_grouped, "phase1_buffer", refuse)
+    monkeypatch.setattr(triton_merge, "merge", refuse)
+    monkeypatch.setattr(triton_merge, "merge_buffer", refuse)
     return asked
 
 
@@ -100,27 +103,24 @@ def test_analysis_takes_the_patched_choice(patched, monkeypatch):
 def test_grouped_calls_are_checked_by_the_dispatcher(kernel):
     """Phase 1 and the merge check their arguments in the dispatcher, as a per-call route does: a
     source of another shape, a query of the wrong width or no (B, T, d) source is a ValueError
-    naming it, on the eager and the fused path, for plain sources and for consecutive entries of a
-    source table (where only the first is checked against the query)."""
+    naming it, on the eager and the fused path."""
     gen = torch.Generator().manual_seed(0)
-    x = [(torch.randn(1, 3, 16, generator=gen) * 1).requires_grad_() for _ in range(3)]
+    sources = [(torch.randn(1, 3, 16, generator=gen) * 1).requires_grad_() for _ in range(3)]
     rows = torch.zeros(2, 16), torch.ones(2, 16)
     reads = ((True, True, True), (True, True, True))
-    shared = [dispatch.share_gradient(s * 1, kernel, 2) for s in x]
-    for sources in (x, shared):
-        mixes = dispatch.phase1(*rows, reads, 2, 1e-6, kernel, *sources)
-        assert len(mixes) == 5 and mixes[0].shape == (1, 3, 16)
-        with pytest.raises(ValueError, match="source 1 is"):
-            dispatch.phase1(*rows, reads, 2, 1e-6, kernel, sources[0], torch.randn(1, 4, 16), sources[2])
-        with pytest.raises(ValueError, match="query must have shape"):
-            dispatch.phase1(torch.zeros(2, 8), rows[1], reads, 2, 1e-6, kernel, *sources)
-        state = mixes[0].to(sources[0].dtype), mixes[2], mixes[4][0]
-        out = dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, *sources[1:])
-        assert out.shape == (1, 3, 16)
-        with pytest.raises(ValueError, match="norm_weight must have shape"):
-            dispatch.merge(*state, torch.zeros(16), torch.ones(8), 2, 1e-6, torch.float32, kernel, *sources[1:])
-        with pytest.raises(ValueError, match="source 1 is"):
-            dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, sources[1],
-                           torch.randn(2, 3, 16))
+    mixes = dispatch.phase1(*rows, reads, 2, 1e-6, kernel, *sources)
+    assert len(mixes) == 5 and mixes[0].shape == (1, 3, 16)
+    with pytest.raises(ValueError, match="source 1 is"):
+        dispatch.phase1(*rows, reads, 2, 1e-6, kernel, sources[0], torch.randn(1, 4, 16), sources[2])
+    with pytest.raises(ValueError, match="query must have shape"):
+        dispatch.phase1(torch.zeros(2, 8), rows[1], reads, 2, 1e-6, kernel, *sources)
+    state = mixes[0].to(sources[0].dtype), mixes[2], mixes[4][0]
+    out = dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, *sources[1:])
+    assert out.shape == (1, 3, 16)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        dispatch.merge(*state, torch.zeros(16), torch.ones(8), 2, 1e-6, torch.float32, kernel, *sources[1:])
+    with pytest.raises(ValueError, match="source 1 is"):
+        dispatch.merge(*state, torch.zeros(16), torch.ones(16), 2, 1e-6, torch.float32, kernel, sources[1],
+                       torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match="at least one"):
         dispatch.phase1(*rows, ((True,), (True,)), 2, 1e-6, kernel, torch.zeros(16))
