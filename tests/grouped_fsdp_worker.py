@@ -5,7 +5,9 @@
 One masked, unclipped step of debug_mhar (local batch 2 x accumulation 2 per rank) with per-call
 routing, and with routing_group_size 3 under activation checkpointing none and full (eager), and
 full with the fused phase 1 (routing_kernel triton, through TRITON_INTERPRET=1 on CPU); rank 0
-writes OUT_DIR/grouped.pt: {run: (loss, {parameter name: full gradient, fp64})}.
+writes OUT_DIR/grouped.pt: {run: (loss, {parameter name: full gradient, fp64})} and, for the fused
+run, "buffer": `depth_buffer_probe.check_order`'s counts on rank 0 (one depth buffer per
+micro-batch, its contract kept under FSDP2 and the recompute), or the assertion it raised.
 """
 import pathlib
 import sys
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from depth_buffer_probe import check_order, recording  # noqa: E402
 from train_common import debug_cfg, full_grads, masked_micro_batches  # noqa: E402
 
 from mhar_titan.train import Trainer  # noqa: E402
@@ -22,17 +25,6 @@ RUNS = (("1", "none", "eager"), ("3", "none", "eager"), ("3", "full", "eager"), 
 
 
 def main(out):
-    import mhar_kernels.launch as launch
-
-    reads = {"sources": 0, "unshared": 0}
-    sinks = launch.sinks
-
-    def counting_sinks(sources):  # a probe: the real function runs
-        found = sinks(sources)
-        reads["sources"] += len(found)
-        reads["unshared"] += found.count(None)
-        return found
-
     results, trainers = {}, []  # trainers stay referenced: masked_micro_batches keys iterators by id
     for k, (g, ac, kernel) in enumerate(RUNS):
         name = f"g{g}_{ac}" + ("" if kernel == "eager" else f"_{kernel}")
@@ -49,11 +41,14 @@ def main(out):
 
             margs = trainer.model.args
             assert mhar_kernels.can_run(torch.device("cpu"), margs.dim, margs.resolved_routing_heads)
-        launch.sinks = counting_sinks if kernel == "triton" else sinks
-        loss, _, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
-        launch.sinks = sinks
+        with recording() as log:  # a probe: the real functions run
+            loss, _, _, _ = trainer.train_step(masked_micro_batches(trainer, rank, world))
         if kernel == "triton":
-            results["unshared"] = dict(reads)
+            try:
+                results["buffer"] = check_order(log)
+            except AssertionError as error:
+                results["buffer"] = str(error)
+        del log
         loss = loss.item()
         grads = {name.replace("._checkpoint_wrapped_module", ""): grad
                  for name, grad in full_grads(trainer.model).items()}

@@ -2,11 +2,13 @@
 routing_kernel="triton" vs the single-process eager model on the full batch.
 
 Usage: torchrun --nproc_per_node=2 tests/kernels_fsdp_worker.py OUT_DIR
-Writes OUT_DIR/ok_<variant> on rank 0 for each variant that matches (fp32, 2e-4), every
-(B, T, d) source a routing call read (forward and the recompute) was a shared entry (FSDP2 left
-the block's sources as they were: `router.BlockSources`), and every block's FSDP2 post-backward ran
-inside the backward (not deferred to the root's final callback, which would keep every block's
-parameters unsharded to the end of the backward).
+Writes OUT_DIR/ok_<variant> on rank 0 for each variant that matches (fp32, 2e-4), whose every
+fused routing call read the micro-batch's one depth buffer and kept its contract under FSDP2's
+prefetching and the recompute (`depth_buffer_probe.check_order`: the last forward reader wrote each
+gradient row first, the others added, each row was handed on after every reader, recomputed blocks
+wrote the same values into their slots), and every block's FSDP2 post-backward ran inside the
+backward (not deferred to the root's final callback, which would keep every block's parameters
+unsharded to the end of the backward).
 """
 from __future__ import annotations
 
@@ -28,21 +30,11 @@ def main(out_dir: str) -> None:
     from test_kernels_model import VARIANTS, activation_checkpoint, build_pair, loss_and_grads, _strip
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    import mhar_kernels.launch as launch
+    from depth_buffer_probe import check_order, recording
     from mhar_titan.parallel import apply_ac, apply_fsdp
 
-    # Probes (the real functions still run): the sources every routing call reads, and where each
-    # FSDP2 parameter group's post-backward is called from.
-    reads = {"sources": 0, "unshared": 0}
-    sinks = launch.sinks
-
-    def counting_sinks(sources):
-        found = sinks(sources)
-        reads["sources"] += len(found)
-        reads["unshared"] += found.count(None)
-        return found
-
-    launch.sinks = counting_sinks
+    # Probes (the real functions still run): what the fused calls did with the depth buffer
+    # (`recording`, per variant), and where each FSDP2 parameter group's post-backward is called from.
     in_backward: dict = {}
     post_backward = FSDPParamGroup.post_backward
 
@@ -62,18 +54,21 @@ def main(out_dir: str) -> None:
         loss_e, grads_e = loss_and_grads(eager, tokens)
         apply_ac(fused, activation_checkpoint("full"))
         apply_fsdp(fused, mesh, torch.float32, torch.float32, "default")
-        reads.update(sources=0, unshared=0)
         in_backward.clear()
         local = tokens[2 * rank : 2 * rank + 2]  # equal shards: the mean of local means is the global mean
-        logits = fused(local[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local[:, 1:].flatten())
-        loss.backward()
+        with recording() as log:
+            logits = fused(local[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local[:, 1:].flatten())
+            loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
         ok = abs(total.item() / world - loss_e.item()) <= 2e-4 * abs(loss_e.item())
         worst = ("loss", abs(total.item() / world - loss_e.item()))
-        if reads["unshared"] or not reads["sources"]:
-            ok, worst = False, ("unshared source reads", reads)
+        try:
+            counts = check_order(log)
+            assert counts["buffers"] == 1 and counts["shared"] > 0, counts
+        except AssertionError as error:
+            ok, worst = False, ("depth buffer", str(error))
         blocks = [group for layer in fused.layers for group in layer._get_fsdp_state()._fsdp_param_groups]
         if not all(in_backward.get(id(group)) for group in blocks):
             ok, worst = False, ("post-backward outside the backward", [in_backward.get(id(g)) for g in blocks])
@@ -86,7 +81,7 @@ def main(out_dir: str) -> None:
         print(f"rank {rank} variant {variant}: {'OK' if ok else 'MISMATCH'} worst={worst}", flush=True)
         if ok and rank == 0:
             (pathlib.Path(out_dir) / f"ok_{variant}").touch()
-        del eager, fused, logits, loss
+        del eager, fused, logits, loss, log
         gc.collect()
     del mesh
     gc.collect()

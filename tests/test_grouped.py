@@ -20,7 +20,7 @@ from mhar_titan.models.plan import Group, RoutingPlan, Site
 from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import PATIENCE_S, autograd_nodes, metric_losses  # noqa: E402
+from helpers import PATIENCE_S, metric_losses  # noqa: E402
 from kernels_oracle import DEVICE, oracle_route, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
@@ -150,8 +150,8 @@ def test_grouped_triton_bf16_model_step(monkeypatch):
 
     eager = errors(loss_and_grads("delta null", 8, 1, kernel="eager", dtype=torch.bfloat16))
     calls = fused_phase1_calls(monkeypatch)
-    merges, real = [], triton_merge.merge
-    monkeypatch.setattr(triton_merge, "merge", lambda *a, **k: merges.append(len(a)) or real(*a, **k))
+    merges, real = [], triton_merge.merge_buffer
+    monkeypatch.setattr(triton_merge, "merge_buffer", lambda *a, **k: merges.append(len(a)) or real(*a, **k))
     fused = errors(loss_and_grads("delta null", 8, 3, kernel="triton", dtype=torch.bfloat16))
     assert len(calls) == 3 and len(merges) == 9  # every site (3 groups of 3) merges on the fused kernels
     for name, err in fused.items():
@@ -176,31 +176,43 @@ def _phase1_case(seed: int):
 
 
 @pytest.mark.parametrize("site_block", [None, 1, 4])
-def test_fused_phase1_site_chunks_and_shared_gradients(site_block):
+def test_fused_phase1_site_chunks_and_gradient_rows(site_block):
     """A group of 3 sites in chunks of 2 sites (as `triton_grouped.launch_config` splits groups at
     every paper shape), of 1 site, or whole (one chunk of 4, one site padding), run twice over the
-    same sources passed as shared gradient views (`mhar_kernels.op.share_gradient`, as the models
-    pass them: the first backward writes each source's buffer, the second adds into it in the
-    kernel): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
-    from mhar_kernels import op, triton_grouped
+    same rows of one depth buffer as the models run it (`triton_grouped.phase1_buffer`; the second
+    run's queries depend on the first's mixes, so its backward runs first: it writes each source's
+    gradient row, the first run adds into it in the kernel, every chunk after the first adding
+    too): the same states and gradients as the eager phase 1 on plain tensors within 2e-4."""
+    from mhar_kernels import depth_buffer, triton_grouped
 
     d, heads, g = PHASE1_CASE
     gen, sources, query, key_norm, reads = _phase1_case(5)
     upstream = [torch.randn(2, 5, d, generator=gen).to(DEVICE) for _ in range(g)]
     upstream += [torch.randn(2, 5, heads, generator=gen).to(DEVICE) for _ in range(g)]
+    null, full = sources[0], sources[1:]
+    buffer = depth_buffer.DepthBuffer(len(full), full[0].detach())
+    token = None
+    for slot, source in enumerate(full):
+        token = buffer.write(slot, source, token)
+    rows = [depth_buffer.reads(range(len(full)), [add] * len(full), DEVICE) for add in (True, False)]
+
+    def fused(run, queries, *_):
+        return triton_grouped.phase1_buffer(buffer, rows[run], token, queries, key_norm, reads, heads, 1e-6, null)
+
+    def eager(run, queries, *entries):
+        return grouped._Phase1.apply(queries, key_norm, reads, heads, 1e-6, *entries)
+
     results = []
-    for fn, shared in ((grouped._Phase1.apply, False), (triton_grouped.route_phase1, True)):
+    for fn in (eager, fused):
         triton_grouped.Phase1.site_block = site_block
         try:
-            entries = [op.share_gradient(x) if shared and x.dim() > 1 else x for x in sources]
-            first = fn(query, key_norm, reads, heads, 1e-6, *entries)
-            second = fn(query, key_norm, reads, heads, 1e-6, *entries)
+            first = fn(0, query, *sources)
+            second = fn(1, query + 0 * first[0].sum(), *sources)
             loss = sum((o * u).sum() for o, u in zip(first[:2 * g], upstream))
             loss = loss + sum((0.5 * o * u).sum() for o, u in zip(second[:2 * g], upstream))
             grads = torch.autograd.grad(loss, [query, key_norm, *sources])
         finally:
             triton_grouped.Phase1.site_block = None
-        assert all(getattr(x, op.SINK_ATTRIBUTE, None) is not None for x in entries[1:]) == shared
         results.append([*first[:g], first[-1], *grads])
     for i, (x, ref) in enumerate(zip(*results)):
         assert ((x - ref).norm() / ref.norm()).item() <= TOL, i
@@ -328,9 +340,9 @@ def test_plan_counts_the_rows_the_routing_reads(family, g, monkeypatch):
 
 
 def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """{storage address: (elements, bytes)} of every distinct storage saved for backward in one step:
-    what goes through saved-tensor hooks, and the rows and sources a fused routing call keeps by
-    reference instead (`launch.save_with_sources`, read with `launch.kept`)."""
+    """{storage address: (elements, bytes)} of every distinct storage saved for backward in one step
+    (what goes through saved-tensor hooks: the fused calls save their parameter rows so too and
+    read their sources from the depth buffer, which nothing saves)."""
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -345,9 +357,6 @@ def saved_for_backward(args: ModelArgs, tokens: torch.Tensor) -> dict[int, tuple
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens).logsumexp(-1).mean()
-    for node in autograd_nodes(loss):
-        for t in launch.kept(node):
-            pack(t)
     loss.backward()
     return saved
 
@@ -381,34 +390,55 @@ def test_no_state_row_is_saved_and_the_extra_bytes_per_group(family):
 
 
 def test_fused_grouped_path_saves_what_docs_state(monkeypatch):
-    """Debug flavor, fp32, g = 3 (three groups, no per-call site): the fused phase 1 and merge save
-    as many (B, T, d) storages as the eager grouped path (lse and references, no state row), and
-    per site m fewer fp32 values per token where it merges m > 0 in-group sources, H fewer where
-    it merges none (the fused merge keeps the m logits and its lse, (m + 1) H, and the state's lse
-    is a view of phase 1's saved lse; the eager one keeps its weight w, the m weights and inverse
-    RMS, H + m (H + 1))."""
-    from mhar_kernels import triton_merge
+    """Debug flavor, fp32, g = 3 (three groups, no per-call site): no tensor saved for backward in
+    the step is a depth-buffer row or a source written into one, and the fused phase 1 and merges
+    save exactly what docs/DESIGN.md states: phase 1 its lse (g, B, T, H) and the group's (g, d)
+    rows; a merge over m > 0 in-group rows its output (B, T, d), its (m + 1, B*T, H) statistics, the
+    state's lse (B, T, H) and the site's (d,) rows; the group's first site (m = 0, no launch) its
+    state's mix (B, T, d), lse and rows."""
+    from mhar_kernels import depth_buffer, triton_grouped, triton_merge
 
     B, T = 1, 8
     tokens = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(0))
+    args = ModelArgs.from_flavor("debug", **FAMILIES["mhar H=8"], routing_group_size=3, routing_kernel="triton")
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        model.routing.query.normal_()
+    inside, written, saved = [False], [], []
 
-    def saved(kernel: str) -> dict:
-        args = ModelArgs.from_flavor("debug", **FAMILIES["mhar H=8"], routing_group_size=3, routing_kernel=kernel)
-        return saved_for_backward(args, tokens)
+    def routing(real):
+        def call(*a, **k):
+            inside[0] = True
+            try:
+                return real(*a, **k)
+            finally:
+                inside[0] = False
+        return call
 
-    runs = {"eager": saved("eager")}
+    write = depth_buffer.DepthBuffer.write
+    monkeypatch.setattr(triton_grouped, "phase1_buffer", routing(triton_grouped.phase1_buffer))
+    monkeypatch.setattr(triton_merge, "merge_buffer", routing(triton_merge.merge_buffer))
+    monkeypatch.setattr(depth_buffer.DepthBuffer, "write",
+                        lambda buffer, slot, source, token: written.append((buffer.values, source)) or
+                        write(buffer, slot, source, token))
     calls = fused_phase1_calls(monkeypatch)
-    merges, real = [], triton_merge.merge  # merge(mix, norm, lse, query, norm_weight, heads, eps, *late)
-    monkeypatch.setattr(triton_merge, "merge", lambda *a, **k: merges.append(len(a) - 7) or real(*a, **k))
-    runs["triton"] = saved("triton")
-    args = ModelArgs.from_flavor("debug", **FAMILIES["mhar H=8"], routing_group_size=3)
-    plan, H = RoutingPlan.from_args(args), args.resolved_routing_heads
-    late = [len(g.late[i]) for g in plan.groups for i in range(g.size)]
-    assert len(calls) == 3 and merges == late, (merges, late)
-    rows = B * T * args.dim
-    assert sum(n == rows for n, _ in runs["triton"].values()) == sum(n == rows for n, _ in runs["eager"].values())
-    total = {k: sum(nbytes for _, nbytes in v.values()) for k, v in runs.items()}
-    assert total["eager"] - total["triton"] == 4 * B * T * sum(m if m else H for m in late), (total, late)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t, inside[0])) or t, lambda t: t):
+        loss = model(tokens).logsumexp(-1).mean()
+    loss.backward()
+    plan, H, d = model.plan, args.resolved_routing_heads, args.dim
+    assert len(calls) == 3 and all(group.size == 3 for group in plan.groups)
+    expected = []
+    for group in plan.groups:
+        expected += [(3, B, T, H), (3, d), (3, d)]
+        for late in group.late:
+            rows = [(B, T, d), (len(late) + 1, B * T, H)] if late else [(B, T, d)]
+            expected += rows + [(B, T, H), (d,), (d,)]
+    got = sorted(tuple(t.shape) for t, routed in saved if routed)
+    assert got == sorted(expected), got
+    storage = {t.untyped_storage().data_ptr() for pair in written for t in pair}
+    assert written and not any(t.untyped_storage().data_ptr() in storage for t, _ in saved)
 
 
 @pytest.mark.slow
@@ -447,8 +477,9 @@ def test_training_with_auto_groups_follows_the_per_call_loss_curve(tmp_path):
 def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
     """2 ranks, FSDP2, one masked step with accumulation 2: routing_group_size 3 with activation
     checkpointing none and full (eager), and full with the fused phase 1 (routing_kernel triton),
-    gives per-call routing's loss and every gradient within 2e-4; in the fused run every source a
-    routing call read was a shared entry (FSDP2 does not replace a block's sources)."""
+    gives per-call routing's loss and every gradient within 2e-4; in the fused run each of the two
+    micro-batches routed over its one depth buffer and kept its contract under FSDP2's prefetching
+    and the recompute (`depth_buffer_probe.check_order`)."""
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     worker = pathlib.Path(__file__).resolve().parent / "grouped_fsdp_worker.py"
     proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone", str(worker), str(tmp_path)],
@@ -456,8 +487,8 @@ def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(tmp_path / "grouped.pt")
-    reads = results.pop("unshared")
-    assert reads["sources"] > 0 and reads["unshared"] == 0, reads
+    counts = results.pop("buffer")
+    assert isinstance(counts, dict) and counts["buffers"] == 2 and counts["shared"] > 0, counts
     ref_loss, ref = results["g1_none"]
     for run in ("g3_none", "g3_full", "g3_full_triton"):
         loss, grads = results[run]
@@ -471,9 +502,9 @@ def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
                     reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
 @pytest.mark.parametrize("kernel", ["eager", "triton"])
 def test_fsdp_blocks_returning_views_raise_no_warning(tmp_path, kernel):
-    """Blocks return views (grouped phase-1 states, shared-gradient sources); FSDP2 warns about
-    in-place ops on a block's view outputs, which the model never does. A training step with
-    grouped routing, and with the fused kernels' shared sources, prints no such warning."""
+    """Blocks return views (grouped phase-1 states, depth-buffer rows); FSDP2 warns about in-place
+    ops on a block's view outputs, which the model never does. A training step with grouped
+    routing, and with the fused kernels' depth buffer, prints no such warning."""
     import warnings
 
     from mhar_titan.train import Trainer
@@ -492,27 +523,32 @@ def test_fsdp_blocks_returning_views_raise_no_warning(tmp_path, kernel):
     assert metric_losses(trainer.run_dir)  # the step ran
 
 
-def test_fused_merge_launches_pass_int64_pointer_tables(monkeypatch):
+def test_fused_merge_launches_pass_int32_slot_vectors(monkeypatch):
     """A group of 3 sites on the fused kernels, delta mode (so the first site, which merges no
-    in-group source, still launches its forward): every per-call kernel launch of the merges gets
-    its pointer-table arguments as int64 tensors, also where the launch reads no source (on a GPU
-    the kernel casts their entries to pointers; another dtype would not compile)."""
+    in-group source, still launches its forward): every per-call kernel launch gets its slot
+    vector, and backward its add flags, as int32 tensors, also where the launch reads no
+    depth-buffer row (the merge at a group's first site: `triton_routing._dummy_slots`), so the
+    kernel is compiled once for both (its int64 row offsets are computed in the kernel)."""
     from mhar_kernels import triton_routing
 
-    tables = []
+    launches = []
 
     class Recording:
         def __init__(self, kernel, names):
             self.kernel, self.names = kernel, names
+            self.at = [kernel.arg_names.index(name) for name in (*names, "N")]
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                tables.append([args[i].dtype for i in self.names])
+                launches.append(([args[i].dtype for i in self.at[:-1]], args[self.at[-1]]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(triton_routing, "_route_fwd_kernel", Recording(triton_routing._route_fwd_kernel, (0, 1)))
-    monkeypatch.setattr(triton_routing, "_route_bwd_kernel", Recording(triton_routing._route_bwd_kernel, (0, 1, 2, 3)))
+    monkeypatch.setattr(triton_routing, "_route_fwd_kernel", Recording(triton_routing._route_fwd_kernel, ("SLOTS",)))
+    monkeypatch.setattr(triton_routing, "_route_bwd_kernel",
+                        Recording(triton_routing._route_bwd_kernel, ("SLOTS", "ACCUM")))
     got = loss_and_grads("delta null", 8, 3, kernel="triton")
-    assert len(tables) >= 2 * 9 and all(dtype == torch.int64 for row in tables for dtype in row), tables
+    assert len(launches) >= 2 * 9, launches
+    assert all(dtype == torch.int32 for dtypes, _ in launches for dtype in dtypes), launches
+    assert any(n == 0 for _, n in launches) and any(n > 0 for _, n in launches)
     assert got["loss"].isfinite()

@@ -86,7 +86,10 @@ def test_triton_model_matches_eager(variant, ac_mode):
 @pytest.mark.distributed
 def test_triton_model_under_fsdp2_two_ranks(tmp_path):
     """2-rank FSDP2 (gloo, CPU) with full AC and routing_kernel="triton": loss and gradients equal
-    the single-process eager model on the full batch (one torchrun launch, all variants)."""
+    the single-process eager model on the full batch, every fused call read the micro-batch's one
+    depth buffer and its order held under FSDP2's prefetching and the recompute (the worker's
+    `depth_buffer_probe.check_order`), and every block's post-backward ran inside the backward (one
+    torchrun launch, all variants)."""
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "kernels_fsdp_worker.py"), str(tmp_path)]
