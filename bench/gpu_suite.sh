@@ -18,8 +18,9 @@
 # routing rows, then the kernel tests, the eager routing rows, the sm_90 compile report, the
 # host-time row, and torch.compile last at one shape (1b). (The counted bytes are a CPU count:
 # `bench/routing.py --bytes` runs anywhere. 350m is left out to fit the window, and so is the 1b
-# graphs comparison with per-block compile: 36 distinct block graphs per family to compile twice on
-# a fresh machine take minutes; run it on its own: `python bench/trainer_row.py graphs --scale 1b
+# graphs comparison with per-block compile: up to one graph per depth (36 at 1b, parallel.py) per
+# family, compiled twice on a fresh machine, is minutes by estimate (not measured); run it on its
+# own: `python bench/trainer_row.py graphs --scale 1b
 # --families mhar,mhar-grouped --kernel triton --compile --out TABLE.md`.) The trainer rows
 # need .whl/ carried (bench/gpu_wheels.sh), data/shakespeare and .cache/tiktoken. Each row is its own process
 # under its own `timeout`, writes OUT_DIR/NN-<row>.md (its table, rewritten as its measurements

@@ -25,8 +25,9 @@ step of each, host-inclusive (wall time between logged steps: the eager step's h
 graph replays' with the eager optimizer step around them). Needs CUDA; elsewhere the graphs half
 is reported as not run (the eager half still runs, so the row's command is tested on CPU). With
 `--compile` both halves compile every block (the warm-up micro-batch of the graphs half compiles,
-then the capture); a 1b model has 36 distinct block graphs per family to compile, minutes on a
-fresh machine, so the GPU suite's window leaves this variant out: run it on its own.
+then the capture); at 1b that is up to one graph per depth (36, parallel.py) per family, minutes on
+a fresh machine by estimate (not measured), so the GPU suite's window leaves this variant out: run
+it on its own.
 
 `--tiny`: the debug configs at toy sizes (the CI test's CPU run of the suite; `--compile` then
 uses the aot_eager backend). The packages the
