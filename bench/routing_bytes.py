@@ -49,7 +49,8 @@ def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> 
     lines = [
         f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing, as "
         f"modelled (`mhar_kernels.traffic.grouped_traffic`: the fused phase 1 and merge, every launch, host "
-        f"reduction and per-token tensor of the step, and the routing parameters' gradient assembly; within 1% of "
+        f"reduction and per-token tensor of the step, the slot writes, the assembly of phase 1's mix gradients "
+        f"and the routing parameters' gradient assembly; within 1% of "
         f"a complete count of a debug-flavor step, tests/test_byte_count.py, and `--bytes --measure` counts the "
         f"paper shapes; MHAR H = 8, sublayer, replace, {dtype}, {H200_PROGRAMS} backward programs), GB per "
         "training step; source rows = (B, T, d) sources read per token by one forward.",
@@ -79,12 +80,14 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
     lines = [
         f"Counted routing traffic per training step (`mhar_kernels.traffic`, MHAR H = 8, sublayer, replace, "
         f"{dtype}, backward partial sums from {H200_PROGRAMS} programs), GB; floor = N + 1 rows forward and "
-        "2N + 1 backward per site. The backward column includes the read-back of shared gradient buffers; "
-        "the last column is the ratio if autograd summed separate per-site gradients instead.",
+        "2N + 1 backward per site. The sources are rows of one depth buffer: the backward column includes the "
+        "read-back of the gradient rows a deeper site wrote, the slot writes column each source's copy into its "
+        "slot (again where activation checkpointing recomputes it); the last column is the ratio if separate "
+        "source tensors' per-site gradients were summed by autograd instead (no slot writes).",
         "",
-        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | counted | floor | "
+        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | slot writes | counted | floor | "
         "counted / floor | without shared gradients |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scale in scales:
         args = ModelArgs.from_flavor(scale, residual="attn_res", routing_heads=8)
@@ -95,7 +98,7 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
             kinds = {k: v / 1e9 for k, v in traffic.by_kind().items()}
             lines.append(
                 f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
-                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | "
+                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | {kinds['write']:.2f} | "
                 f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x | {unshared.ratio:.2f}x |")
     return "\n".join(lines)
 

@@ -11,8 +11,8 @@ prints on request), not of a second ptxas run with other flags; run it with anot
 (for example 3.6 in a second environment) to compare versions. For each kernel and variant it
 reports registers per thread, spill bytes, sites per program (phase 1), the widest global/async
 source access in the PTX and whether the loop over sources is software-pipelined (cp.async groups).
-Async copies are counted by width twice: all of them (pointer-table entries, read flags and fp32
-statistics are 4- or 8-byte copies too) and those of source tiles alone (the copies of the load in
+Async copies are counted by width twice: all of them (slots, read flags and fp32 statistics are 4-
+or 8-byte copies too) and those of source tiles alone (the copies of the load in
 `routing_kernels._load_source`, told apart by the PTX's line information).
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces the compiler). A compile takes seconds
@@ -40,18 +40,28 @@ SHAPES = [(512, 1), (512, 8), (1024, 1), (1024, 8), (1280, 1), (1280, 8)]
 N_SOURCES = 73
 TOKENS = 2048
 
+# Pointer arguments as the launchers pass them (triton_routing, triton_grouped): the depth buffer
+# BUF (and its gradient buffer GRADS) in the sources' dtype, the call's int32 slot vector SLOTS and
+# add flags ACCUM, the (d,) null source NULL cast to the sources' dtype, phase 1's int8 read table
+# READS and its (g, B, T, d) mixes MIX / mix gradients DMIX in the sources' dtype.
 _POINTER_ARGS = {
-    "forward": dict(PTRS="*i64", RSTRIDES="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
+    "forward": dict(BUF="*SRC", SLOTS="*i32", NULL="*SRC", Q="*SRC", G="*SRC", PARTIAL="*SRC", ALPHA="*SRC",
                     STATE_OUT="*SRC", STATE_LSE="*fp32", OUT="*SRC", MIX="*SRC", RES="*SRC", STATS="*fp32"),
-    "backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", SRC0="*SRC", Q="*SRC", G="*SRC", ALPHA="*SRC", DOUT="*SRC", MIX="*SRC",
-                     RES="*SRC", STATS="*fp32", PARTS="*fp32", DALPHA_PART="*fp32", STATE_LSE="*fp32",
-                     DSTATE="*SRC", DSTATE_NORM="*fp32"),
-    "phase1_forward": dict(PTRS="*i64", RSTRIDES="*i64", READS="*i8", MIX_PTRS="*i64", SRC0="*SRC", Q="*SRC",
-                           G="*SRC", LSE="*fp32"),
-    "phase1_backward": dict(PTRS="*i64", RSTRIDES="*i64", DPTRS="*i64", ACCUM="*i64", READS="*i8", DMIX_PTRS="*i64",
-                            SRC0="*SRC", Q="*SRC", G="*SRC", DNORM="*fp32", LSE="*fp32", T_PART="*fp32",
+    "backward": dict(BUF="*SRC", SLOTS="*i32", GRADS="*SRC", ACCUM="*i32", NULL="*SRC", Q="*SRC", G="*SRC",
+                     ALPHA="*SRC", DOUT="*SRC", MIX="*SRC", RES="*SRC", STATS="*fp32", PARTS="*fp32",
+                     DALPHA_PART="*fp32", STATE_LSE="*fp32", DSTATE="*SRC", DSTATE_NORM="*fp32"),
+    "phase1_forward": dict(BUF="*SRC", SLOTS="*i32", NULL="*SRC", READS="*i8", MIX="*SRC", Q="*SRC", G="*SRC",
+                           LSE="*fp32"),
+    "phase1_backward": dict(BUF="*SRC", SLOTS="*i32", GRADS="*SRC", ACCUM="*i32", NULL="*SRC", READS="*i8",
+                            DMIX="*SRC", Q="*SRC", G="*SRC", DNORM="*fp32", LSE="*fp32", T_PART="*fp32",
                             DNULL_PART="*fp32"),
 }
+# The general variant (aligned=False) compiles the code for sources and gradient rows whose 16-byte
+# alignment is unknown: no ALIGNED hint, and no divisibility-16 specialisation of the depth buffer
+# and its gradient buffer (Triton gives it only to pointers that are divisible at launch). (A
+# freshly allocated buffer is aligned, so a general launch at these shapes gets the
+# specialisation and may still vectorise its source loads.)
+_ROW_ARGS = frozenset({"BUF", "GRADS"})
 # Grouped routing's phase 1 (triton_grouped): the group size `auto` picks at 1b.
 GROUP = 11
 _SCALAR_ARGS = dict(N="i32", NG="i32", C="i32", BT="i32", D="i32", H="i32", K="i32", eps="fp32")
@@ -92,10 +102,11 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     sites, triton_grouped).
 
     Integer arguments divisible by 16 and every pointer get Triton's divisibility-16
-    specialisation, as at run time. dtype: "bf16" or "fp32" sources; flags: the kernel's
+    specialisation, as at run time; in the general variant (aligned=False) the depth buffer and
+    its gradient buffer do not (`_ROW_ARGS`: rows of unknown alignment). dtype: "bf16" or "fp32" sources; flags: the kernel's
     HAS_* constexprs (default: replacement routing without a null source, the mix residual
-    for bf16, and a backward that adds into shared gradient buffers, HAS_ACCUM; phase 1: no
-    null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). The launch's
+    for bf16, and a backward that adds into gradient rows of the depth buffer, HAS_ACCUM; phase 1:
+    no null source, HAS_ACCUM, CHUNKED where the group is more than one site chunk). The launch's
     warps and register limit (maxnreg) are the launcher's. The numbers are those of Triton's own
     build (`_triton_build`: ptxas run by Triton with Triton's options; the cubin it returns is read
     back with cuobjdump). Returns {'registers', 'spill_bytes' (spill stores + loads, bytes per
@@ -134,18 +145,18 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     names = fn.arg_names
     types = {k: v.replace("SRC", dtype) for k, v in _POINTER_ARGS[kind].items()}
     types |= {k: v for k, v in _SCALAR_ARGS.items() if k in names}
-    # backward: HAS_ACCUM, as the models run it (a site adds into its sources' shared gradient buffers)
+    # backward: HAS_ACCUM, as the models run it (a site adds into gradient rows a deeper reader wrote)
     # HAS_RES for bf16 / fp16 (the saved mix's rounding residual), as the op runs them
     has_res = dtype != "fp32"
-    defaults = dict(forward=dict(HAS_PARTIAL=False, HAS_STATE=merge, HAS_RES=has_res),
+    defaults = dict(forward=dict(HAS_NULL=False, HAS_PARTIAL=False, HAS_STATE=merge, HAS_RES=has_res),
                     backward=dict(HAS_ALPHA=False, HAS_NULL=False, HAS_ACCUM=True, HAS_RES=has_res,
                                   HAS_STATE=merge, WRITE_DSTATE=merge),
-                    phase1_forward={},  # phase 1 adds into shared buffers in the kernel with one site chunk
+                    phase1_forward=dict(HAS_NULL=False),
                     phase1_backward=dict(HAS_NULL=False, HAS_ACCUM=True, CHUNKED=cfg.get("SB", 0) < group))[kind]
     constexprs = dict(defaults, **(flags or {}), ALIGNED=aligned, NUM_STAGES=tr.NUM_STAGES, CDT=tl.float32,
                       RNE_BF16=False, **cfg)
     values = dict(N=n_sources, BT=tokens, D=d, H=heads, K=d // heads)
-    divisible = [k for k in types if k.isupper() and types[k].startswith("*")]
+    divisible = [k for k in types if k.isupper() and types[k].startswith("*") and (aligned or k not in _ROW_ARGS)]
     divisible += [k for k, v in values.items() if v % 16 == 0]
     src = ASTSource(fn, {k: types.get(k, "constexpr") for k in names},
                     {(names.index(k),): v for k, v in constexprs.items()},
@@ -196,8 +207,8 @@ def access_counts(ptx: str, source_load: tuple[str, int]) -> dict:
     """Global accesses in the PTX: 'scalar_16bit' loads (ld.global.b16: one bf16 per thread),
     '128bit' accesses (ld/st.global .v4.b32 and 16-byte cp.async) and 'async_128bit' copies alone;
     loads and stores apart: 'async_8byte' / 'async_4byte' copies (narrower cp.async, global to
-    shared: source tiles loaded in halves or quarters of 128 bits, but also the int64 pointer-table
-    entries, int8 read flags and fp32 logits), 'load_128bit' (ld.global .v4) and 'store_128bit'
+    shared: source tiles loaded in halves or quarters of 128 bits, but also the int32 slots, int8
+    read flags and fp32 logits), 'load_128bit' (ld.global .v4) and 'store_128bit'
     (st.global .v4). 'source_128bit' / 'source_8byte' / 'source_4byte': the cp.async copies whose
     innermost source location (the `.loc` before them) is `source_load`, (file name, line): the
     source tiles. Raises RuntimeError for PTX without line information."""
