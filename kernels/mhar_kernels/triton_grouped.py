@@ -206,6 +206,7 @@ class Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, queries: Tensor, norm_weights: Tensor, null: Optional[Tensor], buffer, reads,
                 site_reads: tuple, heads: int, eps: float, given: Optional[MixGradients]):
+        ctx.set_materialize_grads(False)  # the merges write the mixes' gradients into `given`: no zero rows
         full = buffer.values[0]
         d, g = full.shape[-1], queries.shape[0]
         cfg = _launch_config(full.numel() // d, g, heads, d // heads, False, Phase1.site_block)
