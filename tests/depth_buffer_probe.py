@@ -101,10 +101,11 @@ def recording():
 
 def check_order(log: list[Event]) -> dict:
     """Assert, for every depth buffer in `log` and every slot some call read in its forward:
-    each reader's backward ran once; the first reader in the backward is the last reader in the
-    forward and writes the gradient row (flag 0), every other adds into it (flag 1); the slot's
-    gradient row was handed on exactly once, after every reader's backward (the token chain); and
-    a write inside the backward (a recompute) put back exactly the values the row held. Returns
+    each reader's backward ran once, in reverse forward order (docs/DESIGN.md "The depth
+    buffer", Ordering), so the last reader in the forward writes the gradient row (flag 0) and
+    every other adds into it (flag 1), as the flags say; the slot's gradient row was handed on
+    exactly once, after every reader's backward (the token chain); and a write inside the
+    backward (a recompute) put back exactly the values the row held. Returns
     counts: buffers, slots, reads (forward launches outside recompute), shared (slots with more
     than one reader), rewrites (slot writes inside the backward)."""
     buffers: list[torch.Tensor] = []
@@ -124,10 +125,11 @@ def check_order(log: list[Event]) -> dict:
         counts["rewrites"] += len(rewrites)
         for slot in sorted({row for e in reads for row in e.rows}):
             readers = [e.call for e in reads if slot in e.rows]
-            backward = [(i, e.call, e.flags[e.rows.index(slot)]) for i, e in mine if e.kind == "grad" and slot in e.rows]
+            backward = [(i, e.call, e.flags[e.rows.index(slot)])
+                        for i, e in mine if e.kind == "grad" and slot in e.rows]
             assert len(backward) == len(readers), f"slot {slot}: {len(readers)} readers, {len(backward)} backwards"
-            assert all(any(c is r for _, c, _ in backward) for r in readers), f"slot {slot}: a reader's backward is missing"
-            assert backward[0][1] is readers[-1], f"slot {slot}: the last forward reader did not run first backward"
+            assert all(c is r for (_, c, _), r in zip(backward, reversed(readers))), \
+                f"slot {slot}: its readers' backwards did not run in reverse forward order"
             flags = [flag for _, _, flag in backward]
             assert flags == [0] + [1] * (len(backward) - 1), f"slot {slot}: add flags in backward order {flags}"
             hands = [i for i, e in mine if e.kind == "hand" and e.rows == (slot,)]

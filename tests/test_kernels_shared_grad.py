@@ -284,7 +284,8 @@ def test_double_backward_through_a_source_raises():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 16, generator=gen).to(DEVICE).requires_grad_()
     other = torch.randn(1, 4, 16, generator=gen).to(DEVICE)
-    out = mhar_kernels.route([2 * x, other], torch.randn(16, generator=gen).to(DEVICE), torch.ones(16, device=DEVICE), 4)
+    query = torch.randn(16, generator=gen).to(DEVICE)
+    out = mhar_kernels.route([2 * x, other], query, torch.ones(16, device=DEVICE), 4)
     grad, = torch.autograd.grad(out.square().sum() + x.pow(3).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.sum().backward()
