@@ -119,9 +119,10 @@ def main(argv=None) -> None:
             host = host_ms(iters=a.iters)
             text, title = (
                 f"Host time (host CPU time of the thread, `time.thread_time`) of one forward+backward routing call "
-                f"(N = 73, d = 1280, H = 8, bf16, kernel launches stubbed, {a.iters} calls, sources read as rows of one depth buffer as the models read them): median "
-                f"{host['call']:.3f} ms (minimum {host['call_min']:.3f} ms), plus {host['write']:.3f} ms per source for "
-                f"writing it into its slot (once per source and step): {host['total']:.3f} ms per call on {where}, load average "
+                f"(N = 73, d = 1280, H = 8, bf16, kernel launches stubbed, {a.iters} calls, sources read as rows "
+                f"of one depth buffer as the models read them): median {host['call']:.3f} ms (minimum "
+                f"{host['call_min']:.3f} ms), plus {host['write']:.3f} ms per source for writing it into its slot "
+                f"(once per source and step): {host['total']:.3f} ms per call on {where}, load average "
                 f"{os.getloadavg()[0]:.2f}."), "Routing host time"
             step_iters = max(3, a.iters // 20)
             steps = {family: host_step_ms("1b", family, iters=step_iters) for family in ("mhar", "mhar-grouped")}

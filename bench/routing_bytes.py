@@ -26,7 +26,7 @@ from routing_harness import MICRO_BATCH, SHAPES, auto_group, step_groups  # noqa
 
 def moved_bytes(scope: str, b: int, t: int, d: int, n: int, heads: int, dtype, device) -> int:
     """Counted bytes of one fused call over n sources ("call") or of the n sites of a step,
-    site s reading the first s sources, shared as the models share them ("step"), forward +
+    site s reading the first s sources, rows of one depth buffer as in the models ("step"), forward +
     backward."""
     from mhar_kernels.triton_routing import reduce_programs
 
@@ -49,8 +49,8 @@ def grouped_bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> 
     lines = [
         f"Grouped routing at the group size `routing_group_size=\"auto\"` picks, beside per-call routing, as "
         f"modelled (`mhar_kernels.traffic.grouped_traffic`: the fused phase 1 and merge, every launch, host "
-        f"reduction and per-token tensor of the step, the slot writes, the assembly of phase 1's mix gradients "
-        f"and the routing parameters' gradient assembly; within 1% of "
+        f"reduction and per-token tensor of the step, the slot writes and the routing parameters' gradient "
+        f"assembly; within 1% of "
         f"a complete count of a debug-flavor step, tests/test_byte_count.py, and `--bytes --measure` counts the "
         f"paper shapes; MHAR H = 8, sublayer, replace, {dtype}, {H200_PROGRAMS} backward programs), GB per "
         "training step; source rows = (B, T, d) sources read per token by one forward.",

@@ -203,7 +203,7 @@ def one_grouped_step(impl, sources, query, norm_weight, heads, g: int, end=None)
 
 def standin_step(sources, query, norm_weight):
     """`one_step`'s loop without routing: site s's output is sources[s - 1] itself (no op, no
-    sharing), then the same sum and one backward. Its host time is what `host_step_ms` subtracts."""
+    slot write), then the same sum and one backward. Its host time is what `host_step_ms` subtracts."""
     def run():
         total = None
         for s in range(1, len(sources) + 1):

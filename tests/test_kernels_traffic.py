@@ -54,7 +54,8 @@ def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
 
     measured = {"forward": 0, "backward": 0, "reduce": 0, "launches": 0, "writes": 0, "rows": set(),
                 "first": []}
-    forward, backward, write = triton_routing.route_forward, triton_routing.route_backward, depth_buffer.DepthBuffer.write
+    forward, backward = triton_routing.route_forward, triton_routing.route_backward
+    write = depth_buffer.DepthBuffer.write
 
     def rows(values, slots):
         return [] if slots is None else [values[i] for i in slots.tolist()]
@@ -235,8 +236,6 @@ def test_grouped_traffic_by_hand():
     assert merges[3].written == 2 * row + stat + 2 * 8 * 4  # source 3's gradient, the state's, dnorm, partials
     # site 0 copies grad_out into its row of the group's mix gradients, writes dnorm and the partials
     assert (merges[0].read, merges[0].written) == (3 * row + stat + 2 * 16, row + stat + 2 * 8 * 4)
-    # phase 1's mix gradients: per site the zeros autograd materialises, their addition into the row
-    assert (p1["upstream"].read, p1["upstream"].written) == (2 * 3 * row, 2 * 3 * row)
     # the five sources copied into their slots once
     assert [(w.read, w.written) for w in t.launches if w.kind == "write"] == [(5 * row, 5 * row)]
     assert not any(launch.kind == "accumulate" for launch in t.launches)  # every reader shares the gradient rows

@@ -47,9 +47,8 @@ class Launch:
 
     site: routing site index (None for the step's slot writes and the accumulation total; a
     group's first site for its phase 1); kind: "forward", "backward", "reduce", "write" (the
-    step's copies of sources into their depth-buffer slots), "upstream" (grouped routing's
-    assembly of phase 1's mix gradients) or "accumulate"; read / written: bytes; phase: "call",
-    or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
+    step's copies of sources into their depth-buffer slots) or "accumulate"; read / written:
+    bytes; phase: "call", or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
 
     site: Optional[int]
     kind: str
@@ -103,7 +102,7 @@ def site_launches(site: int, n_sources: int, *, dim: int, tokens: int, dtype: to
     """The forward, backward and reduce launches of one routing site over `n_sources` (B, T, d)
     sources (the null source not counted in n_sources). recomputed: activation checkpointing
     runs the forward launch a second time in backward. accumulated: how many of the sources'
-    shared gradient buffers a later site already wrote (read back and added to). Bytes as in the
+    gradient rows a later site already wrote (read back and added to). Bytes as in the
     module docstring.
 
     Raises:
@@ -136,7 +135,7 @@ def slot_writes(writes: int, row: int) -> Launch:
 
 
 def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
-    """Per site, how many of its sources' shared gradient buffers a later site already wrote.
+    """Per site, how many of its sources' gradient rows a later site already wrote.
 
     site_sources: for each routing site in forward order, the ids of the (B, T, d) sources it
     reads. Backward runs the sites in reverse, so each source's last reader writes its buffer
@@ -200,16 +199,10 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 #                        dtype rows) and lse (g, B*T, H) fp32, site-major (each site's state
 #                        takes its lse as a view); the host makes g normalisers (B*T, H) fp32
 #                        of ones
-#     upstream           the g mix gradients reach phase 1's backward as rows of one (g, B*T, d)
-#                        tensor the merges write into (`triton_grouped.MixGradients`); autograd
-#                        still hands phase 1 a zero-filled gradient per mix (it materialises the
-#                        gradients the merges do not return: a row written each), which
-#                        `triton_grouped._upstream` adds into the row (`rows[i] += x`: the add
-#                        reads two rows and writes one, the item assignment copies the row onto
-#                        itself): UPSTREAM_ROWS (read, written) rows per site
 #     phase-1 backward   the host stacks the g normaliser gradients (g, B*T, H) and zeroes the
 #                        (P, g, d) fp32 partial sums; the launch reads n rows, the g mix gradients
-#                        (rows), the normaliser gradients, lse, the g query and key-norm rows and
+#                        (rows of one (g, B*T, d) tensor the merges write into,
+#                        `triton_grouped.MixGradients`), the normaliser gradients, lse, the g query and key-norm rows and
 #                        the gradient buffer of every source another reader already wrote (A
 #                        rows; all n with C > 1 site chunks, whose chunk c > 0 adds into what
 #                        chunk c - 1 of the same token tile stored) and, with C > 1, the partial
@@ -237,19 +230,13 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
 # the backward's chunks of one tile in one program) are counted as cache hits.
 
 
-# (read, written) rows per grouped site of the assembly of phase 1's mix gradients (comment
-# above): the zero gradient autograd materialises (one row written), `triton_grouped._upstream`'s
-# addition (two read, one written) and its item assignment's copy (one read, one written).
-UPSTREAM_ROWS = (3, 3)
-
-
 def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
                     null_source: bool = False, programs: int = H200_PROGRAMS, chunks: int = 1,
                     recomputed: bool = False, accumulated: int = 0) -> list[Launch]:
-    """The phase-1 forward, the assembly of its mix gradients ("upstream"), backward and reduce of
-    a group of `sites` sites starting at site `site` over `n_rows` (B, T, d) start sources (the null source not counted); chunks: site
-    chunks C of the backward launch; accumulated: how many of the sources' shared gradient
-    buffers another reader already wrote (A). Bytes as in the comment above (`phase="phase1"`)."""
+    """The phase-1 forward, backward and reduce of a group of `sites` sites starting at site `site` over `n_rows` (B, T, d) start sources (the null
+    source not counted); chunks: site chunks C of the backward launch; accumulated: how many of
+    the sources' gradient rows another reader already wrote (A). Bytes as in the comment above
+    (`phase="phase1"`)."""
     if n_rows < 1 or sites < 2:
         raise ValueError(f"group at site {site}: phase 1 reads at least one (B, T, d) source for at least two "
                          f"sites, got {n_rows} sources and {sites} sites")
@@ -274,9 +261,7 @@ def phase1_launches(site: int, n_rows: int, sites: int, *, dim: int, tokens: int
                     read=partial_sums + 2 * (to_fp32[0] + 2 * vec * FP32) + cast_read,  # sums, T * rows
                     written=(vec + int(null_source) * dim) * FP32 + 2 * (to_fp32[1] + vec * FP32) + cast_written,
                     phase="phase1")
-    upstream = Launch(site, "upstream", read=UPSTREAM_ROWS[0] * sites * row, written=UPSTREAM_ROWS[1] * sites * row,
-                      phase="phase1")
-    return [forward, *([forward] if recomputed else []), upstream, backward, reduce]
+    return [forward, *([forward] if recomputed else []), backward, reduce]
 
 
 def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: torch.dtype, heads: int,
@@ -284,7 +269,7 @@ def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: t
                    accumulated: int = 0) -> list[Launch]:
     """The fused merge (phase 2) of one grouped site with `late_rows` in-group (B, T, d) sources:
     forward, backward and reduce (comment above; `phase="merge"`). accumulated: how many of them
-    have a shared gradient buffer another reader already wrote (A)."""
+    have a gradient row another reader already wrote (A)."""
     if not 0 <= accumulated <= late_rows:
         raise ValueError(f"site {site}: accumulated={accumulated} must lie in [0, {late_rows}]")
     el = element_bytes(dtype)
