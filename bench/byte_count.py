@@ -9,7 +9,8 @@ loop; needs TRITON_INTERPRET=1 for the launches) that records one entry per
   stage the arguments are not counted (on a GPU the kernel reads the tensors in place).
 - aten op outside a launch: the bytes of its tensor inputs (read) and outputs (written). Views
   (`OpOverload.is_view`, and ops that return an input's storage without writing it, such as
-  `_unsafe_view`) and allocations (`empty*`, which write nothing) count nothing; an input
+  `_unsafe_view`), `set_` (a tensor pointed at a storage) and allocations (`empty*`, which write
+  nothing) count nothing; an input
   with stride-0 dimensions (an expanded tensor) counts its distinct elements; arguments an op
   only overwrites (`copy_`, `fill_`, `zero_`, `out=`) are written, not read; an in-place op's
   self is read and written.
@@ -46,6 +47,7 @@ aten = torch.ops.aten
 ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
                aten.new_empty_strided.default, aten.empty_like.default}
 OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+METADATA = {aten.set_}  # point a tensor at a storage: moves no bytes
 
 
 def distinct_bytes(t: torch.Tensor) -> int:
@@ -116,7 +118,8 @@ class ByteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._accesses is not None or func.is_view or func in ALLOCATIONS or _aliases(func, args, out):
+        if (self._accesses is not None or func.is_view or func in ALLOCATIONS or func.overloadpacket in METADATA
+                or _aliases(func, args, out)):
             return out
         overwritten = set()
         if func in OVERWRITES:

@@ -24,8 +24,8 @@ BATCH, SEQ = 2, 8
 
 
 def test_counter_counts_ops_and_launches_by_hand():
-    """An add of two (4, 8) bf16 tensors reads 128 and writes 64 bytes; a view and an allocation
-    count nothing; copy_ reads its source only; an expanded (stride-0) input counts its distinct
+    """An add of two (4, 8) bf16 tensors reads 128 and writes 64 bytes; a view, an allocation and
+    a tensor pointed at another's storage (`set_`) count nothing; copy_ reads its source only; an expanded (stride-0) input counts its distinct
     elements; a Triton launch counts the distinct bytes its programs load and store."""
     from mhar_kernels import triton_routing
 
@@ -34,6 +34,7 @@ def test_counter_counts_ops_and_launches_by_hand():
         a + b
         a.view(32)
         torch.empty(1000)
+        a.new_empty(0).set_(a.untyped_storage(), 0, (4, 8), (8, 1))
         a.copy_(b)
         torch.ones(8, dtype=torch.bfloat16).expand(4, 8) * b
     assert [(e.name, e.read, e.written) for e in c.entries] == [("add", 128, 64), ("copy_", 64, 64),
