@@ -122,11 +122,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, context: AttentionContext) -> Tensor:
+    def forward(self, x: Tensor, context: AttentionContext, into=None) -> Tensor:
         """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions, the mask
         and, when decoding, the cache: the T new keys/values are appended to it and the queries
         attend to every cached position the cache's mask allows (earlier tokens of the row's
-        document, no padding)."""
+        document, no padding). into: where the output projection writes its result
+        (`router.Projection`, a depth-buffer slot), None for a new tensor."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -140,7 +141,8 @@ class Attention(nn.Module):
         else:
             k, v, mask = context.cache.update(self.layer_id, k, v)
             y = attend(q, k, v, mask)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.wo(y) if into is None else into(self.wo, y)
 
 
 class FeedForward(nn.Module):
@@ -152,8 +154,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: Tensor, into=None) -> Tensor:
+        """x (B, T, d) -> (B, T, d); into: as `Attention.forward`'s."""
+        y = F.silu(self.w1(x)) * self.w3(x)
+        return self.w2(y) if into is None else into(self.w2, y)
 
 
 class BlockOutput(NamedTuple):
@@ -229,14 +233,20 @@ class TransformerBlock(nn.Module):
         attention_site, mlp_site = self.sites
         attention_call, mlp_call = schedule.calls
         x = sublayer_input(attention_call, self.settings, 0, h, entries, routing, states, given, token)
-        a = self.attention(self.attention_norm(x), attention_context)
+        into = given.into(schedule.direct[0], token)
+        a = self.attention(self.attention_norm(x), attention_context, into)
+        token = token if into is None else into.token
         h = None if h is None else h + a
-        new, token = given.add(new_sources(attention_site, entries, a, h), schedule.slots[0], schedule.keeps[0], token)
+        new, token = given.add(new_sources(attention_site, entries, a, h), schedule.slots[0], schedule.keeps[0], token,
+                               schedule.direct[0])
         entries += new
         x = sublayer_input(mlp_call, self.settings, 1, h, entries, routing, states, given, token)
-        m = self.feed_forward(self.ffn_norm(x))
+        into = given.into(schedule.direct[1], token)
+        m = self.feed_forward(self.ffn_norm(x), into)
+        token = token if into is None else into.token
         h = None if h is None else h + m
-        new, token = given.add(new_sources(mlp_site, entries, m, h), schedule.slots[1], schedule.keeps[1], token)
+        new, token = given.add(new_sources(mlp_site, entries, m, h), schedule.slots[1], schedule.keeps[1], token,
+                               schedule.direct[1])
         entries += new
         return BlockOutput(h, tuple(entries[start:]), tuple(states[s] for s in schedule.leaving), token)
 

@@ -36,7 +36,7 @@ from mhar_kernels import contract, dispatch, reference
 from mhar_kernels.depth_buffer import DepthBuffer, Reads, reads as device_reads
 
 from .args import ModelArgs
-from .plan import Group, RoutingPlan, Site
+from .plan import OUTPUT, Group, RoutingPlan, Site
 
 
 class State(NamedTuple):
@@ -65,21 +65,44 @@ class BlockSources:
     def __init__(self, entries: tuple, buffer: DepthBuffer | None = None, reads: tuple | None = None):
         self.entries, self.buffer, self.reads = entries, buffer, reads
 
+    def into(self, slot: int | None, token: Tensor | None) -> "Projection | None":
+        """Where a sublayer's output projection writes: depth-buffer row `slot` (its one entry is
+        its output as it is, `LayerSchedule.direct`) after the write that made `token`, where there
+        is a buffer; else None (a new tensor)."""
+        return None if self.buffer is None or slot is None else Projection(self.buffer, slot, token)
+
+
     def add(self, created: list[Tensor], slots: Sequence[int | None], keeps: Sequence[bool],
-            token: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
-        """Write the new entries `created` into their depth-buffer slots (None: not routed over)
-        after the write that made `token`; returns (the entries as the source list holds them: the
-        buffer's row, or the tensor itself where a later entry is built from it (`keeps`) or it has
-        no slot; the newest token). Without a buffer, (created, token)."""
+            token: Tensor | None, direct: int | None = None) -> tuple[list[Tensor], Tensor | None]:
+        """Write the new entries `created` into their depth-buffer slots (None: not routed over;
+        `direct`: the slot the output projection already computed its entry into, `into`) after the write that made
+        `token`; returns (the entries as the source list holds them: the buffer's row, or the
+        tensor itself where a later entry is built from it (`keeps`) or it has no slot; the newest
+        token). Without a buffer, (created, token)."""
         buffer = self.buffer
         if buffer is None:
             return created, token
         entries = []
         for value, slot, keep in zip(created, slots, keeps, strict=True):
-            if slot is not None:
+            if slot is not None and slot != direct:
                 token = buffer.write(slot, value, token)
             entries.append(value if keep or slot is None else buffer.values[slot])
         return entries, token
+
+
+class Projection:
+    """A sublayer's output projection computed straight into a depth-buffer slot
+    (`DepthBuffer.project`: no copy of its result): called as projection(linear, x) by the
+    sublayer's module (so its forward hooks see the output), it keeps the write's token."""
+
+    __slots__ = ("buffer", "slot", "token")
+
+    def __init__(self, buffer: DepthBuffer, slot: int, token: Tensor | None):
+        self.buffer, self.slot, self.token = buffer, slot, token
+
+    def __call__(self, linear: nn.Linear, x: Tensor) -> Tensor:
+        out, self.token = self.buffer.project(self.slot, x, linear.weight, self.token)
+        return out
 
 
 class BlockRouting(NamedTuple):
@@ -294,7 +317,9 @@ class LayerSchedule(NamedTuple):
     site after this block reads or builds on (the forward drops them after it, so that they are
     freed once autograd is done with them); slots, per sublayer, one depth-buffer slot per entry
     it creates (None: no site routes over it); keeps, per sublayer and entry: a later entry is
-    built from it, so the source list holds the tensor itself, not its buffer row."""
+    built from it, so the source list holds the tensor itself, not its buffer row; direct, per
+    sublayer, the slot its output projection computes straight into (its one entry is its output
+    as it is, `BlockSources.into`), else None."""
 
     calls: tuple[SiteCall | None, SiteCall | None]
     carried: tuple[int, ...]
@@ -303,6 +328,7 @@ class LayerSchedule(NamedTuple):
     released: tuple[int, ...]
     slots: tuple[tuple[int | None, ...], tuple[int | None, ...]] = ((), ())
     keeps: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
+    direct: tuple[int | None, int | None] = (None, None)
 
 
 def _as_slice(indices: tuple[int, ...]) -> slice | tuple[int, ...]:
@@ -370,6 +396,14 @@ def buffer_layout(plan: RoutingPlan) -> tuple[dict[int, int], list[tuple[tuple, 
     return slots, calls
 
 
+def _direct(site: Site | None, slots: dict[int, int]) -> int | None:
+    """The slot `site`'s sublayer output projection computes into: where its one created entry is
+    its output as it is (recipe ((1, OUTPUT),)) and some site routes over it; else None."""
+    if site is None or len(site.creates) != 1 or site.creates[0].recipe != ((1, OUTPUT),):
+        return None
+    return slots.get(site.creates[0].index)
+
+
 @dataclass(frozen=True)
 class RoutingSchedule:
     """The routing plan resolved once per model (module docstring): `layers`, one
@@ -420,7 +454,8 @@ class RoutingSchedule:
             layers.append(LayerSchedule(
                 calls_here, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
                 tuple(tuple(slots.get(j) for j in entries) for entries in made),
-                tuple(tuple(j in built_from for j in entries) for entries in made)))
+                tuple(tuple(j in built_from for j in entries) for entries in made),
+                tuple(_direct(s, slots) for s in sites)))
         final = None if plan.final is None else resolved(plan.final)
         initial = tuple(slots.get(source.index) for source in plan.initial)
         return cls(plan, tuple(layers), final, len(slots), initial, buffer_calls)
