@@ -49,7 +49,7 @@ def _bf16_training_step(args: ModelArgs, tokens: torch.Tensor) -> None:
 def _measured_step(monkeypatch, args: ModelArgs, tokens: torch.Tensor) -> dict:
     """Bytes per launch kind, read from the tensors and depth-buffer rows each real routing launch
     gets and returns, the rows its backward writes or adds gradients into, and the sources written
-    into their slots (`DepthBuffer.write`)."""
+    into their slots by a copy (`DepthBuffer.write`)."""
     from mhar_kernels import depth_buffer
 
     measured = {"forward": 0, "backward": 0, "reduce": 0, "launches": 0, "writes": 0, "rows": set(),
@@ -111,10 +111,12 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
     for kind in ("forward", "backward", "reduce"):
         assert measured[kind] == kinds[kind], (kind, measured[kind], kinds[kind])
     assert "accumulate" not in kinds
-    # every source written into its slot once; its gradient row written by one reader (its last in
-    # the forward), added into by the others: nothing for autograd to add
+    # the embedding copied into its slot, every sublayer output computed straight into its own; each
+    # gradient row written by one reader (its last in the forward), added into by the others:
+    # nothing for autograd to add
     distinct = len({j for ids in sites for j in ids})
-    assert measured["writes"] == kinds["write"] == 2 * distinct * counted.row_bytes
+    assert performance.slot_copies(args) == (1, 0)
+    assert measured["writes"] == kinds["write"] == 2 * counted.row_bytes
     assert len(measured["rows"]) == distinct and sorted(measured["first"]) == sorted(measured["rows"])
     # separate source tensors, their per-site gradients summed by autograd, would cost more
     unshared = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)

@@ -14,9 +14,10 @@ depth softmax but not a row: it is d values, cache-resident), the kernels of thi
                        fp32 (d,) vectors and, for bf16 / fp16, casts each to the storage dtype
 
 The sources are rows of one depth buffer per micro-batch (`depth_buffer`, as the models run the
-fused kernels): each source is copied into its slot once per forward (`DepthBuffer.write`: one
-row read, one written; kind "write"), and again where activation checkpointing recomputes the
-block that wrote it (`recomputed_writes`). The buffer has one gradient row per source: backward
+fused kernels): a source is copied into its slot once per forward (`DepthBuffer.write`: one row
+read, one written; kind "write"; `writes` of them: the models compute a sublayer output that is
+an entry as it is straight into its slot, `DepthBuffer.project`, and copy the others), and again
+where activation checkpointing recomputes the block that copied it (`recomputed_writes`). The buffer has one gradient row per source: backward
 runs the sites in reverse, so a source's last reader writes its row and every earlier reader adds
 into it inside its backward launch (A counts those), and autograd adds nothing. Without the
 buffer (separate source tensors), autograd would add the k gradients of a source read by k sites
@@ -149,7 +150,8 @@ def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
 
 def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: int, dtype: torch.dtype,
                     heads: int, delta: bool = False, null_source: bool = False, programs: int = H200_PROGRAMS,
-                    recomputed_sites: int = 0, recomputed_writes: int = 0, shared: bool = True) -> Traffic:
+                    recomputed_sites: int = 0, writes: Optional[int] = None, recomputed_writes: int = 0,
+                    shared: bool = True) -> Traffic:
     """Traffic of every routing launch of one step and the floor.
 
     Args:
@@ -161,9 +163,12 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
         programs: backward programs P (partial sums are (P, d) fp32); 264 on one H200.
         recomputed_sites: the first this-many sites run their forward twice (activation
             checkpointing recomputes the blocks; the final routing is outside them).
-        recomputed_writes: slot writes that run a second time (the sources written inside the
+        writes: sources copied into their slots per forward (None: every source, each once; the
+            models compute a sublayer's output straight into its slot where the entry is that
+            output as it is, and copy the others).
+        recomputed_writes: slot copies that run a second time (the sources copied inside the
             recomputed part of a recomputed block).
-        shared: the sources are rows of one depth buffer, each copied into its slot once (plus
+        shared: the sources are rows of one depth buffer, copied into their slots (`writes` plus
             `recomputed_writes`), their gradient rows written or added into by the kernels (the
             models' fused path); False counts separate source tensors whose per-site gradients
             autograd sums instead (no slot writes).
@@ -182,7 +187,7 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
                                   accumulated=accumulated[site])
     distinct = len({source for ids in site_sources for source in ids})
     if shared:
-        launches.append(slot_writes(distinct + recomputed_writes, row))
+        launches.append(slot_writes((distinct if writes is None else writes) + recomputed_writes, row))
     else:
         additions = sum(counts) - distinct
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
@@ -298,7 +303,7 @@ def merge_launches(site: int, late_rows: int, *, dim: int, tokens: int, dtype: t
 def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], *, dim: int, tokens: int,
                     dtype: torch.dtype, heads: int, delta: bool = False, null_source: bool = False,
                     programs: int = H200_PROGRAMS, backward_site_block: int = 0, recomputed_sites: int = 0,
-                    recomputed_writes: int = 0, shared: bool = True) -> Traffic:
+                    writes: Optional[int] = None, recomputed_writes: int = 0, shared: bool = True) -> Traffic:
     """Traffic of one step with grouped routing, and its floor.
 
     Args:
@@ -310,7 +315,8 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
             a group of g sites then runs ceil(g / block) site chunks.
         recomputed_sites: sites below this index run their forward launches twice (a group's
             phase 1 when its first site is below it).
-        recomputed_writes: slot writes that run a second time, as `routing_traffic`'s.
+        writes, recomputed_writes: slot copies per forward and those run a second time, as
+            `routing_traffic`'s.
         shared: the sources are rows of one depth buffer (as `routing_traffic`: each copied into
             its slot, every reader (per-call site, phase 1, merge) writing or adding into their
             gradient rows, the last reader writes, earlier ones add); False counts separate
@@ -356,7 +362,7 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
         site += g
     reads = [j for ids in readers for j in ids]
     if shared:
-        launches.append(slot_writes(len(set(reads)) + recomputed_writes, row))
+        launches.append(slot_writes((len(set(reads)) if writes is None else writes) + recomputed_writes, row))
     else:
         additions = len(reads) - len(set(reads))
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))

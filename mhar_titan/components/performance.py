@@ -236,17 +236,44 @@ def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
     return Launch(None, "parameters", read=2 * read, written=2 * written)
 
 
-def recomputed_writes(args: ModelArgs, ac: str) -> int:
-    """Depth-buffer slot writes (`mhar_kernels.depth_buffer`) that activation checkpointing `ac`
-    runs a second time per step: under "full" a recomputed block writes the routed entries its
-    attention sublayer creates again; non-reentrant checkpointing stops recomputing at the block's
-    last saved activation (inside the MLP), before the MLP sublayer's writes. 0 otherwise."""
+def slot_copies(args: ModelArgs, ac: str = "none") -> tuple[int, int]:
+    """(copies per forward, copies run a second time under activation checkpointing `ac`) of
+    routed entries into their depth-buffer slots (`mhar_kernels.depth_buffer`), from the model's
+    `router.RoutingSchedule`: every routed entry is copied (`DepthBuffer.write`) except a sublayer
+    output that its output projection computes straight into its slot (`LayerSchedule.direct`).
+    Under "full" a recomputed block copies its attention sublayer's entries again; non-reentrant
+    checkpointing stops recomputing at the block's last saved activation (inside the MLP), before
+    the MLP sublayer's copies."""
+    from mhar_titan.models.router import RoutingSchedule
+
+    schedule = RoutingSchedule.from_plan(RoutingPlan.from_args(args), args.n_layers)
+    copied = [[sum(slot is not None and slot != layer.direct[k] for slot in layer.slots[k]) for k in (0, 1)]
+              for layer in schedule.layers]
+    initial = sum(slot is not None for slot in schedule.initial_slots)
+    return initial + sum(map(sum, copied)), sum(a for a, _ in copied) if ac == "full" else 0
+
+
+def _copies(args: ModelArgs, ac: str) -> dict:
+    writes, again = slot_copies(args, ac)
+    return dict(writes=writes, recomputed_writes=again)
+
+
+def recomputed_projections(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none") -> Launch:
+    """Bytes of the MLP output projections that activation checkpointing `ac` runs again only
+    because they compute straight into their depth-buffer slots (kind "projection"; the
+    `LayerSchedule.direct` MLP sublayers of a "full" step, else none): `DepthBuffer.project` saves
+    its input inside the op that runs the matmul, so non-reentrant checkpointing's early stop, which
+    ends the baseline's recompute before the MLP's w2, runs it once more per block: the (tokens,
+    ffn_dim) input and the (d, ffn_dim) weight read, the (tokens, d) row written."""
     if ac != "full":
-        return 0
-    plan = RoutingPlan.from_args(args)
-    routed = {j for site in plan.sites for j in site.reads if plan.sources[j].kind != "null"}
-    attention = {site.index for site in plan.sites if site.sublayer == "attention"}
-    return sum(plan.sources[j].site in attention for j in routed)
+        return Launch(None, "projection", read=0, written=0)
+    from mhar_titan.models.router import RoutingSchedule
+
+    schedule = RoutingSchedule.from_plan(RoutingPlan.from_args(args), args.n_layers)
+    blocks = sum(layer.direct[1] is not None for layer in schedule.layers)
+    el = element_bytes(dtype)
+    return Launch(None, "projection", read=blocks * (tokens + args.dim) * args.ffn_dim * el,
+                  written=blocks * tokens * args.dim * el)
 
 
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
@@ -258,8 +285,9 @@ def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "no
     t = routing_traffic(sites, dim=args.dim, tokens=tokens, dtype=dtype, heads=args.resolved_routing_heads,
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                         programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0,
-                        recomputed_writes=recomputed_writes(args, ac), shared=shared)
-    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
+                        **_copies(args, ac), shared=shared)
+    extra = (parameter_gradients(args, dtype), recomputed_projections(args, tokens, dtype, ac))
+    return Traffic(t.launches + extra, t.floor, t.row_bytes)
 
 
 def plan_groups(args: ModelArgs) -> list[tuple[list[int], list[list[int]]]]:
@@ -285,8 +313,9 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                         programs=programs, backward_site_block=block,
                         recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0,
-                        recomputed_writes=recomputed_writes(args, ac))
-    return Traffic(t.launches + (parameter_gradients(args, dtype),), t.floor, t.row_bytes)
+                        **_copies(args, ac))
+    extra = (parameter_gradients(args, dtype), recomputed_projections(args, tokens, dtype, ac))
+    return Traffic(t.launches + extra, t.floor, t.row_bytes)
 
 
 
