@@ -136,7 +136,7 @@ class Trainer:
         self.eval_loss_fn = build_loss_fn(cfg.compile, 0.0, t.loss_path, t.loss_chunk_tokens) \
             if t.z_loss > 0 else self.loss_fn
         self.ema = WeightEMA(self.model, t.ema_decay) if t.ema_decay > 0 else None
-        self.graphed = GraphedMicroStep(self.model, self.loss_fn) if t.cuda_graphs else None
+        self.graphed = GraphedMicroStep(self.model, self.loss_fn, self.env.world_size) if t.cuda_graphs else None
         self.flops = flops_per_token(self.model_args, t.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.state = TrainState()
@@ -255,7 +255,7 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
             if self.graphed is not None:  # training.cuda_graphs (forced non-finite steps are refused with it)
-                loss_total += self.graphed.step(x, y, self.env.world_size / n_global)
+                loss_total += self.graphed.step(x, y, n_global)
                 continue
             loss_sum = self.model(x, y, loss_fn=self.loss_fn)
             if forced:  # debug: poison this step to exercise the non-finite guard

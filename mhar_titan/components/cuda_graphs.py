@@ -8,7 +8,7 @@ stream, which makes everything that is made once (cuBLAS workspaces, NCCL commun
 buffers, Triton's compiled and autotuned kernels, and with ``compile.enable`` or
 ``model.routing_kernel = "compile"`` every compiled graph the step runs); the next call captures
 forward and backward into a graph over static input buffers, with one memory pool for the run;
-every later call copies its batch and loss scale into those buffers and replays. The step around it
+every later call copies its batch and global target count into those buffers and replays. The step around it
 (clipping, the optimizer, the EMA) stays eager; the forward and backward read nothing back from the
 device (``tests/test_capture_safe.py``), which capture needs. Gradients must keep their storage, so
 the trainer zeroes them in place (``zero_grad(set_to_none=False)``) when graphs are on.
@@ -124,52 +124,54 @@ def no_recompile() -> Iterator[None]:
 class GraphedMicroStep:
     """Forward and backward of one micro-batch, captured once and replayed (module docstring).
 
-    ``step(x, y, scale)`` does what the eager trainer does per micro-batch: ``loss_sum =
-    model(x, y, loss_fn=loss_fn)`` then ``(loss_sum * scale).backward()``, and returns
+    ``step(x, y, n_global)`` does what the eager trainer does per micro-batch, in the same
+    arithmetic (so eager and graphed losses can agree bit for bit): ``loss_sum = model(x, y,
+    loss_fn=loss_fn)`` then ``(loss_sum / n_global * world_size).backward()``, and returns
     ``loss_sum`` detached (a 0-dim tensor, the graph's static output: read or copy it before the
     next call). x, y: (B, T) int64 on the device, the same shape at every call (the loader's
-    windows are fixed); scale: 0-dim fp32 on the device.
+    windows are fixed); n_global: 0-dim fp32 on the device, the step's target count over every
+    rank; world_size: the data-parallel ranks (a constructor argument, fixed for the run).
 
     Raises:
         ValueError: a batch of another shape than the captured one.
         RecompiledDuringCapture: compiled code recompiled during the capture (``no_recompile``).
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
-        self.model, self.loss_fn = model, loss_fn
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, world_size: int = 1):
+        self.model, self.loss_fn, self.world_size = model, loss_fn, world_size
         self.calls = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.pool = None
         self.static: dict[str, torch.Tensor] = {}
 
-    def _eager(self, x, y, scale) -> torch.Tensor:
+    def _eager(self, x, y, n_global) -> torch.Tensor:
         loss_sum = self.model(x, y, loss_fn=self.loss_fn)
-        (loss_sum * scale).backward()
+        (loss_sum / n_global * self.world_size).backward()
         return loss_sum.detach()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, n_global: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls <= WARMUP_CALLS:  # compiles, autotunes and allocates what is made once
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                loss = self._eager(x, y, scale)
+                loss = self._eager(x, y, n_global)
             torch.cuda.current_stream().wait_stream(side)
             return loss
         if self.graph is None:
             # the static buffers: the attention context (document mask, RoPE positions) is built
             # from static["x"] inside the captured forward, so every replay rebuilds it on the device
-            self.static = {"x": x.clone(), "y": y.clone(), "scale": scale.clone()}
+            self.static = {"x": x.clone(), "y": y.clone(), "n_global": n_global.clone()}
             self.pool = torch.cuda.graph_pool_handle()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.pool), no_recompile():
-                self.static["loss"] = self._eager(self.static["x"], self.static["y"], self.static["scale"])
+                self.static["loss"] = self._eager(self.static["x"], self.static["y"], self.static["n_global"])
         elif x.shape != self.static["x"].shape or y.shape != self.static["y"].shape:
             raise ValueError(f"a captured micro-batch step takes batches of {tuple(self.static['x'].shape)}, got "
                              f"{tuple(x.shape)}: CUDA graphs need the same shapes at every step")
         else:
             self.static["x"].copy_(x, non_blocking=True)
             self.static["y"].copy_(y, non_blocking=True)
-            self.static["scale"].copy_(scale, non_blocking=True)
+            self.static["n_global"].copy_(n_global, non_blocking=True)
         self.graph.replay()
         return self.static["loss"]

@@ -210,7 +210,7 @@ class ModelArgs:
         if g != 1 and self.routing_kernel == "compile":
             raise ValueError(f"routing_group_size={g!r} runs with routing_kernel 'eager', 'triton' or 'auto' "
                              "(grouped routing has no torch.compile'd routing body; per-block compile is "
-                             "training.compile), got routing_kernel='compile'; set routing_kernel='triton' or "
+                             "compile.enable), got routing_kernel='compile'; set routing_kernel='triton' or "
                              "'eager', or routing_group_size=1")
 
     def _check_logit_scale(self) -> None:
