@@ -29,36 +29,47 @@ class Reads(NamedTuple):
 
     slots: int32 (n,) on the device, the rows in the call's source order. accumulate: int32
     (n,), 1 where the call's backward adds its gradient to what a later reader (earlier in the
-    backward) wrote into the row, 0 where it is the row's first writer; None: every row written."""
+    backward) wrote into the row, 0 where it is the row's first writer; None: every row written.
+    rows: the slots as ints (the host's copy)."""
 
     slots: Tensor
     accumulate: Optional[Tensor]
+    rows: tuple[int, ...] = ()
 
 
 def reads(slots: Sequence[int], adds: Sequence[bool], device: torch.device) -> Reads:
     """`Reads` of these slots (ints) and add flags (bools, one per slot) on `device` (one
     host-to-device copy: call once per call site and device, never per step)."""
     table = torch.tensor([list(slots), [int(a) for a in adds]], dtype=torch.int32).to(device)
-    return Reads(table[0], table[1] if any(adds) else None)
+    return Reads(table[0], table[1] if any(adds) else None, tuple(slots))
 
 
 class DepthBuffer:
     """One micro-batch's depth buffer (module docstring).
 
     values: (capacity, B, T, d) contiguous, in the sources' dtype and on their device. grads: the
-    same shape, made at the first backward reader (`gradients`), None before."""
+    same shape, made at the first backward reader (`gradients`), None before. handed: the slots
+    whose gradient row a backward has handed on."""
 
-    __slots__ = ("values", "grads")
+    __slots__ = ("values", "grads", "handed")
 
     def __init__(self, capacity: int, like: Tensor):
         self.values = torch.empty((capacity, *like.shape), dtype=like.dtype, device=like.device)
         self.grads: Optional[Tensor] = None
+        self.handed: set = set()
 
-    def gradients(self) -> Tensor:
-        """The gradient buffer (values' shape), made on first use. Each row is written by the
-        first reader of its slot in the backward and added into by the others (`Reads`)."""
+    def gradients(self, reads: Reads) -> Tensor:
+        """The gradient buffer (values' shape) for a reader of `reads`, made zeroed on first use.
+        Each row is written by the first reader of its slot in the backward and added into by the
+        others (`Reads`); zeroed rows keep that right where the writer's backward does not run (a
+        loss that does not reach it), and a row a backward already handed on is zeroed again
+        before a later backward over the same graph (retain_graph) reads it."""
         if self.grads is None:
-            self.grads = torch.empty_like(self.values)
+            self.grads = torch.zeros_like(self.values)
+        elif self.handed:
+            for slot in self.handed.intersection(reads.rows):
+                self.grads[slot].zero_()
+                self.handed.discard(slot)
         return self.grads
 
     def write(self, slot: int, source: Tensor, token: Optional[Tensor]) -> Tensor:
@@ -94,6 +105,7 @@ class _Project(torch.autograd.Function):
     def backward(ctx, grad_out, _token):
         _first_derivative_only()
         x, weight = ctx.saved_tensors
+        ctx.buffer.handed.add(ctx.slot)
         grads = ctx.buffer.grads
         grad = None if grads is None else grads[ctx.slot]
         if grad_out is not None:
@@ -117,6 +129,7 @@ class _Write(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token):
         _first_derivative_only()
+        ctx.buffer.handed.add(ctx.slot)
         grads = ctx.buffer.grads
         return (None if grads is None else grads[ctx.slot]), None, None, None
 
@@ -140,4 +153,5 @@ def stacked(sources: Sequence[Tensor]) -> tuple[DepthBuffer, Optional[Tensor], R
     token = None
     for slot, source in enumerate(sources):
         token = buffer.write(slot, source, token)
-    return buffer, token, Reads(torch.arange(len(sources), dtype=torch.int32, device=sources[0].device), None)
+    return buffer, token, Reads(torch.arange(len(sources), dtype=torch.int32, device=sources[0].device), None,
+                                tuple(range(len(sources))))

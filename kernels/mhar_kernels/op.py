@@ -205,7 +205,7 @@ class _Route(torch.autograd.Function):
         buffer = ctx.buffer
         dq, dg, dalpha, dnull = triton_routing.route_backward(
             grad_out, buffer.values, ctx.reads.slots, mix, query, norm_weight, ctx.heads, ctx.eps, stats, alpha,
-            null=_null(null_source, buffer.values.dtype), grads=buffer.gradients(), accumulate=ctx.reads.accumulate,
+            null=_null(null_source, buffer.values.dtype), grads=buffer.gradients(ctx.reads), accumulate=ctx.reads.accumulate,
             mix_residual=residual, param_dtype=triton_routing.common_dtype(query, norm_weight, null_source))
         return (None, cast_like(dq, query), cast_like(dg, norm_weight),
                 grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,

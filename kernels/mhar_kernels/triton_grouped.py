@@ -63,7 +63,7 @@ def _read_table(reads: Sequence[Sequence[bool]], n: int, padded: int, device: to
     return _cached_read_table(tuple(map(tuple, reads)), n, padded, device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=None)  # one per group shape of the models built: never rebuilt per step
 def _cached_read_table(reads: tuple, n: int, padded: int, device: torch.device) -> Tensor:
     table = torch.zeros((n, padded), dtype=torch.int8)
     table[:, :len(reads)] = torch.tensor(reads, dtype=torch.int8).T
@@ -229,8 +229,10 @@ class Phase1(torch.autograd.Function):
         g, buffer = queries.shape[0], ctx.buffer
         dtype = buffer.values.dtype
         dmixes, dnorm = _upstream(grads[:g], grads[g:2 * g], lse, queries.shape[1], dtype, ctx.given)
+        if ctx.given is not None:
+            ctx.given.given.clear()  # read: a later backward over the graph (retain_graph) starts afresh
         dq, dg, dnull = phase1_backward(dmixes, dnorm, buffer.values, ctx.reads.slots, queries, norm_weights,
-                                        ctx.site_reads, ctx.heads, ctx.eps, lse, buffer.gradients(),
+                                        ctx.site_reads, ctx.heads, ctx.eps, lse, buffer.gradients(ctx.reads),
                                         ctx.reads.accumulate, _cast(null, dtype), Phase1.site_block, ctx.read_table)
         return (None, dq.to(queries.dtype), dg.to(norm_weights.dtype),
                 None if null is None else dnull.to(null.dtype), None, None, None, None, None, None)
@@ -342,7 +344,8 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
 
     Raises:
         RuntimeError: where the kernels cannot run (`op.can_run` is False: the per-call kernels' rule).
-        ValueError: reads not g tuples of n bools.
+        ValueError: reads not g tuples of n bools, no (B, T, d) source, or bad arguments as
+            `contract.check_route_args` (checked outside torch.compile).
     """
     full = sources[-1]
     _check(queries, reads, heads, len(sources), full.device, full.shape[-1])
@@ -351,6 +354,9 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
                                       int(heads), float(eps))
         return (*mixes.unbind(0), *norms.unbind(0), lse)
     null, rest = contract.split_null_source(sources)
+    if not rest:
+        raise ValueError("route_phase1 needs at least one (B, T, d) source besides a null source")
+    heads = contract.check_route_args(rest, queries[0], norm_weights[0], heads, null_source=null)
     buffer, token, rows = depth_buffer.stacked(rest)
     return phase1_buffer(buffer, rows, token, queries, norm_weights, reads, heads, eps, null)
 

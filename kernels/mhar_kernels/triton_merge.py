@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import depth_buffer, triton_routing
+from . import contract, depth_buffer, triton_routing
 from .depth_buffer import DepthBuffer, Reads
 from .op import can_run, cast_like
 from .triton_grouped import MixGradients
@@ -86,7 +86,7 @@ class Merge(torch.autograd.Function):
         dq, dg, dalpha, _ = triton_routing.route_backward(
             grad_out, buffer.values if reads is not None else None, reads.slots if reads is not None else None, mix,
             query, norm_weight, ctx.heads, ctx.eps, stats, alpha,
-            grads=buffer.gradients() if reads is not None else None,
+            grads=buffer.gradients(reads) if reads is not None else None,
             accumulate=reads.accumulate if reads is not None else None, mix_residual=residual, state_lse=state_lse,
             state_grad=dstate, state_norm_grad=dnorm, param_dtype=triton_routing.common_dtype(query, norm_weight))
         if not write_state:
@@ -110,8 +110,7 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
             fp32 (lse not differentiable).
         query, norm_weight: the site's pseudo-query and key-norm weight (d,).
         heads, eps: routing heads H and the RMSNorm epsilon.
-        late: the m >= 0 in-group sources (B, T, d) in mix's dtype, checked by the caller
-            (`contract.check_route_args`).
+        late: the m >= 0 in-group sources (B, T, d) in mix's dtype.
         partial, alpha: delta mode (MHAR_SPEC section 1.4): returns partial + alpha * mix.
 
     Returns:
@@ -120,13 +119,14 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
     Raises:
         RuntimeError: where the kernels cannot run (`op.can_run`); call `dispatch.merge`, which
             picks the eager merge there.
-        ValueError: the mix is not in the sources' (or the partial's) dtype.
+        ValueError: the mix is not in the sources' (or the partial's) dtype, or bad arguments as
+            `contract.check_route_args` (the mix and the in-group sources checked together).
     """
     if not can_run(mix.device, mix.shape[-1], heads):
         raise RuntimeError(f"the fused merge cannot run on {mix.device} at d={mix.shape[-1]}, H={heads}; call "
                            "mhar_kernels.dispatch.merge, which uses the eager merge where mhar_kernels.can_run() "
                            "is False")
-    # (the caller checked the in-group sources against each other: the first one's dtype is theirs)
+    contract.check_route_args([mix, *late], query, norm_weight, heads, partial, alpha)
     if (late and late[0].dtype is not mix.dtype) or (partial is not None and partial.dtype is not mix.dtype):
         raise ValueError(f"the fused merge needs the phase-1 mix ({mix.dtype}) in the sources' dtype "
                          f"({late[0].dtype if late else partial.dtype}); phase 1 on the fused kernels writes it so")

@@ -93,7 +93,9 @@ class BlockSources:
 class Projection:
     """A sublayer's output projection computed straight into a depth-buffer slot
     (`DepthBuffer.project`: no copy of its result): called as projection(linear, x) by the
-    sublayer's module (so its forward hooks see the output), it keeps the write's token."""
+    sublayer's module (so its forward hooks see the output), it keeps the write's token. A
+    projection that is not a plain bias-free `nn.Linear` without hooks (a subclass, an adapter),
+    or one under autocast, runs as a module and its output is copied into the slot."""
 
     __slots__ = ("buffer", "slot", "token")
 
@@ -101,6 +103,11 @@ class Projection:
         self.buffer, self.slot, self.token = buffer, slot, token
 
     def __call__(self, linear: nn.Linear, x: Tensor) -> Tensor:
+        if (type(linear) is not nn.Linear or linear.bias is not None or linear._forward_hooks
+                or linear._forward_pre_hooks or torch.is_autocast_enabled(x.device.type)):
+            out = linear(x)
+            self.token = self.buffer.write(self.slot, out, self.token)
+            return out
         out, self.token = self.buffer.project(self.slot, x, linear.weight, self.token)
         return out
 
