@@ -43,7 +43,7 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
         buffer, token = DepthBuffer(n, sources[0]), None
         for slot, x in enumerate(sources):
             token = buffer.write(slot, x, token)
-        buffer.gradients()
+        buffer.gradients(first)
 
         def call():  # gradients of q and g only: the rows' gradients stay in the buffer, as mid-step
             out = route_rows(buffer, first, token, query, norm_weight, heads, 1e-6)
@@ -51,7 +51,7 @@ def host_ms(n: int = 73, d: int = 1280, heads: int = 8, iters: int = 200) -> dic
 
         def write():  # n sources written into their slots (a token chain) and their gradient rows handed on
             into, newest = DepthBuffer(n, sources[0]), None
-            into.gradients()
+            into.gradients(first)  # (made once per step, as the first backward reader makes it)
             for slot, x in enumerate(sources):
                 newest = into.write(slot, x, newest)
             torch.autograd.grad(newest, sources, newest.new_empty(0))
