@@ -12,8 +12,9 @@ loop; needs TRITON_INTERPRET=1 for the launches) that records one entry per
   `_unsafe_view`), `set_` (a tensor pointed at a storage) and allocations (`empty*`, which write
   nothing) count nothing; an input
   with stride-0 dimensions (an expanded tensor) counts its distinct elements; arguments an op
-  only overwrites (`copy_`, `fill_`, `zero_`, `out=`) are written, not read; an in-place op's
-  self is read and written.
+  only overwrites (`copy_`, `fill_`, `zero_`, `out=`) are written, not read, and the tensor a
+  `zeros_like` / `new_zeros`-style factory takes its shape from is not read; an in-place op's self is read and
+  written.
 
 `count_step(args, batch, seq, ac)` builds a seeded bf16 model from `ModelArgs` (outside the count)
 and counts one training step: forward, cross-entropy loss and backward, and apart from them the
@@ -48,6 +49,9 @@ ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.new_em
                aten.new_empty_strided.default, aten.empty_like.default}
 OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
 METADATA = {aten.set_}  # point a tensor at a storage: moves no bytes
+# factories that take only the shape, dtype and device of their tensor argument: it is not read
+LIKE = {aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like, aten.new_zeros,
+        aten.new_ones, aten.new_full}
 
 
 def distinct_bytes(t: torch.Tensor) -> int:
@@ -127,6 +131,8 @@ class ByteCounter(TorchDispatchMode):
         for name in ("out",):
             for t in _tensors(kwargs.get(name)):
                 overwritten.add(id(t))
+        if func.overloadpacket in LIKE:
+            overwritten.add(id(args[0]))
         read = sum(distinct_bytes(t) for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in overwritten)
         written = sum(distinct_bytes(t) for t in _tensors(out))
         self.entries.append(Entry("aten", str(func.overloadpacket.__name__), read, written))

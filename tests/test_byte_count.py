@@ -25,8 +25,10 @@ BATCH, SEQ = 2, 8
 
 def test_counter_counts_ops_and_launches_by_hand():
     """An add of two (4, 8) bf16 tensors reads 128 and writes 64 bytes; a view, an allocation and
-    a tensor pointed at another's storage (`set_`) count nothing; copy_ reads its source only; an expanded (stride-0) input counts its distinct
-    elements; a Triton launch counts the distinct bytes its programs load and store."""
+    a tensor pointed at another's storage (`set_`) count nothing; copy_ reads its source only; an
+    expanded (stride-0) input counts its distinct elements; zeros_like and new_zeros write their
+    result without reading their argument; a Triton launch counts the distinct bytes its programs
+    load and store."""
     from mhar_kernels import triton_routing
 
     a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16)
@@ -37,8 +39,11 @@ def test_counter_counts_ops_and_launches_by_hand():
         a.new_empty(0).set_(a.untyped_storage(), 0, (4, 8), (8, 1))
         a.copy_(b)
         torch.ones(8, dtype=torch.bfloat16).expand(4, 8) * b
+        torch.zeros_like(a)
+        a.new_zeros((2, 8))
     assert [(e.name, e.read, e.written) for e in c.entries] == [("add", 128, 64), ("copy_", 64, 64),
-                                                               ("ones", 0, 16), ("mul", 16 + 64, 64)]
+                                                               ("ones", 0, 16), ("mul", 16 + 64, 64),
+                                                               ("zeros_like", 0, 64), ("new_zeros", 0, 32)]
     # one routing forward over rows 0 and 2 of a (3, 1, 4, 64) bf16 depth buffer: both read once, the
     # output written once, the unread row not at all
     values = torch.randn(3, 1, 4, 64).bfloat16()
