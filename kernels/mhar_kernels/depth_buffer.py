@@ -65,7 +65,7 @@ class DepthBuffer:
         loss that does not reach it), and a row a backward already handed on is zeroed again
         before a later backward over the same graph (retain_graph) reads it."""
         if self.grads is None:
-            self.grads = torch.zeros_like(self.values)
+            self.grads = self.values.new_zeros(self.values.shape)
         elif self.handed:
             for slot in self.handed.intersection(reads.rows):
                 self.grads[slot].zero_()
