@@ -30,46 +30,50 @@ class Reads(NamedTuple):
     slots: int32 (n,) on the device, the rows in the call's source order. accumulate: int32
     (n,), 1 where the call's backward adds its gradient to what a later reader (earlier in the
     backward) wrote into the row, 0 where it is the row's first writer; None: every row written.
-    rows: the slots as ints (the host's copy)."""
+    rows: the slots as ints (the host's copy); adds: the slots whose gradient row the call adds
+    into, a set."""
 
     slots: Tensor
     accumulate: Optional[Tensor]
     rows: tuple[int, ...] = ()
+    adds: frozenset = frozenset()
 
 
 def reads(slots: Sequence[int], adds: Sequence[bool], device: torch.device) -> Reads:
     """`Reads` of these slots (ints) and add flags (bools, one per slot) on `device` (one
     host-to-device copy: call once per call site and device, never per step)."""
     table = torch.tensor([list(slots), [int(a) for a in adds]], dtype=torch.int32).to(device)
-    return Reads(table[0], table[1] if any(adds) else None, tuple(slots))
+    return Reads(table[0], table[1] if any(adds) else None, tuple(slots),
+                 frozenset(slot for slot, add in zip(slots, adds) if add))
 
 
 class DepthBuffer:
     """One micro-batch's depth buffer (module docstring).
 
     values: (capacity, B, T, d) contiguous, in the sources' dtype and on their device. grads: the
-    same shape, made at the first backward reader (`gradients`), None before. handed: the slots
-    whose gradient row a backward has handed on."""
+    same shape, made at the first backward reader (`gradients`), None before. written: the slots
+    whose gradient row holds this backward's sum so far."""
 
-    __slots__ = ("values", "grads", "handed")
+    __slots__ = ("values", "grads", "written")
 
     def __init__(self, capacity: int, like: Tensor):
         self.values = torch.empty((capacity, *like.shape), dtype=like.dtype, device=like.device)
         self.grads: Optional[Tensor] = None
-        self.handed: set = set()
+        self.written: set = set()
 
     def gradients(self, reads: Reads) -> Tensor:
-        """The gradient buffer (values' shape) for a reader of `reads`, made zeroed on first use.
-        Each row is written by the first reader of its slot in the backward and added into by the
-        others (`Reads`); zeroed rows keep that right where the writer's backward does not run (a
-        loss that does not reach it), and a row a backward already handed on is zeroed again
-        before a later backward over the same graph (retain_graph) reads it."""
+        """The gradient buffer (values' shape) for a reader of `reads`, made on first use. Each row
+        is written by the first reader of its slot in the backward and added into by the others
+        (`Reads`). Where a call would add into a row no reader has written in this backward (the
+        writer's backward did not run: a loss that does not reach it, or a later backward over
+        the same graph, retain_graph, after the row was handed on), the row is zeroed first; the
+        models' backward never takes that path (no row is zeroed, `written` is a host-side set)."""
         if self.grads is None:
-            self.grads = self.values.new_zeros(self.values.shape)
-        elif self.handed:
-            for slot in self.handed.intersection(reads.rows):
+            self.grads = torch.empty_like(self.values)
+        if not self.written.issuperset(reads.adds):
+            for slot in reads.adds.difference(self.written):
                 self.grads[slot].zero_()
-                self.handed.discard(slot)
+        self.written.update(reads.rows)
         return self.grads
 
     def write(self, slot: int, source: Tensor, token: Optional[Tensor]) -> Tensor:
@@ -105,9 +109,9 @@ class _Project(torch.autograd.Function):
     def backward(ctx, grad_out, _token):
         _first_derivative_only()
         x, weight = ctx.saved_tensors
-        ctx.buffer.handed.add(ctx.slot)
         grads = ctx.buffer.grads
-        grad = None if grads is None else grads[ctx.slot]
+        grad = None if grads is None or ctx.slot not in ctx.buffer.written else grads[ctx.slot]
+        ctx.buffer.written.discard(ctx.slot)  # handed on: a later backward writes it afresh
         if grad_out is not None:
             grad = grad_out if grad is None else grad + grad_out
         if grad is None:
@@ -129,9 +133,11 @@ class _Write(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token):
         _first_derivative_only()
-        ctx.buffer.handed.add(ctx.slot)
-        grads = ctx.buffer.grads
-        return (None if grads is None else grads[ctx.slot]), None, None, None
+        grads, slot = ctx.buffer.grads, ctx.slot
+        if grads is None or slot not in ctx.buffer.written:  # no reader ran in this backward
+            return None, None, None, None
+        ctx.buffer.written.discard(slot)  # handed on: a later backward writes it afresh
+        return grads[slot], None, None, None
 
 
 def _first_derivative_only() -> None:

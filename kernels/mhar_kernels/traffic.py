@@ -48,8 +48,7 @@ class Launch:
 
     site: routing site index (None for the step's slot writes and the accumulation total; a
     group's first site for its phase 1); kind: "forward", "backward", "reduce", "write" (the
-    step's copies of sources into their depth-buffer slots), "zero" (its gradient buffer made
-    zeroed) or "accumulate"; read / written:
+    step's copies of sources into their depth-buffer slots) or "accumulate"; read / written:
     bytes; phase: "call", or grouped routing's "phase1" / "merge" (`grouped_traffic`)."""
 
     site: Optional[int]
@@ -136,11 +135,6 @@ def slot_writes(writes: int, row: int) -> Launch:
     return Launch(None, "write", read=writes * row, written=writes * row)
 
 
-def zeroed_gradients(slots: int, row: int) -> Launch:
-    """The depth buffer's gradient buffer made zeroed (`DepthBuffer.gradients`: one row written
-    per slot, so a reader whose designated writer never ran adds into zeros), kind "zero"."""
-    return Launch(None, "zero", read=0, written=slots * row)
-
 
 def accumulated_reads(site_sources: Sequence[Sequence[int]]) -> list[int]:
     """Per site, how many of its sources' gradient rows a later site already wrote.
@@ -195,7 +189,6 @@ def routing_traffic(site_sources: Sequence[Sequence[int]], *, dim: int, tokens: 
     distinct = len({source for ids in site_sources for source in ids})
     if shared:
         launches.append(slot_writes((distinct if writes is None else writes) + recomputed_writes, row))
-        launches.append(zeroed_gradients(distinct, row))
     else:
         additions = sum(counts) - distinct
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))
@@ -371,7 +364,6 @@ def grouped_traffic(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]
     reads = [j for ids in readers for j in ids]
     if shared:
         launches.append(slot_writes((len(set(reads)) if writes is None else writes) + recomputed_writes, row))
-        launches.append(zeroed_gradients(len(set(reads)), row))
     else:
         additions = len(reads) - len(set(reads))
         launches.append(Launch(None, "accumulate", read=2 * additions * row, written=additions * row))

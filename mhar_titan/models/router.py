@@ -404,9 +404,14 @@ def buffer_layout(plan: RoutingPlan) -> tuple[dict[int, int], list[tuple[tuple, 
 
 
 def _direct(site: Site | None, slots: dict[int, int]) -> int | None:
-    """The slot `site`'s sublayer output projection computes into: where its one created entry is
-    its output as it is (recipe ((1, OUTPUT),)) and some site routes over it; else None."""
-    if site is None or len(site.creates) != 1 or site.creates[0].recipe != ((1, OUTPUT),):
+    """The slot `site`'s sublayer output projection computes into: where the sublayer is an
+    attention (the MLP's projection is a block's last op, which activation checkpointing's early
+    stop does not recompute when it is torch's own linear: a custom projection, whose saved
+    tensors are packed after it ran, would run again; its copy into the slot is cheaper), its one
+    created entry is its output as it is (recipe ((1, OUTPUT),)) and some site routes over it;
+    else None."""
+    if (site is None or site.sublayer != "attention" or len(site.creates) != 1
+            or site.creates[0].recipe != ((1, OUTPUT),)):
         return None
     return slots.get(site.creates[0].index)
 
