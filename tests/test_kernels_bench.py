@@ -31,10 +31,9 @@ def test_routing_bench_toy_all_impls(tmp_path, capsys):
 
 
 def test_bytes_charged_to_a_call_and_a_step():
-    """A call over N sources is the accountant's one site plus a depth buffer of its own (the N
-    sources copied into their slots, its gradient buffer made zeroed); a step of sites over 1..N
-    sources of one buffer pays that once per source and adds the read-back of each source's
-    gradient row at all but its last reader."""
+    """A call over N sources is the accountant's one site plus the N sources' copies into the slots
+    of a depth buffer; a step of sites over 1..N sources of one buffer copies each source once and
+    adds the read-back of each source's gradient row at all but its last reader."""
     import torch
     from mhar_kernels import traffic
 
@@ -42,14 +41,13 @@ def test_bytes_charged_to_a_call_and_a_step():
     row = b * t * d * 2  # bf16
     call = routing_bytes.moved_bytes("call", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
     launches = traffic.site_launches(0, n, dim=d, tokens=b * t, dtype=torch.bfloat16, heads=heads, programs=1)
-    per_source = 3 * row  # a row read and its slot written, its gradient row zeroed
-    assert call == sum(launch.bytes for launch in launches) + n * per_source
+    assert call == sum(launch.bytes for launch in launches) + 2 * n * row  # + n rows read, n slots written
     assert call >= (3 * n + 2) * row  # at least the floor (plus the mix residual's two rows)
     step = routing_bytes.moved_bytes("step", b, t, d, n, heads, torch.bfloat16, torch.device("cpu"))
     sites = sum(routing_bytes.moved_bytes("call", b, t, d, s, heads, torch.bfloat16, torch.device("cpu"))
                 for s in range(1, n + 1))
-    # source k is read by n - k + 1 sites, and has one slot instead of one per call
-    assert step == sites + (1 + 2 + 3 + 4) * row - ((1 + 2 + 3 + 4 + 5) - n) * per_source
+    # source k is read by n - k + 1 sites, and copied into its slot once instead of once per call
+    assert step == sites + (1 + 2 + 3 + 4) * row - 2 * ((1 + 2 + 3 + 4 + 5) - n) * row
 
 
 def test_throughput_bench_debug_flavor(tmp_path):
