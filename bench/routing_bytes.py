@@ -81,9 +81,10 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
         f"Counted routing traffic per training step (`mhar_kernels.traffic`, MHAR H = 8, sublayer, replace, "
         f"{dtype}, backward partial sums from {H200_PROGRAMS} programs), GB; floor = N + 1 rows forward and "
         "2N + 1 backward per site. The sources are rows of one depth buffer: the backward column includes the "
-        "read-back of the gradient rows a deeper site wrote; slot writes: the copies into slots (the embedding: "
-        "the sublayer outputs are computed straight into theirs); recomputed projections: the MLP output "
-        "projections that AC full runs once more because they compute into their slots; the last column is the "
+        "read-back of the gradient rows a deeper site wrote; slot writes: the copies into slots (the embedding "
+        "and the MLP outputs: the attention outputs are computed straight into theirs); recomputed projections: "
+        "output projections that AC full runs once more because they compute into their slots (none: only "
+        "attention outputs do, and the recompute runs through them anyway); the last column is the "
         "ratio if separate source tensors' per-site gradients were summed by autograd instead.",
         "",
         "| scale | AC | sites | micro-batch | d | forward | backward | reduce | slot writes | recomputed projections "
