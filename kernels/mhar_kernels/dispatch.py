@@ -22,15 +22,13 @@ importing this module (torch only) does not run any @triton.jit decorator.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from . import contract, grouped_reference, reference
-
-_loaded: dict = {}  # the Triton-side modules, imported on first use (a function-level import costs per call)
-
 
 def _import(name: str):
     """The Triton-side module `name`, by plain imports (so that tests/test_layers.py sees the edges)."""
@@ -45,11 +43,10 @@ def _import(name: str):
     return module
 
 
+@functools.lru_cache(maxsize=None)
 def _module(name: str):
-    found = _loaded.get(name)
-    if found is None:
-        found = _loaded[name] = _import(name)
-    return found
+    """The Triton-side module `name`, imported on first use (a function-level import costs per call)."""
+    return _import(name)
 
 
 KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routing_kernel field
