@@ -95,3 +95,24 @@ def merge_states(a, b):
     wa, wb = (torch.exp(x.float() - lse).unsqueeze(-1) for x in (lse_a, lse_b))
     mix = wa * mix_a.float().reshape(bt, heads, -1) + wb * mix_b.float().reshape(bt, heads, -1)
     return mix.reshape(mix_a.shape), lse
+
+
+def random_routing_model(args, query_std: float, dtype: torch.dtype, kernel: str):
+    """(model, device): a seeded `Transformer(args)` with random routing parameters (pseudo-queries
+    N(0, query_std^2), key norms in [0.5, 1.5], open gates 0.7, non-zero null sources: a non-uniform
+    depth softmax), in `dtype`, on the kernels' device for kernel="triton" (CUDA, else CPU through
+    the interpreter), else on the CPU."""
+    from mhar_titan.models.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        model.routing.query.normal_(std=query_std)
+        model.routing.key_norm.uniform_(0.5, 1.5)
+        if model.routing.alpha is not None:
+            model.routing.alpha.fill_(0.7)
+        if model.routing.null_source is not None:
+            model.routing.null_source.normal_()
+    device = DEVICE if kernel == "triton" else torch.device("cpu")
+    return model.to(device, dtype), device

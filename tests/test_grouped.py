@@ -21,7 +21,7 @@ from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from helpers import PATIENCE_S, metric_losses  # noqa: E402
-from kernels_oracle import DEVICE, oracle_route, rel_err  # noqa: E402
+from kernels_oracle import DEVICE, oracle_route, random_routing_model, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
 SHAPE = dict(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16)
@@ -45,18 +45,7 @@ def loss_and_grads(layout: str, heads: int, g, ac: str = "none", kernel: str = "
     kernel="triton" on the kernels' device (CUDA, else CPU through the interpreter). Results on CPU."""
     args = ModelArgs(**SHAPE, residual="attn_res", routing_heads=heads, routing_group_size=g, routing_kernel=kernel,
                      **LAYOUTS[layout])
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    with torch.no_grad():
-        model.routing.query.normal_(std=2.0)
-        model.routing.key_norm.uniform_(0.5, 1.5)
-        if model.routing.alpha is not None:
-            model.routing.alpha.fill_(0.7)
-        if model.routing.null_source is not None:
-            model.routing.null_source.normal_()
-    device = DEVICE if kernel == "triton" else torch.device("cpu")
-    model.to(device, dtype)
+    model, device = random_routing_model(args, 2.0, dtype, kernel)
     apply_ac(model, ActivationCheckpoint(mode=ac))
     x = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     loss = model(x).float().logsumexp(-1).mean()

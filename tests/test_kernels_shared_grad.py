@@ -26,7 +26,7 @@ from mhar_titan.models.plan import RoutingPlan
 from mhar_titan.models.router import RoutingSchedule
 from mhar_titan.parallel import apply_ac
 from depth_buffer_probe import check_order, recording
-from kernels_oracle import DEVICE, rel_err
+from kernels_oracle import DEVICE, random_routing_model, rel_err
 
 D, HEADS, SITES = 64, 4, 6
 
@@ -129,18 +129,7 @@ def model_step(family: str, kernel: str, ac: str = "none", early_stop: bool = Tr
     kernels also "log" (the probe's) and the Router's depth buffer "before" (a copy after the
     forward) and "after" (after the backward)."""
     args = ModelArgs(**SHAPE, routing_kernel=kernel, **FAMILIES[family])
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    with torch.no_grad():
-        model.routing.query.normal_(std=1.0)
-        model.routing.key_norm.uniform_(0.5, 1.5)
-        if model.routing.alpha is not None:
-            model.routing.alpha.fill_(0.7)
-        if model.routing.null_source is not None:
-            model.routing.null_source.normal_()
-    device = DEVICE if kernel == "triton" else torch.device("cpu")
-    model.to(device, torch.float64)
+    model, device = random_routing_model(args, 1.0, torch.float64, kernel)
     apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="1", preserve_rng_state=False))
     tokens = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
     out = {}
