@@ -88,7 +88,8 @@ def _stack(sources: list[Tensor]) -> tuple[Tensor, Tensor]:
     return torch.stack(sources), torch.arange(len(sources), dtype=torch.int32, device=sources[0].device)
 
 
-def _null(null_source: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+def cast_null(null_source: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The (d,) null source as the kernels read it (in the sources' `dtype`, contiguous), or None."""
     return None if null_source is None else null_source.to(dtype).contiguous()
 
 
@@ -106,7 +107,7 @@ def route_fwd(
     _require(sources[0].device, sources[0].shape[-1], heads)
     values, slots = _stack(list(sources))
     out, mix, residual, stats = triton_routing.route_forward_saved(
-        values, slots, query, norm_weight, heads, eps, null=_null(null_source, values.dtype), partial=partial,
+        values, slots, query, norm_weight, heads, eps, null=cast_null(null_source, values.dtype), partial=partial,
         alpha=alpha)
     return out, _or_empty(mix, out), _or_empty(residual, out), stats
 
@@ -141,7 +142,7 @@ def route_bwd(
     grads = torch.empty_like(values)
     dq, dg, dalpha, dnull = triton_routing.route_backward(
         grad_out, values, slots, mix, query, norm_weight, heads, eps, stats, alpha,
-        null=_null(null_source, values.dtype), grads=grads, mix_residual=residual if residual.numel() else None)
+        null=cast_null(null_source, values.dtype), grads=grads, mix_residual=residual if residual.numel() else None)
     # dq, dg (and dnull) are rows of one reduced tensor; a custom op's outputs may not alias
     return (grads, dq.to(query.dtype).clone(), dg.to(norm_weight.dtype).clone(),
             _or_empty(dalpha, dq), _or_empty(dnull if dnull is None else dnull.to(null_source.dtype), dq).clone())
@@ -192,7 +193,7 @@ class _Route(torch.autograd.Function):
         ctx.buffer, ctx.reads, ctx.heads, ctx.eps = buffer, reads, heads, eps
         ctx.partial_dtype = partial.dtype if partial is not None else None
         out, mix, residual, stats = triton_routing.route_forward_saved(
-            buffer.values, reads.slots, query, norm_weight, heads, eps, null=_null(null_source, buffer.values.dtype),
+            buffer.values, reads.slots, query, norm_weight, heads, eps, null=cast_null(null_source, buffer.values.dtype),
             partial=partial, alpha=alpha)
         ctx.save_for_backward(out if partial is None else mix, residual, stats, query, norm_weight, alpha,
                               null_source)
@@ -205,7 +206,7 @@ class _Route(torch.autograd.Function):
         buffer = ctx.buffer
         dq, dg, dalpha, dnull = triton_routing.route_backward(
             grad_out, buffer.values, ctx.reads.slots, mix, query, norm_weight, ctx.heads, ctx.eps, stats, alpha,
-            null=_null(null_source, buffer.values.dtype), grads=buffer.gradients(ctx.reads), accumulate=ctx.reads.accumulate,
+            null=cast_null(null_source, buffer.values.dtype), grads=buffer.gradients(ctx.reads), accumulate=ctx.reads.accumulate,
             mix_residual=residual, param_dtype=triton_routing.common_dtype(query, norm_weight, null_source))
         return (None, cast_like(dq, query), cast_like(dg, norm_weight),
                 grad_out.to(ctx.partial_dtype) if ctx.partial_dtype is not None else None,

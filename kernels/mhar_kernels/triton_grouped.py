@@ -19,7 +19,7 @@ from torch import Tensor
 from . import contract, depth_buffer
 from .depth_buffer import DepthBuffer, Reads
 from .grouped_kernels import _phase1_bwd_kernel, _phase1_fwd_kernel
-from .op import can_run
+from .op import can_run, cast_null
 from .triton_routing import _TL_DTYPES, INTERPRET, NUM_STAGES, _cdiv, _next_pow2, aligned, reduce_programs
 
 # GPU layout: `contract.grouped_layout` (triton-free, so that the dry run plans a grouped job's
@@ -214,7 +214,7 @@ class Phase1(torch.autograd.Function):
                                      _cdiv(g, cfg["SB"]) * cfg["SB"], full.device)
         # (positional arguments: tests spy on phase1_forward with a plain *args wrapper)
         mixes, lse = phase1_forward(buffer.values, reads.slots, queries, norm_weights, site_reads, heads, eps,
-                                    _cast(null, full.dtype), Phase1.site_block, ctx.read_table)
+                                    cast_null(null, full.dtype), Phase1.site_block, ctx.read_table)
         # the normalisers (identically 1): rows of one tensor
         norms = torch.ones(lse.shape, dtype=lse.dtype, device=lse.device).unbind(0)
         ctx.save_for_backward(lse, queries, norm_weights, null)
@@ -233,13 +233,10 @@ class Phase1(torch.autograd.Function):
             ctx.given.given.clear()  # read: a later backward over the graph (retain_graph) starts afresh
         dq, dg, dnull = phase1_backward(dmixes, dnorm, buffer.values, ctx.reads.slots, queries, norm_weights,
                                         ctx.site_reads, ctx.heads, ctx.eps, lse, buffer.gradients(ctx.reads),
-                                        ctx.reads.accumulate, _cast(null, dtype), Phase1.site_block, ctx.read_table)
+                                        ctx.reads.accumulate, cast_null(null, dtype), Phase1.site_block, ctx.read_table)
         return (None, dq.to(queries.dtype), dg.to(norm_weights.dtype),
                 None if null is None else dnull.to(null.dtype), None, None, None, None, None, None)
 
-
-def _cast(null: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if null is None else null.to(dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------- custom ops
@@ -262,7 +259,7 @@ def phase1_op(sources: list[Tensor], queries: Tensor, norm_weights: Tensor, read
               eps: float) -> tuple[Tensor, Tensor, Tensor]:
     null, values, slots = _stacked(list(sources))
     mixes, lse = phase1_forward(values, slots, queries, norm_weights, _unflatten_reads(reads, queries.shape[0]),
-                                heads, eps, _cast(null, values.dtype), Phase1.site_block)
+                                heads, eps, cast_null(null, values.dtype), Phase1.site_block)
     return mixes, torch.ones(lse.shape, dtype=lse.dtype, device=lse.device), lse
 
 
@@ -283,7 +280,7 @@ def phase1_backward_op(dmixes: Tensor, dnorm: Tensor, sources: list[Tensor], que
     grads = torch.empty_like(values)
     dq, dg, dnull = phase1_backward(dmixes.to(values.dtype), dnorm, values, slots, queries, norm_weights,
                                     _unflatten_reads(reads, queries.shape[0]), heads, eps, lse, grads,
-                                    null=_cast(null, values.dtype), site_block=Phase1.site_block)
+                                    null=cast_null(null, values.dtype), site_block=Phase1.site_block)
     dnull = dnull.to(null.dtype) if null is not None else dq.new_empty((0,))
     return grads, dq.to(queries.dtype), dg.to(norm_weights.dtype), dnull
 

@@ -546,16 +546,15 @@ def route_site(call: SiteCall, settings: RoutingSettings, h: Tensor | None, entr
     partial, alpha = (h, alpha) if call.site.gated else (None, None)
     buffer = sources.buffer if call.rows is not None or call.group is not None else None
     reads = sources.reads
+    null = None if call.null is None else entries[call.null]
     if call.group is None:
         if buffer is not None:
-            null = None if call.null is None else entries[call.null]
             return dispatch.route_rows(buffer, reads[call.rows], token, query, key_norm, settings.heads, settings.eps,
                                        partial=partial, alpha=alpha, null_source=null)
         return dispatch.route(routed_sources(call, entries, h), query, key_norm, settings.heads, settings.eps,
                               settings.kernel, partial=partial, alpha=alpha, permutation=settings.permutation)
     if call.starts and buffer is not None:
         group, g = call.group, call.group.size
-        null = None if call.null is None else entries[call.null]
         *out, given = dispatch.phase1_rows(buffer, reads[call.phase1_rows], token, group_query, group_key_norm,
                                            group.phase1_reads, settings.heads, settings.eps, null)
         states.update({s: State(out[i], out[g + i], out[2 * g][i], (given, i, g)) for i, s in enumerate(group.sites)})
