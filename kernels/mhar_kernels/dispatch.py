@@ -22,7 +22,6 @@ importing this module (torch only) does not run any @triton.jit decorator.
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -30,8 +29,10 @@ from torch import Tensor
 
 from . import contract, grouped_reference, reference
 
-def _import(name: str):
-    """The Triton-side module `name`, by plain imports (so that tests/test_layers.py sees the edges)."""
+def _module(name: str):
+    """The Triton-side module `name`, imported on first use by plain imports (so that
+    tests/test_layers.py sees the edges; a repeated import is a lookup in sys.modules, about half a
+    microsecond, and torch.compile traces it, which it would not a cached wrapper)."""
     if name == "op":
         from . import op as module
     elif name == "triton_grouped":
@@ -41,12 +42,6 @@ def _import(name: str):
     else:
         raise KeyError(name)
     return module
-
-
-@functools.lru_cache(maxsize=None)
-def _module(name: str):
-    """The Triton-side module `name`, imported on first use (a function-level import costs per call)."""
-    return _import(name)
 
 
 KERNELS = ("eager", "compile", "triton", "auto")  # values of the models' routing_kernel field

@@ -77,11 +77,20 @@ def _reduce_to(grad: Tensor, source: Tensor) -> Tensor:
     return grad.to(source.dtype)
 
 
-@functools.lru_cache(maxsize=256)
 def _unread_mask(reads: tuple, device: torch.device) -> Tensor:
-    """(n, g, 1) bool: source n is not read by site j of the group. Made once per group shape and
-    device (a constant table: no host-to-device copy per call, and safe under CUDA-graph capture)."""
+    """(n, g, 1) bool: source n is not read by site j of the group. Eager: made once per group
+    shape and device (a constant table: no host-to-device copy per call, and safe under CUDA-graph
+    capture); inside torch.compile a constant of the graph (dynamo traces no cache wrapper)."""
+    if torch.compiler.is_compiling():
+        return _unread_mask_of(reads, device)
+    return _cached_unread_mask(reads, device)
+
+
+def _unread_mask_of(reads: tuple, device: torch.device) -> Tensor:
     return ~torch.tensor(reads, device=device).T.unsqueeze(-1)
+
+
+_cached_unread_mask = functools.lru_cache(maxsize=256)(_unread_mask_of)
 
 
 class _Phase1(torch.autograd.Function):

@@ -27,7 +27,6 @@ picks the eager reference there instead.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -46,17 +45,12 @@ def can_run(device: torch.device, dim: int, heads: int) -> bool:
     """True when the Triton kernels can route (B, T, dim) sources on `device` with `heads` heads:
     triton is installed, the device is CUDA (or CPU under TRITON_INTERPRET=1), and one token's
     [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`; MHAR_SPEC
-    section 4: larger tiles run the eager reference). Answers are cached per (device, dim, heads)
-    and interpreter setting (it is asked at every routing call)."""
+    section 4: larger tiles run the eager reference). Not cached: about a microsecond, and
+    torch.compile traces it where a cached wrapper would warn."""
     if triton_routing is None:
         return False
     device = device if isinstance(device, torch.device) else torch.device(device)
-    return _can_run(device, dim, heads, triton_routing.INTERPRET)
-
-
-@functools.lru_cache(maxsize=256)
-def _can_run(device: torch.device, dim: int, heads: int, interpret: bool) -> bool:
-    on_device = device.type == "cuda" or (device.type == "cpu" and interpret)
+    on_device = device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
     return on_device and triton_routing.fits_tile(heads, dim // heads)
 
 
