@@ -83,12 +83,13 @@ def test_per_block_fullgraph_compile_of_the_fused_kernels_equals_eager(family, g
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_per_block_compile_of_the_eager_routing_warns_of_nothing(group):
-    """With routing_kernel = "eager" the compiled blocks trace the eager routing (the grouped
-    reference's phase 1 included) without a warning from our code, and equal eager within 1e-5."""
-    loss, grads = step(build("mhar H=8", "eager", routing_group_size=group))
-    compiled_loss, compiled_grads, warned = warned_step(compile_blocks(build("mhar H=8", "eager",
+@pytest.mark.parametrize("kernel, group", [("eager", 1), ("eager", 3), ("compile", 1)])
+def test_per_block_compile_of_the_eager_routing_warns_of_nothing(kernel, group):
+    """With routing_kernel = "eager" or "compile" the compiled blocks trace the eager routing (the
+    grouped reference's phase 1 included) without a warning from our code, and equal the model
+    run without per-block compile within 1e-5."""
+    loss, grads = step(build("mhar H=8", kernel, routing_group_size=group))
+    compiled_loss, compiled_grads, warned = warned_step(compile_blocks(build("mhar H=8", kernel,
                                                                              routing_group_size=group)))
     assert not warned
     assert compiled_loss == pytest.approx(loss, rel=1e-5, abs=1e-5)

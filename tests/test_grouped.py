@@ -186,22 +186,19 @@ def test_fused_phase1_site_chunks_and_gradient_rows(site_block):
     rows = [depth_buffer.reads(range(len(full)), [add] * len(full), DEVICE) for add in (True, False)]
 
     def fused(run, queries, *_):
-        return triton_grouped.phase1_buffer(buffer, rows[run], token, queries, key_norm, reads, heads, 1e-6, null)
+        return triton_grouped.phase1_buffer(buffer, rows[run], token, queries, key_norm, reads, heads, 1e-6, null,
+                                            site_block=site_block)
 
     def eager(run, queries, *entries):
         return grouped._Phase1.apply(queries, key_norm, reads, heads, 1e-6, *entries)
 
     results = []
     for fn in (eager, fused):
-        triton_grouped.Phase1.site_block = site_block
-        try:
-            first = fn(0, query, *sources)
-            second = fn(1, query + 0 * first[0].sum(), *sources)
-            loss = sum((o * u).sum() for o, u in zip(first[:2 * g], upstream))
-            loss = loss + sum((0.5 * o * u).sum() for o, u in zip(second[:2 * g], upstream))
-            grads = torch.autograd.grad(loss, [query, key_norm, *sources])
-        finally:
-            triton_grouped.Phase1.site_block = None
+        first = fn(0, query, *sources)
+        second = fn(1, query + 0 * first[0].sum(), *sources)
+        loss = sum((o * u).sum() for o, u in zip(first[:2 * g], upstream))
+        loss = loss + sum((0.5 * o * u).sum() for o, u in zip(second[:2 * g], upstream))
+        grads = torch.autograd.grad(loss, [query, key_norm, *sources])
         results.append([*first[:g], first[-1], *grads])
     for i, (x, ref) in enumerate(zip(*results)):
         assert ((x - ref).norm() / ref.norm()).item() <= TOL, i

@@ -199,26 +199,26 @@ class Phase1(torch.autograd.Function):
     dtype; otherwise the contract of the eager phase 1, `grouped_reference.phase1`. lse is not
     differentiable; norm_i is 1 (its gradient carries the softmax term, module docstring).
     Saves lse and the parameter rows; reads the sources from the buffer again in the backward,
-    where their gradients go into the buffer's gradient rows."""
-
-    site_block: Optional[int] = None  # tests: force the chunked path (launch_config's site_block)
+    where their gradients go into the buffer's gradient rows. site_block: sites per program
+    (`launch_config`; None: its choice)."""
 
     @staticmethod
     def forward(ctx, token, queries: Tensor, norm_weights: Tensor, null: Optional[Tensor], buffer, reads,
-                site_reads: tuple, heads: int, eps: float, given: Optional[MixGradients]):
+                site_reads: tuple, heads: int, eps: float, given: Optional[MixGradients], site_block: Optional[int]):
         ctx.set_materialize_grads(False)  # the merges write the mixes' gradients into `given`: no zero rows
         full = buffer.values[0]
         d, g = full.shape[-1], queries.shape[0]
-        cfg = _launch_config(full.numel() // d, g, heads, d // heads, False, Phase1.site_block)
+        cfg = _launch_config(full.numel() // d, g, heads, d // heads, False, site_block)
         ctx.read_table = _read_table(site_reads, reads.slots.shape[0] + (null is not None),
                                      _cdiv(g, cfg["SB"]) * cfg["SB"], full.device)
         # (positional arguments: tests spy on phase1_forward with a plain *args wrapper)
         mixes, lse = phase1_forward(buffer.values, reads.slots, queries, norm_weights, site_reads, heads, eps,
-                                    cast_null(null, full.dtype), Phase1.site_block, ctx.read_table)
+                                    cast_null(null, full.dtype), site_block, ctx.read_table)
         # the normalisers (identically 1): rows of one tensor
         norms = torch.ones(lse.shape, dtype=lse.dtype, device=lse.device).unbind(0)
         ctx.save_for_backward(lse, queries, norm_weights, null)
         ctx.buffer, ctx.reads, ctx.site_reads, ctx.heads, ctx.eps, ctx.given = buffer, reads, site_reads, heads, eps, given
+        ctx.site_block = site_block
         ctx.mark_non_differentiable(lse)
         return (*mixes.unbind(0), *norms, lse)
 
@@ -233,9 +233,9 @@ class Phase1(torch.autograd.Function):
             ctx.given.given.clear()  # read: a later backward over the graph (retain_graph) starts afresh
         dq, dg, dnull = phase1_backward(dmixes, dnorm, buffer.values, ctx.reads.slots, queries, norm_weights,
                                         ctx.site_reads, ctx.heads, ctx.eps, lse, buffer.gradients(ctx.reads),
-                                        ctx.reads.accumulate, cast_null(null, dtype), Phase1.site_block, ctx.read_table)
+                                        ctx.reads.accumulate, cast_null(null, dtype), ctx.site_block, ctx.read_table)
         return (None, dq.to(queries.dtype), dg.to(norm_weights.dtype),
-                None if null is None else dnull.to(null.dtype), None, None, None, None, None, None)
+                None if null is None else dnull.to(null.dtype), None, None, None, None, None, None, None)
 
 
 
@@ -259,7 +259,7 @@ def phase1_op(sources: list[Tensor], queries: Tensor, norm_weights: Tensor, read
               eps: float) -> tuple[Tensor, Tensor, Tensor]:
     null, values, slots = _stacked(list(sources))
     mixes, lse = phase1_forward(values, slots, queries, norm_weights, _unflatten_reads(reads, queries.shape[0]),
-                                heads, eps, cast_null(null, values.dtype), Phase1.site_block)
+                                heads, eps, cast_null(null, values.dtype))
     return mixes, torch.ones(lse.shape, dtype=lse.dtype, device=lse.device), lse
 
 
@@ -280,7 +280,7 @@ def phase1_backward_op(dmixes: Tensor, dnorm: Tensor, sources: list[Tensor], que
     grads = torch.empty_like(values)
     dq, dg, dnull = phase1_backward(dmixes.to(values.dtype), dnorm, values, slots, queries, norm_weights,
                                     _unflatten_reads(reads, queries.shape[0]), heads, eps, lse, grads,
-                                    null=cast_null(null, values.dtype), site_block=Phase1.site_block)
+                                    null=cast_null(null, values.dtype))
     dnull = dnull.to(null.dtype) if null is not None else dq.new_empty((0,))
     return grads, dq.to(queries.dtype), dg.to(norm_weights.dtype), dnull
 
@@ -360,9 +360,11 @@ def route_phase1(queries: Tensor, norm_weights: Tensor, reads: tuple, heads: int
 
 def phase1_buffer(buffer: DepthBuffer, reads: Reads, token: Optional[Tensor], queries: Tensor, norm_weights: Tensor,
                   site_reads: tuple, heads: int, eps: float, null: Optional[Tensor] = None,
-                  given: Optional[MixGradients] = None) -> tuple[Tensor, ...]:
+                  given: Optional[MixGradients] = None, site_block: Optional[int] = None) -> tuple[Tensor, ...]:
     """`route_phase1` over the rows `reads` of a depth buffer, after the write that made `token`;
     null: the (d,) null source (source 0 of `site_reads`) or None; given: where the group's fused
     merges write their mix gradients (`MixGradients`), None when the mixes' gradients come through
-    autograd. The arguments are the caller's to check."""
-    return Phase1.apply(token, queries, norm_weights, null, buffer, reads, site_reads, int(heads), float(eps), given)
+    autograd; site_block: sites per program (`launch_config`; None: its choice). The arguments are the
+    caller's to check."""
+    return Phase1.apply(token, queries, norm_weights, null, buffer, reads, site_reads, int(heads), float(eps), given,
+                        site_block)
