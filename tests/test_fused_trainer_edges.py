@@ -13,18 +13,23 @@ inside the trainer, with the settings a user combines them with, and the bad inp
   nothing made, with every routing_kernel x compile.enable x attn_mask_type.
 - An unknown routing_kernel and a routing_group_size that is not 1..sites or "auto": one line naming
   the key, exit status 2, nothing made.
+- TRITON_INTERPRET=1 set after ``import mhar_titan`` and after the model is built, before its first
+  forward (the kernels load on first use: ``mhar_kernels`` docstring), runs the fused per-call and
+  grouped kernels, with the eager model's outputs and gradients (a fresh interpreter).
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import read_metrics  # noqa: E402
+from helpers import PATIENCE_S, ROOT, read_metrics  # noqa: E402
 from train_common import debug_argv, debug_cfg  # noqa: E402
 
 import mhar_kernels  # noqa: E402
@@ -156,3 +161,44 @@ def test_bad_routing_kernel_or_group_size_is_one_line_naming_the_key(tmp_path, c
     line = _refused_in_one_line(tmp_path, capsys, "bad", *SMALL, "--model.routing_kernel=triton", override)
     for needle in needles:
         assert needle in line, (needle, line)
+
+
+_INTERPRET_AFTER_IMPORT = """
+import os, sys
+import torch
+import mhar_titan as mt
+assert "TRITON_INTERPRET" not in os.environ and not any(m.startswith("mhar_kernels.triton") for m in sys.modules)
+shape = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=256, residual="attn_res",
+             routing_heads=4, routing_mode="delta", routing_null_source=True)
+tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+for group in (1, 2):
+    torch.manual_seed(0)
+    eager = mt.Transformer(mt.ModelArgs(**shape, routing_group_size=group))
+    eager.init_weights()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # routing parameters away from their zero init
+    fused = mt.Transformer(mt.ModelArgs(**shape, routing_group_size=group, routing_kernel="triton"))
+    fused.load_state_dict(eager.state_dict())
+    os.environ["TRITON_INTERPRET"] = "1"  # after the import and the build, before the first forward
+    outs = []
+    for model in (eager, fused):
+        out = model(tokens)
+        (out.float() ** 2).mean().backward()
+        outs.append(out)
+    import mhar_kernels
+    assert mhar_kernels.dispatch.backend("triton", "cpu", 64, 4) == "triton"
+    assert ("mhar_kernels.triton_grouped" in sys.modules) == (group > 1), group
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}, g={group}: {m}")
+print("fused after import ok")
+"""
+
+
+def test_interpret_set_after_import_and_build_runs_the_fused_kernels(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", _INTERPRET_AFTER_IMPORT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0 and "fused after import ok" in done.stdout, done.stderr[-3000:]
