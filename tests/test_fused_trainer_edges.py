@@ -1,8 +1,8 @@
 """The fused routing kernels (``model.routing_kernel = "triton"``; on CPU under TRITON_INTERPRET=1)
 inside the trainer, with the settings a user combines them with, and the bad inputs around them.
 
-- One small job on documents shorter than a window (so document masking and per-document RoPE
-  change the loss), with gradient accumulation (2 micro-batches per step), grouped routing (g = 2),
+- One small job on documents shorter than a window (so document masking changes the loss; the
+  job also restarts RoPE per document), with gradient accumulation (2 micro-batches per step), grouped routing (g = 2),
   delta mode and AC full: the fused run's training and validation losses equal the eager run's to
   1e-5, and a fused run per call (g = 1) resumed from the eager grouped run's DCP checkpoint
   continues the eager run's losses to 1e-5 (routing_kernel and routing_group_size change how the
