@@ -2,9 +2,8 @@
 
 Also under ``torchrun --nproc_per_node=N train.py ...``. See ``mhar_titan/train.py``.
 """
-import sys
-
+from mhar_titan.cli_args import run_command
 from mhar_titan.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -308,4 +308,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhar_titan.data import DataConfig, build_tokenizer, build_train_loader
-from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_int
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_int, run_command
 from mhar_titan.data.pretokenize import main as pretokenize_main
 from mhar_titan.files import write_text
 
@@ -155,4 +155,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mhar_titan.eval.generation import generate  # noqa: E402
-from mhar_titan.cli_args import ArgumentParser, device, positive_int  # noqa: E402
+from mhar_titan.cli_args import ArgumentParser, device, positive_int, run_command  # noqa: E402
 from mhar_titan.files import write_text  # noqa: E402
 from mhar_titan.models.args import FAMILIES, ModelArgs  # noqa: E402
 from mhar_titan.models.model import Transformer  # noqa: E402
@@ -98,4 +98,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -45,7 +45,8 @@ if not torch.cuda.is_available():  # Triton runs on CPU only through its interpr
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int  # noqa: E402
+from mhar_titan.cli_args import (ArgumentParser, non_negative_int, positive_float, positive_int,  # noqa: E402
+                                 run_command)
 from mhar_titan.metrics import flops_per_token, mfu, peak_flops, peak_memory_gib  # noqa: E402
 from mhar_titan.models.args import FAMILIES as MODEL_FAMILIES, ModelArgs  # noqa: E402
 from mhar_titan.models.cross_entropy import chunked_linear_cross_entropy, plain_linear_cross_entropy  # noqa: E402
@@ -251,4 +252,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

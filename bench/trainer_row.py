@@ -311,4 +311,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)

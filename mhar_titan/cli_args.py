@@ -15,16 +15,70 @@ four characters backslash, n, backslash, n) means two newlines: ``\\n`` (newline
 A backslash before any other character stays as it is. ``$'\\n\\n'`` (bash's own quoting) passes
 real newlines, which are kept.
 
+``run_command(main, *args)`` is every entry point's ``__main__`` block (``python -m mhar_titan.*``,
+``train.py``, ``scripts/``, ``bench/``): it exits with ``main``'s status, and when the output is piped
+into a reader that stops early (``python -m mhar_titan.models | head -1``) it ends quietly instead of
+with a BrokenPipeError traceback.
+
 This module imports nothing of the project (torch only inside ``device``), so every command can use it.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import sys
+from typing import Callable, NoReturn, Optional
 
-__all__ = ["ArgumentParser", "positive_int", "non_negative_int", "positive_float", "non_negative_float",
+__all__ = ["run_command", "BROKEN_PIPE_EXIT", "ArgumentParser", "positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "probability", "device", "escaped_text", "cuda_unavailable_reason"]
+
+
+BROKEN_PIPE_EXIT = 1
+"""The exit status of a command whose stdout reader went away (Python's recipe; a shell pipeline such as
+``| head -1`` reports the last command's status, so its user sees 0 unless ``set -o pipefail``)."""
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (poll says POLLERR or POLLHUP).
+    Where poll cannot tell (no ``select.poll``, stdout not a file descriptor), True: Python's recipe."""
+    import select
+
+    try:
+        fd = sys.__stdout__.fileno()
+        poller = select.poll()
+    except (AttributeError, ValueError, OSError):
+        return True
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
+    """Run a command's ``main(*args)`` and exit with the status it returns (None: 0); every entry point's
+    ``if __name__ == "__main__":`` block is ``run_command(main)``.
+
+    Output piped into a reader that stops early (``| head -1``) makes the next write to stdout raise
+    BrokenPipeError, inside ``main`` or at the final flush. The command then ends without a traceback,
+    with exit status ``BROKEN_PIPE_EXIT`` (1): stdout is pointed at ``os.devnull`` so that the
+    interpreter's last flush of what is still buffered does not fail again (the recipe of Python's
+    ``signal`` docs, "Note on SIGPIPE"). A BrokenPipeError while stdout's reader is still there (a
+    socket, a subprocess's stdin) is raised as any other error.
+
+    Raises:
+        SystemExit: always, with ``main``'s status.
+    """
+    try:
+        code = main(*args)
+        sys.stdout.flush()  # what is still buffered fails here, inside the handler, not at shutdown
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())
+        os.close(devnull)
+        code = BROKEN_PIPE_EXIT
+    sys.exit(code)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -71,7 +71,7 @@ from typing import Optional
 import torch
 
 from mhar_kernels import dispatch
-from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int
+from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, run_command
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import capture_blockers, check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
@@ -542,4 +542,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -21,7 +21,7 @@ import sys
 import time
 
 from mhar_titan.cli_args import (ArgumentParser, device, escaped_text, non_negative_float, non_negative_int,
-                                 positive_int, probability)
+                                 positive_int, probability, run_command)
 from mhar_titan.eval.generation import generate_batch
 from mhar_titan.eval.load import USER_ERRORS, load_run
 
@@ -95,4 +95,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

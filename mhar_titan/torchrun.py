@@ -79,4 +79,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)

@@ -594,4 +594,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # `python -m mhar_titan.train ...` is `python train.py ...`
-    sys.exit(main())
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)

@@ -10,6 +10,7 @@ for one, that Python 3.10 cannot install: pip's "no matching distribution" would
 """
 import argparse
 import importlib.metadata
+import pathlib
 import platform
 import re
 import sys
@@ -78,4 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout's package, before it is installed
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)

@@ -62,4 +62,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from mhar_titan.cli_args import run_command
+
+    run_command(main, sys.argv[1])

@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 from mhar_titan.analysis.compare import add_ylim_arguments
-from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_float, positive_int
+from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_float, positive_int, run_command
 from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
 from mhar_titan.files import check_output_folder, write_text
 
@@ -164,4 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from mhar_titan.checkpoint import MARKER
-from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int
+from mhar_titan.cli_args import ArgumentParser, non_negative_int, positive_float, positive_int, run_command
 from mhar_titan.config.checkpoint import EXPORT_DTYPES
 from mhar_titan.config import load_config
 from mhar_titan.data import DataConfig, build_tokenizer
@@ -195,4 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

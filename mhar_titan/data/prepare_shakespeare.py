@@ -37,7 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mhar_titan.cli_args import ArgumentParser, positive_int
+from mhar_titan.cli_args import ArgumentParser, positive_int, run_command
 from mhar_titan.errors import UserError
 from mhar_titan.files import atomic_folder, check_output_folder
 from mhar_titan.progress import progress
@@ -177,4 +177,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

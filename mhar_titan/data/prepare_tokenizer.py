@@ -18,7 +18,7 @@ import gzip
 import importlib.util
 from pathlib import Path
 
-from mhar_titan.cli_args import ArgumentParser
+from mhar_titan.cli_args import ArgumentParser, run_command
 from mhar_titan.data.tokenizer import ENCODING_FILES, TokenizerFileError, default_cache_dir, sha256_bytes
 from mhar_titan.files import write_bytes
 
@@ -85,4 +85,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from mhar_titan.cli_args import ArgumentParser
+from mhar_titan.cli_args import ArgumentParser, run_command
 from mhar_titan.data.manifest import FORMAT, MANIFEST, ManifestError
 from mhar_titan.files import WriteError, atomic_folder
 from mhar_titan.progress import progress
@@ -148,4 +148,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int
+from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_int, run_command
 from mhar_titan.eval import paired
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
@@ -118,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

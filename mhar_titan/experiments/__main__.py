@@ -35,7 +35,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mhar_titan.analysis.compare import add_ylim_arguments
-from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, probability
+from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, probability, run_command
 from mhar_titan.config import ConfigError
 from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
@@ -190,4 +190,4 @@ def _compare(args, prog: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -36,4 +36,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main(sys.argv[1:]))
+    from mhar_titan.cli_args import run_command
+
+    run_command(main, sys.argv[1:])
