@@ -48,12 +48,22 @@ from . import contract
 from .reference import _inv_rms, _logits_and_inv_rms, _normalised_key, depth_mix, rms_norm_input_grad
 
 
+def _einsum(equation: str, *operands: Tensor) -> Tensor:
+    """torch.einsum in the operands' dtype (the compute dtype), also under torch.autocast, which
+    would run it in bf16 / fp16 (the routing statistics stay fp32, as on every other path)."""
+    device_type = operands[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return torch.einsum(equation, *operands)
+    with torch.autocast(device_type, enabled=False):
+        return torch.einsum(equation, *operands)
+
+
 def _site_logits(source: Tensor, qg: Tensor, eps: float, cdt: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """Logits (..., g, H) of one source against g sites (qg = q * g, (g, H, K)), its inverse RMS
     (..., 1) and its normalised key (..., H, K) before the key-norm weight."""
     rstd = _inv_rms(source, eps, cdt)
     key = _normalised_key(source, rstd, cdt).unflatten(-1, qg.shape[1:])
-    return torch.einsum("...hk,ghk->...gh", key, qg), rstd, key
+    return _einsum("...hk,ghk->...gh", key, qg), rstd, key
 
 
 def _key_backward(source: Tensor, rstd: Tensor, key: Tensor, dlogits: Tensor, q: Tensor, g: Tensor,
@@ -62,12 +72,12 @@ def _key_backward(source: Tensor, rstd: Tensor, key: Tensor, dlogits: Tensor, q:
     storage cast taken as identity). dlogits (..., g, H); q, g (g, H, K); key (..., H, K) as from
     `_site_logits`. Adds into dq, dg (g, H, K) when given; returns d source (..., d) (key part)."""
     if dq is not None or dg is not None:
-        t = torch.einsum("...gh,...hk->ghk", dlogits, key)  # summed over tokens
+        t = _einsum("...gh,...hk->ghk", dlogits, key)  # summed over tokens
         if dq is not None:
             dq += t * g
         if dg is not None:
             dg += t * q
-    return rms_norm_input_grad(source, rstd, torch.einsum("...gh,ghk->...hk", dlogits, q * g).flatten(-2))
+    return rms_norm_input_grad(source, rstd, _einsum("...gh,ghk->...hk", dlogits, q * g).flatten(-2))
 
 
 def _reduce_to(grad: Tensor, source: Tensor) -> Tensor:
@@ -151,7 +161,7 @@ class _Phase1(torch.autograd.Function):
             dots = (dmix * s.to(cdt).unflatten(-1, (heads, -1)).unsqueeze(-3)).sum(-1)
             dlogits = a * (dots + dnorm)
             dv = _key_backward(s, rstd, key, dlogits, q, g, dq, dg)
-            dv = dv + torch.einsum("...gh,...ghk->...hk", a, dmix).flatten(-2)
+            dv = dv + _einsum("...gh,...ghk->...hk", a, dmix).flatten(-2)
             out.append(_reduce_to(dv, s) if ctx.needs_input_grad[5 + n] else None)
         return (None if dq is None else dq.flatten(1).to(queries.dtype),
                 None if dg is None else dg.flatten(1).to(norm_weights.dtype), None, None, None, *out)

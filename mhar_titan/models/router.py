@@ -78,8 +78,13 @@ class BlockSources:
         `direct`: the slot the output projection already computed its entry into, `into`) after the write that made
         `token`; returns (the entries as the source list holds them: the buffer's row, or the
         tensor itself where a later entry is built from it (`keeps`) or it has no slot; the newest
-        token). Without a buffer, (created, token)."""
+        token). Without a buffer, (created, token). Every entry is first taken to the storage
+        dtype (the buffer's, else the embedding's): under autocast a sublayer's output is in the
+        autocast dtype while the embedding and the stream are not, every source of a routing call
+        has one dtype, and a partial sum built from an entry is then summed in it on every path."""
         buffer = self.buffer
+        dtype = buffer.values.dtype if buffer is not None else storage_dtype(self.entries) if created else None
+        created = [value if value.dtype is dtype else value.to(dtype) for value in created]
         if buffer is None:
             return created, token
         entries = []

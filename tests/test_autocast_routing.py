@@ -1,0 +1,58 @@
+"""Depth routing under ``torch.autocast`` (the nanoGPT way of training in bf16): a sublayer's output
+is then in bf16 while the embedding and the residual stream stay fp32, and every routing call
+needs its sources in one dtype. Every routing_kernel routes over the entries in the embedding's
+dtype (the fused kernels' depth buffer is made in it; the list path casts each new entry to it,
+`router.BlockSources.add`), so every routed family, per call and grouped, trains under autocast
+with each kernel, and the kernels agree: the losses of the fused kernels (Triton interpreter) and
+of the eager reference are within 1e-4 of each other and the routing gradients within 1e-3 in
+relative norm (both route in fp32 over the same fp32 entries, the eager grouped phase 1's einsums
+included, which autocast would run in bf16: 2.6e-2 apart then; the sublayers after a routing call
+round its input to bf16, where a difference in the last fp32 bits can move a bf16 rounding:
+7e-5 apart, measured)."""
+import pytest
+import torch
+
+import mhar_kernels
+from mhar_titan.models import ModelArgs, Transformer
+from mhar_titan.models.args import FAMILIES
+
+SHAPE = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=256, max_seq_len=16)
+ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] != "standard"]
+FUSED = mhar_kernels.can_run(torch.device("cpu"), 64, 8)
+
+
+def autocast_step(family: str, kernel: str, **overrides) -> tuple[float, dict]:
+    """One bf16-autocast forward and backward of a seeded (2, 16) batch: (loss, {routing
+    parameter name: gradient})."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(**SHAPE, **FAMILIES[family], routing_kernel=kernel, **overrides))
+    model.init_weights()
+    with torch.no_grad():  # routing parameters off their zero init, so the depth softmax is not uniform
+        for parameter in model.routing.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, torch.roll(x, -1, 1))
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.routing.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ROUTED)
+@pytest.mark.parametrize("group", [1, 2])
+def test_every_routed_family_trains_under_autocast_and_the_kernels_agree(family, group):
+    loss, grads = autocast_step(family, "eager", routing_group_size=group)
+    assert torch.isfinite(torch.tensor(loss))
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    if not FUSED:
+        pytest.skip("the fused kernels do not run on this CPU (TRITON_INTERPRET=1 not set before import)")
+    fused_loss, fused_grads = autocast_step(family, "triton", routing_group_size=group)
+    assert fused_loss == pytest.approx(loss, rel=1e-4)
+    for name, grad in grads.items():
+        assert ((fused_grads[name] - grad).norm() / grad.norm()).item() <= 1e-3, name
+
+
+def test_the_compiled_routing_body_runs_under_autocast():
+    """routing_kernel = "compile" (the torch.compile'd reference) takes the same fp32 entries."""
+    loss, _ = autocast_step("mhar H=8", "compile")
+    eager_loss, _ = autocast_step("mhar H=8", "eager")
+    assert loss == pytest.approx(eager_loss, rel=1e-4)
