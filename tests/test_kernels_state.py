@@ -9,11 +9,17 @@ Read from the sources (no import runs), for every module of kernels/mhar_kernels
 - nothing in the project (kernels, models, trainer, benchmarks, tests) assigns to an attribute of
   a kernels class from outside it (a class attribute used as a switch is module-level state; a
   test's `monkeypatch.setattr` spy on a method, undone after the test, is not).
+And the one process-wide setting, TRITON_INTERPRET, is read once for every kernel (a fresh
+interpreter that unsets it after the first fused forward still runs the grouped kernels).
 """
 import ast
-import pathlib
+import importlib.util
+import os
+import subprocess
+import sys
 
-from helpers import ROOT
+import pytest
+from helpers import PATIENCE_S, ROOT
 
 KERNELS = ROOT / "kernels" / "mhar_kernels"
 COMPILED_CACHES = {("reference.py", "_compiled_route_stacked")}  # torch.compile'd function, made on first use
@@ -85,3 +91,36 @@ def test_no_kernels_class_attribute_is_assigned_from_outside():
                     if name in classes:
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}.{target.attr}")
     assert not found
+
+
+_INTERPRET_THEN_UNSET = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from mhar_titan.models import ModelArgs, Transformer
+
+def step(group):
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=256,
+                                  residual="attn_res", routing_heads=4, routing_kernel="triton",
+                                  routing_group_size=group))
+    model.init_weights()
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+
+step(1)  # the per-call kernels load under the interpreter
+del os.environ["TRITON_INTERPRET"]
+step(2)  # the grouped kernels: decorated when the per-call ones were, under the same setting
+print("grouped ran under the interpreter")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_every_kernel_is_decorated_under_the_one_interpreter_setting():
+    """TRITON_INTERPRET is read once, when the kernels first load (`routing_kernels.INTERPRET`, which
+    `op.can_run` answers from): the grouped kernels are decorated then too, so a later change of the
+    environment cannot leave them on another backend than the per-call ones (it crashed the first
+    grouped forward: "0 active drivers")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", _INTERPRET_THEN_UNSET], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0 and "grouped ran under the interpreter" in done.stdout, done.stderr[-3000:]

@@ -28,6 +28,7 @@ from .routing_kernels import (  # noqa: F401  (the device helpers, also for trit
     INTERPRET, _inv_rms_and_key, _load_null, _load_source, _route_bwd_kernel, _route_fwd_kernel, _slot_base,
     _to_storage,
 )
+from . import grouped_kernels  # noqa: F401, E402  (decorated now: every kernel under the one INTERPRET above)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
