@@ -56,7 +56,7 @@ def _stdout_reader_gone() -> bool:
 
 def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
     """Run a command's ``main(*args)`` and exit with the status it returns (None: 0); every entry point's
-    ``if __name__ == "__main__":`` block is ``run_command(main)``.
+    ``__main__`` block is ``run_command(main)``.
 
     Output piped into a reader that stops early (``| head -1``) makes the next write to stdout raise
     BrokenPipeError, inside ``main`` or at the final flush. The command then ends without a traceback,

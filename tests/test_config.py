@@ -38,15 +38,15 @@ def test_config_file_from_cli_and_list_and_bool_values(tmp_path):
     assert cfg.optimizer.no_decay == ["norms"]
 
 
-def test_string_lists_on_the_command_line_take_one_item_or_commas():
+def test_lists_on_the_command_line_take_one_item_or_commas():
     one = load_config(None, ["--data.files=data/x-*.parquet"])
     assert one.data.files == ["data/x-*.parquet"]
     two = load_config(None, ["--data.files", "a.parquet, more/*.parquet"])
     assert two.data.files == ["a.parquet", "more/*.parquet"]
     toml = load_config(None, ['--data.files=["a.parquet", "b.parquet"]'])
     assert toml.data.files == ["a.parquet", "b.parquet"]
-    with pytest.raises(ConfigError, match="force_nonfinite_loss_steps"):  # lists of ints stay TOML
-        load_config(None, ["--debug.force_nonfinite_loss_steps=3,4"])
+    # a list of ints too (every list key: tests/test_config_cli.py)
+    assert load_config(None, ["--debug.force_nonfinite_loss_steps=3,4"]).debug.force_nonfinite_loss_steps == [3, 4]
 
 
 @pytest.mark.parametrize(
@@ -101,8 +101,8 @@ def _float_keys():
 
     from mhar_titan.config.parser import _field_types, _model_arg_types
 
-    def is_float(tp):
-        return tp is float or float in typing.get_args(tp)
+    def is_float(tp):  # float or Optional[float]; a list of floats is checked inside lists, below
+        return tp is float or (typing.get_origin(tp) is not list and float in typing.get_args(tp))
 
     keys = [(s, k) for s in SECTIONS for k, tp in _field_types(type(getattr(JobConfig(), s))).items() if is_float(tp)]
     keys += [("model", k) for k, tp in _model_arg_types().items() if is_float(tp)]
@@ -126,8 +126,9 @@ def test_every_float_setting_refuses_nan_and_infinity_naming_the_key(tmp_path, r
             msg = str(e.value)
             assert where in msg.split(": ")[0] and f"'{section}.{key}' must be a finite number" in msg, msg
             assert "\n" not in msg
-    with pytest.raises(ConfigError, match=r"'debug.force_nonfinite_loss_steps\[1\]' must be a finite number"):
-        load_config(None, [f"--debug.force_nonfinite_loss_steps=[1, {raw}]"])
+    for cli in (f"--optimizer.muon_ns_coefficients=[1, {raw}, 2]", f"--optimizer.muon_ns_coefficients=1,{raw},2"):
+        with pytest.raises(ConfigError, match=r"'optimizer.muon_ns_coefficients\[1\]' must be a finite number"):
+            load_config(None, [cli])
     # inside a table of a list (a mixture source's weight): the message names the item and key
     with pytest.raises(ConfigError, match=r"'data.sources\[0\].weight' must be a finite number"):
         load_config(None, [f'--data.sources=[{{name = "a", weight = {raw}, files = ["x"]}}]'])

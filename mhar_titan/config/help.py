@@ -32,10 +32,11 @@ usage: python train.py --config FILE [--section.key=value ...]
 
 Trains the job a TOML file describes (train_configs/*.toml); each --section.key=value (or
 --section.key value) overrides one key: command line > TOML file > the defaults below.
-Lists are TOML arrays (--data.files='["a.parquet", "b/*.parquet"]', or a,b for lists of
-strings); tables such as [[data.sources]] are TOML inline tables. Exit status: 0 done (also
-after a preemption), 2 bad input (one line naming the key or file), 1 stopped for training
-health. Check a job without training: python -m mhar_titan.dryrun --config FILE."""
+Lists are comma-separated items (--data.files=a.parquet,b/*.parquet, --compile.components=whole_model)
+or TOML arrays quoted for the shell (--compile.components='["model", "loss"]'); tables such as
+[[data.sources]] are TOML inline tables. Exit status: 0 done (also after a preemption), 2 bad input
+(one line naming the key or file), 1 stopped for training health (or the output's reader closed, as
+after | head). Check a job without training: python -m mhar_titan.dryrun --config FILE."""
 
 
 WIDTH = 100

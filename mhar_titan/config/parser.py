@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 import sys
 import types
 import typing
@@ -66,6 +67,8 @@ def _type_name(tp: Any) -> str:
         return "unset"
     if _table_class(tp) is not None:
         return f"a list of tables (one [[...]] table or {{key = value, ...}} per {_table_class(tp).__name__})"
+    if origin in (list, tuple) and typing.get_args(tp):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -101,11 +104,12 @@ def _matches(value: Any, tp: Any) -> bool:
 
 
 def _coerce(value: Any, tp: Any) -> Any:
-    """int -> float where a float is expected; tuples -> lists."""
+    """int -> float where a float is expected (also the items of a ``list[float]``); tuples -> lists."""
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, (list, tuple)):
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) in (list, tuple) and typing.get_args(tp) else Any
+        return [_coerce(v, item) for v in value]
     return value
 
 
@@ -212,27 +216,76 @@ def _apply_section(cfg: JobConfig, section: str, values: dict, where: str) -> No
         setattr(obj, key, _check_key(section, key, value, types_, where))
 
 
-def _is_str_list(tp: Any) -> bool:
-    """True for ``list[str]`` (also inside Optional)."""
-    optional = typing.get_origin(tp) in (Union, types.UnionType)
-    args = [a for a in typing.get_args(tp) if a is not type(None)] if optional else [tp]
-    return any(typing.get_origin(a) is list and typing.get_args(a) == (str,) for a in args)
+def list_item_type(tp: Any) -> Optional[Any]:
+    """The item type of a list key's annotation, which the comma form parses each item as: ``list[int]`` ->
+    int (also inside Optional); a ``Literal`` of strings, or a bare ``list`` / ``tuple`` (which the schema
+    never uses: every list key names its item type, tests/test_config_cli.py checks), -> str. None for
+    anything else: not a list, or a list of tables (``list[MixtureSource]``)."""
+    if tp is list or tp is tuple:
+        return str
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        found = [list_item_type(a) for a in typing.get_args(tp) if a is not type(None)]
+        return next((f for f in found if f is not None), None)
+    if typing.get_origin(tp) not in (list, tuple) or _table_class(tp) is not None:
+        return None
+    item = typing.get_args(tp)[0]
+    if typing.get_origin(item) is Literal and all(isinstance(a, str) for a in typing.get_args(item)):
+        return str
+    return item
 
 
-def _parse_cli_value(raw: str, tp: Any) -> Any:
-    """A command-line string as the field's type: strings stay raw; a list of strings may also be
-    written comma-separated (``--data.files=a.parquet,b/*.parquet``, one item without a comma);
-    the rest parse as TOML values (``--data.files='["a", "b"]'`` works too)."""
+_PYTHON_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value that is not a string: ``true`` / ``false`` in any case, a TOML value, or a number
+    as Python spells it where TOML does not (``.5``, ``5.``, ``05``); else the text itself (the type check
+    then names the key)."""
+    bare = text.strip()
+    if bare.lower() in ("true", "false"):
+        return bare.lower() == "true"
+    try:
+        return tomllib.loads(f"v = {bare}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    if _PYTHON_NUMBER.fullmatch(bare):
+        return int(bare) if bare.lstrip("+-").isdigit() else float(bare)
+    return text
+
+
+def _parse_cli_value(raw: str, tp: Any, name: str = "") -> Any:
+    """A command-line string (``--NAME=RAW``) as the field's type ``tp``.
+
+    Strings stay raw. A list key (``list_item_type``) takes a TOML array (``--data.files='["a", "b"]'``,
+    quoted for the shell) or its items comma-separated (``--data.files=a.parquet,b/*.parquet``,
+    ``--compile.components=whole_model``, ``--debug.force_nonfinite_loss_steps=3,5``; an empty value is the
+    empty list); a value in brackets is read as the array. The rest parse as TOML values, or as Python
+    spells a number (``--optimizer.lr=.5``).
+
+    Raises:
+        ConfigError: a bracketed value for a list of strings that is not a TOML array, e.g. ``[whole_model]``
+            (what ``--compile.components=["whole_model"]`` becomes when the shell removes the quotes; not read
+            as the items, since a file pattern such as ``[ab]`` is itself bracketed): the message shows the
+            value quoted for the shell and the comma form.
+    """
     if tp is str or tp == Optional[str]:
         return raw
-    if _is_str_list(tp) and not raw.lstrip().startswith("["):
-        return [part.strip() for part in raw.split(",") if part.strip()]
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw  # the type check then reports it with the key's name
+    item = list_item_type(tp)
+    if item is not None:
+        text = raw.strip()
+        if not (text.startswith("[") and text.endswith("]")):
+            return [part.strip() if item is str else _scalar(part) for part in raw.split(",") if part.strip()]
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            if item is not str:  # numbers or booleans in brackets: the items as the comma form reads them
+                return [_scalar(part) for part in text[1:-1].split(",") if part.strip()]
+            parts = [p.strip().strip("\"'") for p in text[1:-1].split(",") if p.strip()]
+            array = "[" + ", ".join(f'"{p}"' for p in parts) + "]"
+            raise ConfigError(
+                f"--{name}={raw}: not a TOML array (did the shell remove its quotes?); quote it for the shell, "
+                f"--{name}='{array}', or write the items comma-separated, --{name}={','.join(parts)}") from None
+    return _scalar(raw)
 
 
 def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
@@ -305,7 +358,7 @@ def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]
         if section == "model" and key not in types_:
             types_ = _model_arg_types() or {}
         tp = types_.get(key, str)
-        _apply_section(cfg, section, {key: _parse_cli_value(raw, tp)}, f"--{name}")
+        _apply_section(cfg, section, {key: _parse_cli_value(raw, tp, name)}, f"--{name}")
     if not cfg.job.name:
         cfg.job.name = "run"
     validate(cfg)

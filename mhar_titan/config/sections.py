@@ -76,11 +76,11 @@ class Optimizer:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    no_decay: list = field(default_factory=list)
+    no_decay: list[str] = field(default_factory=list)
     """Parameter groups excluded from weight decay: any of ``NO_DECAY_GROUPS``."""
     implementation: str = "foreach"
     """"foreach", "fused" or "for-loop" (AdamW's implementation)."""
-    muon_groups: list = field(default_factory=lambda: ["other"])
+    muon_groups: list[str] = field(default_factory=lambda: ["other"])
     """Parameter groups whose matrices Muon updates: any of ``MUON_GROUPS`` ("other": the hidden
     matrices; "head", "embeddings" to try Muon there too)."""
     muon_lr: Optional[float] = None
@@ -93,7 +93,7 @@ class Optimizer:
     """Shape-dependent scale of Muon's step on a (rows, cols) matrix: "match_rms_adamw"
     (0.2 sqrt(max(rows, cols)): an update RMS like AdamW's, so AdamW's LR and weight decay carry
     over; Moonlight, arXiv:2502.16982) or "original" (sqrt(max(1, rows / cols)), Keller Jordan's)."""
-    muon_ns_coefficients: list = field(default_factory=lambda: list(MUON_NS_COEFFICIENTS))
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: list(MUON_NS_COEFFICIENTS))
     """Newton-Schulz coefficients (a, b, c): three finite numbers."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations, 1 to 99."""
@@ -207,7 +207,7 @@ class Compile:
     """``[compile]``: ``torch.compile`` of the blocks, the loss or the whole model."""
 
     enable: bool = False
-    components: list = field(default_factory=lambda: ["model"])
+    components: list[str] = field(default_factory=lambda: ["model"])
     """"model": every block on its own (after AC, before FSDP); "loss": the loss function;
     "whole_model" (alone): the model's forward from the embedding to the loss as one compiled
     function (routing kernels as custom ops), after FSDP, so graphs break only at FSDP's unit hooks."""
@@ -317,7 +317,7 @@ class Debug:
 
     seed: int = 42
     deterministic: bool = False
-    force_nonfinite_loss_steps: list = field(default_factory=list)
+    force_nonfinite_loss_steps: list[int] = field(default_factory=list)
     """Steps (1-based) whose loss is replaced by NaN, to exercise the non-finite guard."""
 
 

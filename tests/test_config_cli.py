@@ -1,0 +1,143 @@
+"""The command line's forms of a config value do what ``python train.py --help`` says: every list key (of
+every section, of ``[model]``'s ModelArgs and of a ``[[data.sources]]`` table) takes its items
+comma-separated and as a TOML array, to the same list of its item type; no key has an annotation the
+parser reads another way (a bare ``list`` / ``tuple`` / ``dict``); an unquoted TOML array (the shell
+removed its quotes) is refused in one line with the quoted form to type."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from typing import Literal
+
+import pytest
+from helpers import PATIENCE_S, ROOT
+
+from mhar_titan.config import SECTIONS, ConfigError, JobConfig, load_config
+from mhar_titan.config.data import MixtureSource
+from mhar_titan.config.help import USAGE, config_help
+from mhar_titan.config.parser import _field_types, _matches, _parse_cli_value, list_item_type
+from mhar_titan.models.args import ModelArgs
+
+BASE = ["--config", "train_configs/debug_mhar.toml"]
+SAMPLES = {str: ["a.parquet", "b-*.parquet"], int: [3, 5], float: [0.5, -4.75], bool: [True, False]}
+
+
+def _every_field() -> list[tuple[str, str, object]]:
+    """(where, key, annotation) of every key a job config has."""
+    hints = typing.get_type_hints(JobConfig)
+    classes = [(s, hints[s]) for s in SECTIONS] + [("model", ModelArgs), ("data.sources[i]", MixtureSource)]
+    return [(where, key, tp) for where, cls in classes for key, tp in _field_types(cls).items()
+            if not (where == "model" and key == "overrides")]  # [model]'s holder of the ModelArgs keys, not a key
+
+
+def _walk(tp):
+    """``tp`` and every annotation inside it."""
+    yield tp
+    for arg in typing.get_args(tp):
+        if typing.get_origin(tp) is not Literal:
+            yield from _walk(arg)
+
+
+def test_no_key_has_a_bare_list_tuple_or_dict_annotation():
+    bare = [f"{where}.{key}: {tp}" for where, key, tp in _every_field()
+            if any(t in (list, tuple, dict) for t in _walk(tp))]
+    assert not bare, "name the item type (list[str], list[int], ...):\n" + "\n".join(bare)
+
+
+def test_every_list_key_takes_its_items_comma_separated_and_as_a_toml_array():
+    lists = {}
+    for where, key, tp in _every_field():
+        item = list_item_type(tp)
+        if item is None:
+            continue
+        assert item in SAMPLES, f"{where}.{key}: a list of {item!r}, which the comma form cannot write"
+        values = SAMPLES[item]
+        comma = ",".join(str(v).lower() if item is bool else str(v) for v in values)
+        array = json.dumps(values)
+        for raw in (comma, array, comma.replace(",", ", ")):
+            parsed = _parse_cli_value(raw, tp, f"{where}.{key}")
+            assert parsed == values and _matches(parsed, tp), (where, key, raw, parsed)
+        assert _parse_cli_value(str(values[0]).lower() if item is bool else str(values[0]), tp, key) == values[:1]
+        assert _parse_cli_value("", tp, key) == []
+        lists[f"{where}.{key}"] = item
+    # the walk reached the keys of the report and the typed lists (a broken walk would check nothing)
+    assert {"compile.components": str, "optimizer.no_decay": str, "optimizer.muon_groups": str,
+            "optimizer.muon_ns_coefficients": float, "debug.force_nonfinite_loss_steps": int,
+            "data.files": str, "data.sources[i].files": str, "eval.tasks": str}.items() <= lists.items()
+
+
+@pytest.mark.parametrize("override, section, key, expected", [
+    ("--compile.components=whole_model", "compile", "components", ["whole_model"]),
+    ("--compile.components=model,loss", "compile", "components", ["model", "loss"]),
+    ('--compile.components=["model", "loss"]', "compile", "components", ["model", "loss"]),
+    ("--optimizer.no_decay=embeddings,norms", "optimizer", "no_decay", ["embeddings", "norms"]),
+    ("--optimizer.muon_groups=other,head", "optimizer", "muon_groups", ["other", "head"]),
+    ("--optimizer.muon_ns_coefficients=3.4445,-4.775,2.0315", "optimizer", "muon_ns_coefficients",
+     [3.4445, -4.775, 2.0315]),
+    ("--optimizer.muon_ns_coefficients=[3,-4,2]", "optimizer", "muon_ns_coefficients", [3.0, -4.0, 2.0]),
+    ("--debug.force_nonfinite_loss_steps=3,5", "debug", "force_nonfinite_loss_steps", [3, 5]),
+    ("--optimizer.lr=.5", "optimizer", "lr", 0.5),
+])
+def test_the_documented_forms_load(override, section, key, expected):
+    value = getattr(getattr(load_config(None, BASE + [override]), section), key)
+    assert value == expected and type(value) is type(expected)
+    if isinstance(value, list):
+        assert [type(v) for v in value] == [type(v) for v in expected]
+
+
+@pytest.mark.parametrize("typed, quoted, comma", [
+    ("[whole_model]", """'["whole_model"]'""", "whole_model"),
+    ("[model,loss]", """'["model", "loss"]'""", "model,loss"),
+    ("['model', loss]", """'["model", "loss"]'""", "model,loss"),
+])
+def test_an_unquoted_toml_array_of_strings_says_to_quote_it(typed, quoted, comma):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, BASE + [f"--compile.components={typed}"])
+    message = str(e.value)
+    assert "\n" not in message and "the shell" in message
+    assert f"--compile.components={quoted}" in message and f"--compile.components={comma}" in message
+    # the forms the message offers load
+    for offered in (quoted.strip("'"), comma):
+        assert load_config(None, BASE + [f"--compile.components={offered}"]).compile.components == comma.split(",")
+
+
+def test_a_bad_item_names_the_key_and_the_item_type():
+    with pytest.raises(ConfigError, match=r"'debug\.force_nonfinite_loss_steps' must be list of int, got list "
+                                          r"\[3, 'x'\]"):
+        load_config(None, BASE + ["--debug.force_nonfinite_loss_steps=3,x"])
+    with pytest.raises(ConfigError, match=r"'compile.components' has unknown entries \['modle'\]"):
+        load_config(None, BASE + ["--compile.components=modle"])
+
+
+def test_help_shows_each_list_keys_item_type_and_both_forms():
+    assert "--compile.components = [\"model\"]  (list of str)" in config_help("compile")
+    assert "--debug.force_nonfinite_loss_steps = []  (list of int)" in config_help("debug")
+    assert "--optimizer.muon_ns_coefficients = " in config_help("optimizer")
+    assert "(list of float)" in config_help("optimizer")
+    assert "--compile.components=whole_model" in USAGE and """--compile.components='["model", "loss"]'""" in USAGE
+
+
+def test_the_training_command_refuses_an_unquoted_array_in_one_line_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "train.py", *BASE, f"--job.dump_folder={tmp_path}",
+                           "--compile.components=[whole_model]"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=PATIENCE_S)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "config error: --compile.components=[whole_model]: not a TOML array (did the shell remove its quotes?); "
+        """quote it for the shell, --compile.components='["whole_model"]', or write the items comma-separated, """
+        "--compile.components=whole_model"]
+    assert not any(tmp_path.iterdir())  # refused before the run folder was made
+
+
+def test_dataclass_defaults_match_their_annotations():
+    """Every default value fits its key's annotation (a list default of the item type)."""
+    hints = typing.get_type_hints(JobConfig)
+    for where, cls in [(s, hints[s]) for s in SECTIONS] + [("data.sources[i]", MixtureSource)]:
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if default is not None and default is not dataclasses.MISSING:
+                assert _matches(default, types_[f.name]), (where, f.name, default)
