@@ -143,6 +143,25 @@ def test_routing_kernel_warning_names_the_case():
         routing_kernel_warning(baseline, torch.device("cpu")) is None
 
 
+def test_routing_kernel_warning_gives_the_reason_that_holds():
+    """The fallback warning and the dry run's routing line give the reason the fused kernels do not
+    run (`mhar_kernels.op.why_not`, the reason `route` raises with): under the interpreter a tile
+    over the register budget is named, not TRITON_INTERPRET."""
+    from mhar_kernels import op
+    from mhar_titan.components.performance import planned_routing
+    from mhar_titan.models.args import ModelArgs
+
+    if not op.can_run(torch.device("cpu"), 64, 4):
+        pytest.skip("the fused kernels do not run on this CPU (TRITON_INTERPRET=1 not set before import)")
+    big = ModelArgs(dim=16384, n_layers=1, n_heads=8, n_kv_heads=8, ffn_dim=64, vocab_size=256, residual="attn_res",
+                    routing_heads=1, routing_kernel="triton")
+    warning = routing_kernel_warning(big, torch.device("cpu"))
+    assert warning.endswith("is False (one token's tile at d=16384, H=1 exceeds the kernels' register budget)"), warning
+    assert planned_routing(big, "cpu")[2].endswith("d=16384, H=1 exceeds the kernels' register budget")
+    with pytest.raises(RuntimeError, match="cannot run here: one token's tile at d=16384, H=1 exceeds"):
+        op.route([torch.zeros(1, 1, 16384)], torch.zeros(16384), torch.ones(16384), 1)
+
+
 def test_console_fields_eta_and_units():
     assert [console.duration(s) for s in (0.4, 59.6, 187, 7500, math.inf)] == ["0s", "1m00s", "3m07s", "2h05m", "?"]
     assert [console.count(n) for n in (950, 12_345, 4_560_000, 1.2e9, 250_000)] == ["950", "12.3k", "4.56M", "1.2B",

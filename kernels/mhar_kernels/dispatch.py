@@ -74,6 +74,13 @@ def backend(kernel: str, device: torch.device | str, dim: int, heads: int) -> st
     return "triton" if _module("op").can_run(device, dim, heads) else "eager"
 
 
+def fused_unavailable(device: torch.device | str, dim: int, heads: int) -> str | None:
+    """Why the fused kernels cannot route (..., dim) sources on `device` with `heads` heads, in
+    words (`op.why_not`: triton missing, no CUDA and no TRITON_INTERPRET=1, or one token's tile over
+    the register budget); None where they can."""
+    return _module("op").why_not(torch.device(device) if isinstance(device, str) else device, dim, heads)
+
+
 def planned_backend(kernel: str, device_type: str, dim: int, heads: int) -> str:
     """The implementation `backend` picks on a device of `device_type` ("cuda" or "cpu") of a
     machine set up as the project installs it, whatever this machine has: for planning a job

@@ -54,19 +54,28 @@ def can_run(device: torch.device, dim: int, heads: int) -> bool:
     return on_device and triton_routing.fits_tile(heads, dim // heads)
 
 
-def _require(device: torch.device, dim: int, heads: int) -> None:
-    """Raise RuntimeError saying why, where `can_run` is False."""
+def why_not(device: torch.device, dim: int, heads: int) -> Optional[str]:
+    """None where `can_run` is True, else why the kernels cannot run there, in words (the reason
+    `route` raises with and the trainer warns with)."""
     if can_run(device, dim, heads):
-        return
+        return None
+    device = device if isinstance(device, torch.device) else torch.device(device)
     if triton_routing is None:
-        why = "triton is not installed"
-    elif device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET):
-        why = f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
-    else:
-        why = f"Triton cannot run on {device} (on CPU only with TRITON_INTERPRET=1 set before the kernels load)"
-    raise RuntimeError(f"mhar_kernels.route cannot run here: {why}. Check mhar_kernels.can_run() first and use "
-                       "an eager implementation (mhar_kernels.reference) where it is False, or call "
-                       "mhar_kernels.dispatch.route, which does")
+        return "triton is not installed"
+    if device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET):
+        return f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
+    if device.type == "cpu":
+        return "on CPU they run only with TRITON_INTERPRET=1 set before the start"
+    return f"they run on CUDA (and on CPU under TRITON_INTERPRET=1), not on {device.type}"
+
+
+def _require(device: torch.device, dim: int, heads: int) -> None:
+    """Raise RuntimeError saying why (`why_not`), where `can_run` is False."""
+    why = why_not(device, dim, heads)
+    if why is not None:
+        raise RuntimeError(f"mhar_kernels.route cannot run here: {why}. Check mhar_kernels.can_run() first and use "
+                           "an eager implementation (mhar_kernels.reference) where it is False, or call "
+                           "mhar_kernels.dispatch.route, which does")
 
 
 # ---------------------------------------------------------------------------- custom ops (torch.compile)

@@ -19,7 +19,7 @@ from torch import Tensor
 from . import contract, depth_buffer
 from .depth_buffer import DepthBuffer, Reads
 from .grouped_kernels import _phase1_bwd_kernel, _phase1_fwd_kernel
-from .op import can_run, cast_null
+from .op import can_run, cast_null, why_not
 from .triton_routing import _TL_DTYPES, INTERPRET, NUM_STAGES, _cdiv, _next_pow2, aligned, reduce_programs
 
 # GPU layout: `contract.grouped_layout` (triton-free, so that the dry run plans a grouped job's
@@ -313,8 +313,7 @@ phase1_op.register_autograd(_phase1_op_backward, setup_context=_phase1_setup_con
 
 def _check(queries: Tensor, reads: tuple, heads: int, n: int, device: torch.device, dim: int) -> None:
     if not torch.compiler.is_compiling() and not can_run(device, dim, heads):
-        raise RuntimeError(f"the phase-1 kernels cannot run on {device} at d={dim}, H={heads} "
-                           "(CUDA, or CPU with TRITON_INTERPRET=1, within the register budget); check "
+        raise RuntimeError(f"the phase-1 kernels cannot run here: {why_not(device, dim, heads)}; check "
                            "mhar_kernels.can_run() first and use the eager phase 1 where it is False, or call "
                            "mhar_kernels.dispatch.phase1, which does")
     if len(reads) != queries.shape[0] or any(len(r) != n for r in reads):

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from . import contract, depth_buffer, triton_routing
 from .depth_buffer import DepthBuffer, Reads
-from .op import can_run, cast_like
+from .op import can_run, cast_like, why_not
 from .triton_grouped import MixGradients
 
 
@@ -123,7 +123,7 @@ def merge(mix: Tensor, norm: Tensor, lse: Tensor, query: Tensor, norm_weight: Te
             `contract.check_route_args` (the mix and the in-group sources checked together).
     """
     if not can_run(mix.device, mix.shape[-1], heads):
-        raise RuntimeError(f"the fused merge cannot run on {mix.device} at d={mix.shape[-1]}, H={heads}; call "
+        raise RuntimeError(f"the fused merge cannot run here: {why_not(mix.device, mix.shape[-1], heads)}; call "
                            "mhar_kernels.dispatch.merge, which uses the eager merge where mhar_kernels.can_run() "
                            "is False")
     contract.check_route_args([mix, *late], query, norm_weight, heads, partial, alpha)

@@ -124,8 +124,10 @@ def planned_routing(model_args, device_type: str) -> Optional[tuple[str, str, st
                                   ", under TRITON_INTERPRET=1 here"))
     elif device_type == "cuda":
         why = f"model.routing_kernel = {asked!r}: one token's tile at {shape} exceeds the fused kernels' register budget"
+    elif asked == "auto":
+        why = f"model.routing_kernel = 'auto' on {device_type}: the fused kernels are chosen on CUDA only"
     else:
-        why = f"model.routing_kernel = {asked!r} on {device_type}: the fused kernels need CUDA (or TRITON_INTERPRET=1)"
+        why = f"model.routing_kernel = {asked!r} on {device_type}: {dispatch.fused_unavailable(device_type, dim, heads)}"
     return asked, runs, why
 
 
@@ -136,9 +138,9 @@ def routing_kernel_warning(model_args, device: torch.device) -> Optional[str]:
     if pair is None or pair[0] in ("auto", pair[1]):
         return None
     asked, runs = pair
-    where = (" (on CPU they run only with TRITON_INTERPRET=1 set before the start)" if device.type == "cpu" else "")
+    dim, heads = model_args.dim, model_args.resolved_routing_heads
     return (f"model.routing_kernel = {asked!r} but routing runs on the {runs} path: mhar_kernels.can_run({device.type}, "
-            f"dim={model_args.dim}, heads={model_args.resolved_routing_heads}) is False{where}")
+            f"dim={dim}, heads={heads}) is False ({dispatch.fused_unavailable(device, dim, heads)})")
 
 
 def startup_fields(cfg, model_args, model: torch.nn.Module, world_size: int, device: torch.device,
