@@ -22,7 +22,8 @@ def plain_checkout() -> None:
         sys.modules[name] = None  # `import name` raises ImportError
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
     sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
-    sys.path[:] = [str(ROOT), str(ROOT / "kernels")] + [p for p in sys.path if "__editable__" not in p]
+    first = [str(ROOT), str(ROOT / "kernels")]
+    sys.path[:] = first + [p for p in sys.path if "__editable__" not in p and p not in first]
 
 
 def main(argv: list[str]) -> None:
@@ -39,6 +40,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    plain_checkout()  # before the first import of mhar_titan: this checkout's (no install on the GPU machine)
     from mhar_titan.cli_args import run_command
 
     run_command(main, sys.argv[1:])
