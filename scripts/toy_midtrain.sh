@@ -9,6 +9,8 @@
 #
 #   OUT         parent folder of the run folders (default: outputs)
 #   BASE_STEPS  steps of the base model (default: 200)
+#   BASE_ARGS   extra --section.key=value overrides for the base model (e.g. --lr_scheduler.warmup_steps=3
+#               with a short BASE_STEPS: the config's 20 warm-up steps are meant for 200)
 #   ARM_ARGS    extra --section.key=value overrides for both arms (e.g. --training.steps=20)
 #   LIMIT       examples of the paired evaluation (default: all 400)
 #
@@ -26,6 +28,7 @@ set -euo pipefail
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-outputs}
 BASE_STEPS=${BASE_STEPS:-200}
+read -r -a BASE_ARGS <<< "${BASE_ARGS:-}"
 read -r -a ARM_ARGS <<< "${ARM_ARGS:-}"
 LIMIT=(${LIMIT:+--limit "$LIMIT"})
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
@@ -65,7 +68,7 @@ echo "== 1. base model: debug baseline, $BASE_STEPS steps"
 stage 1-base "" --resumable "$OUT/toy_base" \
     "$PY" train.py --config train_configs/debug_baseline.toml --job.dump_folder="$OUT" --job.name=toy_base \
     --training.steps="$BASE_STEPS" --checkpoint.interval="$BASE_STEPS" --validation.enable=false \
-    --metrics.log_freq=50
+    --metrics.log_freq=50 ${BASE_ARGS[@]+"${BASE_ARGS[@]}"}
 echo "== 2. export as a Hugging Face folder (Qwen3 layout: the debug flavor has q/k norm)"
 stage 2-export "1-base" --fresh "$OUT/toy_base_llama" \
     "$PY" -m mhar_titan.convert export "$OUT/toy_base/checkpoints/step-$BASE_STEPS" "$OUT/toy_base_llama" --format hf

@@ -49,9 +49,18 @@ def _jobs(command: str) -> list[tuple[str, object]]:
     if "train.py" in words and words[0] in ("python", "torchrun"):
         return [(command, load_config(None, _overrides(words[words.index("train.py") + 1:])))]
     if words[:2] == ["make", "train"]:
-        assigned = dict(re.findall(r'(\w+)="?([^"\s]*(?:\s[^"]*)?)"?(?=\s\w+=|$)', command))
+        assigned = dict(w.split("=", 1) for w in words[2:] if "=" in w)  # make's VAR=value arguments
         args = shlex.split(assigned.get("ARGS", ""))
         return [(command, load_config(assigned.get("CONFIG", MAKE_DEFAULT_CONFIG), args))]
+    if words[:2] == ["bash", "scripts/toy_midtrain.sh"]:  # its base model and its two arms, as the script runs them
+        assigned = shlex.split(command, comments=True)
+        env = dict(a.split("=", 1) for a in assigned[:assigned.index("bash")])
+        base = load_config("train_configs/debug_baseline.toml", [f"--training.steps={env.get('BASE_STEPS', 200)}",
+                                                                  *shlex.split(env.get("BASE_ARGS", ""))])
+        arms = [(f"{command} [{arm}]", load_config(f"train_configs/toy_midtrain_{arm}.toml",
+                                                  shlex.split(env.get("ARM_ARGS", ""))))
+                for arm in ("plain", "delta_mhar")]
+        return [(f"{command} [base]", base), *arms]
     if words[:4] == ["python", "-m", "mhar_titan.experiments", "run"]:
         from mhar_titan.experiments.__main__ import _settings
         from mhar_titan.experiments.sweep import load_sweep
@@ -83,6 +92,7 @@ def test_every_documented_training_runs_without_a_schedule_warning(monkeypatch):
     names = " ".join(what for _, what, _ in trainings)
     assert "tour_baseline" in names and "tour_muon" in names and "debug_mixture" in names
     assert 'make train ARGS="--training.steps=30' in names and "experiments run" in names
+    assert "BASE_STEPS=12" in names and "toy_midtrain.sh [delta_mhar]" in names
     warned = [f"{doc}: {what}: {w}" for doc, what, cfg in trainings
               for w in schedule_warnings(cfg.lr_scheduler, cfg.training.steps)]
     assert not warned, "\n".join(warned)
