@@ -141,3 +141,22 @@ def test_dataclass_defaults_match_their_annotations():
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if default is not None and default is not dataclasses.MISSING:
                 assert _matches(default, types_[f.name]), (where, f.name, default)
+
+
+@pytest.mark.parametrize("tp, item, raw, expected", [
+    (typing.Optional[list[str]], str, "a,b", ["a", "b"]),
+    (typing.Optional[list[int]], int, "1, 2", [1, 2]),
+    (list[float] | None, float, ".5,2", [0.5, 2]),
+    (list[bool], bool, "true,False", [True, False]),
+    (list[Literal["model", "loss"]], str, "model,loss", ["model", "loss"]),
+    (list, str, "x,y", ["x", "y"]),  # a bare list (the schema has none: test above) reads strings
+    (tuple[int, ...], int, "3", [3]),
+])
+def test_the_comma_form_reads_any_list_annotation_as_its_item_type(tp, item, raw, expected):
+    assert list_item_type(tp) is item
+    assert _parse_cli_value(raw, tp, "s.k") == expected
+
+
+@pytest.mark.parametrize("tp", [str, int, typing.Optional[int], int | str, dict, list[MixtureSource]])
+def test_other_annotations_are_not_read_as_comma_lists(tp):
+    assert list_item_type(tp) is None
