@@ -103,6 +103,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout's package, installed or not
     from mhar_titan.cli_args import run_command
 
     run_command(main, sys.argv[1:])

@@ -311,6 +311,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # the checkout's package: the GPU machine runs this with nothing installed
     from mhar_titan.cli_args import run_command
 
     run_command(main)

@@ -126,3 +126,40 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error():
     assert done.stdout == "before\n"
     assert done.returncode == 1
     assert "Traceback" in done.stderr and done.stderr.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe")
+
+
+# The GPU machine has no install of the project (tests/test_kernels_leaf.py): simulated by dropping the
+# editable-install finders and running from an empty folder.
+_NO_INSTALL = """
+import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
+sys.path[:] = [p for p in sys.path if "__editable__" not in p and p not in ("", ".")]
+sys.path.insert(0, {folder!r})  # as `python SCRIPT` puts the script's folder first
+sys.argv = [{script!r}, "--help"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _imports_the_project_at_the_top(path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    return any(name.split(".")[0] in ("mhar_titan", "mhar_kernels") for name in names)
+
+
+def test_scripts_that_run_without_an_install_still_find_the_handler(tmp_path):
+    """A script outside the package whose own imports need no install of the project (bench/trainer_row.py
+    and bench/plain_python.py run so on the GPU machine, scripts/versions.py before `make setup` installs
+    anything) finds ``run_command`` in this checkout: it puts the checkout on sys.path before importing it."""
+    scripts = [p for p in _scripts() if p.parts[len(ROOT.parts)] != "mhar_titan" and _main_block(ast.parse(p.read_text()))
+               and not _imports_the_project_at_the_top(p)]
+    names = {str(p.relative_to(ROOT)) for p in scripts}
+    assert {"bench/trainer_row.py", "bench/plain_python.py", "scripts/versions.py"} <= names, names
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    procs = {str(p.relative_to(ROOT)): subprocess.Popen(
+        [sys.executable, "-c", _NO_INSTALL.format(folder=str(p.parent), script=str(p))], cwd=tmp_path, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for p in scripts}
+    for name, proc in procs.items():
+        err = proc.communicate(timeout=PATIENCE_S)[1]
+        assert "No module named 'mhar_titan'" not in err, f"{name}:\n{err[-2000:]}"
