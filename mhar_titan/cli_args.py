@@ -70,13 +70,15 @@ def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
     """
     try:
         code = main(*args)
-        sys.stdout.flush()  # what is still buffered fails here, inside the handler, not at shutdown
+        if sys.stdout is not None:  # None where the command started with stdout closed (``>&-``)
+            sys.stdout.flush()  # what is still buffered fails here, inside the handler, not at shutdown
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.__stdout__.fileno())
-        os.close(devnull)
+        if sys.__stdout__ is not None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.__stdout__.fileno())
+            os.close(devnull)
         code = BROKEN_PIPE_EXIT
     sys.exit(code)
 

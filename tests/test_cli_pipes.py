@@ -97,6 +97,15 @@ def test_a_command_piped_into_a_closed_reader_ends_quietly_with_status_1(name, b
     assert done.returncode == BROKEN_PIPE_EXIT == 1, (done.returncode, done.stderr)
 
 
+def test_a_command_started_with_stdout_closed_keeps_its_exit_status():
+    """A command started with stdout closed (``>&-``, a daemon or cron launch: Python sets sys.stdout to None)
+    ends with main's status, no traceback; its output goes nowhere, as before the shared handler."""
+    done = subprocess.run([sys.executable, "-m", "mhar_titan.models"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=PATIENCE_S,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_command_with_a_reader_keeps_its_own_exit_status():
     """The handler changes nothing when stdout is read: the output arrives whole and main's status is the exit
     status (0 here; 2 for a bad flag, before and after)."""
