@@ -127,8 +127,9 @@ def test_the_training_command_refuses_an_unquoted_array_in_one_line_exit_2(tmp_p
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "config error: --compile.components=[whole_model]: not a TOML array (did the shell remove its quotes?); "
-        """quote it for the shell, --compile.components='["whole_model"]', or write the items comma-separated, """
-        "--compile.components=whole_model"]
+        """for the items ['whole_model'] write --compile.components='["whole_model"]' or """
+        """--compile.components=whole_model; to keep ['[whole_model]'] as written, """
+        """--compile.components='["[whole_model]"]' (quoted for the shell)"""]
     assert not any(tmp_path.iterdir())  # refused before the run folder was made
 
 
@@ -160,3 +161,45 @@ def test_the_comma_form_reads_any_list_annotation_as_its_item_type(tp, item, raw
 @pytest.mark.parametrize("tp", [str, int, typing.Optional[int], int | str, dict, list[MixtureSource]])
 def test_other_annotations_are_not_read_as_comma_lists(tp):
     assert list_item_type(tp) is None
+
+
+@pytest.mark.parametrize("value, files", [
+    ("x/shard[0,1].parquet,y.parquet", ["x/shard[0,1].parquet", "y.parquet"]),  # commas inside brackets: one item
+    ("[a,b].parquet", ["[a,b].parquet"]),
+    ("""["[ab].parquet", "shard[0-9]"]""", ["[ab].parquet", "shard[0-9]"]),
+])
+def test_file_patterns_with_brackets_load_as_written(value, files):
+    assert load_config(None, [f"--data.files={value}"]).data.files == files
+
+
+@pytest.mark.parametrize("value", ["[ab].parquet,shard[0-9]", "[ab]"])
+def test_a_bracketed_value_that_is_no_array_is_refused_with_forms_that_keep_every_item(value):
+    """A value in brackets that is not a TOML array is refused; every form the message offers loads the
+    items as written (or, for an array whose quotes the shell removed, its items)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [f"--data.files={value}"])
+    offered = [part.split(" as written, ")[-1].split(" write ")[-1].split(" (quoted")[0]
+               for part in str(refused.value).split("; ")[1:]]
+    forms = [form for part in offered for form in part.split(" or ")]
+    assert forms, str(refused.value)
+    loaded = [load_config(None, [form.replace("'", "")]).data.files for form in forms]
+    as_written = [item.strip() for item in (["[ab].parquet", "shard[0-9]"] if "," in value else [value])]
+    assert as_written in loaded, (forms, loaded)
+    assert all(files in (as_written, ["ab"]) for files in loaded), (forms, loaded)
+
+
+def test_a_key_without_its_value_does_not_take_the_next_key():
+    with pytest.raises(ConfigError, match=r"--job.name needs a value: write --job.name=VALUE"):
+        load_config(None, ["--job.name", "--training.steps=5"])
+    assert load_config(None, ["--job.name", "x", "--training.steps=5"]).job.name == "x"
+
+
+@pytest.mark.parametrize("value", ["\u0661\u0662", "\uff15", "5\nw = 6"])
+def test_a_number_is_ascii_digits_and_one_value(value):
+    """Non-ASCII digits (which Python's int() reads) and a value with a second TOML key are refused."""
+    with pytest.raises(ConfigError, match="training.steps"):
+        load_config(None, [f"--training.steps={value.encode().decode('unicode_escape')}"])
+
+
+def test_an_int_for_an_optional_float_key_loads_as_a_float():
+    assert repr(load_config(None, ["--lr_scheduler.decay_ratio=1"]).lr_scheduler.decay_ratio) == "1.0"

@@ -104,7 +104,11 @@ def _matches(value: Any, tp: Any) -> bool:
 
 
 def _coerce(value: Any, tp: Any) -> Any:
-    """int -> float where a float is expected (also the items of a ``list[float]``); tuples -> lists."""
+    """int -> float where a float is expected (also an optional float and the items of a ``list[float]``);
+    tuples -> lists."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = options[0] if len(options) == 1 else tp
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, (list, tuple)):
@@ -234,7 +238,7 @@ def list_item_type(tp: Any) -> Optional[Any]:
     return item
 
 
-_PYTHON_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_PYTHON_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")  # ASCII digits only
 
 
 def _scalar(text: str) -> Any:
@@ -245,9 +249,11 @@ def _scalar(text: str) -> Any:
     if bare.lower() in ("true", "false"):
         return bare.lower() == "true"
     try:
-        return tomllib.loads(f"v = {bare}")["v"]
+        parsed = tomllib.loads(f"v = {bare}")
     except tomllib.TOMLDecodeError:
-        pass
+        parsed = None
+    if parsed is not None and len(parsed) == 1:  # one value (a newline and a second key is not one)
+        return parsed["v"]
     if _PYTHON_NUMBER.fullmatch(bare):
         return int(bare) if bare.lstrip("+-").isdigit() else float(bare)
     return text
@@ -273,19 +279,50 @@ def _parse_cli_value(raw: str, tp: Any, name: str = "") -> Any:
     item = list_item_type(tp)
     if item is not None:
         text = raw.strip()
-        if not (text.startswith("[") and text.endswith("]")):
-            return [part.strip() if item is str else _scalar(part) for part in raw.split(",") if part.strip()]
-        try:
-            return tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            if item is not str:  # numbers or booleans in brackets: the items as the comma form reads them
-                return [_scalar(part) for part in text[1:-1].split(",") if part.strip()]
-            parts = [p.strip().strip("\"'") for p in text[1:-1].split(",") if p.strip()]
-            array = "[" + ", ".join(f'"{p}"' for p in parts) + "]"
-            raise ConfigError(
-                f"--{name}={raw}: not a TOML array (did the shell remove its quotes?); quote it for the shell, "
-                f"--{name}='{array}', or write the items comma-separated, --{name}={','.join(parts)}") from None
+        array = text.startswith("[") and text.endswith("]")
+        if array or text.startswith(('["', "['")):
+            try:
+                return tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                if item is not str and array:  # numbers or booleans in brackets: read as the comma form
+                    return [_scalar(part) for part in _top_level_items(text[1:-1])]
+                raise ConfigError(_not_an_array(name, raw, text)) from None
+        return [part if item is str else _scalar(part) for part in _top_level_items(raw)]
     return _scalar(raw)
+
+
+def _top_level_items(text: str) -> list[str]:
+    """The comma form's items: `text` split at the commas outside brackets (a file pattern such as
+    ``shard[0,1].parquet`` is one item), each stripped; empty items dropped."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]" and depth:
+            depth -= 1
+        elif ch == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _not_an_array(name: str, raw: str, text: str) -> str:
+    """The message for a bracketed list-of-strings value that is not a TOML array. It may be an array whose
+    quotes the shell removed (``[whole_model]``: its items have no brackets) or values that start with a
+    bracket (a file pattern such as ``[ab].parquet``); the forms to type for each keep every item as
+    written, each shown only where it reads the value so."""
+    inner = _top_level_items(text[1:-1]) if text.endswith("]") else []
+    as_items = [p.strip("\"'") for p in inner] if inner and not any(c in p for p in inner for c in "[]") else []
+    as_written = _top_level_items(raw)
+    quoted = lambda items: "'[" + ", ".join(f'"{p}"' for p in items) + "]'"  # noqa: E731
+    forms = [f"for the items {as_items} write --{name}={quoted(as_items)} or --{name}={','.join(as_items)}"
+             ] if as_items else []
+    if not any('"' in p for p in as_written):
+        forms.append(f"to keep {as_written} as written, --{name}={quoted(as_written)}")
+    return (f"--{name}={raw}: not a TOML array (did the shell remove its quotes?); "
+            + ("; ".join(forms) + " (quoted for the shell)" if forms else
+               f"write it as one, quoted for the shell: --{name}='[\"a\", \"b\"]'"))
 
 
 def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
@@ -298,8 +335,8 @@ def _split_cli(argv: list[str]) -> tuple[Optional[str], list[tuple[str, str]]]:
                               "(python train.py --help lists the keys)")
         name, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"--{name} needs a value")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{name} needs a value: write --{name}=VALUE (or --{name} VALUE)")
             value, i = argv[i + 1], i + 1
         i += 1
         if name in ("config", "job.config_file"):
