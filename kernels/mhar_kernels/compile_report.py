@@ -26,7 +26,6 @@ import contextlib
 import inspect
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -117,8 +116,6 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     ('scalar_16bit_loads', 'accesses_128bit', 'async_copies_128bit' / '_8byte' / '_4byte',
     'source_copies_128bit' / '_8byte' / '_4byte', 'loads_128bit', 'stores_128bit').
     Raises RuntimeError when this Triton has no CUDA backend or ptxas fails."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -126,6 +123,8 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
 
     from . import grouped_kernels as gk
     from . import routing_kernels as rk
+    if rk.interpret_requested():
+        raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
     from . import triton_grouped as tg
     from . import triton_routing as tr
 

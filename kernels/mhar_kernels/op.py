@@ -62,11 +62,12 @@ def why_not(device: torch.device, dim: int, heads: int) -> Optional[str]:
     device = device if isinstance(device, torch.device) else torch.device(device)
     if triton_routing is None:
         return "triton is not installed"
+    tile = f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
     if device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET):
-        return f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
-    if device.type == "cpu":
-        return "on CPU they run only with TRITON_INTERPRET=1 set before the start"
-    return f"they run on CUDA (and on CPU under TRITON_INTERPRET=1), not on {device.type}"
+        return tile
+    where = ("on CPU they run only with TRITON_INTERPRET=1 set before the start" if device.type == "cpu" else
+             f"they run on CUDA, or on CPU under TRITON_INTERPRET=1, not on {device.type}")
+    return where if triton_routing.fits_tile(heads, dim // heads) else f"{where}, and {tile}"
 
 
 def _require(device: torch.device, dim: int, heads: int) -> None:

@@ -44,8 +44,20 @@ import os
 import triton
 import triton.language as tl
 
-# Triton reads the flag when the @triton.jit decorators run, so it must be set before this import.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter, read as Triton reads it (its runtime
+    knob: 1, true, on or yes; an older Triton without knobs: "1")."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Triton reads the flag when the @triton.jit decorators run, so it must be set before this import;
+# every kernel module is decorated together (triton_routing imports grouped_kernels).
+INTERPRET = interpret_requested()
 
 
 # ---------------------------------------------------------------------------- device code
