@@ -56,3 +56,22 @@ def test_the_compiled_routing_body_runs_under_autocast():
     loss, _ = autocast_step("mhar H=8", "compile")
     eager_loss, _ = autocast_step("mhar H=8", "eager")
     assert loss == pytest.approx(eager_loss, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mhar H=8", "delta block H=8 +null"])
+def test_a_half_precision_model_under_autocast_of_the_other_half_dtype(family):
+    """A bf16 model under fp16 autocast: the stream (bf16 + fp16 -> fp32) is taken to the sources'
+    dtype for delta routing on every kernel (the eager path refused the fp32 partial); the losses of
+    the kernels agree within 1e-3 (bf16 storage)."""
+    losses = {}
+    for kernel in ("eager", "triton") if FUSED else ("eager",):
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(**SHAPE, **FAMILIES[family], routing_kernel=kernel)).to(torch.bfloat16)
+        model.init_weights()
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x, torch.roll(x, -1, 1))
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        losses[kernel] = loss.item()
+    assert max(losses.values()) - min(losses.values()) <= 1e-3 * abs(losses["eager"]), losses

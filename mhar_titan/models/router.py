@@ -550,6 +550,8 @@ def route_site(call: SiteCall, settings: RoutingSettings, h: Tensor | None, entr
     Raises ValueError for bad arguments as `mhar_kernels.contract.check_route_args`."""
     partial, alpha = (h, alpha) if call.site.gated else (None, None)
     buffer = sources.buffer if call.rows is not None or call.group is not None else None
+    if partial is not None and buffer is None:  # the stream in the sources' dtype, as the buffer's kernels take it
+        partial = partial.to(storage_dtype(entries))  # (it differs under autocast of another dtype than the model's)
     reads = sources.reads
     null = None if call.null is None else entries[call.null]
     if call.group is None:
