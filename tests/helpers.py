@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
@@ -34,6 +35,25 @@ def wait_for(predicate, what: str, timeout: float = PATIENCE_S, interval: float 
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}\n{context()}"
         time.sleep(interval)
+
+
+_NO_INSTALL = """
+import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
+sys.path[:] = [p for p in sys.path if "__editable__" not in p and p not in ("", ".")]
+sys.path.insert(0, {folder!r})  # as `python SCRIPT` puts the script's folder first
+sys.argv = [{script!r}, *{args!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def no_install_argv(script: pathlib.Path, *args: str) -> list[str]:
+    """The command that runs ``python SCRIPT ARGS`` as a machine with no install of the project would
+    (the GPU machine runs the checkout as it is): this interpreter with the editable install's import
+    finders dropped and the script's folder first on sys.path. Run it from an empty folder, with
+    PYTHONPATH unset, so that only what the script itself puts on sys.path finds the project."""
+    return [sys.executable, "-c", _NO_INSTALL.format(folder=str(script.parent), script=str(script), args=list(args))]
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PATIENCE_S, ROOT
+from helpers import PATIENCE_S, ROOT, no_install_argv
 
 from mhar_titan.cli_args import BROKEN_PIPE_EXIT
 
@@ -137,19 +137,6 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error():
     assert "Traceback" in done.stderr and done.stderr.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe")
 
 
-# The GPU machine has no install of the project (tests/test_kernels_leaf.py): simulated by dropping the
-# editable-install finders and running from an empty folder.
-_NO_INSTALL = """
-import runpy, sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
-sys.path[:] = [p for p in sys.path if "__editable__" not in p and p not in ("", ".")]
-sys.path.insert(0, {folder!r})  # as `python SCRIPT` puts the script's folder first
-sys.argv = [{script!r}, "--help"]
-runpy.run_path({script!r}, run_name="__main__")
-"""
-
-
 def _imports_the_project_at_the_top(path) -> bool:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
@@ -167,7 +154,7 @@ def test_scripts_that_run_without_an_install_still_find_the_handler(tmp_path):
     assert {"bench/trainer_row.py", "bench/plain_python.py", "scripts/versions.py"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     procs = {str(p.relative_to(ROOT)): subprocess.Popen(
-        [sys.executable, "-c", _NO_INSTALL.format(folder=str(p.parent), script=str(p))], cwd=tmp_path, env=env,
+        no_install_argv(p, "--help"), cwd=tmp_path, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for p in scripts}
     for name, proc in procs.items():
         err = proc.communicate(timeout=PATIENCE_S)[1]

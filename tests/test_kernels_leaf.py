@@ -15,7 +15,7 @@ import mhar_kernels
 from mhar_kernels import contract, triton_routing
 from mhar_kernels import dispatch
 from kernels_oracle import leaves, make_inputs
-from helpers import PATIENCE_S, ROOT
+from helpers import PATIENCE_S, ROOT, no_install_argv
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:
@@ -118,25 +118,11 @@ def test_kernel_package_public_route_checks_once(counted_checks):
     assert counted_checks == {"check": 1, "launch": 1}
 
 
-# The GPU machine has no install of the project: only the checkout, run from its root with
-# `python bench/plain_python.py ...` (sys.path[0] is bench/). Simulated here by dropping this
-# interpreter's editable-install finders and running from an empty folder.
-_NO_INSTALL = """
-import runpy, sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in repr(h)]
-sys.path[:] = [p for p in sys.path if "__editable__" not in p and p not in ("", ".")]
-sys.argv = [{plain!r}, "-m", "mhar_titan.models"]
-runpy.run_path({plain!r}, run_name="__main__")
-"""
-
-
 def test_plain_python_runs_a_module_of_the_checkout_with_no_install(tmp_path):
     """bench/plain_python.py puts the checkout first before it imports anything of the project
     itself (its exit handler included), so that the GPU suite's rows run where nothing is installed."""
-    plain = str(ROOT / "bench" / "plain_python.py")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, "-c", _NO_INSTALL.format(plain=plain)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=PATIENCE_S)
+    proc = subprocess.run(no_install_argv(ROOT / "bench" / "plain_python.py", "-m", "mhar_titan.models"),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0 and "debug" in proc.stdout, proc.stderr[-3000:]
