@@ -46,28 +46,29 @@ def can_run(device: torch.device, dim: int, heads: int) -> bool:
     triton is installed, the device is CUDA (or CPU under TRITON_INTERPRET=1), and one token's
     [HB, KB] tile fits the kernels' register budget (`triton_routing.fits_tile`; MHAR_SPEC
     section 4: larger tiles run the eager reference). Not cached: about a microsecond, and
-    torch.compile traces it where a cached wrapper would warn."""
-    if triton_routing is None:
-        return False
+    torch.compile traces it where a cached wrapper would warn. `why_not` says why it is False."""
+    return triton_routing is not None and _on_device(device) and triton_routing.fits_tile(heads, dim // heads)
+
+
+def _on_device(device: torch.device | str) -> bool:
+    """Whether Triton runs on `device` here: CUDA, or CPU under the interpreter (triton installed)."""
     device = device if isinstance(device, torch.device) else torch.device(device)
-    on_device = device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
-    return on_device and triton_routing.fits_tile(heads, dim // heads)
+    return device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET)
 
 
 def why_not(device: torch.device, dim: int, heads: int) -> Optional[str]:
     """None where `can_run` is True, else why the kernels cannot run there, in words (the reason
-    `route` raises with and the trainer warns with)."""
-    if can_run(device, dim, heads):
-        return None
-    device = device if isinstance(device, torch.device) else torch.device(device)
+    `route` raises with and the trainer warns with); both reasons where both hold."""
     if triton_routing is None:
         return "triton is not installed"
+    fits = triton_routing.fits_tile(heads, dim // heads)
     tile = f"one token's tile at d={dim}, H={heads} exceeds the kernels' register budget"
-    if device.type == "cuda" or (device.type == "cpu" and triton_routing.INTERPRET):
-        return tile
-    where = ("on CPU they run only with TRITON_INTERPRET=1 set before the start" if device.type == "cpu" else
-             f"they run on CUDA, or on CPU under TRITON_INTERPRET=1, not on {device.type}")
-    return where if triton_routing.fits_tile(heads, dim // heads) else f"{where}, and {tile}"
+    if _on_device(device):
+        return None if fits else tile
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    where = ("on CPU they run only with TRITON_INTERPRET=1 set before the start" if device_type == "cpu" else
+             f"they run on CUDA, or on CPU under TRITON_INTERPRET=1, not on {device_type}")
+    return where if fits else f"{where}, and {tile}"
 
 
 def _require(device: torch.device, dim: int, heads: int) -> None:

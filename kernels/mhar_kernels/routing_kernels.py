@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 
-
 def interpret_requested() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's interpreter, read as Triton reads it (its runtime
     knob: 1, true, on or yes; an older Triton without knobs: "1")."""
