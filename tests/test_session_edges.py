@@ -199,9 +199,9 @@ SHAPE = dict(dim=64, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_siz
 ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] != "standard"]
 
 
-def _model(family: str, group=1, ac: bool = False, kernel: str = "eager") -> Transformer:
+def _model(family: str, group=1, ac: bool = False) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(**SHAPE, **FAMILIES[family], routing_kernel=kernel, routing_group_size=group))
+    model = Transformer(ModelArgs(**SHAPE, **FAMILIES[family], routing_group_size=group))
     model.init_weights()
     with torch.no_grad():  # off the zero init, so the depth softmax is not uniform
         for p in model.routing.parameters():
@@ -232,28 +232,6 @@ def test_fp16_autocast_trains_every_routed_family_and_full_ac_recomputes_it_exac
     assert math.isfinite(loss.item()) and all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert torch.equal(loss, ac_loss)
     assert all(torch.equal(grads[n], ac_grads[n]) for n in grads)
-
-
-@pytest.mark.parametrize("family", ["mhar H=8", "delta block H=8 +null"])
-def test_fp16_autocast_fused_kernels_agree_with_the_eager_reference(family):
-    """tests/test_autocast_routing.py compares the kernels under bf16 autocast; fp16 takes the same
-    storage-dtype entries (measured: losses within 1e-6, routing gradients within 5e-4 relative)."""
-    import mhar_kernels
-
-    if not mhar_kernels.can_run(torch.device("cpu"), SHAPE["dim"], 8):
-        pytest.skip("the fused kernels do not run on this CPU (TRITON_INTERPRET=1 not set before import)")
-    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    runs = {}
-    for kernel in ("eager", "triton"):
-        model = _model(family, group=2, kernel=kernel)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x, torch.roll(x, -1, 1))
-        loss.backward()
-        runs[kernel] = loss.item(), {n: p.grad for n, p in model.routing.named_parameters()}
-    (loss, grads), (fused_loss, fused_grads) = runs["eager"], runs["triton"]
-    assert fused_loss == pytest.approx(loss, rel=1e-5)
-    for name, grad in grads.items():
-        assert ((fused_grads[name] - grad).norm() / grad.norm()).item() <= 1e-3, name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
