@@ -91,8 +91,18 @@ class BlockSources:
         for value, slot, keep in zip(created, slots, keeps, strict=True):
             if slot is not None and slot != direct:
                 token = buffer.write(slot, value, token)
-            entries.append(value if keep or slot is None else buffer.values[slot])
+            entries.append(held(buffer, value, slot, keep))
         return entries, token
+
+
+def held(buffer: DepthBuffer, value: Tensor, slot: int | None, keep: bool) -> Tensor:
+    """What the source list holds for an entry written into depth-buffer row `slot` (None: it has
+    no row): the buffer's row, so that the entry's own tensor is freed, unless a later entry is
+    built from it (`keep`, `RoutingSchedule.keeps`) or it has no row, where the tensor `value`
+    itself. A later entry's recipe must read the autograd tensor: the buffer's row has no graph,
+    so a recipe over it would give the entry's producer no gradient through that recipe (the
+    paper layout's first block source, stream - embedding, lost the embedding's part)."""
+    return value if keep or slot is None else buffer.values[slot]
 
 
 class Projection:
@@ -427,7 +437,8 @@ class RoutingSchedule:
     `LayerSchedule` per layer (n_layers of them, also for the standard residual); `final`, the
     final site's `SiteCall` (None where the plan has none); for the fused kernels' depth buffer
     (`buffer_layout`): `capacity` (its rows), `initial_slots` (per initial entry, its slot or
-    None), `buffer_calls` (every fused call's `BufferCall`, indexed by `SiteCall.rows` /
+    None), `initial_keeps` (per initial entry, whether a later entry is built from it, as
+    `LayerSchedule.keeps`), `buffer_calls` (every fused call's `BufferCall`, indexed by `SiteCall.rows` /
     `SiteCall.phase1_rows`). Build with `from_plan`."""
 
     plan: RoutingPlan
@@ -435,6 +446,7 @@ class RoutingSchedule:
     final: SiteCall | None
     capacity: int = 0
     initial_slots: tuple[int | None, ...] = ()
+    initial_keeps: tuple[bool, ...] = ()
     buffer_calls: tuple[BufferCall, ...] = ()
     _reads: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -475,7 +487,8 @@ class RoutingSchedule:
                 tuple(_direct(s, slots) for s in sites)))
         final = None if plan.final is None else resolved(plan.final)
         initial = tuple(slots.get(source.index) for source in plan.initial)
-        return cls(plan, tuple(layers), final, len(slots), initial, buffer_calls)
+        initial_keeps = tuple(source.index in built_from for source in plan.initial)
+        return cls(plan, tuple(layers), final, len(slots), initial, initial_keeps, buffer_calls)
 
     def reads(self, device: torch.device) -> tuple[Reads, ...]:
         """Every fused call's `Reads` on `device` (made once per device: their slot and add
@@ -625,12 +638,12 @@ class Router:
             self.buffer, self.reads = DepthBuffer(schedule.capacity, h), schedule.reads(h.device)
         nulls = iter(self.params.null_sources())
         entries = []
-        for entry, slot in zip(self.plan.initial, schedule.initial_slots):
+        for entry, slot, keep in zip(self.plan.initial, schedule.initial_slots, schedule.initial_keeps, strict=True):
             if entry.kind == "null":
                 entries.append(next(nulls))
             elif self.buffer is not None and slot is not None:
                 self.token = self.buffer.write(slot, h, self.token)
-                entries.append(self.buffer.values[slot])
+                entries.append(held(self.buffer, h, slot, keep))
             else:
                 entries.append(h)
         return entries
