@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs
 from mhar_titan.models.kv_cache import KVCache
 from mhar_titan.models.model import Transformer
 from mhar_titan.parallel import apply_ac
@@ -45,12 +45,15 @@ SAMPLES: dict[str, tuple] = {
     "routing_eps": (1e-6, 1e-3),
     "routing_head_layout_seed": (0, 5),
     "routing_logit_scale": (1.0, 0.5, "match_heads:4"),
+    "dense_dilation": (1, 2),
+    "dense_period": (1, 2),
 }
 """Values of the routing fields whose type does not enumerate them (an int, a real, a string); a
 Literal's values are added to these (routing_group_size's "auto")."""
 
-EXTRA_FIELDS = ("attn_mask_type", "rope_per_document")
-"""Fields outside the routing prefix that change what routing sees (document masks)."""
+EXTRA_FIELDS = ("attn_mask_type", "rope_per_document", *(k for keys in CONNECTION_KEYS.values() for k in keys))
+"""Fields outside the routing prefix that change what the connections see (document masks) or
+configure a connection (`args.CONNECTION_KEYS`)."""
 
 AC_MODES = ("none", "full")
 """Activation checkpointing modes of the non-reference runs (a selective mode is a mix of both)."""
@@ -100,12 +103,15 @@ def model_args(combination: dict, kernel: str = "eager", shape: dict = SHAPE) ->
 
 
 INERT = {
-    "routing_": lambda c: c["residual"] == "standard",
+    "routing_": lambda c: c["residual"] != "attn_res",
+    **{key: (lambda residual: lambda c: c["residual"] != residual)(residual)
+       for residual, keys in CONNECTION_KEYS.items() for key in keys},
     "routing_block_layers": lambda c: c.get("routing_granularity") == "sublayer",
     "routing_head_layout_seed": lambda c: c.get("routing_head_layout") == "contiguous",
 }
 """Fields (a name, or a prefix ending in "_") that a combination ignores where the predicate holds:
-the baseline has no routing, sublayer granularity no blocks, contiguous heads no permutation. Such
+only depth routing has routing fields, and each other connection its own keys
+(`args.CONNECTION_KEYS`); sublayer granularity has no blocks, contiguous heads no permutation. Such
 a field must keep its default there, so that no pair counts as covered by a combination that
 ignores one of its values."""
 
@@ -130,11 +136,17 @@ def valid(combination: dict) -> bool:
     return canonical(combination) == combination and _accepts(tuple(combination.items()), "eager")
 
 
+@functools.lru_cache(maxsize=None)
+def _inert_keys(name: str) -> tuple[str, ...]:
+    """The `INERT` keys that name field `name` (itself, or a prefix of it)."""
+    return tuple(key for key in INERT if (name.startswith(key) if key.endswith("_") else name == key))
+
+
 def canonical(combination: dict) -> dict:
     """`combination` with every field it ignores (`inert`) at `ModelArgs`' default."""
-    ignores = [key for key, predicate in INERT.items() if predicate(combination)]
-    return {k: getattr(DEFAULTS, k) if k != "ac" and any(
-        k.startswith(key) if key.endswith("_") else k == key for key in ignores) else v for k, v in combination.items()}
+    ignored = {key for key, predicate in INERT.items() if predicate(combination)}
+    return {k: getattr(DEFAULTS, k) if k != "ac" and not ignored.isdisjoint(_inert_keys(k)) else v
+            for k, v in combination.items()}
 
 
 def covered(combination: dict, axes: dict[str, tuple]) -> set:
@@ -146,42 +158,38 @@ def covered(combination: dict, axes: dict[str, tuple]) -> set:
     return {(kernel, pair) for kernel in kernels_of(combination) for pair in itertools.combinations(held, 2)}
 
 
-def pairwise(axes: dict[str, tuple], seed: int = 0, candidates: int = 40) -> list[dict]:
+STRUCTURE = ("residual", "routing_mode", "routing_null_source", "routing_layout", "routing_granularity",
+             "routing_block_layers", "routing_group_size", "routing_head_layout", "routing_eps")
+"""The axes whose values constrain each other (`ModelArgs` refuses some mixes: the paper layout
+needs delta mode, null sources and routing eps = norm eps; grouping needs contiguous heads and the
+clean layout; a connection's keys need it): `pairwise` takes every mix of them, so that valid
+combinations of rare mixes are in its pool. The other axes are filled at random."""
+
+
+def pairwise(axes: dict[str, tuple], seed: int = 0, completions: int = 2) -> list[dict]:
     """Valid combinations (dicts over every axis, `canonical`) that cover (`covered`), for every
     routing kernel, every pair of values of every two axes that some valid combination on that
-    kernel holds: greedy, each time the candidate (of `candidates` random valid ones, plus one built
-    around an uncovered pair) that covers the most of what is still uncovered. Deterministic for a
-    `seed`."""
+    kernel holds. The pool: every mix of the `STRUCTURE` axes, each completed `completions` times
+    with random values of the other axes, kept where valid; then, greedily, the pooled combination
+    that covers the most of what no chosen one covers. A pair no pooled combination holds counts as
+    impossible. Deterministic for a `seed`."""
     rng = random.Random(seed)
     names = list(axes)
-    every = [(n, repr(v)) for n in names for v in axes[n]]
-    value_of = {(n, repr(v)): v for n in names for v in axes[n]}
-
-    def draw(kernel: str | None = None, fixed: tuple = (), tries: int = 300) -> dict | None:
-        """A random valid combination holding the (axis, value) pairs `fixed` on `kernel`."""
-        for _ in range(tries):
-            combination = {n: rng.choice(axes[n]) for n in names} | {n: value_of[(n, r)] for n, r in fixed}
-            combination = canonical(combination)
-            if (valid(combination) and all(repr(combination[n]) == r for n, r in fixed)
-                    and (kernel is None or kernel in kernels_of(combination))):
-                return combination
-        return None
-
-    # a value no combination on a kernel holds makes every pair with it impossible there
-    possible = {(kernel, value) for kernel in KERNELS for value in every if draw(kernel, (value,)) is not None}
-    uncovered = {(kernel, pair) for kernel in KERNELS for pair in itertools.combinations(every, 2)
-                 if pair[0][0] != pair[1][0] and (kernel, pair[0]) in possible and (kernel, pair[1]) in possible}
+    structure = [n for n in names if n in STRUCTURE]
+    pool: dict[tuple, dict] = {}
+    for mix in itertools.product(*(axes[n] for n in structure)):
+        for _ in range(completions):
+            combination = canonical({n: rng.choice(axes[n]) for n in names} | dict(zip(structure, mix)))
+            key = tuple(combination.items())
+            if key not in pool and valid(combination):
+                pool[key] = combination
+    coverage = {key: covered(c, axes) for key, c in pool.items()}
+    uncovered = set().union(*coverage.values())
     chosen: list[dict] = []
     while uncovered:
-        kernel, pair = min(uncovered)
-        seeded = draw(kernel, pair)
-        if seeded is None:  # no valid combination on this kernel holds this pair
-            uncovered.discard((kernel, pair))
-            continue
-        pool = [seeded] + [c for c in (draw() for _ in range(candidates)) if c is not None]
-        best = max(pool, key=lambda c: len(covered(c, axes) & uncovered))
-        chosen.append(best)
-        uncovered -= covered(best, axes)
+        best = max(coverage, key=lambda key: len(coverage[key] & uncovered))  # the first of the best
+        chosen.append(pool[best])
+        uncovered -= coverage.pop(best)
     return chosen
 
 
@@ -202,9 +210,7 @@ def randomize(model: Transformer, seed: int = 0) -> None:
     with torch.no_grad():
         for name, parameter in model.routing.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
-            if name == "key_norm":
-                parameter.add_(0.3 * noise)
-            elif name == "log_temperature":
+            if "norm" in name or name == "log_temperature":  # key norms, a connection's norm scales
                 parameter.add_(0.3 * noise)
             else:
                 parameter.copy_(0.6 * noise)
@@ -279,6 +285,8 @@ def cached_logits(model: Transformer, tokens: torch.Tensor, prefill: int) -> tor
 
 def kernels_of(combination: dict, kernels=KERNELS) -> list[str]:
     """The routing kernels among `kernels` that `ModelArgs` accepts for `combination`."""
+    if combination["residual"] != "attn_res":  # the kernel is depth routing's: the others run one path
+        return [kernel for kernel in kernels if kernel == "eager"]
     return [kernel for kernel in kernels if _accepts(tuple(combination.items()), kernel)]
 
 

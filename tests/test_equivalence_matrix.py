@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import model_equivalence as me
+from mhar_titan.models.args import CONNECTION_KEYS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: threads only add hand-offs on a busy runner
 
@@ -34,15 +35,19 @@ def compile_strictly():
 def test_the_matrix_holds_every_value_on_every_kernel_and_the_pairs_that_hid_a_fault():
     """Every value of every routing setting read from the schema is in the matrix, on every kernel
     that accepts it (the permuted head layout runs on the eager path only, grouped routing not on the
-    compiled body); and the pairs behind the fused kernels' paper-layout fault (the paper layout with
+    compiled body, and the other connections than depth routing run on the eager path alone); and the pairs behind the fused kernels' paper-layout fault (the paper layout with
     blocks of 1 and of 2 layers) are on the fused kernels."""
     assert {"residual", "routing_heads", "routing_granularity", "routing_block_layers", "routing_mode",
             "routing_null_source", "routing_layout", "routing_group_size", "routing_head_layout",
             "routing_logit_scale", "routing_temperature", "attn_mask_type", "ac"} <= AXES.keys()
     assert "routing_kernel" not in AXES and AXES["routing_group_size"][-1] == "auto"
+    # the routing kernels are depth routing's: the other connections run their one path (eager)
+    others = {("residual", repr(r)) for r in AXES["residual"] if r != "attn_res"}
+    others |= {(k, repr(v)) for keys in CONNECTION_KEYS.values() for k in keys for v in AXES[k]
+               if v != getattr(me.DEFAULTS, k)}
     refused = {"compile": {("routing_head_layout", "'permuted'"), ("routing_head_layout_seed", "5"),
-                           ("routing_group_size", "3"), ("routing_group_size", "'auto'")},
-               "triton": {("routing_head_layout", "'permuted'"), ("routing_head_layout_seed", "5")}}
+                           ("routing_group_size", "3"), ("routing_group_size", "'auto'")} | others,
+               "triton": {("routing_head_layout", "'permuted'"), ("routing_head_layout_seed", "5")} | others}
     for kernel in me.KERNELS:
         held = {value for c in COMBINATIONS if kernel in me.kernels_of(c) for value in c.items()}
         held = {(name, repr(value)) for name, value in held}
