@@ -38,3 +38,25 @@ def test_outputs_equal_those_recorded_before_the_connection_interface(case):
         scale = max(abs(p) for p in projections) or 1.0
         for got, want in zip(measured[name][1], projections):
             assert math.isclose(got, want, rel_tol=0, abs_tol=1e-5 * scale), (case, name, got, want)
+
+
+FINGERPRINT_BEFORE_CONNECTIONS = {
+    "dim", "ffn_dim", "n_heads", "n_kv_heads", "n_layers", "norm_eps", "qk_norm", "residual", "rope_high_freq_factor",
+    "rope_low_freq_factor", "rope_original_max_seq_len", "rope_scaling", "rope_scaling_factor", "rope_theta",
+    "routing_block_layers", "routing_eps", "routing_granularity", "routing_heads", "routing_mode",
+    "routing_null_source", "tie_embeddings", "vocab_size"}
+"""The model fields a default model's checkpoint fingerprint held at main 492ea06 (checkpoint_fingerprint)."""
+
+
+@pytest.mark.parametrize("family", ["baseline", "attn_res H=1", "mhar H=8", "delta block H=8 +null"])
+def test_checkpoints_from_before_the_connections_keep_their_fingerprint(family):
+    """A model of a family that existed before the depth connections has the fingerprint its
+    checkpoints were saved with: the connections' new keys are left out at the values that give
+    the older models (checkpoint.LEGACY_MODEL_DEFAULTS), so those checkpoints resume (a resume of
+    steps 3-4 from a step-2 checkpoint saved at 492ea06 gave the same losses bit for bit, debug
+    baseline, MHAR and the paper layout, measured on CPU 2026-12-07)."""
+    from mhar_titan.checkpoint.fingerprint import checkpoint_fingerprint
+    from mhar_titan.models.args import FAMILIES, ModelArgs
+
+    fingerprint = checkpoint_fingerprint(ModelArgs(**FAMILIES[family]), "gpt2")["model_args"]
+    assert set(fingerprint) <= FINGERPRINT_BEFORE_CONNECTIONS | {"routing_heads"}
