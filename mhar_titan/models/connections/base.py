@@ -34,7 +34,7 @@ forward by the flow (under FSDP2 the root's parameters are unsharded for the who
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from torch import Tensor, nn
 
@@ -64,6 +64,14 @@ class Flow(Protocol):
     def final(self) -> Tensor: ...
 
 
+MixObserver = Callable[[str, Tensor], None]
+"""observer(name, weights) of a connection other than depth routing (`Transformer.observe_routing`):
+every forward hands it each mixing weight the connection computes, detached, in forward order, named
+by where it applies (e.g. "block 3", "site 5 comb"): DenseFormer's per-block weights (n,), MUDDFormer's
+per-token dynamic weights (B, T, C, n), and so on (each connection's docstring says which). Depth
+routing's observer has its own signature (`router.Observer`)."""
+
+
 class Connection:
     """One model's depth connection (module docstring). Subclasses set `name` (the
     `ModelArgs.residual` value) and implement `flow`; those with parameters override `parameters`.
@@ -85,6 +93,24 @@ class Connection:
     def attention_norm(self, layer: int) -> nn.Module:
         """The norm block `layer` applies to its attention sublayer's input (`Link.read(0)`'s value)."""
         return RMSNorm(self.args.dim, self.args.norm_eps)
+
+    # -- the cost model (torch-free arithmetic; the dry run, the metrics and the bytes model read it) --
+    def flops_per_token(self) -> int:
+        """Forward FLOPs per token the connection adds to the baseline's (multiply-adds count 2);
+        the backward is twice that (the metrics' 3x rule)."""
+        return 0
+
+    def depth_reads(self) -> tuple[int, int]:
+        """(forward, backward) (B, T, d) rows of activations the connection reads per token in one
+        training step beyond the baseline's (its bytes: rows x d x the element size): the bytes model
+        of docs/DESIGN.md, counted per connection."""
+        return 0, 0
+
+    def kept_rows(self, ac: str) -> int:
+        """(B, T, d) rows per token the connection keeps alive for the backward beyond the baseline's
+        under activation checkpointing `ac` ("none", "full", "selective"): its depth history, its
+        streams and what its blocks save (the dry run's memory estimate)."""
+        return 0
 
     def flow(self, params: nn.Module | None, x0: Tensor, observer=None, buffered: bool = True) -> Flow:
         """The flow of one forward from the token embedding `x0` (B, T, d), with the connection's

@@ -93,14 +93,16 @@ def weighted_sum(weights: Tensor, sources: tuple[Tensor, ...]) -> Tensor:
 
 class DenseFlow:
     """One forward of DenseFormer: the depth history X_0.. (X_0 the embedding) and the next block's
-    input Y."""
+    input Y. An observer (`base.MixObserver`) sees each block's weights (n,) as "block i"."""
 
-    def __init__(self, args, params: DenseWeights, x0: Tensor):
-        self.args, self.history, self.y = args, [x0], x0
+    def __init__(self, args, params: DenseWeights, x0: Tensor, observer=None):
+        self.args, self.history, self.y, self.observer = args, [x0], x0, observer
         self.weights = params.rows()
 
     def block(self, layer: int) -> tuple[Tensor, DenseLink]:
         weights = self.weights.get(layer)
+        if weights is not None and self.observer is not None:
+            self.observer(f"block {layer}", weights.detach())
         sources = tuple(self.history[j] for j in dense_sources(self.args, layer)[:-1]) if weights is not None else ()
         return self.y, DenseLink(weights, sources)
 
@@ -121,4 +123,4 @@ class DenseFormer(Connection):
         return DenseWeights(self.args)
 
     def flow(self, params: DenseWeights, x0: Tensor, observer=None, buffered: bool = True) -> DenseFlow:
-        return DenseFlow(self.args, params, x0)
+        return DenseFlow(self.args, params, x0, observer)

@@ -95,10 +95,10 @@ class MuddLink:
     weights and the next block's streams over `sources` (the earlier sources) and the new one. The
     block returns (its source, its streams)."""
 
-    __slots__ = ("layer", "params", "sources", "eps")
+    __slots__ = ("layer", "params", "sources", "eps", "observer")
 
-    def __init__(self, layer: int, params: MuddWeights, sources: tuple[Tensor, ...], eps: float):
-        self.layer, self.params, self.sources, self.eps = layer, params, sources, eps
+    def __init__(self, layer: int, params: MuddWeights, sources: tuple[Tensor, ...], eps: float, observer=None):
+        self.layer, self.params, self.sources, self.eps, self.observer = layer, params, sources, eps, observer
 
     def enter(self, carried):
         return carried
@@ -112,20 +112,23 @@ class MuddLink:
         if sublayer == 0:
             return (state if isinstance(state, Tensor) else state[3]) + output
         x = state + output
-        return mix(self.params, self.layer, x, self.sources, self.eps)
+        return mix(self.params, self.layer, x, self.sources, self.eps, self.observer)
 
     def leave(self, state):
         return state
 
 
-def mix(params: MuddWeights, layer: int, x: Tensor, sources: tuple[Tensor, ...], eps: float):
+def mix(params: MuddWeights, layer: int, x: Tensor, sources: tuple[Tensor, ...], eps: float, observer=None):
     """After block `layer` with output `x` (B, T, d): (its source S, the streams): four (Q, K, V, R)
-    or, after the last block, the R stream alone; module docstring for the formulas."""
+    or, after the last block, the R stream alone; module docstring for the formulas. An observer
+    (`base.MixObserver`) sees the dynamic weights dw (B, T, C, i+2) as "block i"."""
     i, prepost = layer, params.prepost
     source = params.source_norm[i + 1](x) if prepost else x
     hidden = params.generator_norm[i](x) if prepost else rms_normalized(x, eps)
     C = params.static[i].shape[0]
     dw = params.w2[i](F.gelu(params.w1[i](hidden))).unflatten(-1, (C, i + 2)) + params.static[i].to(x.dtype)
+    if observer is not None:
+        observer(f"block {i}", dw.detach())
     every = (*sources, source)
     streams = []
     for c in range(C):
@@ -141,13 +144,13 @@ def mix(params: MuddWeights, layer: int, x: Tensor, sources: tuple[Tensor, ...],
 class MuddFlow:
     """One forward of MUDDFormer: the sources S_0.. and the streams carried into the next block."""
 
-    def __init__(self, args, params: MuddWeights, x0: Tensor):
-        self.args, self.params = args, params
+    def __init__(self, args, params: MuddWeights, x0: Tensor, observer=None):
+        self.args, self.params, self.observer = args, params, observer
         self.sources = [params.source_norm[0](x0) if params.prepost else x0]
         self.carried = x0
 
     def block(self, layer: int):
-        return self.carried, MuddLink(layer, self.params, tuple(self.sources), self.args.norm_eps)
+        return self.carried, MuddLink(layer, self.params, tuple(self.sources), self.args.norm_eps, self.observer)
 
     def done(self, layer: int, returned) -> None:
         source, self.carried = returned
@@ -171,4 +174,4 @@ class MUDDFormer(Connection):
         return super().attention_norm(layer) if layer == 0 else StreamNorms(self.args.dim, self.args.norm_eps)
 
     def flow(self, params: MuddWeights, x0: Tensor, observer=None, buffered: bool = True) -> MuddFlow:
-        return MuddFlow(self.args, params, x0)
+        return MuddFlow(self.args, params, x0, observer)
