@@ -228,3 +228,21 @@ def test_parameter_counts_follow_the_formulas(variant, n_layers):
         expected = sum(d * K[i] + K[i] * C[i] * (i + 2) + C[i] * (i + 2) for i in range(L))
         expected += ((L + 1) * d + 2 * L * d if args.mudd_prepost_norm else 0) + 2 * (L - 1) * d
     assert connection_parameters(args) == expected
+
+
+def test_a_hook_that_replaces_a_sublayers_output_reaches_the_routing_on_the_fused_kernels():
+    """A forward hook on a block's attention that replaces its output: the fused kernels' depth buffer
+    holds the replaced output (each sublayer output is copied into its slot after the sublayer ran),
+    so the fused path computes what the eager path does (it once wrote the output projection's
+    result into the slot from inside the projection, and the hook's value never reached routing)."""
+    import model_equivalence as me
+
+    combination = dict(residual="attn_res", routing_heads=4, ac="none")
+    reference = me.reference_model(me.model_args(combination))
+    fused = me.copy_of(reference, me.model_args(combination, "triton"), torch.float64)
+    for model in (reference, fused):
+        for layer in model.layers:
+            layer.attention.register_forward_hook(lambda module, inputs, output: 2.0 * output)
+    ids = me.batch()
+    failures = me.compare("triton float64", me.loss_and_grads(fused, ids), me.loss_and_grads(reference, ids), 1e-9)
+    assert not failures, "\n".join(failures)
