@@ -17,7 +17,7 @@ from mhar_titan.models import ModelArgs, Transformer
 from mhar_titan.models.args import FAMILIES
 
 SHAPE = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=256, max_seq_len=16)
-ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] != "standard"]
+ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] == "attn_res"]  # depth routing
 FUSED = mhar_kernels.can_run(torch.device("cpu"), 64, 8)
 
 

@@ -55,7 +55,7 @@ def warned_step(model) -> tuple[float, dict, list[str]]:
     return loss, grads, ours
 
 
-ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] != "standard"]
+ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] == "attn_res"]  # depth routing
 KERNEL_FILES = [path.name for path in Path(mhar_kernels.__file__).parent.glob("*.py")]
 PAPER = dict(routing_layout="paper", routing_mode="delta", routing_null_source=True)
 

@@ -70,7 +70,7 @@ def test_lists_on_the_command_line_take_one_item_or_commas():
         ("", ["--optimizer.weight_decay=-0.1"], ["optimizer.weight_decay", ">= 0"]),
         ("[model]\nflavor = \"debug\"\nresidual = \"attn_res\"\n", ["--model.routing_heads=3"],
          ["'model.routing_heads' = 3", "H=3", "choose H among the divisors of d: 1, 2, 4, 8, 16, 32, 64, 128"]),
-        ("", ["--model.flavr=debug"], ["model.flavr", "Valid keys of [model]: attn_mask_type, dim, eos_id, ffn_dim, flavor, max_seq_len"]),
+        ("", ["--model.flavr=debug"], ["model.flavr", "Valid keys of [model]: attn_mask_type, ", " dim, eos_id, ffn_dim, flavor, "]),
         ("[model]\nflavor = \"debug\"\nn_heads = 3\n", [], ["'model.n_heads' = 3"]),
         ("[training]\nseq_len = 64\n[model]\nmax_seq_len = 32\n", [], ["training.seq_len", "max_seq_len"]),
         ("", ["--training.loss_path=fused"], ["training.loss_path", "'chunked'", "'plain'"]),

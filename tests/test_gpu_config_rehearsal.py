@@ -27,7 +27,7 @@ CONFIGS = sorted(p for p in (ROOT / "train_configs").glob("*.toml"))
 def fused_on_cuda(path: Path) -> bool:
     """Whether the config routes on the fused kernels on CUDA (a routed family on "auto" or "triton")."""
     args = resolve_model_args(load_config(str(path)).model, 16)
-    return args.residual != "standard" and args.routing_kernel in FUSED_ON_CUDA
+    return args.residual == "attn_res" and args.routing_kernel in FUSED_ON_CUDA
 
 
 REHEARSED = [p for p in CONFIGS if fused_on_cuda(p)]

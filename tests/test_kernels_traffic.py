@@ -111,12 +111,11 @@ def test_counted_traffic_equals_real_launches_at_debug_flavor(monkeypatch):
     for kind in ("forward", "backward", "reduce"):
         assert measured[kind] == kinds[kind], (kind, measured[kind], kinds[kind])
     assert "accumulate" not in kinds
-    # the embedding and every MLP output copied into their slots, every attention output computed
-    # straight into its own; each gradient row written by one reader (its last in the forward),
-    # added into by the others: nothing for autograd to add
+    # the embedding and every sublayer output copied into their slots; each gradient row written by
+    # one reader (its last in the forward), added into by the others: nothing for autograd to add
     distinct = len({j for ids in sites for j in ids})
-    assert performance.slot_copies(args) == (1 + args.n_layers, 0)
-    assert measured["writes"] == kinds["write"] == 2 * (1 + args.n_layers) * counted.row_bytes
+    assert performance.slot_copies(args) == (1 + 2 * args.n_layers, 0)
+    assert measured["writes"] == kinds["write"] == 2 * (1 + 2 * args.n_layers) * counted.row_bytes
     assert len(measured["rows"]) == distinct and sorted(measured["first"]) == sorted(measured["rows"])
     # separate source tensors, their per-site gradients summed by autograd, would cost more
     unshared = routing_bytes.step_traffic(args, tokens[:, :-1].numel(), torch.bfloat16, programs=1, shared=False)
