@@ -70,11 +70,12 @@ class _Mix(torch.autograd.Function):
         ctx.save_for_backward(w)
         ctx.weights_dtype = weights.dtype
         n, B, T, d = rows.shape
-        if w.dim() == 1:
-            return (w @ rows.view(n, -1)).view(B, T, d)
-        C = w.shape[2]
-        mixed = torch.bmm(w.reshape(B * T, C, n), rows.view(n, B * T, d).transpose(0, 1))  # (BT, C, d)
-        return mixed.view(B, T, C, d).permute(2, 0, 1, 3)
+        with torch.autocast(rows.device.type, enabled=False):  # in the rows' dtype, as documented
+            if w.dim() == 1:
+                return (w @ rows.view(n, -1)).view(B, T, d)
+            C = w.shape[2]
+            mixed = torch.bmm(w.reshape(B * T, C, n), rows.view(n, B * T, d).transpose(0, 1))  # (BT, C, d)
+            return mixed.view(B, T, C, d).permute(2, 0, 1, 3)
 
     @staticmethod
     def backward(ctx, grad: Tensor | None):
@@ -86,6 +87,7 @@ class _Mix(torch.autograd.Function):
         index = _rows(buffer, reads.rows)
         rows, grads = buffer.values[index], buffer.gradients(reads)[index]  # (n, B, T, d) views
         n, B, T, d = rows.shape
+        grad = grad.to(rows.dtype)  # an autocast consumer may hand back a lower-precision gradient
         written = [i for i, row in enumerate(reads.rows) if row not in reads.adds]
         if w.dim() == 1:
             g = grad.reshape(-1)
