@@ -72,6 +72,20 @@ per-token dynamic weights (B, T, C, n), and so on (each connection's docstring s
 routing's observer has its own signature (`router.Observer`)."""
 
 
+def checkpointed_blocks(ac: str, n_layers: int) -> tuple[bool, ...]:
+    """Per block, whether activation checkpointing `ac` ("none", "full", "selective:k") recomputes
+    it: none, every block, or blocks k, 2k, ... (1-based, `parallel.apply_ac`'s counter).
+
+    Raises:
+        ValueError: another spelling, or k not a positive integer."""
+    if ac in ("none", "full"):
+        return (ac == "full",) * n_layers
+    every = ac.removeprefix("selective:")
+    if not ac.startswith("selective:") or not every.isdigit() or int(every) < 1:
+        raise ValueError(f"activation checkpointing must be 'none', 'full' or 'selective:k' (k >= 1), got {ac!r}")
+    return tuple((i + 1) % int(every) == 0 for i in range(n_layers))
+
+
 class Connection:
     """One model's depth connection (module docstring). Subclasses set `name` (the
     `ModelArgs.residual` value) and implement `flow`; those with parameters override `parameters`.
@@ -108,8 +122,11 @@ class Connection:
 
     def kept_rows(self, ac: str) -> int:
         """(B, T, d) rows per token the connection keeps alive for the backward beyond the baseline's
-        under activation checkpointing `ac` ("none", "full", "selective"): its depth history, its
-        streams and what its blocks save (the dry run's memory estimate)."""
+        under activation checkpointing `ac` ("none", "full", or "selective:k": blocks k, 2k, ...
+        checkpointed, as `parallel.apply_ac`; `checkpointed_blocks` reads it): its depth history,
+        its streams and what its blocks save, with, under checkpointing, the one block recomputed at
+        a time; elements that are not whole rows (per-token weights, norms' statistics) are
+        rounded up to rows (the dry run's memory estimate)."""
         return 0
 
     def flow(self, params: nn.Module | None, x0: Tensor, observer=None, buffered: bool = True) -> Flow:

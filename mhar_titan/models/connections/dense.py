@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..args import dense_averages, dense_sources
-from .base import Connection
+from .base import Connection, checkpointed_blocks
 
 
 class DenseWeights(nn.Module):
@@ -124,3 +124,30 @@ class DenseFormer(Connection):
 
     def flow(self, params: DenseWeights, x0: Tensor, observer=None, buffered: bool = True) -> DenseFlow:
         return DenseFlow(self.args, params, x0, observer)
+
+    # -- the cost model: each average over n outputs reads n rows of the depth history ------------
+    def _averages(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(block, the outputs X_j its average reads) for every block that averages."""
+        return [(i, dense_sources(self.args, i)) for i in range(self.args.n_layers) if dense_averages(self.args, i)]
+
+    def flops_per_token(self) -> int:
+        """2 d per source of every average (a multiply-add per element of each weighted output)."""
+        return 2 * self.args.dim * sum(len(sources) for _, sources in self._averages())
+
+    def depth_reads(self) -> tuple[int, int]:
+        """Each average reads its n outputs once forward and once backward (the gradient of its
+        weight alpha_{i,j} is <dY, X_j>): (sum n, sum n) rows, L(L+3)/2 each at k = p = 1."""
+        rows = sum(len(sources) for _, sources in self._averages())
+        return rows, rows
+
+    def kept_rows(self, ac: str) -> int:
+        """The block outputs X_{i+1} the averages keep for their weights' gradients, one row per
+        averaging block (the average's input Y is the next block's, as the baseline's). A
+        checkpointed block's X_{i+1} outlives its block where a later average reads it (the later
+        block's link holds it), else its recomputation makes it again; the block recomputed at a
+        time makes its own again where no later average holds it (1 row)."""
+        checkpointed = checkpointed_blocks(ac, self.args.n_layers)
+        read_later = {j for _, sources in self._averages() for j in sources[:-1]}
+        averages = [i for i, _ in self._averages()]
+        kept = sum(1 for i in averages if not checkpointed[i] or i + 1 in read_later)
+        return kept + (1 if any(checkpointed[i] and i + 1 not in read_later for i in averages) else 0)

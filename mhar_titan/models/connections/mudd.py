@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..args import mudd_hidden, mudd_streams
 from ..norms import RMSNorm, rms_normalized
-from .base import Connection
+from .base import Connection, checkpointed_blocks
 
 
 class StreamNorms(nn.Module):
@@ -175,3 +175,53 @@ class MUDDFormer(Connection):
 
     def flow(self, params: MuddWeights, x0: Tensor, observer=None, buffered: bool = True) -> MuddFlow:
         return MuddFlow(self.args, params, x0, observer)
+
+    # -- the cost model: after block i, C_i streams over i+2 sources ------------------------------
+    def _blocks(self) -> list[tuple[int, int, int]]:
+        """(block i, its streams C_i, its generator's hidden width K_i)."""
+        return [(i, mudd_streams(self.args, i), mudd_hidden(self.args, i)) for i in range(self.args.n_layers)]
+
+    def flops_per_token(self) -> int:
+        """Per block i: the generator's two matmuls, 2 d K_i + 2 K_i C_i (i+2), and the streams'
+        weighted sums, 2 d C_i (i+2) (norms, GELU and the static add are elementwise: not counted)."""
+        d = self.args.dim
+        return sum(2 * d * k + 2 * k * c * (i + 2) + 2 * d * c * (i + 2) for i, c, k in self._blocks())
+
+    def depth_reads(self) -> tuple[int, int]:
+        """Each stream reads its i+2 sources once forward and once backward (the gradient of its
+        dynamic weight dw[c, j] is <dDA_c, S_j> per token): sum C_i (i+2) rows each way; without the
+        pre/post DA norm the generator also reads the newest source, X_{i+1} itself (its norm,
+        forward and backward: one row each way per block)."""
+        rows = sum(c * (i + 2) for i, c, _ in self._blocks())
+        rows += 0 if self.args.mudd_prepost_norm else self.args.n_layers
+        return rows, rows
+
+    def kept_rows(self, ac: str) -> int:
+        """What the backward keeps beyond the baseline (counted from the eager code's saved tensors,
+        in elements per token, rounded up to rows of d):
+
+        - per block i without checkpointing: the generator's input and its two hidden activations
+          (d + 2 K_i) and the weights dw (C_i (i+2)), with the pre/post DA norm also the normalised
+          and normed source, the normalised generator input and the R stream's post-norm input and
+          output (5 d more); per block after the first, the Q, K and V streams and their norms'
+          outputs where the baseline keeps one input and one norm (7 d), and one fp32 statistic per
+          norm; the R stream the final norm reads beside the last output (d); with the pre/post DA
+          norm the embedding's source, normalised and normed (2 d, made outside the blocks);
+        - a checkpointed block keeps its four input streams where the baseline keeps one (3 d, after
+          the first block) and its source where a later block reads it (d); the block recomputed at a
+          time holds the rest of its own again (what it keeps without checkpointing, less the streams
+          and source already kept)."""
+        d, L, prepost = self.args.dim, self.args.n_layers, self.args.mudd_prepost_norm
+        checkpointed = checkpointed_blocks(ac, L)
+        total = (2 * d + 1) if prepost else 0  # S_0 = norm(x0), made outside the blocks
+        recompute = 0
+        for i, c, k in self._blocks():
+            inside = (6 * d + 3 if prepost else d + 1) + 2 * k + c * (i + 2) + (7 * d + 2 if i else 0)
+            if not checkpointed[i]:
+                total += inside
+            else:
+                total += (3 * d if i else 0) + (d if i < L - 1 else 0)
+                held = (3 * d if i else 0) + (d if prepost and i < L - 1 else 0)  # its input streams, its source
+                recompute = max(recompute, inside - held)
+        total += 0 if checkpointed[-1] else d  # the final R stream beside the last block's kept output
+        return -(-(total + recompute) // d)
