@@ -128,10 +128,11 @@ def read_tensors(func, args, kwargs, out) -> list[torch.Tensor] | None:
 
 
 class ReadCounter(TorchDispatchMode):
-    """`with ReadCounter() as c:` records, for every aten op that reads (`read_tensors`), the
-    storages it reads (weak references: a storage freed later reads back as None, so a tensor that
-    later reuses its memory is never taken for it); `c.reads_of(tensors)` counts the (op, storage)
-    pairs that read one of `tensors`' storages, each storage once per op."""
+    """`with ReadCounter() as c:` records, for every aten op that reads (`read_tensors`), each
+    storage it reads and the distinct bytes it reads of it (weak references: a storage freed later
+    reads back as None, so a tensor that later reuses its memory is never taken for it);
+    `c.bytes_of(tensors)` sums the bytes the ops read of `tensors`' storages (a depth buffer's
+    rows: one op reading n of its rows reads n rows)."""
 
     def __init__(self):
         super().__init__()
@@ -142,14 +143,19 @@ class ReadCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         read = read_tensors(func, args, kwargs, out)
         if read:
-            storages = {id(t.untyped_storage()): t.untyped_storage() for t in read if t.numel()}
-            self.reads.append((str(func.overloadpacket.__name__), [weakref.ref(st) for st in storages.values()]))
+            storages: dict = {}
+            for t in read:
+                if t.numel():
+                    st = t.untyped_storage()
+                    storages[id(st)] = (st, storages.get(id(st), (st, 0))[1] + distinct_bytes(t))
+            self.reads.append((str(func.overloadpacket.__name__),
+                               [(weakref.ref(st), n) for st, n in storages.values()]))
         return out
 
-    def reads_of(self, tensors) -> int:
+    def bytes_of(self, tensors) -> int:
         wanted = {id(t.untyped_storage()): t.untyped_storage() for t in tensors}
-        return sum(ref() is wanted.get(id(ref())) and ref() is not None
-                   for _, refs in self.reads for ref in refs)
+        return sum(n for _, refs in self.reads for ref, n in refs
+                   if ref() is not None and wanted.get(id(ref())) is ref())
 
 
 class ByteCounter(TorchDispatchMode):
@@ -264,41 +270,30 @@ def count_step(args, batch: int, seq: int, ac: str = "none", seed: int = 0) -> t
 
 
 def depth_history_reads(args, batch: int, seq: int, history, seed: int = 0) -> dict:
-    """Reads of the depth connection's history in one bf16 training step of `build(args)` on `batch`
-    x `seq` random tokens, counted op by op (`ReadCounter`): {'forward', 'backward'}: the (op,
-    (B, T, d) history tensor) pairs of the forward and of the loss's backward, less the baseline
-    block's own reads of the embedding where the history holds the embedding itself (block 0 reads
-    its input as a baseline block does: the same step of the standard residual, counted alike).
-    `history(flow)`: the history tensors of the connection's flow after the forward (DenseFormer's
-    `history`, MUDDFormer's `sources`); per token and step, `Connection.depth_reads` models them."""
-    import dataclasses
+    """Rows of the depth connection's history read in one bf16 training step of `build(args)` on
+    `batch` x `seq` random tokens, counted op by op (`ReadCounter`): {'forward', 'backward'}: the
+    bytes the forward and the loss's backward read of the history tensors, in rows of B T d values
+    per token. `history(flow)`: the tensors holding the history of the connection's flow after the
+    forward (DenseFormer's and MUDDFormer's depth buffer, `flow.buffer.values`); per token and step,
+    `Connection.depth_reads` models them."""
+    model = build(args, "none", seed)
+    flows = []
+    start = model.connection.flow
 
-    def counted(model_args, take):
-        model = build(model_args, "none", seed)
-        flows, embeddings = [], []
-        start = model.connection.flow
+    def flow(*a, **k):
+        flows.append(start(*a, **k))
+        return flows[-1]
 
-        def flow(params, x0, *rest, **kwargs):
-            embeddings.append(x0)
-            flows.append(start(params, x0, *rest, **kwargs))
-            return flows[-1]
-
-        model.connection.flow = flow
-        tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
-        with ReadCounter() as forward:
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        with ReadCounter() as backward:
-            loss.backward()
-        kept = take(flows[0], embeddings[0])  # alive until the counts are read: no storage of theirs is reused
-        return forward.reads_of(kept), backward.reads_of(kept), any(t is embeddings[0] for t in kept)
-
-    fwd, bwd, holds_embedding = counted(args, lambda flow, x0: list(history(flow)))
-    if holds_embedding:
-        base_fwd, base_bwd, _ = counted(dataclasses.replace(args, **{k: getattr(type(args), k) for k in (
-            "residual", "dense_dilation", "dense_period", "mudd_prepost_norm")}), lambda flow, x0: [x0])
-        fwd, bwd = fwd - base_fwd, bwd - base_bwd
-    return dict(forward=fwd, backward=bwd)
+    model.connection.flow = flow
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    with ReadCounter() as forward:
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    with ReadCounter() as backward:
+        loss.backward()
+    kept = list(history(flows[0]))  # alive until the counts are read: no storage of theirs was reused
+    row = batch * seq * args.dim * kept[0].element_size()
+    return dict(forward=forward.bytes_of(kept) / row, backward=backward.bytes_of(kept) / row)
 
 
 def residual_additions(args, tokens: int, dtype: torch.dtype, ac: str = "none") -> int:

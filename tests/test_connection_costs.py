@@ -41,31 +41,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 STUDY = dict(dim=64, n_layers=12, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=384)
 """train_configs/study_bytes.toml's decoder (the CPU study)."""
-HISTORY = {"dense": lambda flow: flow.history, "mudd": lambda flow: flow.sources,
-           "mudd_plain": lambda flow: flow.sources}
-"""Where each connection's flow keeps its depth history (DenseFormer's X_0..X_L, MUDDFormer's S_0..S_L)."""
+HISTORY = lambda flow: [flow.buffer.values]  # noqa: E731
+"""Where DenseFormer's and MUDDFormer's eager flows keep their depth history: one depth buffer."""
 
 
-@pytest.mark.parametrize("family", list(HISTORY))
+@pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain"])
 def test_modelled_depth_reads_equal_a_count_of_the_eager_step(family):
-    """Reads of the depth history in one bf16 step counted op by op, against `depth_reads`:
-    DenseFormer and MUDDFormer with the pre/post DA norm read exactly the modelled rows (each
-    source once per weighted sum forward, once per weight gradient backward: 90 and 321 rows each
-    way at 12 layers); plain MUDDFormer's generator reads its fp32 copy of the newest source in
-    the backward, not the bf16 row the model counts (321 counted against 333 modelled, 3.6%)."""
+    """Rows of the depth buffer read in one bf16 step, counted op by op, against `depth_reads`
+    (within 5%, the issue's bound): every average of DenseFormer and every block's streams of
+    MUDDFormer read their rows once forward and once backward (90 rows each way at 12 layers for
+    DenseFormer, 89 for MUDDFormer); measured equal."""
     args = ModelArgs.from_flavor("debug", **FAMILIES[family], **STUDY)
-    counted = byte_count.depth_history_reads(args, 2, 8, HISTORY[family])
+    counted = byte_count.depth_history_reads(args, 2, 8, HISTORY)
     forward, backward = build_connection(args).depth_reads()
     assert abs(counted["forward"] / forward - 1) <= 0.05, (counted, forward)
     assert abs(counted["backward"] / backward - 1) <= 0.05, (counted, backward)
-    if family != "mudd_plain":
-        assert (counted["forward"], counted["backward"]) == (forward, backward)
+    assert (counted["forward"], counted["backward"]) == (forward, backward)
 
 
 def test_depth_reads_follow_the_formulas():
-    """DenseFormer at k = p = 1: L(L+3)/2 rows each way; MUDDFormer: sum_i C_i (i+2), plus one
-    generator read per block without the pre/post DA norm; depth routing: the plan's routing rows
-    (per call: N forward, N + 2 backward per site)."""
+    """DenseFormer at k = p = 1: L(L+3)/2 rows each way; MUDDFormer: sum_i (i+2), every stream of a
+    block from one read of its rows; depth routing: the plan's routing rows (per call: N forward,
+    N + 2 backward per site)."""
     L = 12
     dense = ModelArgs.from_flavor("debug", **FAMILIES["dense"], **STUDY)
     assert build_connection(dense).depth_reads() == (L * (L + 3) // 2,) * 2
@@ -73,10 +70,10 @@ def test_depth_reads_follow_the_formulas():
     averages = [i for i in range(L) if (i + 1) % 3 == 0]
     assert build_connection(sparse).depth_reads() == (sum((i + 1) // 2 + 1 for i in averages),) * 2
     mudd = ModelArgs.from_flavor("debug", **FAMILIES["mudd"], **STUDY)
-    rows = 4 * sum(i + 2 for i in range(L - 1)) + (L + 1)
+    rows = sum(i + 2 for i in range(L))
     assert build_connection(mudd).depth_reads() == (rows, rows)
     plain = dataclasses.replace(mudd, mudd_prepost_norm=False)
-    assert build_connection(plain).depth_reads() == (rows + L, rows + L)
+    assert build_connection(plain).depth_reads() == (rows, rows)
     mhar = ModelArgs.from_flavor("debug", **FAMILIES["mhar H=8"], **STUDY)
     S = 2 * L + 1
     assert build_connection(mhar).depth_reads() == (S * (S + 1) // 2, S * (S + 1) // 2 + 2 * S)
@@ -117,10 +114,11 @@ def test_flops_follow_the_formulas():
     assert flops_per_token(mhar, 128).routing == 12 * d * sum(range(1, 2 * L + 2))
 
 
-def alive_rows(args, ac: str, batch: int = 2, seq: int = 8) -> float:
-    """(B, T, ...) elements alive after an fp32 forward (what the backward will read), in rows of d
-    per token, less the logits: every storage an aten op made, weakly referenced, that outlived
-    the forward."""
+def alive_rows(args, ac: str, batch: int = 3, seq: int = 7) -> float:
+    """Per-token elements alive after an fp32 forward (what the backward will read), in rows of d
+    per token, less the logits: every storage an aten op made with a whole number of elements per
+    token (numel a multiple of B T: activations, depth buffers, per-token weights), weakly
+    referenced, that outlived the forward."""
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -132,7 +130,7 @@ def alive_rows(args, ac: str, batch: int = 2, seq: int = 8) -> float:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == (batch, seq) and not func.is_view:
+                if isinstance(t, torch.Tensor) and t.numel() and t.numel() % (batch * seq) == 0 and not func.is_view:
                     made.append(weakref.ref(t.untyped_storage()))
             return out
 
@@ -147,10 +145,11 @@ def alive_rows(args, ac: str, batch: int = 2, seq: int = 8) -> float:
 @pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain"])
 def test_kept_rows_equal_what_the_eager_forward_keeps(family, n_layers):
     """Without checkpointing, the storages alive after the forward beyond the baseline's are
-    `kept_rows("none")` rows, rounded up (DenseFormer: its L block outputs; MUDDFormer: measured
-    24.2 rows at 2 layers, d = 128, the pre/post DA norm's); under AC full the part alive before the
-    backward (the input streams and sources the checkpointed blocks hold) is at most
-    `kept_rows("full")`, which adds the block recomputed at a time."""
+    `kept_rows("none")` rows, rounded up (DenseFormer: its depth buffer, L + 1 rows; MUDDFormer at
+    2 layers, d = 128, with the pre/post DA norm: 27.16 rows measured); under AC full the part
+    alive before the backward (the depth buffer and the input streams the checkpointed blocks hold)
+    is at most `kept_rows("full")`, which adds the block recomputed at a time, and equals it less
+    that block's rows (MUDDFormer: 4L - 1 rows with the pre/post DA norm, 4L - 2 without)."""
     shape = dict(STUDY, n_layers=n_layers, dim=128, n_heads=4)
     args = ModelArgs.from_flavor("debug", **FAMILIES[family], **shape)
     base = ModelArgs.from_flavor("debug", **shape)
@@ -160,7 +159,9 @@ def test_kept_rows_equal_what_the_eager_forward_keeps(family, n_layers):
     full = alive_rows(args, "full") - alive_rows(base, "full")
     assert full <= connection.kept_rows("full") <= connection.kept_rows("none"), full
     if family == "dense":
-        assert connection.kept_rows("full") == connection.kept_rows("none") == n_layers
+        assert connection.kept_rows("full") == connection.kept_rows("none") == n_layers + 1 == full
+    else:
+        assert round(full) == 4 * n_layers - (1 if args.mudd_prepost_norm else 2), full
 
 
 def test_checkpointed_blocks_follow_apply_ac():

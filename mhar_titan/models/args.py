@@ -205,14 +205,16 @@ class ModelArgs:
         for residual, keys in CONNECTION_KEYS.items():
             changed = [k for k in keys if getattr(self, k) != defaults[k]]
             if changed and self.residual != residual:
-                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} configure residual="
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} residual="
                                  f"{residual!r}, not residual={self.residual!r}: set residual={residual!r}, or leave "
                                  f"{' and '.join(changed)} at the default")
         if self.residual not in ("standard", "attn_res"):
             changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("routing_")
                        and f.name not in WEIGHT_NEUTRAL_FIELDS and getattr(self, f.name) != f.default]
             if changed:
-                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} configure depth routing "
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} depth routing "
                                  f"(residual='attn_res'); residual={self.residual!r} has no routing sites: leave "
                                  f"{' and '.join(changed)} at the default")
         for key in ("dense_dilation", "dense_period"):
