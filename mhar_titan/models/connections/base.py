@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from ..args import ModelArgs
@@ -70,6 +71,19 @@ every forward hands it each mixing weight the connection computes, detached, in 
 by where it applies (e.g. "block 3", "site 5 comb"): DenseFormer's per-block weights (n,), MUDDFormer's
 per-token dynamic weights (B, T, C, n), and so on (each connection's docstring says which). Depth
 routing's observer has its own signature (`router.Observer`)."""
+
+
+@torch.no_grad()
+def init_from(param: Tensor, full: Tensor) -> None:
+    """Set `param` to the values `full` (its whole shape), for a plain parameter or one FSDP2 has
+    sharded (a DTensor: `full` is distributed with its placements, a collective every rank makes,
+    as `Transformer.init_weights` runs on every rank). Index assignment on a sharded parameter is
+    not this: it writes nothing (a split's element) or has no sharding rule (a column)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.to_local().device), param.device_mesh, param.placements)
+    param.copy_(full.to(param.dtype))
 
 
 def checkpointed_blocks(ac: str, n_layers: int) -> tuple[bool, ...]:

@@ -24,7 +24,7 @@ from mhar_kernels.depth_buffer import DepthBuffer
 from mhar_kernels.depth_mix import host_reads, mix_rows
 
 from ..args import dense_averages, dense_sources
-from .base import Connection
+from .base import Connection, init_from
 
 
 class DenseWeights(nn.Module):
@@ -40,10 +40,11 @@ class DenseWeights(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Every block's own output weighted 1, earlier outputs 0: the pre-norm baseline."""
-        nn.init.zeros_(self.alpha)
-        for weights in self.alpha.split([len(s) for _, s in self.segments]):
-            weights[-1] = 1.0
+        """Every block's own output weighted 1, earlier outputs 0: the pre-norm baseline (also on a
+        sharded parameter, `base.init_from`)."""
+        full = torch.zeros(self.alpha.shape)
+        full[torch.tensor([len(s) for _, s in self.segments]).cumsum(0) - 1] = 1.0
+        init_from(self.alpha, full)
 
     def rows(self) -> dict[int, Tensor]:
         """{block: its weights (n,)}, views of `alpha` (one split per forward)."""

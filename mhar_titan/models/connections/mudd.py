@@ -42,7 +42,7 @@ from mhar_kernels.depth_mix import host_reads, mix_rows
 
 from ..args import mudd_hidden, mudd_streams
 from ..norms import RMSNorm, rms_normalized
-from .base import Connection, checkpointed_blocks
+from .base import Connection, checkpointed_blocks, init_from
 
 
 class StreamNorms(nn.Module):
@@ -85,10 +85,11 @@ class MuddWeights(nn.Module):
             nn.init.normal_(w1.weight, std=1 / math.sqrt(w1.in_features))
         for w2 in self.w2:
             nn.init.zeros_(w2.weight)
-        for a in self.static:
-            nn.init.zeros_(a)
+        for a in self.static:  # (also on a sharded parameter, `base.init_from`)
+            full = torch.zeros(a.shape)
             if not self.prepost:
-                a[:, -1] = 1.0
+                full[:, -1] = 1.0
+            init_from(a, full)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
