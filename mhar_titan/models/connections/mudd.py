@@ -64,6 +64,10 @@ class MuddWeights(nn.Module):
     norm also `source_norm[j]` (the sources' RMSNorm scales, j = 0..L), `generator_norm[i]` (the
     generator's input norm) and `post_norm[i]` (the R stream's, scale 1e-3 at init)."""
 
+    weight_decay = False
+    """No weight decay on these parameters, whatever `optimizer.no_decay` says (`optim.groups`): the
+    reference's released code is for inference, and that its training decays them is not shown."""
+
     def __init__(self, args):
         super().__init__()
         d, L, eps = args.dim, args.n_layers, args.norm_eps
