@@ -64,6 +64,9 @@ class MuddWeights(nn.Module):
     norm also `source_norm[j]` (the sources' RMSNorm scales, j = 0..L), `generator_norm[i]` (the
     generator's input norm) and `post_norm[i]` (the R stream's, scale 1e-3 at init)."""
 
+    stream_names = ("Q", "K", "V", "R")
+    """The streams of a block's dynamic weights, in order (the last block makes the last alone)."""
+
     weight_decay = False
     """No weight decay on these parameters, whatever `optimizer.no_decay` says (`optim.groups`): the
     reference's released code is for inference, and that its training decays them is not shown."""
