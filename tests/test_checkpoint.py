@@ -370,8 +370,10 @@ def test_truncated_shard_names_the_folder_and_the_previous_step(tmp_path):
 
 
 @pytest.mark.parametrize("saved, resumed, named", [
-    (dict(residual="dense"), dict(residual="dense", dense_dilation=2), "model_args.dense_dilation: checkpoint '<unset>', this run 2"),
-    (dict(residual="dense", dense_period=2), dict(residual="dense"), "model_args.dense_period: checkpoint 2, this run '<unset>'"),
+    (dict(residual="dense"), dict(residual="dense", dense_dilation=2),
+     "model_args.dense_dilation: checkpoint '<unset>', this run 2"),
+    (dict(residual="dense", dense_period=2), dict(residual="dense"),
+     "model_args.dense_period: checkpoint 2, this run '<unset>'"),
     (dict(residual="mudd"), dict(residual="mudd", mudd_prepost_norm=False), "model_args.mudd_prepost_norm"),
     (dict(residual="dense"), dict(residual="mudd"), "model_args.residual: checkpoint 'dense', this run 'mudd'"),
     (dict(residual="standard"), dict(residual="dense"), "model_args.residual: checkpoint 'standard', this run 'dense'"),

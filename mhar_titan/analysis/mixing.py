@@ -176,5 +176,6 @@ def mixing_report(summary: MixingSummary, heading: str) -> str:
             if not np.nan_to_num(row).any():  # a block without this stream, or without an average
                 continue
             top = int(np.nanargmax(np.abs(row)))
-            lines.append(f"| {name} | {i} | {row[i + 1]:.4f} | {columns[top]} ({row[top]:.4f}) | {np.nansum(row):.4f} |")
+            lines.append(f"| {name} | {i} | {row[i + 1]:.4f} | {columns[top]} ({row[top]:.4f}) | "
+                         f"{np.nansum(row):.4f} |")
     return "\n".join(lines) + "\n"
