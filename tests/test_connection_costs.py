@@ -211,3 +211,28 @@ def test_dry_run_prints_the_connection_costs(family, tmp_path):
              - estimate_memory(build_meta_model(build_model_args(baseline)), baseline, 1, "cpu").activations)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     assert grown == connection.kept_rows("none") * d * tokens * 4
+
+
+def test_the_guides_cost_table_is_the_models():
+    """docs/CONNECTIONS.md's table of 1b costs is what the cost model and the dry run's formulas give
+    for each 1b config (4 x 1024 tokens per micro-batch, AC full, bf16)."""
+    from mhar_titan.config import load_config
+    from mhar_titan.dryrun import ac_mode, build_model_args
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "CONNECTIONS.md").read_text()
+    rows = {"`attnres_1b` (H = 1, fused, per call)": ("attnres_1b", []),
+            "`mhar_1b` (H = 8, fused, per call)": ("mhar_1b", []),
+            '`mhar_1b`, `routing_group_size = "auto"` (g = 11)': ("mhar_1b", ["--model.routing_group_size=auto"]),
+            "`dense_1b`": ("dense_1b", []), "`mudd_1b`": ("mudd_1b", []),
+            "`mudd_1b`, `mudd_prepost_norm = false`": ("mudd_1b", ["--model.mudd_prepost_norm=false"])}
+    for label, (config, overrides) in rows.items():
+        cfg = load_config(str(root / "train_configs" / f"{config}.toml"), overrides)
+        args, t = build_model_args(cfg), cfg.training
+        tokens, mode = t.local_batch_size * t.seq_len, ac_mode(cfg)
+        connection, flops = build_connection(args), flops_per_token(args, t.seq_len)
+        forward, backward = connection.depth_reads()
+        line = (f"| {label} | {connection_parameters(args):,} | {100 * flops.routing / flops.total:.2f}% | "
+                f"{forward:,} + {backward:,} | {depth_read_bytes(args, tokens, mode) / 1e9:.2f} GB | "
+                f"{routing_step_bytes(args, tokens, mode) / 1e9:.2f} GB | {connection.kept_rows(mode)} |")
+        assert line in doc, line
