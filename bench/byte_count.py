@@ -32,6 +32,7 @@ import contextlib
 import os
 import pathlib
 import sys
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -109,6 +110,54 @@ def _aliases(func, args, out) -> bool:
     return any(t.numel() and t.untyped_storage().data_ptr() in storages for t in _tensors(out))
 
 
+def read_tensors(func, args, kwargs, out) -> list[torch.Tensor] | None:
+    """The tensors an aten op reads (module docstring): None for an op that moves nothing (a view,
+    an allocation, `set_`, an alias under another name); its tensor arguments less those it only
+    overwrites (`copy_`'s destination, `out=`, a `zeros_like`-style factory's template)."""
+    if func.is_view or func in ALLOCATIONS or func.overloadpacket in METADATA or _aliases(func, args, out):
+        return None
+    overwritten = set()
+    if func in OVERWRITES:
+        overwritten.add(id(args[0]))
+    for name in ("out",):
+        for t in _tensors(kwargs.get(name)):
+            overwritten.add(id(t))
+    if func.overloadpacket in LIKE:
+        overwritten.add(id(args[0]))
+    return [t for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in overwritten]
+
+
+class ReadCounter(TorchDispatchMode):
+    """`with ReadCounter() as c:` records, for every aten op that reads (`read_tensors`), each
+    storage it reads and the distinct bytes it reads of it (weak references: a storage freed later
+    reads back as None, so a tensor that later reuses its memory is never taken for it);
+    `c.bytes_of(tensors)` sums the bytes the ops read of `tensors`' storages (a depth buffer's
+    rows: one op reading n of its rows reads n rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, list]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        read = read_tensors(func, args, kwargs, out)
+        if read:
+            storages: dict = {}
+            for t in read:
+                if t.numel():
+                    st = t.untyped_storage()
+                    storages[id(st)] = (st, storages.get(id(st), (st, 0))[1] + distinct_bytes(t))
+            self.reads.append((str(func.overloadpacket.__name__),
+                               [(weakref.ref(st), n) for st, n in storages.values()]))
+        return out
+
+    def bytes_of(self, tensors) -> int:
+        wanted = {id(t.untyped_storage()): t.untyped_storage() for t in tensors}
+        return sum(n for _, refs in self.reads for ref, n in refs
+                   if ref() is not None and wanted.get(id(ref())) is ref())
+
+
 class ByteCounter(TorchDispatchMode):
     """`with ByteCounter() as c:` records c.entries (module docstring); c.total(where=None) sums them."""
 
@@ -122,20 +171,13 @@ class ByteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if (self._accesses is not None or func.is_view or func in ALLOCATIONS or func.overloadpacket in METADATA
-                or _aliases(func, args, out)):
+        if self._accesses is not None:
             return out
-        overwritten = set()
-        if func in OVERWRITES:
-            overwritten.add(id(args[0]))
-        for name in ("out",):
-            for t in _tensors(kwargs.get(name)):
-                overwritten.add(id(t))
-        if func.overloadpacket in LIKE:
-            overwritten.add(id(args[0]))
-        read = sum(distinct_bytes(t) for t in _tensors(list(args) + list(kwargs.values())) if id(t) not in overwritten)
+        read = read_tensors(func, args, kwargs, out)
+        if read is None:
+            return out
         written = sum(distinct_bytes(t) for t in _tensors(out))
-        self.entries.append(Entry("aten", str(func.overloadpacket.__name__), read, written))
+        self.entries.append(Entry("aten", str(func.overloadpacket.__name__), sum(map(distinct_bytes, read)), written))
         return out
 
     # Triton launches (interpreter)
@@ -203,7 +245,7 @@ def build(args, ac: str = "none", seed: int = 0, query_std: float = 0.3) -> torc
     model.init_weights()
     model.to(torch.bfloat16)
     routing = getattr(model, "routing", None)
-    if routing is not None:
+    if routing is not None and hasattr(routing, "query"):  # depth routing's pseudo-queries
         with torch.no_grad():
             routing.query.normal_(0.0, query_std)
     apply_ac(model, SimpleNamespace(mode=ac, selective_ac_option="1", preserve_rng_state=False))
@@ -225,6 +267,33 @@ def count_step(args, batch: int, seq: int, ac: str = "none", seed: int = 0) -> t
     with ByteCounter() as update:
         opt.step()
     return step, update
+
+
+def depth_history_reads(args, batch: int, seq: int, history, seed: int = 0) -> dict:
+    """Rows of the depth connection's history read in one bf16 training step of `build(args)` on
+    `batch` x `seq` random tokens, counted op by op (`ReadCounter`): {'forward', 'backward'}: the
+    bytes the forward and the loss's backward read of the history tensors, in rows of B T d values
+    per token. `history(flow)`: the tensors holding the history of the connection's flow after the
+    forward (DenseFormer's and MUDDFormer's depth buffer, `flow.buffer.values`); per token and step,
+    `Connection.depth_reads` models them."""
+    model = build(args, "none", seed)
+    flows = []
+    start = model.connection.flow
+
+    def flow(*a, **k):
+        flows.append(start(*a, **k))
+        return flows[-1]
+
+    model.connection.flow = flow
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    with ReadCounter() as forward:
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    with ReadCounter() as backward:
+        loss.backward()
+    kept = list(history(flows[0]))  # alive until the counts are read: no storage of theirs was reused
+    row = batch * seq * args.dim * kept[0].element_size()
+    return dict(forward=forward.bytes_of(kept) / row, backward=backward.bytes_of(kept) / row)
 
 
 def residual_additions(args, tokens: int, dtype: torch.dtype, ac: str = "none") -> int:

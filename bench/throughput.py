@@ -1,7 +1,9 @@
 """End-to-end training throughput: baseline vs AttnRes (H = 1) vs MHAR (H = 8) on one device.
 
 Families: baseline, attnres, mhar (per-call routing) and mhar-grouped (MHAR with
-routing_group_size="auto": 5 / 7 / 11 at 100m / 350m / 1b; the table's "routing g" column).
+routing_group_size="auto": 5 / 7 / 11 at 100m / 350m / 1b; the table's "routing g" column), and
+the other depth connections, dense (DenseFormer) and mudd (MUDDFormer with the pre/post DA norm),
+whose mixing runs as eager torch code (the routing kernel is depth routing's only).
 
 Trains each model for a few steps on synthetic tokens (bf16 parameters and compute, AdamW, the
 paper's micro-batches: 100m 8x2048, 350m 4x1024, 1b 2x1024), with activation checkpointing
@@ -61,6 +63,8 @@ from tables import append_section, write_table  # noqa: E402
 FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
             (("baseline", "baseline"), ("attnres", "attn_res H=1"), ("mhar", "mhar H=8"))}
 FAMILIES["mhar-grouped"] = dict(FAMILIES["mhar"], routing_group_size="auto")
+# The other depth connections (eager code: DenseFormer's averages, MUDDFormer with the pre/post DA norm).
+FAMILIES.update(dense=MODEL_FAMILIES["dense"], mudd=MODEL_FAMILIES["mudd"])
 
 
 EOS = 0
@@ -71,7 +75,7 @@ def build(scale: str, family: str, kernel: str, ac: str, seq: int, vocab: int | 
           mask: str = "causal", rope_per_document: bool = False):
     overrides = dict(FAMILIES[family], max_seq_len=max(seq, 64), attn_mask_type=mask,
                      rope_per_document=rope_per_document, eos_id=EOS if mask == "block_causal" else None)
-    if family != "baseline":
+    if overrides["residual"] == "attn_res":  # the routing kernel is depth routing's
         overrides["routing_kernel"] = kernel
     if vocab:
         overrides["vocab_size"] = vocab
@@ -135,7 +139,7 @@ def run_one(scale, family, kernel, ac, batch, seq, steps, warmup, vocab, device,
     tps = batch * seq * steps / seconds
     fpt = flops_per_token(args, seq)
     result = dict(scale=scale, family=family, ac=ac, batch=batch, seq=seq, tokens_per_s=tps,
-                  group=model.plan.group_size,
+                  group=model.plan.group_size if model.plan.sites else None,
                   mfu=mfu(fpt.model, tps, peak_flops(device)), peak_gib=peak_memory_gib(device),
                   loss=loss.item())
     del model, opt
@@ -168,7 +172,7 @@ def table(rows: list[dict], device, kernel: str, settings: str, skipped=(), fail
         ratio = "-" if base is None else f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}"
         m = "-" if r["mfu"] is None else f"{r['mfu']:.1f}%"
         lines.append(
-            f"| {r['scale']} | {r['ac']} | {r['family']} | {r['group'] if r['family'] != 'baseline' else '-'} | "
+            f"| {r['scale']} | {r['ac']} | {r['family']} | {r['group'] if r['group'] is not None else '-'} | "
             f"{r['batch']}x{r['seq']} | {_rate(r['tokens_per_s'])} | "
             f"{ratio} | {m} | {r['peak_gib']:.2f} |"
         )

@@ -72,17 +72,21 @@ import torch
 
 from mhar_kernels import dispatch
 from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, run_command
+from mhar_titan.components import performance
 from mhar_titan.components.batches import batch_geometry
 from mhar_titan.components.cuda_graphs import capture_blockers, check_cuda_graphs
 from mhar_titan.components.memory import MemoryFitError, available_memory, check_memory_fit
 from mhar_titan.components.run_folder import RunFolder
-from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, planned_routing,
-                                               step_verdict)
+from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, depth_read_bytes,
+                                               planned_routing, routing_step_bytes, step_verdict)
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.files import check_output_folder
-from mhar_titan.models.args import ModelArgs, count_parameters, resolve_model_args
+from mhar_titan.metrics import flops_per_token
+from mhar_titan.models.args import ModelArgs, count_parameters, family_name, resolve_model_args
+from mhar_titan.models.connections import build_connection
+from mhar_titan.models.connections.base import checkpointed_blocks
 from mhar_titan.models.cross_entropy import loss_path_bytes
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
@@ -195,39 +199,47 @@ def build_meta_model(args: ModelArgs) -> Transformer:
         return Transformer(args)
 
 
+def ac_mode(cfg: JobConfig) -> str:
+    """The job's activation checkpointing as the connections' cost model spells it
+    (`models.connections.base.checkpointed_blocks`): "none", "full" or "selective:k"."""
+    ac = cfg.activation_checkpoint
+    return ac.mode if ac.mode in ("none", "full") else f"selective:{int(ac.selective_ac_option)}"
+
+
 def _activation_elements_per_token(args: ModelArgs, cfg: JobConfig, device: str,
                                    routing: Optional[str] = None) -> float:
     """Saved activations per token in elements (module docstring); blocks checkpointed as in parallel.apply_ac.
 
-    The routing sites, the layer each belongs to and the (B, T, d) sources each reads come from the
-    routing plan; the keys are saved unless `routing` (default: `mhar_kernels.dispatch.backend`'s
-    choice for `device` on this machine) is "triton"."""
+    The baseline's blocks, plus what the depth connection keeps beyond them
+    (`Connection.kept_rows`, rows of d: depth routing's sources, DenseFormer's history, MUDDFormer's
+    streams), plus the normalised keys eager routing saves: the routing sites, the layer each
+    belongs to and the (B, T, d) sources each reads come from the routing plan; the keys are saved
+    unless `routing` (default: `mhar_kernels.dispatch.backend`'s choice for `device` on this
+    machine) is "triton"."""
     d, f = args.dim, args.ffn_dim
     d_kv = args.n_kv_heads * args.head_dim
     plan = RoutingPlan.from_args(args)
-    routed = plan.final is not None
-    layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f) + (2 * d if routed else 0)
+    layer = (5 * d + 3 * d_kv) + (2 * d + 4 * f)
     if routing is None:
         routing = dispatch.backend(args.routing_kernel, device, d, args.resolved_routing_heads)
-    saves_keys = routed and routing != "triton"
+    saves_keys = plan.final is not None and routing != "triton"
 
     def keys(sites) -> int:  # normalised keys saved by these routing sites: one row per (B, T, d) source read
         if not saves_keys:
             return 0
         return sum(d for site in sites for j in site.reads if plan.sources[j].kind != "null")
 
-    ac = cfg.activation_checkpoint
-    every = {"none": 0, "full": 1}.get(ac.mode) or int(ac.selective_ac_option)
-    kept = 2 * d if routed else d  # what a checkpointed block leaves behind: its outputs
+    mode = ac_mode(cfg)
     total, recompute = 0, 0
-    for i in range(args.n_layers):
+    for i, checkpointed in enumerate(checkpointed_blocks(mode, args.n_layers)):
         inside = layer + keys(plan.sites[2 * i: 2 * i + 2])  # attention site, then MLP site of layer i
-        if ac.mode != "none" and (i + 1) % every == 0:
-            total += kept
+        if checkpointed:
+            total += d  # what a checkpointed block leaves behind: its output
             recompute = max(recompute, inside)  # one block is recomputed at a time
         else:
             total += inside
-    return total + recompute + keys(plan.sites[2 * args.n_layers:])  # + the final routing site
+    connection = build_connection(args).kept_rows(mode) * d
+    return total + recompute + keys(plan.sites[2 * args.n_layers:]) + connection  # + the final routing site
 
 
 def _optimizer_bytes(model: Transformer, cfg: JobConfig, world_size: int, device: str) -> int:
@@ -338,8 +350,9 @@ def report(cfg: JobConfig, world_size: int, device: str,
     mem = estimate_memory(model, cfg, world_size, device, routing)
     _, accum = batch_geometry(cfg.training, world_size)
     t = cfg.training
-    family = "baseline" if args.residual == "standard" else (
-        "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})")
+    family = {"standard": "baseline",
+              "attn_res": "AttnRes" if args.resolved_routing_heads == 1 else f"MHAR (H={args.resolved_routing_heads})",
+              }.get(args.residual) or family_name(args)
     if args.residual == "attn_res" and args.routing_mode == "delta":
         family += f", delta, {args.routing_layout} layout"
     lines = [
@@ -352,7 +365,8 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"  total           {counts.total:>15,}",
         f"  non-embedding   {counts.non_embedding:>15,}",
         f"  embedding       {counts.total - counts.non_embedding:>15,}",
-        f"  routing         {counts.routing:>15,}",
+        f"  connection      {counts.routing:>15,}  (models.args.connection_parameters)",
+        *connection_lines(cfg, args, device),
         f"batch: {world_size} ranks x local {t.local_batch_size} x grad accumulation {accum} = "
         f"{world_size * t.local_batch_size * accum} sequences x {t.seq_len} tokens "
         f"= {world_size * t.local_batch_size * accum * t.seq_len:,} tokens per step",
@@ -386,6 +400,39 @@ def report(cfg: JobConfig, world_size: int, device: str,
     lines += mixture_lines(cfg, world_size, accum)
     lines += ["resolved config:", to_toml(cfg)]
     return "\n".join(lines), warnings
+
+
+def connection_lines(cfg: JobConfig, args: ModelArgs, device: str) -> list[str]:
+    """What the depth connection costs per token beyond the baseline, from its cost model
+    (`models.connections.base.Connection`: `flops_per_token`, `depth_reads`, `kept_rows`):
+    FLOPs, the rows of its depth history it reads and their bytes per micro-batch step, the bytes
+    the step moves for it (`components.performance.routing_step_bytes`) and the rows it keeps for
+    the backward (in the memory estimate's activations)."""
+    connection = build_connection(args)
+    t, mode = cfg.training, ac_mode(cfg)
+    forward, backward = connection.depth_reads()
+    if (forward, backward) == (0, 0) and not connection.flops_per_token():
+        return [f"depth connection: residual = {args.residual!r}, nothing beyond the blocks' own"]
+    tokens = t.local_batch_size * t.seq_len
+    c = 4 if device == "cpu" or t.mixed_precision_param == "float32" else 2
+    flops = flops_per_token(args, t.seq_len)
+    kept = connection.kept_rows(mode)
+    recomputed = sum(checkpointed_blocks(mode, args.n_layers))
+    again = f", the forward's again for the {recomputed} recomputed blocks" if recomputed else ""
+    return [
+        f"depth connection: residual = {args.residual!r}, modelled per token beyond the baseline "
+        "(models/connections/, docs/CONNECTIONS.md):",
+        f"  FLOPs           {connection.flops_per_token():>15,} forward; {3 * connection.flops_per_token():,} per "
+        f"trained token, {100 * flops.routing / flops.total:.2f}% of the step's (metrics.flops_per_token)",
+        f"  depth reads     {forward:>15,} forward + {backward:,} backward rows of d; "
+        f"{depth_read_bytes(args, tokens, mode) / 1e9:,.2f} GB per micro-batch step of {t.local_batch_size} x "
+        f"{t.seq_len} tokens in bf16{again}",
+        f"  step bytes      {routing_step_bytes(args, tokens, mode) / 1e9:>15,.2f} GB per micro-batch step "
+        "(components/performance.py: the fused routing kernels' counted traffic for depth routing, the depth "
+        "reads otherwise)",
+        f"  kept rows       {kept:>15,} rows of d beyond the baseline's under AC {mode}: "
+        f"{kept * args.dim * tokens * c / GIB:,.2f} GiB per rank at {c} B per value (in the activations below)",
+    ]
 
 
 def _compute_dtype(cfg: JobConfig, device: str) -> str:
@@ -423,8 +470,10 @@ def step_time_lines(cfg: JobConfig, args: ModelArgs, world_size: int, accum: int
     v = step_verdict(cfg.model.flavor, args, ac, t.local_batch_size, t.seq_len, accum, world_size, host_ms)
     if v is None:
         measured = sorted({k[0] for k in (host_ms if host_ms is not None else HOST_STEP_MS)})
-        return [head, f"  not modelled: no measured host time for flavor {cfg.model.flavor!r} with AC {ac!r} "
-                f"(bench/step_host.py measured {', '.join(measured) or 'none'}, AC none and full)"]
+        family = performance.host_family(args)
+        return [head, f"  not modelled: no measured host time for flavor {cfg.model.flavor!r}, "
+                f"{family or family_name(args)} with AC {ac!r} (bench/step_host.py measured "
+                f"{', '.join(measured) or 'none'}: the baseline and depth routing, AC none and full)"]
     lines = [head,
              f"  host            {v['host_ms']:>8.1f} ms  measured (bench/step_host.py, launches stubbed, shared CPU: "
              "an upper bound)",

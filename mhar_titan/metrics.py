@@ -9,11 +9,13 @@ hd = head_dim, F = ffn_dim, V = vocab_size, T = seq_len:
   matmul (``V d``) is counted whether or not the embedding is tied; the
   embedding lookup is not a matmul and is not counted.
 * attention scores and values: ``12 L H hd T``.
-* depth routing (counted separately): every routing site reads its ``N_s``
-  sources; each source row costs ``2 d`` for the logit against the
-  pseudo-query and ``2 d`` for the weighted sum, times 3 for forward+backward:
-  ``12 d * sum_s N_s``. RMSNorm and softmax are elementwise and not counted
-  (as for the model's own norms).
+* the depth connection (counted separately, ``routing``): 3 times its forward FLOPs per token,
+  ``Connection.flops_per_token`` (models/connections/). Depth routing: every routing site reads
+  its ``N_s`` sources; each source row costs ``2 d`` for the logit against the pseudo-query and
+  ``2 d`` for the weighted sum, times 3 for forward+backward: ``12 d * sum_s N_s``. DenseFormer:
+  ``6 d`` per source of every average. MUDDFormer: its weight generator's matmuls and its
+  streams' weighted sums. RMSNorm and softmax are elementwise and not counted (as for the
+  model's own norms); 0 for the standard residual.
 
 MFU (percent) = ``100 * flops_per_token * tokens_per_second_per_device / peak_flops``.
 """
@@ -34,6 +36,7 @@ import torch
 
 from mhar_titan import console
 from mhar_titan.files import os_error_of, write_text, writing
+from mhar_titan.models.connections import build_connection
 from mhar_titan.models.plan import RoutingPlan
 
 # --------------------------------------------------------------------------- FLOPs
@@ -49,7 +52,8 @@ class FlopsPerToken:
     attention: float
     """Score and value matmuls: 12 L H hd T."""
     routing: float
-    """Depth routing (0 for the baseline)."""
+    """The depth connection's (depth routing, DenseFormer's averages, MUDDFormer's weights and
+    streams; 0 for the baseline)."""
 
     @property
     def model(self) -> float:
@@ -85,7 +89,7 @@ def flops_per_token(args, seq_len: int) -> FlopsPerToken:
         dense=6.0 * L * per_layer,
         lm_head=6.0 * V * d,
         attention=12.0 * L * H * hd * seq_len,
-        routing=12.0 * d * sum(routing_source_counts(args)),
+        routing=3.0 * build_connection(args).flops_per_token(),
     )
 
 
@@ -98,10 +102,11 @@ def routing_temperature_metrics(model: torch.nn.Module) -> dict:
     """Mean, min and max over routing sites and heads of the learned routing temperatures
     t = exp(log_temperature) (``model.routing_temperature = "learned"``; the factor every depth
     logit is multiplied by, ``DepthRouting.temperatures``) as ``TEMPERATURE_KEYS``; {} for a fixed
-    temperature or the baseline (the fixed scale is in the config). Under FSDP2 the sharded
-    parameter is gathered (a collective: every rank calls this, as the trainer's logged steps do)."""
+    temperature, the baseline or a connection other than depth routing (the fixed scale is in the
+    config). Under FSDP2 the sharded parameter is gathered (a collective: every rank calls this, as
+    the trainer's logged steps do)."""
     routing = getattr(model, "routing", None)
-    if routing is None or not routing.learned:
+    if not getattr(routing, "learned", False):  # a fixed temperature, or a connection without one
         return {}
     t = routing.temperatures()  # (S, H)
     t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().double()

@@ -38,6 +38,8 @@ FAMILIES = {
     "baseline": ["--model.residual", "standard"],
     "attnres": ["--model.residual", "attn_res", "--model.routing_heads", "1"],
     "mhar": ["--model.residual", "attn_res", "--model.routing_heads", "8"],
+    "dense": ["--model.residual", "dense"],  # depth connections: their sharded weights resume too
+    "mudd": ["--model.residual", "mudd"],
 }
 STEPS, WARMUP = 20, 10
 

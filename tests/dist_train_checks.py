@@ -1,13 +1,15 @@
 """2-rank checks of the trainer, run by tests/test_train.py under one torchrun launch:
 
-    torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR
+    torchrun --nproc_per_node=2 tests/dist_train_checks.py OUT_DIR [connections]
 
 Writes OUT_DIR/dist.json (per-step losses with AC none/full at local batch 4, every
 rank's train state with an offline W&B run, the permuted head layout's permutation as every
 rank's model routes with it and the losses of a permuted run straight and resumed, the losses,
 metrics rows and per-source positions of a data-mixture run straight and resumed) and
 OUT_DIR/grads.pt (full unclipped gradients of one masked step at local batch 2 x accumulation 2).
-The process group is shared by the runs and destroyed by the last one (clean gloo exit).
+The process group is shared by the runs and destroyed by the last one (clean gloo exit). With
+`connections`: DenseFormer and MUDDFormer (both variants) instead, AC none and full
+(OUT_DIR/connections.json, `connections`).
 """
 import json
 import os
@@ -23,6 +25,29 @@ from train_common import MIXTURE_ARGV, debug_cfg, full_grads, masked_micro_batch
 
 from mhar_titan.train import Trainer  # noqa: E402
 from mhar_titan.models.routing_params import RoutingSettings
+
+
+CONNECTIONS = {"dense": ["--model.residual=dense"], "mudd": ["--model.residual=mudd"],
+               "mudd_plain": ["--model.residual=mudd", "--model.mudd_prepost_norm=false"]}
+"""The depth connections other than depth routing, on debug_mhar's shape (`connections` mode)."""
+
+
+def connections(out):
+    """`connections` mode: per depth connection, 5 steps at local batch 4 x 2 ranks with AC none
+    and full (window sharding: the 1-process run at local batch 8 sees the same global batches);
+    OUT_DIR/connections.json holds the losses."""
+    result = {}
+    for family, overrides in CONNECTIONS.items():
+        for ac in ("none", "full"):
+            cfg = debug_cfg(out, f"{family}_{ac}", "--training.steps=5", "--training.local_batch_size=4",
+                            "--training.global_batch_size=8", f"--activation_checkpoint.mode={ac}", *overrides)
+            trainer = Trainer(cfg)
+            trainer.train()
+            trainer.close(destroy_process_group=False)
+            result[f"{family}_{ac}"] = metric_losses(trainer.run_dir)
+    if dist.get_rank() == 0:
+        (pathlib.Path(out) / "connections.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
 
 
 def main(out):
@@ -88,4 +113,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    connections(sys.argv[1]) if sys.argv[2:] == ["connections"] else main(sys.argv[1])

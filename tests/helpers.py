@@ -118,7 +118,9 @@ def tiny_args(**overrides):
 
 def tiny_model(seed: int = 0, random_queries: bool = False, **overrides):
     """An initialised ``Transformer(tiny_args(**overrides))`` in eval mode; ``random_queries`` draws
-    N(0, 1) pseudo-queries and key norms in [0.5, 1.5] so that routing is far from uniform."""
+    N(0, 1) pseudo-queries and key norms in [0.5, 1.5] so that routing is far from uniform, or for
+    another depth connection (DenseFormer, MUDDFormer) moves every connection parameter off its
+    initialisation by N(0, 0.3^2) (at its initialisation such a model is the baseline)."""
     import torch
 
     from mhar_titan.models import Transformer
@@ -128,8 +130,13 @@ def tiny_model(seed: int = 0, random_queries: bool = False, **overrides):
     model.init_weights()
     if random_queries:
         with torch.no_grad():
-            model.routing.query.normal_()
-            model.routing.key_norm.uniform_(0.5, 1.5)
+            if hasattr(model.routing, "query"):
+                model.routing.query.normal_()
+                model.routing.key_norm.uniform_(0.5, 1.5)
+            else:
+                generator = torch.Generator().manual_seed(seed + 5)
+                for p in model.routing.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, generator=generator))
     return model.eval()
 
 

@@ -302,6 +302,9 @@ FAMILIES = {
     "mhar-grouped": ["--model.routing_group_size=2"],
     "mhar-block": ["--model.routing_granularity=block", "--model.routing_block_layers=2"],
     "mhar-delta": ["--model.routing_mode=delta"],
+    "dense": ["--model.residual=dense"],
+    "mudd": ["--model.residual=mudd"],
+    "mudd-plain": ["--model.residual=mudd", "--model.mudd_prepost_norm=false"],
 }
 
 

@@ -367,3 +367,26 @@ def test_truncated_shard_names_the_folder_and_the_previous_step(tmp_path):
     assert folder_snapshot(folder) == before and resumed.state.n == 0  # nothing deleted or loaded
     (folder / "step-4").rename(folder / "step-4.corrupt")  # the way out the message gives
     assert Run(tmp_path, interval=2).ckpt.load() == 2
+
+
+@pytest.mark.parametrize("saved, resumed, named", [
+    (dict(residual="dense"), dict(residual="dense", dense_dilation=2),
+     "model_args.dense_dilation: checkpoint '<unset>', this run 2"),
+    (dict(residual="dense", dense_period=2), dict(residual="dense"),
+     "model_args.dense_period: checkpoint 2, this run '<unset>'"),
+    (dict(residual="mudd"), dict(residual="mudd", mudd_prepost_norm=False), "model_args.mudd_prepost_norm"),
+    (dict(residual="dense"), dict(residual="mudd"), "model_args.residual: checkpoint 'dense', this run 'mudd'"),
+    (dict(residual="standard"), dict(residual="dense"), "model_args.residual: checkpoint 'standard', this run 'dense'"),
+])
+def test_a_resume_with_another_connection_or_option_is_refused(saved, resumed, named, tmp_path):
+    """The run's fingerprint holds the depth connection and its keys (at their defaults they are
+    left out, as for the models before them): a checkpoint of one is refused by a run of another,
+    naming the setting, before any tensor is read; the same connection and keys resume."""
+    from mhar_titan.checkpoint.fingerprint import check_fingerprint, checkpoint_fingerprint
+    from mhar_titan.models.args import ModelArgs
+
+    before, after = (checkpoint_fingerprint(ModelArgs(**fields), "gpt2") for fields in (saved, resumed))
+    with pytest.raises(CheckpointMismatchError, match="was made with different settings") as err:
+        check_fingerprint(tmp_path, before, after)
+    assert named in str(err.value)
+    check_fingerprint(tmp_path, before, checkpoint_fingerprint(ModelArgs(**saved), "gpt2"))

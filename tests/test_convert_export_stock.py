@@ -51,6 +51,8 @@ CASES = {  # name: (ModelArgs fields, tokenizer, transformers class or None for 
                                           routing_logit_scale="match_heads:8"), "bytes", None),
     "delta block clean": (dict(FAMILIES["delta block H=8 +null"]), "bytes", None),
     "delta paper": (dict(FAMILIES["delta block H=8 +null"], routing_layout="paper", routing_eps=1e-6), "bytes", None),
+    "dense": (dict(FAMILIES["dense"]), "bytes", None),
+    "mudd": (dict(FAMILIES["mudd"]), "bytes", None),
 }
 
 

@@ -48,6 +48,35 @@ def test_export_and_reload_gives_equal_logits(tmp_path, fields):
         assert torch.equal(model(TOKENS), reloaded(TOKENS))
 
 
+@pytest.mark.parametrize("fields", [dict(residual="dense", dense_dilation=2), dict(residual="mudd"),
+                                    dict(residual="mudd", mudd_prepost_norm=False)],
+                         ids=["dense k=2", "mudd", "mudd plain"])
+def test_depth_connections_export_as_remote_code_and_reload(tmp_path, fields):
+    """DenseFormer and MUDDFormer export as our model type (format auto: the remote code runs this
+    package's Transformer, so every connection works as trained) and reload with equal logits; the
+    stock formats refuse them in one line naming the connection."""
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=320, max_seq_len=32, **fields)
+    torch.manual_seed(7)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.routing.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    export_pretrained(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mhar_titan" and config["model_args"]["residual"] == fields["residual"]
+    reloaded = load_mhar(tmp_path / "out")
+    assert reloaded.args == model.args
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), reloaded(TOKENS))
+    for fmt, needle in (("hf", f"a {fields['residual']!r} model has no stock transformers architecture"),
+                        ("authors", f"no authors' mode for residual={fields['residual']!r}")):
+        with pytest.raises(ConversionError, match=needle) as err:
+            export_pretrained(model, tmp_path / fmt, fmt=fmt)
+        assert "\n" not in str(err.value)
+        assert not (tmp_path / fmt).exists()
+
+
 def test_commands_round_trip_a_routing_checkpoint(tmp_path):
     model = trained_like(routing_mode="delta", routing_granularity="sublayer", routing_null_source=True)
     save_model_dcp(model, tmp_path / "ckpt")

@@ -10,7 +10,7 @@ from mhar_titan.config import to_toml
 from mhar_titan.experiments.__main__ import main as experiments_main
 from mhar_titan.experiments.results import collect, mean_and_se, write_results
 from mhar_titan.experiments.sweep import load_sweep
-from train_common import DEBUG_MHAR
+from train_common import DEBUG_MHAR, ROOT
 
 TOKENS_PER_STEP = 8 * 64
 # validation losses per run (steps 1..6); the last 3 are the tail (tail_evals = 3)
@@ -189,3 +189,41 @@ def test_the_comparison_plot_takes_fixed_y_ranges(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("python -m mhar_titan.experiments results: error: --ylim must be two finite numbers with "
                    "LOW < HIGH, got 3 1") and not (tmp_path / "never").exists()
+
+
+def test_arms_at_equal_wall_clock_time_from_the_logged_throughput(tmp_path):
+    """experiments.timing on two hand-written run folders of the study sweep (seed 1): the
+    timeline sums each logged row's tokens over its tokens/s (baseline 10, 15, 20 s; DenseFormer,
+    twice as slow from step 2: 10, 15, 35 s); at equal time (T = 20 s, the baseline's end) the
+    DenseFormer run's loss is interpolated between its evaluations (2.9 at 15 s, 1.8 at 35 s:
+    2.625), the baseline's is its last (2.0): +0.625, while at equal steps the tail means give
+    -0.15; tokens/s medians 30 and 15, ratio 0.50."""
+    import json
+
+    from mhar_titan.experiments.results import collect
+    from mhar_titan.experiments.sweep import load_sweep
+    from mhar_titan.experiments.timing import arm_timing, timeline, timing_lines
+
+    sweep = load_sweep(ROOT / "train_configs" / "sweeps" / "study_bytes.toml", dump_folder=tmp_path)
+    logs = {"baseline_s1": [(1, 100, 10, None), (2, 200, 20, 3.0), (4, 400, 40, 2.0)],
+            "dense_s1": [(1, 100, 10, None), (2, 200, 20, 2.9), (4, 400, 10, 1.8)]}
+    for name, rows in logs.items():
+        (tmp_path / name).mkdir()
+        lines = []
+        for step, seen, rate, val in rows:
+            lines.append({"step": step, "loss": 5.0 - step / 10, "tokens_seen": seen, "tokens_per_s": rate})
+            if val is not None:
+                lines.append({"step": step, "val_loss": val})
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert timeline(tmp_path / "dense_s1") == [(1, 10.0), (2, 15.0), (4, 35.0)]
+    results, groups = collect(sweep)
+    timing = {a.family: a for a in arm_timing(sweep, results)}
+    assert set(timing) == {"baseline", "dense"}
+    dense = timing["dense"]
+    assert (dense.tokens_per_s, dense.speed_ratio, dense.seconds, dense.paired_seeds) == (15, 0.5, 20.0, 1)
+    assert dense.delta_mean == pytest.approx(0.625) and math.isnan(dense.delta_se)  # one seed: no standard error
+    steps = {g.family: (g.delta_mean, g.delta_se) for g in groups}
+    assert steps["dense"][0] == pytest.approx(-0.15)
+    table = "\n".join(timing_lines(sweep, results, {("dense", ""): steps["dense"]}))
+    assert "| dense | - | 15 | 0.50 | -0.1500 | n/a | +0.6250 | n/a | 20 | 1 |" in table
+    assert "| baseline | - | 30 | - | baseline |" in table

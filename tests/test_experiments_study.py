@@ -23,23 +23,25 @@ def test_byte_tokenizer_needs_no_file_and_round_trips(tmp_path):
 
 
 STUDY_FAMILIES = ("baseline", "attnres", "mhar_h2", "mhar_h4", "mhar_h8", "attnres_tau", "attnres_learned",
-                  "mhar_h8_learned")
+                  "mhar_h8_learned", "dense", "mudd")
 
 
-def test_study_sweep_pairs_eight_families_over_three_seeds():
+def test_study_sweep_pairs_ten_families_over_three_seeds():
     sweep = load_sweep(ROOT / "train_configs" / "sweeps" / "study_bytes.toml")
     assert [r.name for r in sweep.runs] == [f"{f}_s{s}" for s in (1, 2, 3) for f in STUDY_FAMILIES]
     args = {r.family: build_model_args(r.config) for r in sweep.runs if r.seed == 3}
     assert (args["mhar_h8"].vocab_size, args["mhar_h8"].resolved_routing_heads, args["mhar_h8"].n_routing_sites) \
         == (384, 8, 25)
     resolved = {f: (a.resolved_routing_heads, logit_scale(a.routing_logit_scale), a.routing_temperature)
-                for f, a in args.items() if f not in ("baseline", "mhar_h2", "mhar_h4")}
+                for f, a in args.items() if f not in ("baseline", "mhar_h2", "mhar_h4", "dense", "mudd")}
     assert resolved == {"attnres": (1, 1.0, "fixed"), "mhar_h8": (8, 1.0, "fixed"),
                         "attnres_tau": (1, 1 / math.sqrt(8), "fixed"), "attnres_learned": (1, 1.0, "learned"),
                         "mhar_h8_learned": (8, 1.0, "learned")}
     assert sweep.pairs == (("attnres", "attnres_tau"), ("attnres_tau", "mhar_h8"), ("attnres", "attnres_learned"),
                            ("mhar_h8", "mhar_h8_learned"))
     assert build_model_args(load_config(str(ROOT / "train_configs" / "study_bytes.toml"))).vocab_size == 384
+    assert (args["dense"].residual, args["mudd"].residual, args["mudd"].mudd_prepost_norm) == ("dense", "mudd", True)
+    assert sweep.arms["dense"] == "dense" and sweep.arms["mudd"] == "mudd"
 
 
 def test_results_md_quotes_the_generated_family_table():
@@ -113,3 +115,68 @@ def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(t
         assert [last[k] for k in TEMPERATURE_KEYS] == pytest.approx([t.mean().item(), t.min().item(), t.max().item()],
                                                                     rel=1e-6)
     assert not any(TEMPERATURE_KEYS[0] in r for r in read_metrics(tmp_path / "smoke" / "attnres_tau_s1"))
+
+
+@pytest.mark.slow
+def test_the_study_smoke_run_trains_the_depth_connections_and_prints_every_arms_row(tmp_path, monkeypatch, capsys):
+    """The header's smoke commands (2 steps per run) for seed 1 of the baseline, MHAR, DenseFormer
+    and MUDDFormer: every run completes, and `results` prints each arm's row in the per-family
+    table and in the table at equal steps and equal wall-clock time, with its tokens/s (the median
+    of the run's logged rate after step 1) and the paired difference at equal steps (the tail
+    means of its metrics file)."""
+    import statistics
+
+    sweep_file = ROOT / "train_configs" / "sweeps" / "study_bytes.toml"
+    run_cmd, results_cmd = header_commands(sweep_file)
+    folder = str(tmp_path / "smoke")
+    swap = {"outputs/sweeps/study_smoke": folder}
+    names = [f"{f}_s1" for f in ("baseline", "mhar_h8", "dense", "mudd")]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from mhar_titan.experiments.__main__ import main as experiments_main
+
+    assert experiments_main([swap.get(a, a) for a in run_cmd] + ["--only", *names]) == 0
+    assert f"sweep study_bytes: {len(names)} completed, 0 already done, 0 failed" in capsys.readouterr().out
+    assert experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+    rows = {name: read_metrics(tmp_path / "smoke" / name) for name in names}
+    tail = {n: statistics.mean(r["val_loss"] for r in rows[n] if "val_loss" in r) for n in names}
+    speed = {n: statistics.median(r["tokens_per_s"] for r in rows[n] if "tokens_per_s" in r and r["step"] > 1)
+             for n in names}
+    assert f"| baseline | - | {speed['baseline_s1']:,.0f} | - | baseline |" in printed
+    for family in ("mhar_h8", "dense", "mudd"):
+        name = f"{family}_s1"
+        diff = tail[name] - tail["baseline_s1"]
+        assert f"| {family} | - | 1 | {tail[name]:.4f} | {diff:+.4f} | n/a | 1 |" in printed, family
+        ratio = speed[name] / speed["baseline_s1"]
+        assert f"| {family} | - | {speed[name]:,.0f} | {ratio:.2f} | {diff:+.4f} | n/a | " in printed, family
+    assert "| dense_s2 | 2 | not run |" in printed
+
+
+@pytest.mark.parametrize("scale", ["100m", "350m", "1b"])
+def test_depth_connection_sweeps_and_flavors_differ_from_mhar_only_in_the_connection(scale):
+    """depth_connections_<scale>: baseline, AttnRes, MHAR with H = KV heads, the temperature-matched
+    single head (1/sqrt(KV)), DenseFormer and MUDDFormer with the pre/post DA norm, 3 paired seeds;
+    and the flavor configs dense_<scale>.toml and mudd_<scale>.toml are mhar_<scale>.toml's job but
+    for the connection (and the job's name and description)."""
+    import dataclasses
+
+    sweep = load_sweep(ROOT / "train_configs" / "sweeps" / f"depth_connections_{scale}.toml")
+    families = ("baseline", "attnres", "mhar", "attnres_tau", "dense", "mudd")
+    assert [r.name for r in sweep.runs] == [f"{f}_s{s}" for s in (1, 2, 3) for f in families]
+    assert sweep.baseline == "baseline" and sweep.pairs == ()
+    args = {r.family: build_model_args(r.config) for r in sweep.runs if r.seed == 1}
+    kv = args["mhar"].n_kv_heads
+    assert args["mhar"].resolved_routing_heads == kv and args["attnres"].resolved_routing_heads == 1
+    assert logit_scale(args["attnres_tau"].routing_logit_scale) == pytest.approx(1 / math.sqrt(kv))
+    assert (args["dense"].residual, args["mudd"].residual, args["mudd"].mudd_prepost_norm) == ("dense", "mudd", True)
+    mhar = load_config(str(ROOT / "train_configs" / f"mhar_{scale}.toml"))
+    for family in ("dense", "mudd"):
+        cfg = load_config(str(ROOT / "train_configs" / f"{family}_{scale}.toml"))
+        assert build_model_args(cfg).residual == family
+        for section in dataclasses.fields(cfg):
+            if section.name not in ("model", "job"):
+                assert getattr(cfg, section.name) == getattr(mhar, section.name), (family, section.name)
+        unnamed = dict(description="", name="")
+        assert dataclasses.replace(cfg.job, **unnamed) == dataclasses.replace(mhar.job, **unnamed)
+        assert cfg.model.flavor == mhar.model.flavor

@@ -45,3 +45,21 @@ def test_trainer_row_runs_the_paper_config_on_cpu(tmp_path):
     text = table.read_text()
     assert "resumed from 2: losses bitwise equal at all 6 steps" in text, text
     assert "| baseline | 6 of 6 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.parametrize("family", ["dense", "mudd"])
+def test_a_sigkill_mid_run_resumes_the_depth_connections_bitwise(tmp_path, family):
+    """DenseFormer and MUDDFormer under the GPU suite's trainer row, at the debug configs
+    (`--tiny`, CPU): train.py under torchrun SIGKILLed (the whole process tree) once the step-2
+    checkpoint is complete, launched again, resumes and logs the straight run's losses bit for bit
+    at every step."""
+    table = tmp_path / "trainer.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trainer_row.py"), "resume", "--tiny", "--families",
+                           family, "--steps", "6", "--checkpoint-at", "2", "--out", str(table)],
+                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = table.read_text()
+    assert "resumed from 2: losses bitwise equal at all 6 steps" in text, text
+    assert f"| {family} | 6 of 6 |" in text

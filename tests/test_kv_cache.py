@@ -1,6 +1,7 @@
 """KV-cache decoding equals decoding without it: next-token logits within 1e-5 (fp32) at every
-step and the same greedy tokens, for every family, granularity, routing mode and layout and for
-grouped routing; batched prompts of different lengths (left padding) equal each row alone;
+step and the same greedy tokens, for every family (DenseFormer and MUDDFormer too: a token's
+connection reads only its own depth history, so only attention is cached), granularity, routing
+mode and layout and for grouped routing; batched prompts of different lengths (left padding) equal each row alone;
 top-p, stop ids and stop strings; past max_seq_len the cached path re-runs the window."""
 import pytest
 import torch
@@ -24,15 +25,19 @@ CASES = {
     "grouped g=3": dict(residual="attn_res", routing_heads=4, routing_group_size=3),
     "grouped auto, block": dict(residual="attn_res", routing_heads=2, routing_group_size="auto",
                                 routing_granularity="block", routing_block_layers=2),
+    "dense": dict(residual="dense"),
+    "dense k=2 p=2": dict(residual="dense", dense_dilation=2, dense_period=2),
+    "mudd": dict(residual="mudd"),
+    "mudd plain": dict(residual="mudd", mudd_prepost_norm=False),
 }
 
 PROMPTS = [[11, 400, 7, 201, 5, 33, 100], [42, 17], [300, 5, 6, 7]]
 
 
 def routed_model(case: str):
-    model = tiny_model(seed=2, random_queries=CASES[case]["residual"] == "attn_res", n_layers=4, vocab_size=512,
+    model = tiny_model(seed=2, random_queries=CASES[case]["residual"] != "standard", n_layers=4, vocab_size=512,
                        **CASES[case])
-    if model.routing is not None and model.routing.alpha is not None:
+    if CASES[case]["residual"] == "attn_res" and model.routing.alpha is not None:
         with torch.no_grad():  # open the delta gates (0 at init) so routing changes the stream
             model.routing.alpha.uniform_(0.5, 1.5)
             if model.routing.null_source is not None:
@@ -120,7 +125,7 @@ EOS = 3
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["positions run on", "positions restart"])
-@pytest.mark.parametrize("case", ["baseline", "mhar H=4"])
+@pytest.mark.parametrize("case", ["baseline", "mhar H=4", "dense", "mudd"])
 def test_cached_decoding_respects_the_document_mask(case, restart):
     """Under attn_mask_type = "block_causal" the cache masks keys of earlier documents (prompts
     that hold an EOS, and an EOS appended while decoding), and with rope_per_document its

@@ -61,8 +61,9 @@ print(json.dumps({"results": results, "listing": listing.getvalue(),
 
 
 def counts_from_dryrun(text: str) -> tuple[int, int, int]:
-    grab = lambda name: int(re.search(rf"^\s+{name}\s+([\d,]+)$", text, re.M).group(1).replace(",", ""))
-    return grab("total"), grab("non-embedding"), grab("routing")
+    """(total, non-embedding, connection) parameters the dry run printed."""
+    grab = lambda name: int(re.search(rf"^\s+{name}\s+([\d,]+)(  \(.*\))?$", text, re.M).group(1).replace(",", ""))
+    return grab("total"), grab("non-embedding"), grab("connection")
 
 
 def listing_rows(text: str) -> set[tuple[str, int, int, int]]:

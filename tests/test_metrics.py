@@ -31,18 +31,24 @@ def counted_flops_per_token(args, batch, seq_len):
     return counter.get_total_flops() / (batch * seq_len)
 
 
-@pytest.mark.parametrize("residual", ["standard", "attn_res"])
+@pytest.mark.parametrize("residual", ["standard", "attn_res", "dense", "mudd"])
 def test_closed_form_flops_match_flop_counter(residual):
     # A small vocabulary so that the block matmuls and attention dominate the count
     # (with the gpt2 vocabulary the LM head is 80% of the debug model's FLOPs).
-    args = ModelArgs.from_flavor("debug", residual=residual, routing_heads=2, vocab_size=1024, max_seq_len=128)
+    routing = dict(routing_heads=2) if residual == "attn_res" else {}
+    args = ModelArgs.from_flavor("debug", residual=residual, vocab_size=1024, max_seq_len=128, **routing)
     closed = flops_per_token(args, seq_len=128)
     counted = counted_flops_per_token(args, batch=2, seq_len=128)
     assert closed.lm_head == 6 * 1024 * args.dim
     assert closed.attention == 12 * args.n_layers * args.n_heads * args.head_dim * 128
-    # The counter sees matmuls only: the routing's dot products and weighted sums are
-    # elementwise ops to it, so the model part must match and the total stays within 2%.
-    assert abs(closed.model - counted) / counted < 0.02, (closed, counted)
+    # The counter sees matmuls only: the routing's dot products and weighted sums (and DenseFormer's
+    # and MUDDFormer's) are elementwise ops to it, so the model part must match and the total stays
+    # within 2%. MUDDFormer's weight generator is two matmuls per block, which the counter does see:
+    # its count lies between the model part and the total (measured: 0.5% below the total).
+    if residual == "mudd":
+        assert closed.model < counted < closed.total, (closed, counted)
+    else:
+        assert abs(closed.model - counted) / counted < 0.02, (closed, counted)
     assert abs(closed.total - counted) / counted < 0.02, (closed, counted)
     if residual == "standard":
         assert closed.routing == 0

@@ -159,6 +159,34 @@ def test_param_groups_and_no_decay():
     assert len(build_optimizer(model, Optimizer()).param_groups) == 1
 
 
+@pytest.mark.parametrize("residual", ["dense", "mudd"])
+def test_connection_parameters_are_routing_and_never_muon(residual):
+    """DenseFormer's and MUDDFormer's parameters are the ``routing`` group; DenseFormer's weights
+    are decayed as the job says (its reference decays them), MUDDFormer's never (its module says
+    ``weight_decay = False``), whatever ``optimizer.no_decay`` lists; Muon orthogonalises none of
+    them; MUDDFormer's K and V stream norms, inside the blocks, are norms; their gradients are
+    logged as ``rest`` (no query or gate of depth routing)."""
+    from mhar_titan.optim.build import optimizer_split
+
+    model = tiny_model(vocab_size=64, max_seq_len=16, residual=residual)
+    groups = param_group_of(model)
+    connection = {n for n in groups if n.startswith("routing.")}
+    assert connection and {groups[n] for n in connection} == {"routing"}
+    if residual == "mudd":
+        assert groups["layers.1.attention_norm.k.weight"] == groups["layers.1.attention_norm.v.weight"] == "norms"
+    names = {id(p): n for n, p in model.named_parameters()}
+    for cfg in (Optimizer(weight_decay=0.1), Optimizer(name="Muon", weight_decay=0.1, muon_groups=["other"])):
+        opt = build_optimizer(model, cfg)
+        by_name = {names[id(p)]: g["weight_decay"] for o in getattr(opt, "optimizers", [opt]) for g in o.param_groups
+                   for p in g["params"]}
+        assert {by_name[n] for n in connection} == ({0.1} if residual == "dense" else {0.0}), cfg.name
+        assert by_name["layers.0.feed_forward.w1.weight"] == 0.1
+        assert not connection & {n for n, _ in optimizer_split(model, cfg)["Muon"]}
+    model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+    _, norms = clip_grad_norm_by_group(model, max_norm=0.0)
+    assert set(norms) == {"rest"}
+
+
 def test_group_grad_norms_and_clipping_match_torch():
     model = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2, routing_mode="delta")
     ref = tiny_model(vocab_size=64, max_seq_len=16, residual="attn_res", routing_heads=2, routing_mode="delta")

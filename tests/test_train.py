@@ -223,6 +223,43 @@ def test_two_ranks_match_one_process(dist_results, reference_run):
         assert max(diffs) <= 1e-5, (ac, results[f"losses_{ac}"], reference)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain"])
+def test_depth_connections_on_two_ranks_match_one_process_and_ac_full_is_bitwise(connection_runs, family):
+    """DenseFormer and MUDDFormer (both variants) under FSDP2 on 2 gloo ranks (local batch 4): the
+    5 losses equal the 1-process run's (local batch 8, the same global batches) within 1e-5, with
+    AC none and full; on one process AC full equals none bit for bit (the blocks recompute their
+    mix, the depth buffer's writes included, exactly)."""
+    one, two = connection_runs
+    assert len(one[f"{family}_none"]) == 5 and one[f"{family}_full"] == one[f"{family}_none"]
+    assert one[f"{family}_none"][-1] < one[f"{family}_none"][0]
+    for ac in ("none", "full"):
+        assert max(abs(a - b) for a, b in zip(two[f"{family}_{ac}"], one[f"{family}_none"])) <= 1e-5, (ac, two, one)
+
+
+@pytest.fixture(scope="module")
+def connection_runs(tmp_path_factory):
+    """({family_ac: losses} on 1 process at local batch 8, the same on 2 ranks: tests/dist_train_checks.py
+    connections)."""
+    from dist_train_checks import CONNECTIONS
+
+    out = tmp_path_factory.mktemp("connections")
+    one = {}
+    for family, overrides in CONNECTIONS.items():
+        for ac in ("none", "full"):
+            cfg = debug_cfg(out / "one", f"{family}_{ac}", "--training.steps=5", "--training.local_batch_size=8",
+                            f"--activation_checkpoint.mode={ac}", *overrides)
+            one[f"{family}_{ac}"], _ = run(cfg)
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out),
+         "connections"], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return one, json.loads((out / "connections.json").read_text())
+
+
 @pytest.mark.distributed
 def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads):
     results, grads = dist_results

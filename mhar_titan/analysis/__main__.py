@@ -2,8 +2,11 @@
 
 heatmap RUN   routing heatmaps (PNG: the mean over heads, and the heads one by one when they
               differ), per-site entropy / effective sources (Markdown, JSON) on validation
-              batches of the run's newest (or --step) checkpoint; --vmax fixes the colour range
-probe RUN     the query probe of a single-head model (Markdown, and a per-site PNG)
+              batches of the run's newest (or --step) checkpoint; for DenseFormer and MUDDFormer
+              their mixing weights instead (mixing_stepN.png/.md/.json: DenseFormer's alpha,
+              MUDDFormer's mean dynamic weights per stream); --vmax fixes the colour range
+probe RUN     the query probe of a single-head AttnRes model (Markdown, and a per-site PNG); other
+              models are refused before they are loaded
 compare RUN RUN ...  loss against tokens and the difference to the baseline (PNG; --ylim,
               --diff-ylim fix the y ranges) and a tail-mean validation-loss table naming each
               run's arm (Markdown); --pair A B (repeatable): the difference B - A instead, tabulated;
@@ -35,6 +38,14 @@ def _check_out(args) -> None:
     check_output_folder(out, "--out")
 
 
+def _saved_model_args(args):
+    """The `ModelArgs` of the checkpoint `args.run` / `args.step` names, read from its marker (no
+    weight is read): what the commands check before anything is loaded."""
+    from mhar_titan.convert.dcp_io import dcp_model_args
+
+    return dcp_model_args(find_checkpoint(args.run, args.step)[1])
+
+
 def _heatmap(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.heatmap import check_vmax, plot_routing_heatmaps, routing_report, temperature_label
     from mhar_titan.analysis.routing import routing_summary
@@ -44,9 +55,13 @@ def _heatmap(args) -> list[pathlib.Path]:
     except ValueError as e:
         raise ValueError(f"--vmax: {e}") from None
     _check_out(args)
+    if _saved_model_args(args).residual == "standard":
+        raise ValueError(f"{args.run} is a baseline model (residual = 'standard'): it has no routing or mixing weights")
     loaded = load_run(args.run, args.step, args.device)
-    if loaded.model.routing is None:
-        raise ValueError(f"{loaded.run_dir} is a baseline model (residual = 'standard'): it has no routing")
+    from mhar_titan.analysis.mixing import mixes
+
+    if mixes(loaded.model):
+        return _mixing(loaded, args)
     summary = routing_summary(loaded.model, _validation_tokens(loaded, args))
     out = pathlib.Path(args.out or loaded.run_dir / "analysis")
     title = f"{loaded.run_dir.name}, step {loaded.step}: routing weight vs uniform"
@@ -62,11 +77,33 @@ def _heatmap(args) -> list[pathlib.Path]:
     return [*pngs, md, js]
 
 
+def _mixing(loaded: LoadedModel, args) -> list[pathlib.Path]:
+    """The heatmap command for a depth connection other than depth routing: its mixing weights
+    (`analysis.mixing`: DenseFormer's alpha, MUDDFormer's mean dynamic weights per stream)."""
+    from mhar_titan.analysis.mixing import mixing_report, mixing_summary, plot_mixing
+    from mhar_titan.analysis.plots import pyplot
+
+    static = hasattr(loaded.model.routing, "matrix")
+    summary = mixing_summary(loaded.model, [] if static else _validation_tokens(loaded, args))
+    out = pathlib.Path(args.out or loaded.run_dir / "analysis")
+    png = out / f"mixing_step{loaded.step}.png"
+    what = "weights" if static else "mean weights over tokens"
+    pyplot().close(plot_mixing(summary, png, title=f"{loaded.run_dir.name}, step {loaded.step}: "
+                               f"{loaded.model.args.residual} mixing {what}", dpi=args.dpi, vmax=args.vmax))
+    md = out / f"mixing_step{loaded.step}.md"
+    write_text(md, mixing_report(summary, f"Mixing weights of {loaded.run_dir.name} at step {loaded.step}"))
+    js = out / f"mixing_step{loaded.step}.json"
+    write_text(js, json.dumps(summary.to_dict(), indent=1))
+    print(md.read_text())
+    return [png, md, js]
+
+
 def _probe(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.plots import pyplot
-    from mhar_titan.analysis.probe import plot_probe, query_probe
+    from mhar_titan.analysis.probe import check_probe, plot_probe, query_probe
 
     _check_out(args)
+    check_probe(_saved_model_args(args))  # one line, before the model is loaded
     loaded = load_run(args.run, args.step, args.device)
     result = query_probe(loaded.model, _validation_tokens(loaded, args),
                          slices=args.slices, draws=args.draws, seed=args.seed)

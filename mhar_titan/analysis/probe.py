@@ -140,20 +140,31 @@ class ProbeTrace:
         self.sites += 1
 
 
+def check_probe(args) -> None:
+    """Refuse, in one line, a model (`ModelArgs` `args`) the probe does not apply to: anything but
+    single-head AttnRes (the baseline, MHAR with H > 1, DenseFormer, MUDDFormer: no single-head
+    pseudo-query to split).
+
+    Raises:
+        ValueError: naming the model's depth connection and its routing heads."""
+    if args.residual != "attn_res" or args.resolved_routing_heads != 1:
+        what = (f"H={args.resolved_routing_heads}" if args.residual == "attn_res" else
+                "a depth connection without pseudo-queries")
+        raise ValueError(f"the query probe is defined for single-head AttnRes models (residual = 'attn_res', "
+                         f"routing_heads = 1); this model has residual={args.residual!r}, {what}")
+
+
 @torch.no_grad()
 def query_probe(model: torch.nn.Module, batches: Iterable[Tensor], slices: int = 4, draws: int = 4,
                 seed: int = 0) -> ProbeResult:
     """Run the probe of the module docstring over token batches (B, T) of a single-head model.
 
     Raises:
-        ValueError: the model is not single-head AttnRes (H must be 1), d % slices != 0, or no
-            site has two sources.
+        ValueError: the model is not single-head AttnRes (H must be 1, `check_probe`), d % slices
+            != 0, or no site has two sources.
     """
     args = model.args
-    if args.residual != "attn_res" or args.resolved_routing_heads != 1:
-        heads = args.resolved_routing_heads if args.residual == "attn_res" else 0
-        raise ValueError(f"the query probe is defined for single-head AttnRes models (routing_heads = 1); this "
-                         f"model has residual={args.residual!r}, H={heads}")
+    check_probe(args)
     if args.dim % slices:
         raise ValueError(f"d={args.dim} is not a multiple of slices={slices}")
     trace = ProbeTrace(model, slices, draws, seed)

@@ -75,12 +75,14 @@ class RoutingRecorder:
     accumulate into the same sums.
 
     Raises:
-        ValueError: the model has no routing sites (the baseline).
+        ValueError: the model has no routing sites (the baseline, and the depth connections other
+            than depth routing: their mixing weights are observed by `analysis.mixing.MixRecorder`).
     """
 
     def __init__(self, model: torch.nn.Module, keep_weights: bool = False):
-        if getattr(model, "routing", None) is None:
-            raise ValueError("the model has no depth routing (residual = 'standard'): nothing to record")
+        if not routes(model):
+            raise ValueError(f"the model has no depth routing (residual = {model.args.residual!r}): no routing site "
+                             "to record")
         self.plan = model.plan
         self.heads, self.n_sites = model.args.resolved_routing_heads, self.plan.n_sites
         self.sites: list[Optional[SiteStats]] = [None] * self.n_sites
@@ -228,16 +230,24 @@ def routing_summary(model: torch.nn.Module, batches: Iterable[Tensor], desc: str
     return recorder.summary()
 
 
+def routes(model: torch.nn.Module) -> bool:
+    """Whether `model` routes over depth: its routing plan has sites (`residual = "attn_res"`); the
+    other connections have none."""
+    plan = getattr(model, "plan", None)
+    return plan is not None and bool(plan.sites)
+
+
 @torch.no_grad()
 def routing_entropy(model: torch.nn.Module, tokens: Tensor) -> Optional[float]:
-    """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for the baseline.
+    """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for a model without
+    routing sites (the baseline, DenseFormer, MUDDFormer: no depth softmax).
 
     Runs the model's own forward (within ``model.observe_routing``), so an FSDP-sharded model
     gathers its parameters as in any forward; the per-block compiled graphs are bypassed
     (eager) so that this no-grad call does not compile a second set. Uniform routing over N
     sources at every site gives mean_s log N_s.
     """
-    if getattr(model, "routing", None) is None:
+    if not routes(model):
         return None
     recorder = RoutingRecorder(model)
     with torch.compiler.set_stance("force_eager"), model.observe_routing(recorder):

@@ -21,7 +21,9 @@ from mhar_kernels.traffic import H200_PROGRAMS, Launch, Traffic, element_bytes, 
 from mhar_titan.config import Profiling
 from mhar_titan.console import count
 from mhar_titan.metrics import FlopsPerToken, flops_per_token, mfu, peak_memory_gib
-from mhar_titan.models.args import ModelArgs
+from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs
+from mhar_titan.models.connections import build_connection
+from mhar_titan.models.connections.base import checkpointed_blocks
 from mhar_titan.models.plan import RoutingPlan
 
 
@@ -153,6 +155,8 @@ def startup_fields(cfg, model_args, model: torch.nn.Module, world_size: int, dev
     family = model_args.residual
     if model_args.residual == "attn_res":
         family += f" H={model_args.resolved_routing_heads} {model_args.routing_granularity} {model_args.routing_mode}"
+    family += "".join(f" {k}={getattr(model_args, k)}" for k in CONNECTION_KEYS.get(model_args.residual, ())
+                      if getattr(model_args, k) != getattr(ModelArgs, k))  # a connection's keys set away from defaults
     params = sum(p.numel() for p in model.parameters())
     accum = f" x {grad_accum} accum" if grad_accum > 1 else ""
     fields = [
@@ -301,13 +305,28 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
 
 
 
+def depth_read_bytes(args: ModelArgs, tokens: int, ac: str = "none", dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of the depth connection's reads of its depth history in one training step at `tokens`
+    tokens per micro-batch: its (forward, backward) rows per token (`Connection.depth_reads`) times
+    d values of `dtype`, the forward rows once more for the blocks activation checkpointing `ac`
+    ("none", "full", "selective:k") recomputes (in proportion to them); 0 for the standard
+    residual. A model of reads only (no writes, no gradient rows): docs/CONNECTIONS.md."""
+    forward, backward = build_connection(args).depth_reads()
+    recomputed = checkpointed_blocks(ac, args.n_layers)
+    forward_again = forward * sum(recomputed) / args.n_layers
+    return int(round((forward + forward_again + backward) * tokens * args.dim * element_bytes(dtype)))
+
+
 def routing_step_bytes(args: ModelArgs, tokens: int, ac: str = "none") -> int:
-    """Counted routing bytes of one training step at `tokens` tokens per micro-batch (bf16): per
-    call (`step_traffic`) or grouped (`grouped_step_traffic`) as args.routing_group_size gives it;
-    0 for the standard residual."""
-    if args.residual == "standard":
-        return 0
-    if RoutingPlan.from_args(args).group_size > 1:
+    """Modelled bytes the depth connection moves in one training step at `tokens` tokens per
+    micro-batch (bf16): for depth routing, the fused kernels' counted traffic, per call
+    (`step_traffic`) or grouped (`grouped_step_traffic`) as args.routing_group_size gives it (reads
+    and writes, the routing plan's sites); for a connection without routing sites, its depth reads
+    (`depth_read_bytes`); 0 for the standard residual."""
+    plan = RoutingPlan.from_args(args)
+    if not plan.sites:
+        return depth_read_bytes(args, tokens, ac)
+    if plan.group_size > 1:
         return grouped_step_traffic(args, tokens, torch.bfloat16, ac).total
     return step_traffic(args, tokens, torch.bfloat16, ac).total
 
@@ -369,12 +388,14 @@ def verdict(host_ms: float, gpu_ms: float) -> dict:
     return dict(bound="GPU-bound", by=gpu_ms / host_ms)
 
 
-def host_family(args: ModelArgs) -> str:
+def host_family(args: ModelArgs) -> Optional[str]:
     """The row of HOST_STEP_MS `args` runs like: "baseline", "mhar" (per-call routing, any H) or
-    "mhar-grouped" (routing_group_size > 1)."""
-    if args.residual == "standard":
-        return "baseline"
-    return "mhar-grouped" if RoutingPlan.from_args(args).group_size > 1 else "mhar"
+    "mhar-grouped" (routing_group_size > 1); None for a depth connection whose host time was not
+    measured (one without routing sites: DenseFormer, MUDDFormer)."""
+    plan = RoutingPlan.from_args(args)
+    if plan.sites:
+        return "mhar-grouped" if plan.group_size > 1 else "mhar"
+    return "baseline" if build_connection(args).depth_reads() == (0, 0) else None
 
 
 def step_verdict(flavor: str, args: ModelArgs, ac: str, local_batch: int, seq: int, accumulation: int,
@@ -389,7 +410,8 @@ def step_verdict(flavor: str, args: ModelArgs, ac: str, local_batch: int, seq: i
     flavor's host time was not measured.
 
     Returns {'host_ms', 'gpu_ms', 'bound', 'by', 'local_batch', 'accumulation', 'covers', 'then_by'}."""
-    measured = (host_ms if host_ms is not None else HOST_STEP_MS).get((flavor, host_family(args), ac))
+    family = host_family(args)
+    measured = None if family is None else (host_ms if host_ms is not None else HOST_STEP_MS).get((flavor, family, ac))
     if measured is None:
         return None
     gpu = modelled_gpu_ms(args, local_batch, seq, ac)["total_ms"]

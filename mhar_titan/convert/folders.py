@@ -76,9 +76,10 @@ def resolve_format(args: ModelArgs, fmt: str) -> str:
     if fmt == "auto":
         return "hf" if args.residual == "standard" else "mhar"
     if fmt == "hf" and args.residual != "standard":
-        raise ConversionError(f"a {args.residual!r} (routing) model has no stock transformers architecture, so format "
-                              "'hf' cannot hold it; use format 'mhar' (--format mhar, or the default --format auto): "
-                              "our own model type, which transformers loads with trust_remote_code=True")
+        raise ConversionError(f"a {args.residual!r} model has no stock transformers architecture (its depth "
+                              "connection is not the standard residual), so format 'hf' cannot hold it; use format "
+                              "'mhar' (--format mhar, or the default --format auto): our own model type, which "
+                              "transformers loads with trust_remote_code=True")
     if fmt == "authors":
         authors.authors_mode(args)  # a model their format cannot hold is refused before any weight is read
     return fmt

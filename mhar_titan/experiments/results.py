@@ -13,6 +13,9 @@ k = ``sweep.tail_evals``:
   (undefined for n = 1, written "n/a");
 * tokens seen (the last training row) and the measured throughput: the median ``tokens_per_s``
   of the logged training rows after step 1;
+* per family and grid point (``experiments.timing``): its tokens/s (median over seeds) and ratio to
+  the baseline's, and its paired difference to the baseline at equal steps (the tail means above)
+  beside the one at equal wall-clock time (each pair compared when its faster run ended);
 * per pair (A, B) of families (``[sweep] pairs`` or ``--pair A B``) and grid point: B's tail mean
   minus A's, seed by seed over the seeds that have both runs (same tokens in the same order), then
   the mean and standard error as above: e.g. MHAR H = 8 minus the temperature-matched single head,
@@ -41,6 +44,7 @@ from mhar_titan.analysis.compare import (RunCurves, check_pairs, comparison_tabl
                                          plot_comparison, plot_temperatures, read_run)
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline, paired_run
+from mhar_titan.experiments.timing import timing_lines
 from mhar_titan.files import write_text
 
 
@@ -188,6 +192,7 @@ def results_tables(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[
         lines.append(f"| {g.family} | {g.point_tag or '-'} | {g.seeds} | {g.tail_mean:.4f} | "
                      f"{'baseline' if base else _num(g.delta_mean, '+.4f')} | "
                      f"{'-' if base else _num(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
+    lines += ["", *timing_lines(sweep, results, {(g.family, g.point_tag): (g.delta_mean, g.delta_se) for g in groups})]
     if pairs:
         lines += ["", "Pairs: B's tail mean minus A's, seed by seed (same tokens in the same order), mean and "
                   "standard error over the seeds that have both runs (negative = B has the lower loss).", "",

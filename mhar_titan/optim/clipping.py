@@ -30,11 +30,13 @@ def clip_grad_norm_by_group(model: nn.Module, max_norm: float) -> tuple[torch.Te
 
     grads = {g: [] for g in GRAD_NORM_GROUPS}
     sharded = False
+    plan = getattr(model, "plan", None)
+    routed = plan is None or bool(plan.sites)  # depth routing's queries and gates (not another connection's)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         sharded |= hasattr(p.grad, "to_local")
-        grads[grad_norm_group(clean_name(name))].append(_local(p.grad))
+        grads[grad_norm_group(clean_name(name), routed)].append(_local(p.grad))
     device = next((gs[0].device for gs in grads.values() if gs), torch.device("cpu"))
     sq = torch.stack([
         torch.stack([g.float().pow(2).sum() for g in gs]).sum() if gs else torch.zeros((), device=device)

@@ -10,8 +10,16 @@ pseudo-queries, key norms, gates, null source), ``embeddings`` (``tok_embeddings
 the learned routing log-temperatures (``routing.log_temperature``, in the ``routing`` group).
 Decay would pull log t towards 0, i.e. the temperature towards 1, not towards its configured
 start (``model.routing_logit_scale``): a bias toward one particular temperature, the very
-quantity the temperature-matched experiments compare. The routing group is never Muon's either
-(``optimizer_split``), so it is never orthogonalised.
+quantity the temperature-matched experiments compare. ``never_decayed_names(model)`` adds every
+parameter of a connection whose parameter module (``model.routing``) says ``weight_decay = False``
+(its reference does not decay them, or was not shown to: docs/CONNECTIONS.md): MUDDFormer's.
+DenseFormer's weights follow ``optimizer.no_decay`` like depth routing's: its reference decays them
+(they are ``nn.Linear`` weights in its decayed set). The routing group is never Muon's either
+(``optimizer_split``), so no connection parameter is ever orthogonalised.
+
+``grad_norm_group``: the pseudo-queries and delta gates of depth routing (a model whose routing
+plan has sites) get groups of their own; every other parameter, the other connections' included,
+is ``rest`` (DenseFormer's weights are also named ``alpha``, but they are no gate).
 """
 from __future__ import annotations
 
@@ -72,12 +80,23 @@ def never_decayed(clean: str) -> bool:
     return clean in NEVER_DECAYED
 
 
+def never_decayed_names(model: nn.Module) -> set[str]:
+    """Clean names of ``model``'s parameters that no weight decay touches: ``NEVER_DECAYED`` and
+    every parameter of a connection module that declares ``weight_decay = False`` (module docstring)."""
+    names = {clean_name(n) for n, _ in model.named_parameters() if never_decayed(clean_name(n))}
+    routing = getattr(model, "routing", None)
+    if routing is not None and getattr(routing, "weight_decay", True) is False:
+        names |= {clean_name(f"routing.{n}") for n, _ in routing.named_parameters()}
+    return names
+
+
 GRAD_NORM_GROUPS = ("routing_query", "routing_gate", "rest")
 
 
-def grad_norm_group(clean: str) -> str:
-    """Logging group of a parameter: routing pseudo-queries, delta gates (alpha), or the rest."""
-    if clean.startswith("routing."):
+def grad_norm_group(clean: str, routed: bool = True) -> str:
+    """Logging group of a parameter: depth routing's pseudo-queries, its delta gates (alpha), or the
+    rest; ``routed``: the model routes (its routing plan has sites), else every parameter is rest."""
+    if routed and clean.startswith("routing."):
         leaf = clean.rsplit(".", 1)[-1]
         if "query" in clean:
             return "routing_query"

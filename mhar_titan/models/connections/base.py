@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from ..args import ModelArgs
@@ -70,6 +71,33 @@ every forward hands it each mixing weight the connection computes, detached, in 
 by where it applies (e.g. "block 3", "site 5 comb"): DenseFormer's per-block weights (n,), MUDDFormer's
 per-token dynamic weights (B, T, C, n), and so on (each connection's docstring says which). Depth
 routing's observer has its own signature (`router.Observer`)."""
+
+
+@torch.no_grad()
+def init_from(param: Tensor, full: Tensor) -> None:
+    """Set `param` to the values `full` (its whole shape), for a plain parameter or one FSDP2 has
+    sharded (a DTensor: `full` is distributed with its placements, a collective every rank makes,
+    as `Transformer.init_weights` runs on every rank). Index assignment on a sharded parameter is
+    not this: it writes nothing (a split's element) or has no sharding rule (a column)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.to_local().device), param.device_mesh, param.placements)
+    param.copy_(full.to(param.dtype))
+
+
+def checkpointed_blocks(ac: str, n_layers: int) -> tuple[bool, ...]:
+    """Per block, whether activation checkpointing `ac` ("none", "full", "selective:k") recomputes
+    it: none, every block, or blocks k, 2k, ... (1-based, `parallel.apply_ac`'s counter).
+
+    Raises:
+        ValueError: another spelling, or k not a positive integer."""
+    if ac in ("none", "full"):
+        return (ac == "full",) * n_layers
+    every = ac.removeprefix("selective:")
+    if not ac.startswith("selective:") or not every.isdigit() or int(every) < 1:
+        raise ValueError(f"activation checkpointing must be 'none', 'full' or 'selective:k' (k >= 1), got {ac!r}")
+    return tuple((i + 1) % int(every) == 0 for i in range(n_layers))
 
 
 class Connection:
@@ -108,8 +136,11 @@ class Connection:
 
     def kept_rows(self, ac: str) -> int:
         """(B, T, d) rows per token the connection keeps alive for the backward beyond the baseline's
-        under activation checkpointing `ac` ("none", "full", "selective"): its depth history, its
-        streams and what its blocks save (the dry run's memory estimate)."""
+        under activation checkpointing `ac` ("none", "full", or "selective:k": blocks k, 2k, ...
+        checkpointed, as `parallel.apply_ac`; `checkpointed_blocks` reads it): its depth history,
+        its streams and what its blocks save, with, under checkpointing, the one block recomputed at
+        a time; elements that are not whole rows (per-token weights, norms' statistics) are
+        rounded up to rows (the dry run's memory estimate)."""
         return 0
 
     def flow(self, params: nn.Module | None, x0: Tensor, observer=None, buffered: bool = True) -> Flow:

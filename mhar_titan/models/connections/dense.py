@@ -24,7 +24,7 @@ from mhar_kernels.depth_buffer import DepthBuffer
 from mhar_kernels.depth_mix import host_reads, mix_rows
 
 from ..args import dense_averages, dense_sources
-from .base import Connection
+from .base import Connection, init_from
 
 
 class DenseWeights(nn.Module):
@@ -40,10 +40,11 @@ class DenseWeights(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Every block's own output weighted 1, earlier outputs 0: the pre-norm baseline."""
-        nn.init.zeros_(self.alpha)
-        for weights in self.alpha.split([len(s) for _, s in self.segments]):
-            weights[-1] = 1.0
+        """Every block's own output weighted 1, earlier outputs 0: the pre-norm baseline (also on a
+        sharded parameter, `base.init_from`)."""
+        full = torch.zeros(self.alpha.shape)
+        full[torch.tensor([len(s) for _, s in self.segments]).cumsum(0) - 1] = 1.0
+        init_from(self.alpha, full)
 
     def rows(self) -> dict[int, Tensor]:
         """{block: its weights (n,)}, views of `alpha` (one split per forward)."""
@@ -151,3 +152,25 @@ class DenseFormer(Connection):
 
     def flow(self, params: DenseWeights, x0: Tensor, observer=None, buffered: bool = True) -> DenseFlow:
         return DenseFlow(self, params, x0, observer, buffered)
+
+    # -- the cost model: each average over n outputs reads n rows of the depth history ------------
+    def _averages(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(block, the outputs X_j its average reads) for every block that averages."""
+        return [(i, dense_sources(self.args, i)) for i in range(self.args.n_layers) if dense_averages(self.args, i)]
+
+    def flops_per_token(self) -> int:
+        """2 d per source of every average (a multiply-add per element of each weighted output)."""
+        return 2 * self.args.dim * sum(len(sources) for _, sources in self._averages())
+
+    def depth_reads(self) -> tuple[int, int]:
+        """Each average reads its n outputs, rows of the depth buffer, once forward (one
+        matrix-vector product) and once backward (the gradients of its weights, alpha_{i,j} =
+        <dY, X_j>, one product): (sum n, sum n) rows, L(L+3)/2 each at k = p = 1."""
+        rows = sum(len(sources) for _, sources in self._averages())
+        return rows, rows
+
+    def kept_rows(self, ac: str) -> int:
+        """The depth buffer, one row per output X_0..X_L, allocated once per forward and held by the
+        links of every block, checkpointed or not (tests/test_connection_costs.py); the averages
+        save only their weights."""
+        return self.args.n_layers + 1

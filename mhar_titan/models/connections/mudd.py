@@ -42,7 +42,7 @@ from mhar_kernels.depth_mix import host_reads, mix_rows
 
 from ..args import mudd_hidden, mudd_streams
 from ..norms import RMSNorm, rms_normalized
-from .base import Connection
+from .base import Connection, checkpointed_blocks, init_from
 
 
 class StreamNorms(nn.Module):
@@ -63,6 +63,13 @@ class MuddWeights(nn.Module):
     (C_i (i+2), K_i) of the weight generator and `static[i]` (C_i, i+2), a_i. With the pre/post DA
     norm also `source_norm[j]` (the sources' RMSNorm scales, j = 0..L), `generator_norm[i]` (the
     generator's input norm) and `post_norm[i]` (the R stream's, scale 1e-3 at init)."""
+
+    stream_names = ("Q", "K", "V", "R")
+    """The streams of a block's dynamic weights, in order (the last block makes the last alone)."""
+
+    weight_decay = False
+    """No weight decay on these parameters, whatever `optimizer.no_decay` says (`optim.groups`): the
+    reference's released code is for inference, and that its training decays them is not shown."""
 
     def __init__(self, args):
         super().__init__()
@@ -85,10 +92,11 @@ class MuddWeights(nn.Module):
             nn.init.normal_(w1.weight, std=1 / math.sqrt(w1.in_features))
         for w2 in self.w2:
             nn.init.zeros_(w2.weight)
-        for a in self.static:
-            nn.init.zeros_(a)
+        for a in self.static:  # (also on a sharded parameter, `base.init_from`)
+            full = torch.zeros(a.shape)
             if not self.prepost:
-                a[:, -1] = 1.0
+                full[:, -1] = 1.0
+            init_from(a, full)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
@@ -207,3 +215,55 @@ class MUDDFormer(Connection):
 
     def flow(self, params: MuddWeights, x0: Tensor, observer=None, buffered: bool = True) -> MuddFlow:
         return MuddFlow(self, params, x0, observer, buffered)
+
+    # -- the cost model: after block i, C_i streams over i+2 sources ------------------------------
+    def _blocks(self) -> list[tuple[int, int, int]]:
+        """(block i, its streams C_i, its generator's hidden width K_i)."""
+        return [(i, mudd_streams(self.args, i), mudd_hidden(self.args, i)) for i in range(self.args.n_layers)]
+
+    def flops_per_token(self) -> int:
+        """Per block i: the generator's two matmuls, 2 d K_i + 2 K_i C_i (i+2), and the streams'
+        weighted sums, 2 d C_i (i+2) (norms, GELU and the static add are elementwise: not counted)."""
+        d = self.args.dim
+        return sum(2 * d * k + 2 * k * c * (i + 2) + 2 * d * c * (i + 2) for i, c, k in self._blocks())
+
+    def depth_reads(self) -> tuple[int, int]:
+        """The streams of block i read its i+2 sources, rows of the depth buffer, once forward (one
+        batched product for every stream) and once backward (the gradients of the dynamic weights,
+        dw[c, j] = <dDA_c, S_j> per token, again one product): sum (i+2) rows each way."""
+        rows = sum(i + 2 for i, _, _ in self._blocks())
+        return rows, rows
+
+    def kept_rows(self, ac: str) -> int:
+        """What the backward keeps beyond the baseline, counted from the eager code's saved tensors
+        (tests/test_connection_costs.py), in elements per token, rounded up to rows of d:
+
+        - the depth buffer, one row per source S_0..S_L; with the pre/post DA norm the embedding's
+          source norm's normalised input (made outside the blocks);
+        - per block i without checkpointing: the generator's input norm and its two hidden
+          activations (d + 2 K_i) and the weights dw (C_i (i+2)), with the pre/post DA norm also the
+          normalised rows of the generator's, the source's and the R stream's post-norm (scaled
+          norms) and the C_i mixed rows the post-norm's input is a view of (3 d + C_i d more); one
+          fp32 statistic per norm;
+        - per block after the first, its input streams and their norms where the baseline keeps one
+          input and one norm: Q, K and V and two more norms' outputs and normalised rows (7 d), or
+          without the pre/post DA norm the four streams (the previous block's mixed rows, one
+          tensor) and the same norms (8 d); checkpointed, only its input streams beyond the
+          baseline's one input (3 d);
+        - the R stream the final norm reads beside the last block's output, unless that block is
+          checkpointed (d);
+        - the block recomputed at a time holds its own again, less its input streams."""
+        d, L, prepost = self.args.dim, self.args.n_layers, self.args.mudd_prepost_norm
+        checkpointed = checkpointed_blocks(ac, L)
+        total = (L + 1) * d + (d + 1 if prepost else 0)
+        streams = 7 * d + 2 if prepost else 8 * d + 2  # a block's input streams and their norms, unchecked
+        recompute = 0
+        for i, c, k in self._blocks():
+            inside = (4 + c if prepost else 1) * d + 2 * k + c * (i + 2) + (3 if prepost else 1)
+            if not checkpointed[i]:
+                total += inside + (streams if i else 0)
+            else:
+                total += 3 * d if i else 0
+                recompute = max(recompute, inside + (streams - 3 * d if i else 0))
+        total += 0 if checkpointed[-1] else d
+        return -(-(total + recompute) // d)
