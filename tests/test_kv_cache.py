@@ -24,15 +24,23 @@ CASES = {
     "grouped g=3": dict(residual="attn_res", routing_heads=4, routing_group_size=3),
     "grouped auto, block": dict(residual="attn_res", routing_heads=2, routing_group_size="auto",
                                 routing_granularity="block", routing_block_layers=2),
+    "hyper": dict(residual="hyper"),
+    "hyper static n=2": dict(residual="hyper", hyper_dynamic=False, hyper_rate=2),
+    "mhc": dict(residual="mhc"),
+    "mhc mean exit": dict(residual="mhc", mhc_exit="mean"),
 }
 
 PROMPTS = [[11, 400, 7, 201, 5, 33, 100], [42, 17], [300, 5, 6, 7]]
 
 
 def routed_model(case: str):
-    model = tiny_model(seed=2, random_queries=CASES[case]["residual"] == "attn_res", n_layers=4, vocab_size=512,
-                       **CASES[case])
-    if model.routing is not None and model.routing.alpha is not None:
+    residual = CASES[case]["residual"]
+    model = tiny_model(seed=2, random_queries=residual == "attn_res", n_layers=4, vocab_size=512, **CASES[case])
+    if residual in ("hyper", "mhc"):
+        with torch.no_grad():  # the streams' mixing off its initialisation, so the streams differ
+            for p in model.routing.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    elif model.routing is not None and model.routing.alpha is not None:
         with torch.no_grad():  # open the delta gates (0 at init) so routing changes the stream
             model.routing.alpha.uniform_(0.5, 1.5)
             if model.routing.null_source is not None:
