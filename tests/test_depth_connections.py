@@ -228,3 +228,55 @@ def test_parameter_counts_follow_the_formulas(variant, n_layers):
         expected = sum(d * K[i] + K[i] * C[i] * (i + 2) + C[i] * (i + 2) for i in range(L))
         expected += ((L + 1) * d + 2 * L * d if args.mudd_prepost_norm else 0) + 2 * (L - 1) * d
     assert connection_parameters(args) == expected
+
+
+def test_a_hook_that_replaces_a_sublayers_output_reaches_the_routing_on_the_fused_kernels():
+    """A forward hook on a block's attention that replaces its output: the fused kernels' depth buffer
+    holds the replaced output (each sublayer output is copied into its slot after the sublayer ran),
+    so the fused path computes what the eager path does (it once wrote the output projection's
+    result into the slot from inside the projection, and the hook's value never reached routing)."""
+    import model_equivalence as me
+
+    combination = dict(residual="attn_res", routing_heads=4, ac="none")
+    reference = me.reference_model(me.model_args(combination))
+    fused = me.copy_of(reference, me.model_args(combination, "triton"), torch.float64)
+    for model in (reference, fused):
+        for layer in model.layers:
+            layer.attention.register_forward_hook(lambda module, inputs, output: 2.0 * output)
+    ids = me.batch()
+    failures = me.compare("triton float64", me.loss_and_grads(fused, ids), me.loss_and_grads(reference, ids), 1e-9)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_eager_path_mixes_depth_buffer_rows_without_a_stack(variant):
+    """Eager, every depth mix reads its sources as rows of one depth buffer (mhar_kernels.depth_mix,
+    one node of the autograd graph per mix):
+    no stack or concatenation of sources runs in the forward (RoPE's rotate-half concatenates one
+    (B, T, d) tensor's halves: nothing larger is concatenated), and the compiled
+    blocks' list path (a sum of scaled entries) gives the same logits and gradients within 1e-5."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.joined = []  # numel of every stack / cat output
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func.overloadpacket) in ("aten.stack", "aten.cat"):
+                self.joined.append(out.numel())
+            return out
+
+    model, listed = build(variant, 4), build(variant, 4)
+    listed.compiled_blocks = True  # the compiled blocks' path, run eagerly
+    ids = tokens()
+    with Ops() as ops:
+        loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert ops.joined and max(ops.joined) <= ids.shape[0] * (ids.shape[1] - 1) * SHAPE["dim"]
+    listed_loss = listed(ids[:, :-1], ids[:, 1:])
+    listed_loss.backward()
+    assert abs(loss.item() - listed_loss.item()) <= 1e-5 * abs(loss.item())
+    for (name, p), q in zip(model.named_parameters(), listed.parameters()):
+        assert relative(p.grad, q.grad.double()) < 1e-4, name

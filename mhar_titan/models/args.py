@@ -224,14 +224,16 @@ class ModelArgs:
             changed = [k for k in keys if getattr(self, k) != defaults[k] and self.residual not in key_owners(k)]
             if changed:
                 owners = " or ".join(repr(r) for r in dict.fromkeys(r for k in changed for r in key_owners(k)))
-                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} configure residual="
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} residual="
                                  f"{owners}, not residual={self.residual!r}: set residual={residual!r}, or leave "
                                  f"{' and '.join(changed)} at the default")
         if self.residual not in ("standard", "attn_res"):
             changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("routing_")
                        and f.name not in WEIGHT_NEUTRAL_FIELDS and getattr(self, f.name) != f.default]
             if changed:
-                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} configure depth routing "
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} depth routing "
                                  f"(residual='attn_res'); residual={self.residual!r} has no routing sites: leave "
                                  f"{' and '.join(changed)} at the default")
         if self.mhc_init == "prenorm" and self.hyper_rate < 2:

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mhar_kernels.depth_buffer import DepthBuffer
+from mhar_kernels.depth_mix import host_reads, mix_rows
+
 from ..args import dense_averages, dense_sources
 from .base import Connection
 
@@ -58,13 +61,18 @@ class DenseWeights(nn.Module):
 
 class DenseLink:
     """Block i's link: the block is a pre-norm block over its input y; its MLP write makes the
-    block's output X = h + m and the average Y over `sources` (the earlier outputs it reads) and X
-    with `weights` (None where block i does not average: Y = X). The block returns (X, Y)."""
+    block's output X = h + m and the average Y over the earlier outputs it reads and X with
+    `weights` (None where block i does not average: Y = X). Eager: X is written into the depth
+    buffer's slot i+1 after the write that made `token`, and Y is the weighted sum of the rows
+    `reads`; compiled: `sources` are the earlier outputs it reads as tensors (`buffer` None). The
+    block returns (X, Y, the newest write's token)."""
 
-    __slots__ = ("weights", "sources")
+    __slots__ = ("layer", "weights", "sources", "buffer", "reads", "token")
 
-    def __init__(self, weights: Tensor | None, sources: tuple[Tensor, ...]):
-        self.weights, self.sources = weights, sources
+    def __init__(self, layer: int, weights: Tensor | None, sources: tuple[Tensor, ...], buffer: DepthBuffer | None = None,
+                 reads=None, token: Tensor | None = None):
+        self.layer, self.weights, self.sources = layer, weights, sources
+        self.buffer, self.reads, self.token = buffer, reads, token
 
     def enter(self, y: Tensor) -> Tensor:
         return y
@@ -76,7 +84,10 @@ class DenseLink:
         x = h + output
         if sublayer == 0:
             return x
-        return x, weighted_sum(self.weights, (*self.sources, x)) if self.weights is not None else x
+        if self.buffer is None:
+            return x, weighted_sum(self.weights, (*self.sources, x)) if self.weights is not None else x, None
+        token = self.buffer.write(self.layer + 1, x, self.token)
+        return x, mix_rows(self.buffer, self.reads, token, self.weights) if self.weights is not None else x, token
 
     def leave(self, state):
         return state
@@ -92,23 +103,32 @@ def weighted_sum(weights: Tensor, sources: tuple[Tensor, ...]) -> Tensor:
 
 
 class DenseFlow:
-    """One forward of DenseFormer: the depth history X_0.. (X_0 the embedding) and the next block's
-    input Y. An observer (`base.MixObserver`) sees each block's weights (n,) as "block i"."""
+    """One forward of DenseFormer: the depth history X_0.. (X_0 the embedding; a depth buffer's rows,
+    or a list where the blocks are compiled) and the next block's input Y. An observer
+    (`base.MixObserver`) sees each block's weights (n,) as "block i"."""
 
-    def __init__(self, args, params: DenseWeights, x0: Tensor, observer=None):
-        self.args, self.history, self.y, self.observer = args, [x0], x0, observer
+    def __init__(self, connection: "DenseFormer", params: DenseWeights, x0: Tensor, observer=None,
+                 buffered: bool = True):
+        self.args, self.reads, self.observer = connection.args, connection.reads, observer
+        self.history, self.y, self.token = [x0], x0, None
         self.weights = params.rows()
+        self.buffer = DepthBuffer(self.args.n_layers + 1, x0) if buffered and not torch.compiler.is_compiling() else None
+        if self.buffer is not None:
+            self.token = self.buffer.write(0, x0, None)
 
     def block(self, layer: int) -> tuple[Tensor, DenseLink]:
         weights = self.weights.get(layer)
         if weights is not None and self.observer is not None:
             self.observer(f"block {layer}", weights.detach())
+        if self.buffer is not None:
+            return self.y, DenseLink(layer, weights, (), self.buffer, self.reads.get(layer), self.token)
         sources = tuple(self.history[j] for j in dense_sources(self.args, layer)[:-1]) if weights is not None else ()
-        return self.y, DenseLink(weights, sources)
+        return self.y, DenseLink(layer, weights, sources)
 
-    def done(self, layer: int, returned: tuple[Tensor, Tensor]) -> None:
-        x, self.y = returned
-        self.history.append(x)
+    def done(self, layer: int, returned: tuple[Tensor, Tensor, Tensor | None]) -> None:
+        x, self.y, self.token = returned
+        if self.buffer is None:
+            self.history.append(x)
 
     def final(self) -> Tensor:
         return self.y
@@ -119,8 +139,15 @@ class DenseFormer(Connection):
 
     name = "dense"
 
+    def __init__(self, args):
+        super().__init__(args)
+        calls = [(i, dense_sources(args, i)) for i in range(args.n_layers) if dense_averages(args, i)]
+        later = [set().union(*(set(rows) for _, rows in calls[n + 1:])) for n in range(len(calls))]
+        self.reads = {i: host_reads(rows, tuple(j in after for j in rows)) for (i, rows), after in zip(calls, later)}
+        """{block: the `Reads` of its average on the depth buffer (X_j in slot j)}, made once."""
+
     def parameters(self) -> DenseWeights:
         return DenseWeights(self.args)
 
     def flow(self, params: DenseWeights, x0: Tensor, observer=None, buffered: bool = True) -> DenseFlow:
-        return DenseFlow(self.args, params, x0, observer)
+        return DenseFlow(self, params, x0, observer, buffered)

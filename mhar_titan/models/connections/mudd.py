@@ -23,9 +23,11 @@ Two variants (`mudd_prepost_norm`):
   a scale; a_i = 0; streams = X_{i+1} + DA_c, the R stream's DA through a post-RMSNorm whose scale
   starts at 1e-3. DA = 0 at initialisation, so again exactly the pre-norm baseline.
 
-The read-out before the final norm is the last R stream. The sources are the flow's depth history
-(one tensor per block, kept for the backward as the reference's list of hidden states is); each
-stream is a sum of scaled history entries, with no stack of sources per block.
+The read-out before the final norm is the last R stream. In eager mode the sources are the rows of
+one depth buffer per forward (`mhar_kernels.depth_buffer`: S_j in slot j) and every block's C
+streams are one batched weighted sum of its rows (`mhar_kernels.depth_mix.mix_rows`: a view of the
+rows, no stack, O(1) autograd edges); inside torch.compile'd blocks the sources are a list of
+tensors and each stream a sum of scaled entries, which the compiler fuses.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mhar_kernels.depth_buffer import DepthBuffer
+from mhar_kernels.depth_mix import host_reads, mix_rows
 
 from ..args import mudd_hidden, mudd_streams
 from ..norms import RMSNorm, rms_normalized
@@ -92,13 +97,17 @@ class MuddWeights(nn.Module):
 class MuddLink:
     """Block i's link: reads the streams carried in (the embedding alone into block 0; else Q, K, V
     for attention and R for the residual), and its MLP write makes X_{i+1}, its source, the dynamic
-    weights and the next block's streams over `sources` (the earlier sources) and the new one. The
-    block returns (its source, its streams)."""
+    weights and the next block's streams over the earlier sources and the new one: eager, the
+    depth buffer's rows `reads` after writing the new source into slot i+1 after the write that
+    made `token`; compiled, `sources` (tensors; `buffer` None). The block returns (its source, its
+    streams, the newest write's token)."""
 
-    __slots__ = ("layer", "params", "sources", "eps", "observer")
+    __slots__ = ("layer", "params", "sources", "eps", "observer", "buffer", "reads", "token")
 
-    def __init__(self, layer: int, params: MuddWeights, sources: tuple[Tensor, ...], eps: float, observer=None):
+    def __init__(self, layer: int, params: MuddWeights, sources: tuple[Tensor, ...], eps: float, observer=None,
+                 buffer: DepthBuffer | None = None, reads=None, token: Tensor | None = None):
         self.layer, self.params, self.sources, self.eps, self.observer = layer, params, sources, eps, observer
+        self.buffer, self.reads, self.token = buffer, reads, token
 
     def enter(self, carried):
         return carried
@@ -111,50 +120,66 @@ class MuddLink:
     def write(self, sublayer: int, state, output: Tensor):
         if sublayer == 0:
             return (state if isinstance(state, Tensor) else state[3]) + output
-        x = state + output
-        return mix(self.params, self.layer, x, self.sources, self.eps, self.observer)
+        return mix(self, state + output)
 
     def leave(self, state):
         return state
 
 
-def mix(params: MuddWeights, layer: int, x: Tensor, sources: tuple[Tensor, ...], eps: float, observer=None):
-    """After block `layer` with output `x` (B, T, d): (its source S, the streams): four (Q, K, V, R)
-    or, after the last block, the R stream alone; module docstring for the formulas. An observer
-    (`base.MixObserver`) sees the dynamic weights dw (B, T, C, i+2) as "block i"."""
-    i, prepost = layer, params.prepost
+def mix(link: MuddLink, x: Tensor):
+    """After block i with output `x` (B, T, d): (its source S, the streams (four: Q, K, V, R, or
+    after the last block the R stream alone), the newest write's token); module docstring for the
+    formulas. An observer (`base.MixObserver`) sees the dynamic weights dw (B, T, C, i+2) as
+    "block i"."""
+    params, i, prepost = link.params, link.layer, link.params.prepost
     source = params.source_norm[i + 1](x) if prepost else x
-    hidden = params.generator_norm[i](x) if prepost else rms_normalized(x, eps)
+    hidden = params.generator_norm[i](x) if prepost else rms_normalized(x, link.eps)
     C = params.static[i].shape[0]
     dw = params.w2[i](F.gelu(params.w1[i](hidden))).unflatten(-1, (C, i + 2)) + params.static[i].to(x.dtype)
-    if observer is not None:
-        observer(f"block {i}", dw.detach())
-    every = (*sources, source)
-    streams = []
-    for c in range(C):
-        da = dw[..., c, 0:1] * every[0]
-        for j in range(1, i + 2):
-            da = da + dw[..., c, j:j + 1] * every[j]
-        if prepost:
-            da = x + (params.post_norm[i](da) if c == C - 1 else da)
-        streams.append(da)
-    return source, tuple(streams)
+    if link.observer is not None:
+        link.observer(f"block {i}", dw.detach())
+    token = None
+    if link.buffer is not None:
+        token = link.buffer.write(i + 1, source, link.token)
+        mixed = mix_rows(link.buffer, link.reads, token, dw).unbind(0)
+    else:
+        every = (*link.sources, source)
+        mixed = [sum_scaled(dw[..., c, :], every) for c in range(C)]
+    if prepost:
+        mixed = [x + (params.post_norm[i](da) if c == C - 1 else da) for c, da in enumerate(mixed)]
+    return source, tuple(mixed), token
+
+
+def sum_scaled(weights: Tensor, sources: tuple[Tensor, ...]) -> Tensor:
+    """sum_j weights[..., j:j+1] sources[j] (weights (B, T, n), each source (B, T, d)), left to right."""
+    total = weights[..., 0:1] * sources[0]
+    for j in range(1, len(sources)):
+        total = total + weights[..., j:j + 1] * sources[j]
+    return total
 
 
 class MuddFlow:
-    """One forward of MUDDFormer: the sources S_0.. and the streams carried into the next block."""
+    """One forward of MUDDFormer: the sources S_0.. (a depth buffer's rows, or a list where the
+    blocks are compiled) and the streams carried into the next block."""
 
-    def __init__(self, args, params: MuddWeights, x0: Tensor, observer=None):
-        self.args, self.params, self.observer = args, params, observer
-        self.sources = [params.source_norm[0](x0) if params.prepost else x0]
-        self.carried = x0
+    def __init__(self, connection: "MUDDFormer", params: MuddWeights, x0: Tensor, observer=None,
+                 buffered: bool = True):
+        self.args, self.params, self.observer, self.reads = connection.args, params, observer, connection.reads
+        first = params.source_norm[0](x0) if params.prepost else x0
+        self.sources, self.carried, self.token = [first], x0, None
+        self.buffer = DepthBuffer(self.args.n_layers + 1, x0) if buffered and not torch.compiler.is_compiling() else None
+        if self.buffer is not None:
+            self.token = self.buffer.write(0, first, None)
 
     def block(self, layer: int):
-        return self.carried, MuddLink(layer, self.params, tuple(self.sources), self.args.norm_eps, self.observer)
+        link = MuddLink(layer, self.params, () if self.buffer is not None else tuple(self.sources), self.args.norm_eps,
+                        self.observer, self.buffer, self.reads[layer], self.token)
+        return self.carried, link
 
     def done(self, layer: int, returned) -> None:
-        source, self.carried = returned
-        self.sources.append(source)
+        source, self.carried, self.token = returned
+        if self.buffer is None:
+            self.sources.append(source)
 
     def final(self) -> Tensor:
         return self.carried[-1]
@@ -165,6 +190,13 @@ class MUDDFormer(Connection):
 
     name = "mudd"
 
+    def __init__(self, args):
+        super().__init__(args)
+        L = args.n_layers
+        self.reads = tuple(host_reads(tuple(range(i + 2)), (i < L - 1,) * (i + 2)) for i in range(L))
+        """Per block, the `Reads` of its streams on the depth buffer (S_j in slot j: every source so
+        far; every block but the last adds into the rows' gradients), made once."""
+
     def parameters(self) -> MuddWeights:
         return MuddWeights(self.args)
 
@@ -174,4 +206,4 @@ class MUDDFormer(Connection):
         return super().attention_norm(layer) if layer == 0 else StreamNorms(self.args.dim, self.args.norm_eps)
 
     def flow(self, params: MuddWeights, x0: Tensor, observer=None, buffered: bool = True) -> MuddFlow:
-        return MuddFlow(self.args, params, x0, observer)
+        return MuddFlow(self, params, x0, observer, buffered)
