@@ -98,10 +98,11 @@ def routing_temperature_metrics(model: torch.nn.Module) -> dict:
     """Mean, min and max over routing sites and heads of the learned routing temperatures
     t = exp(log_temperature) (``model.routing_temperature = "learned"``; the factor every depth
     logit is multiplied by, ``DepthRouting.temperatures``) as ``TEMPERATURE_KEYS``; {} for a fixed
-    temperature or the baseline (the fixed scale is in the config). Under FSDP2 the sharded
-    parameter is gathered (a collective: every rank calls this, as the trainer's logged steps do)."""
+    temperature, the baseline or another connection than depth routing (the fixed scale is in the
+    config). Under FSDP2 the sharded parameter is gathered (a collective: every rank calls this, as
+    the trainer's logged steps do)."""
     routing = getattr(model, "routing", None)
-    if routing is None or not routing.learned:
+    if routing is None or model.args.residual != "attn_res" or not routing.learned:  # depth routing's only
         return {}
     t = routing.temperatures()  # (S, H)
     t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().double()

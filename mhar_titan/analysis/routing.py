@@ -230,14 +230,15 @@ def routing_summary(model: torch.nn.Module, batches: Iterable[Tensor], desc: str
 
 @torch.no_grad()
 def routing_entropy(model: torch.nn.Module, tokens: Tensor) -> Optional[float]:
-    """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for the baseline.
+    """Mean depth-softmax entropy (nats) over sites, heads and tokens; None for the baseline and the
+    connections other than depth routing (they have no depth softmax).
 
     Runs the model's own forward (within ``model.observe_routing``), so an FSDP-sharded model
     gathers its parameters as in any forward; the per-block compiled graphs are bypassed
     (eager) so that this no-grad call does not compile a second set. Uniform routing over N
     sources at every site gives mean_s log N_s.
     """
-    if getattr(model, "routing", None) is None:
+    if getattr(model, "routing", None) is None or model.args.residual != "attn_res":
         return None
     recorder = RoutingRecorder(model)
     with torch.compiler.set_stance("force_eager"), model.observe_routing(recorder):

@@ -34,7 +34,8 @@ batch dimension; one public port copied a version in which the residual mix R wa
 Cost (the hooks of base.Connection): per site the mixing reads H three times (the read, the mix,
 the write's R) and, with the dynamic part, twice more (the LayerNorm, the projection of Hbar).
 Memory: without AC a site keeps H (read by the mix and the LayerNorm), Hbar (dynamic) and f's output
-(1 row; the baseline's add keeps none); under AC full a block keeps its input H alone (streams.py).
+(1 row; the baseline's add keeps none); under AC full a block keeps its input H alone (streams.py):
+L (n - 1) rows of d per token more than the baseline, 108 at the 1b flavor's 36 layers and n = 4.
 An observer (`base.MixObserver`) sees each site's alpha and beta ((n, 1+n) and (n,), or per token
 (B, T, n, 1+n) and (B, T, n)) as "site s alpha" and "site s beta".
 """
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Connection
-from .streams import Mapping, StreamFlow, StreamLink, expand
+from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand
 
 LAYER_NORM_EPS = 1e-5
 """The dynamic part's LayerNorm eps: torch's default, as the reference's nn.LayerNorm."""
@@ -78,10 +79,10 @@ class HyperWeights(nn.Module):
         """alpha_s[:, 0] = e_{s mod n}, alpha_s[:, 1:] = I, beta_s = 1; LayerNorm 1 and 0; W = 0;
         scales 0.01: the pre-norm baseline at initialisation (module docstring)."""
         S, n = self.static_alpha.shape[:2]
-        self.static_alpha.zero_()
-        for s in range(S):
-            self.static_alpha[s, s % n, 0] = 1.0
-            self.static_alpha[s, :, 1:] = torch.eye(n)
+        alpha = torch.zeros(S, n, n + 1)
+        alpha[torch.arange(S), torch.arange(S) % n, 0] = 1.0
+        alpha[:, :, 1:] = torch.eye(n)
+        copy_full(self.static_alpha, alpha)
         self.static_beta.fill_(1.0)
         if self.dynamic:
             self.norm_weight.fill_(1.0)
@@ -145,28 +146,31 @@ class HyperConnections(Connection):
     # -- the cost model (module docstring; base.Connection) --
     def flops_per_token(self) -> int:
         """Per site: the read 2nd, the mix 2n^2 d, the write 2nd (2nd (n+2)); with the dynamic part
-        also the projection of Hbar onto W_alpha and W_beta, 2nd (n+2); the read-out's sum (n-1) d."""
+        also the projection of Hbar onto [W_alpha | W_beta], 2nd (n+2); the read-out's sum (n-1) d."""
         n, d, L = self.args.hyper_rate, self.args.dim, self.args.n_layers
         site = 2 * n * d * (n + 2) * (2 if self.args.hyper_dynamic else 1)
         return 2 * L * site + (n - 1) * d
 
     def depth_reads(self) -> tuple[int, int]:
-        """Rows of d read per token beyond the baseline's, forward and backward (module docstring):
-        per site, forward, the state H n times by the read, the mix and the write (3n; 5n with the
-        dynamic part's LayerNorm and projection) and f once, against the baseline's 3 (its norm, its
-        add: the stream and f); the backward reads about twice the forward's rows (each product's
-        saved operand and incoming gradient); the read-out's sum reads n rows."""
-        n, L = self.args.hyper_rate, self.args.n_layers
-        forward = 2 * L * ((5 if self.args.hyper_dynamic else 3) * n + 1 - 3) + n
-        return forward, 2 * forward
+        """Rows of d read per token beyond the baseline's in one training step, (forward, backward),
+        as the eager ops read them (every op's inputs but views; tests/test_multistream_connections.py
+        counts them with a dispatch mode). Forward: per site H by the read, the mix and the write's R
+        (3n), with the dynamic part also by the LayerNorm and the projection (5n), and f once by the
+        write, against the baseline's add of the stream and f (2): 3n - 1 or 5n - 1; the entry's n
+        copies n and the read-out's sum n. Backward (counted): per site 10n + 2, or 15n + 2 with the
+        dynamic part; the entry's sum over its copies n."""
+        n, S = self.args.hyper_rate, 2 * self.args.n_layers
+        per_site = (5 * n - 1, 15 * n + 2) if self.args.hyper_dynamic else (3 * n - 1, 10 * n + 2)
+        return S * per_site[0] + 2 * n, S * per_site[1] + n
 
     def kept_rows(self, ac: str) -> int:
-        """Rows of d per token kept for the backward beyond the baseline's. Without AC (and for
-        "selective", whose block count this does not take: an upper bound), per site H (n rows),
-        Hbar (n, dynamic) and f's output (1). Under AC full, per block its input H (n rows against
-        the baseline's 1), plus the one block recomputed at a time (its two sites)."""
+        """Rows of d per token kept for the backward at the end of the forward beyond the baseline's
+        (counted like `depth_reads`, with saved-tensor hooks). AC none (and "selective", whose block
+        count this does not take: an upper bound): per site H (n rows, saved by the read, the mix
+        and the LayerNorm), Hbar (n, dynamic) and f (1, by the write). AC full: per block its input
+        H, n rows against the baseline's stream, L (n - 1); while the backward recomputes a block,
+        its two sites' rows of AC none come on top."""
         n, L = self.args.hyper_rate, self.args.n_layers
-        site = (2 * n if self.args.hyper_dynamic else n) + 1
         if ac == "full":
-            return L * (n - 1) + 2 * site
-        return 2 * L * site
+            return L * (n - 1)
+        return 2 * L * ((2 * n if self.args.hyper_dynamic else n) + 1)

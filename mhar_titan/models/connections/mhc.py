@@ -16,7 +16,9 @@ model), whatever the activations' dtype and autocast:
 then pre, post and comb are cast to the activations' dtype for the mixing. Sinkhorn(X): a softmax
 over each row (the last dimension), + eps, each column divided by its sum + eps, then iters - 1
 rounds of rows then columns (`mhc_sinkhorn_iters` = 20 iterations, ending on a column
-normalisation: each new stream k is a convex mix of the old ones). eps = 1e-6 everywhere.
+normalisation: each new stream k is a convex mix of the old ones; the columns sum to 1, the rows
+only nearly: within 1e-3 after a training step from initialisation, up to 8e-3 off for peaked,
+trained-like matrices, measured). eps = 1e-6 everywhere.
 The read-out before the final norm (`mhc_exit`): "learned", DeepSeek's head, w = sigmoid(a_h
 (x phi_h^T) r + b_h) + eps (n,) per token and sum_j w_j H_j; or "mean", Megatron's mean of streams.
 
@@ -47,7 +49,8 @@ eps and rounding).
 The projection (`RmsProjection`) keeps x in the activations' dtype for its backward (no fp32 copy
 of vec(H) per site) and recomputes r's gradient from it. Memory: without AC a site keeps H (its
 projection and mixing read it) and f's output (1 row); under AC full a block keeps its input H alone
-(streams.py); the learned exit keeps the last H. An observer (`base.MixObserver`) sees the fp32
+(streams.py): L (n - 1) rows of d per token more than the baseline, 108 at the 1b flavor's 36 layers
+and n = 4; the learned exit keeps the last H. An observer (`base.MixObserver`) sees the fp32
 mapping of each site, "site s pre" (B, T, n), "site s post" (B, T, n) and "site s comb" (B, T, n,
 n), and the exit's weights "exit" (B, T, n).
 """
@@ -59,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Connection
-from .streams import Mapping, StreamFlow, StreamLink, expand, read
+from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand, read
 
 EPS = 1e-6
 """eps of r, pre, the exit's weights and Sinkhorn (DeepSeek's and Megatron's 1e-6)."""
@@ -74,16 +77,17 @@ def mapping_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class RmsProjection(torch.autograd.Function):
     """m = (x phi^T) r with r = 1 / sqrt(mean(x^2) + eps): x (..., K) in any dtype, phi (M, K) ->
-    (..., M) in `mapping_dtype` (computed there, autocast off). Saves x as it is (a view of the
-    state, no copy) and r and x phi^T (M + 1 values per token); the backward recomputes the rest:
-    dm -> dp = dm r, dr = <dm, x phi^T>, dx = dp phi - dr r^3 x / K, dphi = dp^T x."""
+    (..., M) in `mapping_dtype` (computed there, autocast off; mean(x^2) as |x|^2 / K, one pass over
+    x). Saves x as it is (a view of the state, no copy) and r and x phi^T (M + 1 values per token);
+    the backward recomputes the rest: dm -> dp = dm r, dr = <dm, x phi^T>, dx = dp phi - dr r^3 x / K,
+    dphi = dp^T x."""
 
     @staticmethod
     def forward(ctx, x: Tensor, phi: Tensor, eps: float) -> Tensor:
         dtype = mapping_dtype(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             wide = x.to(dtype)
-            r = torch.rsqrt(wide.square().mean(-1, keepdim=True) + eps)
+            r = torch.rsqrt(torch.linalg.vector_norm(wide, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
             projected = wide @ phi.to(dtype).T
         ctx.save_for_backward(x, phi, r, projected)
         return projected * r
@@ -95,7 +99,7 @@ class RmsProjection(torch.autograd.Function):
             wide, phi_wide = x.to(r.dtype), phi.to(r.dtype)
             grad_projected = grad * r
             grad_r = (grad * projected).sum(-1, keepdim=True)
-            grad_x = grad_projected @ phi_wide - (grad_r * r.pow(3) / x.shape[-1]) * wide
+            grad_x = torch.addcmul(grad_projected @ phi_wide, grad_r * r.pow(3) / x.shape[-1], wide, value=-1)
             grad_phi = grad_projected.flatten(0, -2).T @ wide.flatten(0, -2)
         return grad_x.to(x.dtype), grad_phi.to(phi.dtype), None
 
@@ -167,8 +171,10 @@ class MhcWeights(nn.Module):
         self.bias.zero_()
         self.scale.fill_(GATE_INIT)
         if self.init == "prenorm":
-            self.bias[:, :n] = -math.log(n - 1)  # logit(1/n)
-            self.bias[:, 2 * n:] = (self.res_bias * torch.eye(n)).flatten()
+            bias = torch.zeros(self.bias.shape)
+            bias[:, :n] = -math.log(n - 1)  # logit(1/n)
+            bias[:, 2 * n:] = (self.res_bias * torch.eye(n)).flatten()
+            copy_full(self.bias, bias)
         if self.learned_exit:
             self.head_phi.uniform_(-math.sqrt(6 / (width + n)), math.sqrt(6 / (width + n)))
             self.head_bias.fill_(-math.log(n - 1) if self.init == "prenorm" else 0.0)
@@ -252,21 +258,26 @@ class ManifoldHyperConnections(Connection):
         return 2 * L * site + exit
 
     def depth_reads(self) -> tuple[int, int]:
-        """Rows of d read per token beyond the baseline's, forward and backward: per site, forward,
-        H by the projection, r, the read, the mix and the write (5n) and f once, against the
-        baseline's 3; the learned exit reads H three times (projection, r, sum), the mean once; the
-        backward reads about twice the forward's rows."""
-        n, L = self.args.hyper_rate, self.args.n_layers
-        forward = 2 * L * (5 * n + 1 - 3) + (3 * n if self.args.mhc_exit == "learned" else n)
-        return forward, 2 * forward
+        """Rows of d read per token beyond the baseline's in one training step, (forward, backward),
+        as the eager ops read them (every op's inputs but views; tests/test_multistream_connections.py
+        counts them with a dispatch mode). Forward: per site H by r's norm, the projection, the
+        read, the mix and the write's R (5n) and f once by the write, against the baseline's add of
+        the stream and f (2): 5n - 1; the entry's n copies n; the learned exit 3n (r, projection,
+        sum), the mean n. Backward (counted): per site 15n + 2; the entry's sum over its copies n;
+        the learned exit 6n + 2, the mean n."""
+        n, S = self.args.hyper_rate, 2 * self.args.n_layers
+        learned = self.args.mhc_exit == "learned"
+        return S * (5 * n - 1) + n + (3 * n if learned else n), S * (15 * n + 2) + n + (6 * n + 2 if learned else n)
 
     def kept_rows(self, ac: str) -> int:
-        """Rows of d per token kept for the backward beyond the baseline's: per site H (n rows) and
-        f's output (1), and the learned exit's H (n). Under AC full, per block its input H (n rows
-        against the baseline's 1) plus the one block recomputed at a time; "selective" is counted as
-        none (an upper bound: its block count is not an argument)."""
+        """Rows of d per token kept for the backward at the end of the forward beyond the baseline's
+        (counted like `depth_reads`, with saved-tensor hooks), the learned exit's H (n) included. AC
+        none (and "selective", whose block count this does not take: an upper bound): per site H
+        (n rows, saved by the projection and the mixing) and f (1, by the write). AC full: per block
+        its input H, n rows against the baseline's stream, L (n - 1); while the backward recomputes
+        a block, its two sites' rows of AC none, 2 (n + 1), come on top."""
         n, L = self.args.hyper_rate, self.args.n_layers
         exit = n if self.args.mhc_exit == "learned" else 0
         if ac == "full":
-            return L * (n - 1) + 2 * (n + 1) + exit
+            return L * (n - 1) + exit
         return 2 * L * (n + 1) + exit

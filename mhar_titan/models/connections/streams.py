@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Protocol
 
+import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 class Mapping(NamedTuple):
@@ -44,24 +46,39 @@ class Site(Protocol):
     def __call__(self, streams: Tensor) -> Mapping: ...
 
 
+@torch.no_grad()
+def copy_full(parameter: Tensor, values: Tensor) -> None:
+    """parameter <- values (the parameter's whole shape), for a plain parameter or an FSDP2-sharded
+    one (a DTensor: this rank's slice of `values` is taken locally, without communication)."""
+    values = values.to(device=parameter.device, dtype=parameter.dtype)
+    if isinstance(parameter, DTensor):
+        values = distribute_tensor(values, parameter.device_mesh, parameter.placements, src_data_rank=None)
+    parameter.copy_(values)
+
+
 def expand(x0: Tensor, n: int) -> Tensor:
     """The entry state: n copies of the embedding x0 (B, T, d) -> H (B, T, n, d), contiguous."""
     return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1]).contiguous()
 
 
 def read(pre: Tensor, streams: Tensor) -> Tensor:
-    """u = sum_i pre_i H_i: pre (n,) or (B, T, n), H (B, T, n, d) -> (B, T, d)."""
-    return (pre.unsqueeze(-2) @ streams).squeeze(-2)
+    """u = sum_i pre_i H_i: pre (n,) or (B, T, n), H (B, T, n, d) -> (B, T, d). One batched
+    product per token (weights the same for every token are expanded, not copied: a product of an
+    (n,) vector with H itself would copy H transposed)."""
+    weights = pre.unsqueeze(-2).expand(*streams.shape[:-2], 1, streams.shape[-2])
+    return (weights @ streams).squeeze(-2)
 
 
 def mix(res: Tensor, streams: Tensor) -> Tensor:
     """R_c = sum_i res[i, c] H_i: res (n, n) or (B, T, n, n), H (B, T, n, d) -> (B, T, n, d)."""
-    return res.transpose(-1, -2) @ streams
+    n = streams.shape[-2]
+    return res.transpose(-1, -2).expand(*streams.shape[:-2], n, n) @ streams
 
 
 def write(mixed: Tensor, post: Tensor, output: Tensor) -> Tensor:
-    """H'_c = R_c + post_c f: R (B, T, n, d), post (n,) or (B, T, n), f (B, T, d) -> (B, T, n, d)."""
-    return mixed + post.unsqueeze(-1) * output.unsqueeze(-2)
+    """H'_c = R_c + post_c f: R (B, T, n, d), post (n,) or (B, T, n), f (B, T, d) -> (B, T, n, d),
+    in one pass over R (no (B, T, n, d) product made first)."""
+    return torch.addcmul(mixed, post.unsqueeze(-1), output.unsqueeze(-2))
 
 
 class StreamLink:
