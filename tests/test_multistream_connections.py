@@ -563,3 +563,27 @@ def test_the_cost_hooks_count_what_the_eager_step_reads_keeps_and_multiplies(var
         iters, learned = 20, fields.get("mhc_exit", "learned") == "learned"
         elementwise = S * (4 * n * d + n * n * (4 + 2 * (2 * iters - 1))) + (2 * n * d if learned else n * d)
     assert connection.flops_per_token() - elementwise == ours["flops"] - baseline["flops"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_connection_parameters_are_routing_never_decayed_never_muon(variant):
+    """Every parameter of Hyper-Connections and mHC is in the routing group, which Muon never takes,
+    and in an AdamW group without weight decay under AdamW and under Muon (the harness's choice:
+    decay pulls the mixing towards none, and HC's static alpha and beta towards 0); the blocks'
+    matrices are still decayed."""
+    from mhar_titan.config.sections import Optimizer
+    from mhar_titan.optim import build_optimizer, param_group_of
+    from mhar_titan.optim.build import optimizer_split
+
+    model = build(variant, 2)
+    connection = {f"routing.{n}" for n, _ in model.routing.named_parameters()}
+    assert {param_group_of(model)[n] for n in connection} == {"routing"}
+    decayed = {id(p) for p in model.parameters() if p.dim() == 2 and p is not model.tok_embeddings.weight}
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for cfg in (Optimizer(weight_decay=0.1), Optimizer(name="Muon", weight_decay=0.1, muon_groups=["other"])):
+        optimizer = build_optimizer(model, cfg)
+        groups = [g for opt in getattr(optimizer, "optimizers", [optimizer]) for g in opt.param_groups]
+        decay_of = {by_id[id(p)]: g["weight_decay"] for g in groups for p in g["params"]}
+        assert all(decay_of[n] == 0.0 for n in connection)
+        assert any(decay_of[by_id[i]] == 0.1 for i in decayed)
+        assert not connection & dict(optimizer_split(model, cfg)["Muon"]).keys()

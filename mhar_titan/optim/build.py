@@ -29,9 +29,9 @@ from .muon import MuonWithAdamW, ShardedMuon, muon_comm_bytes, resolved_ns_dtype
 logger = logging.getLogger(__name__)
 
 
-def _adamw_groups(named: list[tuple[str, nn.Parameter]], groups: dict[str, str], cfg) -> list[dict]:
-    decay = [p for n, p in named if groups[n] not in cfg.no_decay and not never_decayed(n)]
-    no_decay = [p for n, p in named if groups[n] in cfg.no_decay or never_decayed(n)]
+def _adamw_groups(named: list[tuple[str, nn.Parameter]], groups: dict[str, str], cfg, exempt: set[str]) -> list[dict]:
+    decay = [p for n, p in named if groups[n] not in cfg.no_decay and n not in exempt]
+    no_decay = [p for n, p in named if groups[n] in cfg.no_decay or n in exempt]
     out = [{"name": "decay", "params": decay, "weight_decay": cfg.weight_decay}] if decay else []
     if no_decay:
         out.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})
@@ -105,7 +105,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     named = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     adamw_named = [(n, p) for n, p in named if n not in muon_names]
     if cfg.name != "Muon":
-        return _adamw(_adamw_groups(adamw_named, groups, cfg), cfg)
+        return _adamw(_adamw_groups(adamw_named, groups, cfg, never_decayed(model)), cfg)
     muon_named = [(n, p) for n, p in named if n in muon_names]
     if not muon_named:
         raise ConfigError(f"optimizer.name = \"Muon\" but no parameter of this model is a matrix of "
@@ -123,7 +123,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         weight_decay=decay, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
         ns_coefficients=tuple(float(c) for c in cfg.muon_ns_coefficients), eps=cfg.muon_eps,
         ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_lr_scale, ns_dtype=ns_dtype)
-    return MuonWithAdamW(muon, _adamw(_adamw_groups(adamw_named, groups, cfg), cfg))
+    return MuonWithAdamW(muon, _adamw(_adamw_groups(adamw_named, groups, cfg, never_decayed(model)), cfg))
 
 
 def _pattern(name: str) -> str:

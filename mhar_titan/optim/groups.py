@@ -10,7 +10,10 @@ pseudo-queries, key norms, gates, null source), ``embeddings`` (``tok_embeddings
 the learned routing log-temperatures (``routing.log_temperature``, in the ``routing`` group).
 Decay would pull log t towards 0, i.e. the temperature towards 1, not towards its configured
 start (``model.routing_logit_scale``): a bias toward one particular temperature, the very
-quantity the temperature-matched experiments compare. The routing group is never Muon's either
+quantity the temperature-matched experiments compare. Also every parameter of Hyper-Connections
+and mHC (their parameters module says ``decayed = False``), as in the MHAR authors' harness
+(``hcfactory/train.py``): decay pulls the mixing back towards no mixing, and Hyper-Connections'
+static alpha and beta, which start at the identity and 1, towards 0. The routing group is never Muon's either
 (``optimizer_split``), so it is never orthogonalised.
 """
 from __future__ import annotations
@@ -67,9 +70,15 @@ NEVER_DECAYED = ("routing.log_temperature",)
 """Clean names of the parameters that are never weight-decayed (module docstring)."""
 
 
-def never_decayed(clean: str) -> bool:
-    """Whether the parameter of clean name ``clean`` is exempt from weight decay (``NEVER_DECAYED``)."""
-    return clean in NEVER_DECAYED
+def never_decayed(model: nn.Module) -> set[str]:
+    """Clean names of ``model``'s parameters exempt from weight decay: ``NEVER_DECAYED``, and every
+    parameter of a depth connection whose parameters module (``model.routing``) sets ``decayed =
+    False`` (Hyper-Connections' and mHC's: module docstring)."""
+    names = {clean_name(n) for n, _ in model.named_parameters() if clean_name(n) in NEVER_DECAYED}
+    routing = getattr(model, "routing", None)
+    if routing is not None and not getattr(routing, "decayed", True):
+        names |= {f"routing.{clean_name(n)}" for n, _ in routing.named_parameters()}
+    return names
 
 
 GRAD_NORM_GROUPS = ("routing_query", "routing_gate", "rest")

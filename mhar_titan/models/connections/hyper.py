@@ -60,6 +60,9 @@ class HyperWeights(nn.Module):
     and `norm_bias` (S, d) (the LayerNorm), `dynamic_alpha` (S, d, n+1) (W_alpha), `dynamic_beta`
     (S, d) (W_beta), `scale_alpha` and `scale_beta` (S,)."""
 
+    decayed = False
+    """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
+
     def __init__(self, args):
         super().__init__()
         S, n, d = 2 * args.n_layers, args.hyper_rate, args.dim

@@ -149,6 +149,9 @@ class MhcWeights(nn.Module):
     nd), `bias` (S, n^2+2n) (b: pre, post, then comb row by row) and `scale` (S, 3) (a_0, a_1, a_2);
     with the learned exit also `head_phi` (n, nd), `head_bias` (n,) and `head_scale` (1,)."""
 
+    decayed = False
+    """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
+
     def __init__(self, args):
         super().__init__()
         S, n, d = 2 * args.n_layers, args.hyper_rate, args.dim
