@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs
+from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs, key_owners
 from mhar_titan.models.kv_cache import KVCache
 from mhar_titan.models.model import Transformer
 from mhar_titan.parallel import apply_ac
@@ -47,11 +47,15 @@ SAMPLES: dict[str, tuple] = {
     "routing_logit_scale": (1.0, 0.5, "match_heads:4"),
     "dense_dilation": (1, 2),
     "dense_period": (1, 2),
+    "hyper_rate": (4, 2),
+    "mhc_sinkhorn_iters": (20, 3),
+    "mhc_res_bias": (10.0, 2.0),
 }
 """Values of the routing fields whose type does not enumerate them (an int, a real, a string); a
 Literal's values are added to these (routing_group_size's "auto")."""
 
-EXTRA_FIELDS = ("attn_mask_type", "rope_per_document", *(k for keys in CONNECTION_KEYS.values() for k in keys))
+EXTRA_FIELDS = ("attn_mask_type", "rope_per_document",
+                *dict.fromkeys(k for keys in CONNECTION_KEYS.values() for k in keys))
 """Fields outside the routing prefix that change what the connections see (document masks) or
 configure a connection (`args.CONNECTION_KEYS`)."""
 
@@ -104,14 +108,16 @@ def model_args(combination: dict, kernel: str = "eager", shape: dict = SHAPE) ->
 
 INERT = {
     "routing_": lambda c: c["residual"] != "attn_res",
-    **{key: (lambda residual: lambda c: c["residual"] != residual)(residual)
-       for residual, keys in CONNECTION_KEYS.items() for key in keys},
+    **{key: (lambda owners: lambda c: c["residual"] not in owners)(key_owners(key))
+       for keys in CONNECTION_KEYS.values() for key in keys},
     "routing_block_layers": lambda c: c.get("routing_granularity") == "sublayer",
     "routing_head_layout_seed": lambda c: c.get("routing_head_layout") == "contiguous",
+    "mhc_res_bias": lambda c: c["residual"] != "mhc" or c.get("mhc_init") != "prenorm",
 }
 """Fields (a name, or a prefix ending in "_") that a combination ignores where the predicate holds:
 only depth routing has routing fields, and each other connection its own keys
-(`args.CONNECTION_KEYS`); sublayer granularity has no blocks, contiguous heads no permutation. Such
+(`args.CONNECTION_KEYS`, the number of streams both multi-stream connections'); sublayer granularity
+has no blocks, contiguous heads no permutation, mHC's zero initialisation no residual-mixing bias. Such
 a field must keep its default there, so that no pair counts as covered by a combination that
 ignores one of its values."""
 

@@ -17,7 +17,11 @@ from mhar_titan.models import ModelArgs, Transformer
 from mhar_titan.models.args import FAMILIES
 
 SHAPE = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=256, max_seq_len=16)
-ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] == "attn_res"]  # depth routing
+ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] != "standard"]
+GROUPED = [(family, group) for group in (1, 2) for family in ROUTED
+           if group == 1 or FAMILIES[family]["residual"] == "attn_res"]
+"""(family, routing group size): groups of 2 sites for depth routing only (the other connections have
+no routing sites)."""
 FUSED = mhar_kernels.can_run(torch.device("cpu"), 64, 8)
 
 
@@ -41,8 +45,7 @@ LOSS_TOL = {torch.bfloat16: 1e-4, torch.float16: 1e-5}  # fp16 keeps 3 more mant
 
 
 @pytest.mark.parametrize("dtype", list(LOSS_TOL), ids=["bf16", "fp16"])
-@pytest.mark.parametrize("family", ROUTED)
-@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("family, group", GROUPED)
 def test_every_routed_family_trains_under_autocast_and_the_kernels_agree(family, group, dtype):
     loss, grads = autocast_step(family, "eager", dtype, routing_group_size=group)
     assert torch.isfinite(torch.tensor(loss))

@@ -3,8 +3,8 @@ break (issue: CUDA graphs, compile and the fused kernels compose): inside a comp
 fused call is a registered custom op (`mhar::depth_route`, `mhar::phase1`) with a fake
 implementation and autograd, so one training step of MHAR per call and grouped (and the delta /
 block families) equals the eager fused path's within 1e-5 in fp32 on CPU (Triton interpreter).
-Every routed family is compiled, and tracing warns of nothing (a user compiling the blocks sees no
-warning from our code)."""
+Every depth-routing family is compiled, and tracing warns of nothing (a user compiling the blocks
+sees no warning from our code)."""
 import warnings
 from pathlib import Path
 
@@ -55,7 +55,9 @@ def warned_step(model) -> tuple[float, dict, list[str]]:
     return loss, grads, ours
 
 
-ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] == "attn_res"]  # depth routing
+ROUTED = [family for family, fields in FAMILIES.items() if fields["residual"] == "attn_res"]
+"""The families that route on the fused kernels (depth routing's); the other connections' per-block
+compile is tests/test_multistream_connections.py's."""
 KERNEL_FILES = [path.name for path in Path(mhar_kernels.__file__).parent.glob("*.py")]
 PAPER = dict(routing_layout="paper", routing_mode="delta", routing_null_source=True)
 

@@ -29,6 +29,10 @@ CASES = {
     "dense k=2 p=2": dict(residual="dense", dense_dilation=2, dense_period=2),
     "mudd": dict(residual="mudd"),
     "mudd plain": dict(residual="mudd", mudd_prepost_norm=False),
+    "hyper": dict(residual="hyper"),
+    "hyper static n=2": dict(residual="hyper", hyper_dynamic=False, hyper_rate=2),
+    "mhc": dict(residual="mhc"),
+    "mhc mean exit": dict(residual="mhc", mhc_exit="mean"),
 }
 
 PROMPTS = [[11, 400, 7, 201, 5, 33, 100], [42, 17], [300, 5, 6, 7]]

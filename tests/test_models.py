@@ -41,8 +41,8 @@ def tokens(args, B=2, T=12, seed=0):
 # -- args and flavors -------------------------------------------------------------------
 
 def test_args_validation_names_the_problem():
-    with pytest.raises(ValueError, match="unknown residual 'hyper'"):
-        ModelArgs(residual="hyper")
+    with pytest.raises(ValueError, match="unknown residual 'sideways'"):
+        ModelArgs(residual="sideways")
     with pytest.raises(ValueError, match=r"d=128.*H=3"):
         ModelArgs(residual="attn_res", routing_heads=3)
     with pytest.raises(ValueError, match="dim=130 is not divisible by n_heads=4"):

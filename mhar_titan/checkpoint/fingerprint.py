@@ -16,7 +16,9 @@ from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS
 LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean", "routing_head_layout": "contiguous", "routing_head_layout_seed": 0,
                          "attn_mask_type": "causal", "rope_per_document": False, "eos_id": None,
                          "routing_logit_scale": 1.0, "routing_temperature": "fixed",
-                         "dense_dilation": 1, "dense_period": 1, "mudd_prepost_norm": True}
+                         "dense_dilation": 1, "dense_period": 1, "mudd_prepost_norm": True,
+                         "hyper_rate": 4, "hyper_dynamic": True, "mhc_exit": "learned", "mhc_sinkhorn_iters": 20,
+                         "mhc_init": "zero", "mhc_res_bias": 10.0}
 """Fields of ``ModelArgs`` added after checkpoints existed, with the value that gives the older
 models: left out of the fingerprint at that value, so those checkpoints still resume."""
 

@@ -12,8 +12,10 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
 and the other depth connections (`connections/`): `residual = "dense"` (DenseFormer, keys
-`dense_dilation`, `dense_period`) and `"mudd"` (MUDDFormer, key `mudd_prepost_norm`); their
-parameter counts are `connection_parameters`.
+`dense_dilation`, `dense_period`), `"mudd"` (MUDDFormer, key `mudd_prepost_norm`), `"hyper"`
+(Hyper-Connections, keys `hyper_rate`, `hyper_dynamic`) and `"mhc"` (manifold-constrained
+Hyper-Connections, keys `hyper_rate`, `mhc_exit`, `mhc_sinkhorn_iters`, `mhc_init`, `mhc_res_bias`);
+their parameter counts are `connection_parameters`.
 
 `routing_logit_scale` (a float > 0, or "match_heads:H" = 1/sqrt(H)) multiplies every depth logit
 of every routing head, and `routing_temperature = "learned"` makes that factor one learnable
@@ -48,11 +50,16 @@ from .plan import RoutingPlan
 
 ATTN_MASK_TYPES = ("causal", "block_causal")
 """Values of ``model.attn_mask_type`` (TorchTitan's key and values; attention_mask.py)."""
-RESIDUALS = ("standard", "attn_res", "dense", "mudd")
+RESIDUALS = ("standard", "attn_res", "dense", "mudd", "hyper", "mhc")
 """Values of ``model.residual``: the depth connections (``connections.CONNECTIONS`` maps each to its class)."""
-CONNECTION_KEYS = {"dense": ("dense_dilation", "dense_period"), "mudd": ("mudd_prepost_norm",)}
+CONNECTION_KEYS = {"dense": ("dense_dilation", "dense_period"), "mudd": ("mudd_prepost_norm",),
+                   "hyper": ("hyper_rate", "hyper_dynamic"),
+                   "mhc": ("hyper_rate", "mhc_exit", "mhc_sinkhorn_iters", "mhc_init", "mhc_res_bias")}
 """The keys of each depth connection other than depth routing's (``routing_*``): set away from their
-defaults they need that connection."""
+defaults they need one of the connections that list them (``hyper_rate``, the number of streams, is
+both multi-stream connections')."""
+MHC_EXITS = ("learned", "mean")
+MHC_INITS = ("zero", "prenorm")
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
 ROUTING_LAYOUTS = ("clean", "paper")
@@ -63,10 +70,12 @@ MATCH_HEADS = "match_heads:"
 """Prefix of the `routing_logit_scale` spelling "match_heads:H" (the scale 1/sqrt(H))."""
 ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # mhar_kernels.dispatch.KERNELS (a test checks)
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-              "rope_original_max_seq_len", "routing_block_layers", "dense_dilation", "dense_period")
+              "rope_original_max_seq_len", "routing_block_layers", "dense_dilation", "dense_period",
+              "hyper_rate", "mhc_sinkhorn_iters")
 REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "routing_eps")
-BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source", "rope_per_document", "mudd_prepost_norm")
+               "routing_eps", "mhc_res_bias")
+BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source", "rope_per_document", "mudd_prepost_norm",
+               "hyper_dynamic")
 WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 """Fields that change how the model is computed, not its weights: a checkpoint resumes, and a
 converted folder loads, across them."""
@@ -105,7 +114,7 @@ class ModelArgs:
     eos_id: int | None = None  # the EOS closing each packed document; block_causal needs it (the tokenizer's)
 
     # -- residual path: the depth connection (MHAR_SPEC sections 1, 2; connections/) -------
-    residual: Literal["standard", "attn_res", "dense", "mudd"] = "standard"
+    residual: Literal["standard", "attn_res", "dense", "mudd", "hyper", "mhc"] = "standard"
     routing_heads: int | str = 8  # H; 1 = single-head AttnRes; "kv" = n_kv_heads
     routing_granularity: Literal["sublayer", "block"] = "sublayer"
     routing_block_layers: int = 4  # transformer layers per block (block granularity)
@@ -122,6 +131,12 @@ class ModelArgs:
     dense_dilation: int = 1  # DenseFormer k: block i's average reads the outputs X_j with j = i+1 (mod k)
     dense_period: int = 1  # DenseFormer p: the average runs after block i only where (i+1) % p == 0
     mudd_prepost_norm: bool = True  # MUDDFormer's pre/post DA norm (normalised sources, streams = X + DA)
+    hyper_rate: int = 4  # n, the residual streams of Hyper-Connections and mHC (the expansion rate)
+    hyper_dynamic: bool = True  # Hyper-Connections' dynamic part (per-token alpha, beta); false: static only
+    mhc_exit: Literal["learned", "mean"] = "learned"  # mHC's read-out: DeepSeek's learned head, or Megatron's mean
+    mhc_sinkhorn_iters: int = 20  # Sinkhorn iterations of mHC's residual mixing (ending on a column normalisation)
+    mhc_init: Literal["zero", "prenorm"] = "zero"  # mHC biases: 0 (Megatron's), or b_pre = logit(1/n), b_res = c I
+    mhc_res_bias: float = 10.0  # c of mhc_init = "prenorm": the diagonal of the residual-mixing bias
 
     def __post_init__(self) -> None:
         self.validate()
@@ -200,14 +215,18 @@ class ModelArgs:
     def _check_connection_keys(self) -> None:
         """A connection's own keys (`CONNECTION_KEYS`) need that connection, and depth routing's
         (`routing_*`, but the weight-neutral kernel) need residual='attn_res', unless left at their
-        defaults (ValueError naming the keys); DenseFormer's dilation and period are at most n_layers."""
+        defaults (ValueError naming the keys); DenseFormer's dilation and period are at most n_layers;
+        mHC's `mhc_res_bias` needs mhc_init='prenorm', and that init at least 2 streams."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        _check_choice("mhc_exit", self.mhc_exit, MHC_EXITS)
+        _check_choice("mhc_init", self.mhc_init, MHC_INITS)
         for residual, keys in CONNECTION_KEYS.items():
-            changed = [k for k in keys if getattr(self, k) != defaults[k]]
-            if changed and self.residual != residual:
+            changed = [k for k in keys if getattr(self, k) != defaults[k] and self.residual not in key_owners(k)]
+            if changed:
+                owners = " or ".join(repr(r) for r in dict.fromkeys(r for k in changed for r in key_owners(k)))
                 raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
                                  f"{'configures' if len(changed) == 1 else 'configure'} residual="
-                                 f"{residual!r}, not residual={self.residual!r}: set residual={residual!r}, or leave "
+                                 f"{owners}, not residual={self.residual!r}: set residual={residual!r}, or leave "
                                  f"{' and '.join(changed)} at the default")
         if self.residual not in ("standard", "attn_res"):
             changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("routing_")
@@ -217,6 +236,13 @@ class ModelArgs:
                                  f"{'configures' if len(changed) == 1 else 'configure'} depth routing "
                                  f"(residual='attn_res'); residual={self.residual!r} has no routing sites: leave "
                                  f"{' and '.join(changed)} at the default")
+        if self.mhc_init == "prenorm" and self.hyper_rate < 2:
+            raise ValueError(f"mhc_init='prenorm' starts pre at 1/n, which needs hyper_rate >= 2 streams (got "
+                             f"{self.hyper_rate}): set hyper_rate >= 2, or mhc_init='zero'")
+        if self.mhc_res_bias != defaults["mhc_res_bias"] and self.mhc_init != "prenorm":
+            raise ValueError(f"mhc_res_bias={self.mhc_res_bias!r} is the residual-mixing bias of mhc_init='prenorm' "
+                             f"(mhc_init={self.mhc_init!r} starts every bias at 0): set mhc_init='prenorm', or leave "
+                             "mhc_res_bias at the default")
         for key in ("dense_dilation", "dense_period"):
             if getattr(self, key) > self.n_layers:
                 raise ValueError(f"{key}={getattr(self, key)} is larger than n_layers={self.n_layers}: DenseFormer's "
@@ -355,6 +381,11 @@ def _within_range(scale: float, value) -> float:
     return scale
 
 
+def key_owners(key: str) -> tuple[str, ...]:
+    """The connections (values of ``residual``) whose keys (`CONNECTION_KEYS`) include `key`."""
+    return tuple(residual for residual, keys in CONNECTION_KEYS.items() if key in keys)
+
+
 def _check_choice(field: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"unknown {field} {value!r}; choose one of {choices}")
@@ -391,12 +422,15 @@ FAMILIES: dict[str, dict] = {
     "dense": dict(residual="dense"),
     "mudd": dict(residual="mudd"),
     "mudd_plain": dict(residual="mudd", mudd_prepost_norm=False),
+    "hyper": dict(residual="hyper"),
+    "hyper_static": dict(residual="hyper", hyper_dynamic=False),
+    "mhc": dict(residual="mhc"),
 }
 
 
 FAMILY_FIELDS = ("residual", "routing_heads", "routing_granularity", "routing_block_layers", "routing_mode",
                  "routing_null_source", "routing_layout", "routing_head_layout", "routing_logit_scale",
-                 "routing_temperature", *(k for keys in CONNECTION_KEYS.values() for k in keys))
+                 "routing_temperature", *dict.fromkeys(k for keys in CONNECTION_KEYS.values() for k in keys))
 """The ``ModelArgs`` fields that tell one residual-path family from another."""
 
 
@@ -453,6 +487,12 @@ def connection_parameters(args: ModelArgs) -> int:
       and K_i the hidden width (`mudd_hidden`): d K_i + K_i C_i (i+2) + C_i (i+2); with the pre/post
       DA norm also the sources' norm scales ((L+1) d), each block's generator and post-norm scales
       (2 L d); and the K and V streams' input norms of blocks 1..L-1 (2 (L-1) d).
+    - hyper (Hyper-Connections, n = hyper_rate streams): per sublayer site (2L of them) the static
+      alpha (n x (n+1)) and beta (n), n (n+2); with the dynamic part also W_alpha (d x (n+1)), W_beta
+      (d), the LayerNorm's weight and bias (2d) and the scales s_alpha, s_beta: d (n+2) + 2d + 2.
+    - mhc (n streams): per sublayer site phi ((n^2+2n) x nd), the biases b (n^2+2n) and the three
+      gating factors a: (n^2+2n) nd + n^2 + 2n + 3 (96d + 27 at n = 4); the learned exit adds its
+      phi_h (n x nd), b_h (n) and a (1): n nd + n + 1 (none for the mean of streams).
     """
     d, L = args.dim, args.n_layers
     if args.residual == "attn_res":
@@ -465,6 +505,13 @@ def connection_parameters(args: ModelArgs) -> int:
         count = sum(d * mudd_hidden(args, i) + (mudd_hidden(args, i) + 1) * mudd_streams(args, i) * (i + 2)
                     for i in range(L))
         return count + ((L + 1) * d + 2 * L * d if args.mudd_prepost_norm else 0) + 2 * (L - 1) * d
+    n, sites = args.hyper_rate, 2 * L
+    if args.residual == "hyper":
+        return sites * (n * (n + 2) + (d * (n + 2) + 2 * d + 2 if args.hyper_dynamic else 0))
+    if args.residual == "mhc":
+        mix = n * n + 2 * n
+        head = n * n * d + n + 1 if args.mhc_exit == "learned" else 0
+        return sites * (mix * n * d + mix + 3) + head
     return 0
 
 

@@ -2,10 +2,11 @@
 
 `ModelArgs.residual` picks how the sublayers are connected across depth (connections/): the
 standard residual (h <- h + f(norm(h))), depth routing (AttnRes / MHAR, every mode of MHAR_SPEC
-sections 1 and 2), DenseFormer and MUDDFormer. A block reads each sublayer's input from its
-connection's link and writes the sublayer's output back (connections/base.py), so the block below
-reads the same for every connection; the connection's parameters are the top-level
-`Transformer.routing` module (None for the standard residual), never inside a block.
+sections 1 and 2), DenseFormer, MUDDFormer, Hyper-Connections and mHC. A block reads each
+sublayer's input from its connection's link and writes the sublayer's output back
+(connections/base.py), so the block below reads the same for every connection; the connection's
+parameters are the top-level `Transformer.routing` module (None for the standard residual), never
+inside a block.
 """
 from __future__ import annotations
 
@@ -223,8 +224,11 @@ class Transformer(nn.Module):
         routing site in order (the attention and MLP sites of every layer, then the final one):
         the entries that site routes over (as `router.routed_sources`) while the forward runs, and
         the `router.Router`, whose `weights(site, sources)` gives the reference's depth-softmax
-        weights (analysis; under FSDP the root's parameters are unsharded then). Depth routing
-        (attn_res) only: the other connections have no routing sites."""
+        weights (analysis; under FSDP the root's parameters are unsharded then). That is depth
+        routing's (attn_res) observer; the other connections, which have no routing sites, call it
+        as `connections.base.MixObserver`, observer(name, weights), with each mixing weight they
+        compute (DenseFormer's, MUDDFormer's, Hyper-Connections' alpha and beta, mHC's pre, post
+        and comb per site)."""
         previous, self.routing_observer = self.routing_observer, observer
         try:
             yield

@@ -12,7 +12,10 @@ Decay would pull log t towards 0, i.e. the temperature towards 1, not towards it
 start (``model.routing_logit_scale``): a bias toward one particular temperature, the very
 quantity the temperature-matched experiments compare. ``never_decayed_names(model)`` adds every
 parameter of a connection whose parameter module (``model.routing``) says ``weight_decay = False``
-(its reference does not decay them, or was not shown to: docs/CONNECTIONS.md): MUDDFormer's.
+(its reference does not decay them, or was not shown to: docs/CONNECTIONS.md): MUDDFormer's,
+and Hyper-Connections' and mHC's, as in the MHAR authors' harness (``hcfactory/train.py``): decay
+pulls the mixing back towards no mixing, and Hyper-Connections' static alpha and beta, which
+start at the identity and 1, towards 0.
 DenseFormer's weights follow ``optimizer.no_decay`` like depth routing's: its reference decays them
 (they are ``nn.Linear`` weights in its decayed set). The routing group is never Muon's either
 (``optimizer_split``), so no connection parameter is ever orthogonalised.

@@ -10,6 +10,10 @@ module below is one connection. `CONNECTIONS` maps every value of `ModelArgs.res
 | "attn_res"   | depth routing: AttnRes, MHAR, every mode     | attn_res.py     |
 | "dense"      | DenseFormer's depth-weighted averages        | dense.py        |
 | "mudd"       | MUDDFormer's multiway dynamic dense streams  | mudd.py         |
+| "hyper"      | Hyper-Connections: n residual streams        | hyper.py        |
+| "mhc"        | mHC: n streams, doubly stochastic mixing     | mhc.py          |
+
+hyper.py and mhc.py share the n-stream state, its link and its flow (streams.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ CONNECTIONS: dict[str, str] = {
     "attn_res": "attn_res:AttnRes",
     "dense": "dense:DenseFormer",
     "mudd": "mudd:MUDDFormer",
+    "hyper": "hyper:HyperConnections",
+    "mhc": "mhc:ManifoldHyperConnections",
 }
 """`ModelArgs.residual` -> "module:class" of its connection (a module of this package)."""
 
