@@ -105,4 +105,5 @@ def test_the_command_refuses_bad_task_options_before_loading(tmp_path, capsys):
     assert eval_main(["lm-eval", str(run), "--tasks", "shakespeare_choice", "--log-samples"]) == 2
     assert "--log-samples writes the samples under --output-path" in capsys.readouterr().err
     assert eval_main(["lm-eval", str(run), "--tasks", "x", "--include-path", str(tmp_path / "nowhere")]) == 2
-    assert "is not a folder of lm-eval task YAML files" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--include-path {tmp_path / 'nowhere'} not found: pass a folder of lm-eval task YAML files" in err

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pathlib
 from typing import Optional, Sequence
 
+from mhar_titan.errors import missing_path
+
 LM_EVAL_MISSING = "needs lm-eval: pip install 'mhar-titan[lm-eval]'"
 
 
@@ -28,7 +30,8 @@ def check_include_paths(include_path: Optional[Sequence[str]], setting: str = "-
     """Each folder exists (FileNotFoundError naming ``setting`` otherwise); nothing is imported."""
     for folder in include_path or ():
         if not pathlib.Path(folder).is_dir():
-            raise FileNotFoundError(f"{setting} {folder} is not a folder of lm-eval task YAML files")
+            raise FileNotFoundError(f"{setting} {missing_path(folder, 'folder')}: pass a folder of lm-eval task YAML "
+                                    "files (e.g. eval_tasks)")
 
 
 def task_manager(tasks: Sequence[str], include_path: Optional[Sequence[str]] = None,
