@@ -368,6 +368,7 @@ class CheckpointManager:
             "dtype": self.cfg.export_dtype if model_only else None,
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
+            "seq_len": (getattr(self.dataloader, "layout", None) or {}).get("seq_len"),  # of its data position
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": sorted(p.name for p in path.iterdir() if p.is_file()),
         }

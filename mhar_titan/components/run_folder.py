@@ -27,7 +27,7 @@ import logging
 import pathlib
 from typing import Callable, Optional
 
-from mhar_titan.checkpoint.layout import is_complete, step_folders
+from mhar_titan.checkpoint.layout import MARKER, is_complete, read_marker, step_folders
 from mhar_titan.config import ConfigError, JobConfig, to_toml
 from mhar_titan.config.parser import read_toml
 from mhar_titan.errors import UserError
@@ -140,8 +140,11 @@ class RunFolder:
         Applies when the folder holds a complete checkpoint whose data position would be restored
         (``checkpoint.enable``, "dataloader" not in ``checkpoint.exclude_from_loading``): the data
         loader would refuse the position only after the model was built and the checkpoint read.
-        The run's seq_len is the one in its recorded config (``job.save_config_file``, written by the
-        last start that trained); without a readable one the loader's own check still applies.
+        The run's seq_len is the one the checkpoint to be loaded (``load_step``, else the newest complete
+        one) recorded in its marker, so the suggested value is the one the loader then accepts, also after
+        newer checkpoints were moved away; for a checkpoint from before markers held it, the one in the
+        run's recorded config (``job.save_config_file``, written by the last start that trained); without
+        either the loader's own check still applies.
 
         Raises:
             RunFolderError: naming both values and the three ways on.
@@ -149,13 +152,22 @@ class RunFolder:
         cfg = self.cfg
         if not cfg.checkpoint.enable or "dataloader" in cfg.checkpoint.exclude_from_loading:
             return
-        if not any(is_complete(p) for p in step_folders(self.path / cfg.checkpoint.folder).values()):
+        complete = {s: p for s, p in step_folders(self.path / cfg.checkpoint.folder).items() if is_complete(p)}
+        if not complete:
             return
-        saved = self.path / cfg.job.save_config_file
+        chosen = complete.get(cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else max(complete))
+        recorded, saved = None, self.path / cfg.job.save_config_file
         try:
-            recorded = read_toml(saved, "run config").get("training", {}).get("seq_len")
-        except ConfigError:
-            return
+            recorded = read_marker(chosen).get("seq_len") if chosen is not None else None
+        except (OSError, ValueError):
+            pass
+        if recorded is not None:
+            saved = chosen / MARKER
+        else:
+            try:
+                recorded = read_toml(saved, "run config").get("training", {}).get("seq_len")
+            except ConfigError:
+                return
         if isinstance(recorded, int) and recorded != cfg.training.seq_len:
             raise RunFolderError(
                 f"{self.path} holds a run trained with training.seq_len = {recorded} ({saved}) and this start "
