@@ -415,6 +415,11 @@ def run(args) -> str:
     print(f"paired: pairing the examples, {args.bootstrap_resamples} bootstrap resamples per metric", file=sys.stderr,
           flush=True)
     rows = pair_results(results[0], results[1], tasks, args.bootstrap_resamples, args.seed)
+    from mhar_titan.eval.tasks import few_examples
+
+    paired_n = {r.task: {"effective": r.n} for r in rows if r.paired}
+    for warning in few_examples({"n-samples": paired_n}):
+        print(f"paired: warning: {warning}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "paired.json", json.dumps({
         "a": names[0], "b": names[1], "difference": "b - a", "bootstrap_resamples": args.bootstrap_resamples,
