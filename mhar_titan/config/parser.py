@@ -197,7 +197,7 @@ def _check_key(section: str, key: str, value: Any, types_: dict, where: str, tab
     cls = _table_class(tp)
     if cls is not None:
         return _tables_as(cls, f"{section}.{key}", list(value), where)
-    if isinstance(value, str) and not value.strip():
+    if isinstance(value, str) and not value:
         return _empty(section, key, value, tp, where)
     return _coerce(value, tp)
 
@@ -207,7 +207,7 @@ EMPTY_MEANS = {"job.name": "the config file's stem (else 'run')", "job.descripti
 
 
 def _empty(section: str, key: str, value: str, tp: Any, where: str) -> Optional[str]:
-    """An empty (or blank) string given for ``section.key``: what ``EMPTY_MEANS`` says for its keys,
+    """An empty string given for ``section.key``: what ``EMPTY_MEANS`` says for its keys,
     unset (None, the default's meaning) for an optional key, else refused: an empty name, path or
     choice means nothing the trainer could do.
 
