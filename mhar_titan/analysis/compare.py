@@ -528,7 +528,7 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
         handles.append(zero)
         labels.append("0 = no difference")
     banded = any(r.train_band or r.val_band for r in runs)
-    paired_band = "\n(band +/- 1 SE over paired seeds)" if any(r.seed_val for r in runs) and len(runs) > 1 else ""
+    paired_band = "\n(band +/- 1 SE over paired seeds)" if any(len(r.seed_val or ()) > 1 for r in runs) else ""
     for ax, title in ((train_ax, "training loss" + (" (mean, band +/- 1 SE over seeds)" if banded else "")),
                       (val_ax, "validation loss" + (" (mean, band +/- 1 SE over seeds)" if banded else "")),
                       (diff_ax, ("validation loss, B - A" if chosen else f"validation loss minus {base.name}'s")

@@ -327,8 +327,8 @@ def results_tables(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[
                   f"recovered T - R ({unit}) | SE | share | SE | note |",
                   "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in shares:
-            note = "" if not r.seeds or r.resolved else (
-                "one seed: no SE" if r.gap_se is None else "gap within 2 SE of 0: the share says nothing")
+            note = ("no seed has all three runs yet" if not r.seeds else "" if r.resolved else
+                    "one seed: no SE" if r.gap_se is None else "gap within 2 SE of 0: the share says nothing")
             lines.append(f"| {r.arm} | {r.reference} | {r.target} | {r.point_tag or '-'} | {r.seeds} | "
                          f"{loss(r.gap, '+.4f')} | {loss(r.gap_se, '.4f')} | {loss(r.recovered, '+.4f')} | "
                          f"{loss(r.recovered_se, '.4f')} | {_percent(r.share)} | {_percent(r.share_se)} | {note} |")
