@@ -25,12 +25,13 @@ import hashlib
 from typing import Optional, Sequence
 
 PALETTE = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#8C564B", "#9467BD",
-           "#BCBD22", "#17BECF", "#E7298A", "#66A61E", "#A6761D")
-"""The arm colours: Okabe and Ito's colour-blind-safe set (without its yellow), then matplotlib's
-tab10 and Dark2 colours that differ from them; no grey."""
+           "#BCBD22", "#17BECF", "#E7298A", "#66A61E", "#A6761D", "#6A3D9A", "#1B7837", "#F781BF", "#7570B3",
+           "#E41A1C", "#00008B")
+"""The arm colours: Okabe and Ito's colour-blind-safe set (without its yellow), then colours of
+matplotlib's tab10 and ColorBrewer's Dark2, Paired, PRGn and Set1 that differ from them; no grey."""
 LINE_STYLES = ("-", "--", ":", "-.")
 """Line styles of the curves that share an arm's colour, in curve order."""
-_SALT = b"mhar-arm-colour-10:"  # the shipped sweeps' arms hash to distinct colours with it (a test checks)
+_SALT = b"mhar-arm-colour-2:"  # the shipped sweeps' arms hash to distinct colours with it (a test checks)
 
 
 def _rows() -> list[str]:
