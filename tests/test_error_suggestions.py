@@ -47,6 +47,7 @@ COVERED = {
     "; set routing_group_size=1 for the permuted head layout": "test_model_suggestions_load",
     "set routing_kernel='triton' or 'eager', or routing_group_size=1": "test_model_suggestions_load",
     "; set residual='attn_res', or routing_logit_scale=1.0 and routing_temperature='fixed'": "test_model_suggestions_load",
+    ": set residual=": "test_model_suggestions_load",
     "start a fresh run with another --job.name": "test_checkpoint_suggestions_resume",
     "raise --training.steps to continue": "test_checkpoint_suggestions_resume",
     "use another --job.name": "test_checkpoint_suggestions_resume",
@@ -87,6 +88,7 @@ NOT_A_SUGGESTION = {
     "--job.dump_folder=": "the sweep's own overrides of each run",
     "--job.name=": "the sweep's own overrides of each run",
     "further --section.key=value arguments override it": "--help text of generate",
+    "python -m mhar_titan.eval lm-eval: warning: ": "the command's name before its warning",
 }
 
 
@@ -228,6 +230,8 @@ def _model_flags(text: str) -> list[str]:
      "set routing_kernel='triton' or 'eager', or routing_group_size=1"),
     (["--model.routing_temperature=learned"], "; set residual='attn_res', or"),
     (["--model.routing_temperature=learned"], "or routing_logit_scale=1.0 and routing_temperature='fixed'"),
+    (["--model.dense_dilation=2"], ": set residual='dense'"),
+    (["--model.mudd_prepost_norm=false"], ": set residual='mudd'"),
 ])
 def test_model_suggestions_load(refused, suggestion):
     """The model arguments' errors: each alternative they suggest, as --model.key=value, loads."""
