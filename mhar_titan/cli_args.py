@@ -18,7 +18,11 @@ real newlines, which are kept.
 ``run_command(main, *args)`` is every entry point's ``__main__`` block (``python -m mhar_titan.*``,
 ``train.py``, ``scripts/``, ``bench/``): it exits with ``main``'s status, and when the output is piped
 into a reader that stops early (``python -m mhar_titan.models | head -1``) it ends quietly instead of
-with a BrokenPipeError traceback.
+with a BrokenPipeError traceback. A Ctrl-C that aborts a command (``KeyboardInterrupt``; the
+trainer's second one) ends it with one line instead of a traceback: the ``Interrupted`` line the
+command raised (the trainer says what was last saved), else ``PROG: interrupted (Ctrl-C)``; then
+the process dies of SIGINT, as Python's own exit after an uncaught ``KeyboardInterrupt`` does (a
+shell loop running it stops too).
 
 This module imports nothing of the project (torch only inside ``device``), so every command can use it.
 """
@@ -28,10 +32,11 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 from typing import Callable, NoReturn, Optional
 
-__all__ = ["run_command", "BROKEN_PIPE_EXIT", "ArgumentParser", "positive_int", "non_negative_int", "positive_float", "non_negative_float",
+__all__ = ["run_command", "Interrupted", "BROKEN_PIPE_EXIT", "ArgumentParser", "positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "probability", "device", "escaped_text", "cuda_unavailable_reason"]
 
 
@@ -54,6 +59,37 @@ def _stdout_reader_gone() -> bool:
     return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that aborted a command, with the one line ``run_command`` prints for it ("" for none:
+    the trainer's ranks other than 0, whose rank 0 says it)."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
+def _interrupted(main: Callable, error: KeyboardInterrupt) -> NoReturn:
+    """Print the abort's one line on stderr, then die of SIGINT (exit status -2 to a parent, 130 in a shell)."""
+    if isinstance(error, Interrupted):
+        line = error.line
+    else:
+        module = getattr(main, "__module__", "") or ""
+        prog = f"python -m {module.removesuffix('.__main__')}" if module.startswith("mhar_titan") else \
+            os.path.basename(sys.argv[0] or "command")
+        line = f"{prog}: interrupted (Ctrl-C)"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    if line and sys.stderr is not None:
+        print(line, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(128 + signal.SIGINT)  # where SIGINT does not end the process (it is ignored)
+
+
 def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
     """Run a command's ``main(*args)`` and exit with the status it returns (None: 0); every entry point's
     ``__main__`` block is ``run_command(main)``.
@@ -65,6 +101,8 @@ def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
     ``signal`` docs, "Note on SIGPIPE"). A BrokenPipeError while stdout's reader is still there (a
     socket, a subprocess's stdin) is raised as any other error.
 
+    A ``KeyboardInterrupt`` (Ctrl-C) ends the command with one line (module docstring) and SIGINT.
+
     Raises:
         SystemExit: always, with ``main``'s status.
     """
@@ -72,6 +110,8 @@ def run_command(main: Callable[..., Optional[int]], *args) -> NoReturn:
         code = main(*args)
         if sys.stdout is not None:  # None where the command started with stdout closed (``>&-``)
             sys.stdout.flush()  # what is still buffered fails here, inside the handler, not at shutdown
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback
+        _interrupted(main, e)
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise

@@ -91,7 +91,8 @@ class LossEMA:
 def step_fields(metrics: dict, eta_s: Optional[float]) -> list[str]:
     """The fields of a logged step's line from its metrics row (keys as the trainer logs them:
     loss (this step's batch), loss_ema (``LossEMA``), lr, grad_norm, tokens_per_s, mfu,
-    peak_mem_gib, nonfinite_skipped)."""
+    peak_mem_gib, a learned routing temperature's mean and min-max over sites and heads
+    (``temp 0.93 (0.81-1.05)``), nonfinite_skipped)."""
     fields = [f"batch loss {loss_text(metrics['loss'])}"]
     if metrics.get("loss_ema") is not None:
         fields.append(f"ema{LOSS_EMA_STEPS} loss {loss_text(metrics['loss_ema'])}")
@@ -105,6 +106,9 @@ def step_fields(metrics: dict, eta_s: Optional[float]) -> list[str]:
         fields.append(f"mfu {metrics['mfu']:.1f}%")
     if metrics.get("peak_mem_gib") is not None:
         fields.append(f"mem {metrics['peak_mem_gib']:.2f} GiB")
+    if metrics.get("routing_temperature_mean") is not None:  # a learned routing temperature (metrics.TEMPERATURE_KEYS)
+        fields.append(f"temp {metrics['routing_temperature_mean']:.3g} ({metrics['routing_temperature_min']:.3g}-"
+                      f"{metrics['routing_temperature_max']:.3g})")
     if metrics.get("nonfinite_skipped"):
         fields.append(f"skipped {metrics['nonfinite_skipped']}")
     if eta_s is not None:
@@ -122,7 +126,7 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
                    val_losses: list[tuple[int, float]], run_dir: str, checkpoint: Optional[str],
                    metrics: list[str], train_loss: Optional[tuple[float, int]] = None,
                    throughput: Optional[list[str]] = None,
-                   validation_freq: Optional[int] = None) -> list[list[str]]:
+                   validation_freq: Optional[int] = None, outcome: str = "done") -> list[list[str]]:
     """The end-of-run summary as lines of fields: what ran, the training loss, throughput,
     validation, the run folder, the checkpoint and the metrics files in it.
 
@@ -134,9 +138,12 @@ def summary_fields(steps: int, start_step: int, tokens: int, wall_s: float, skip
       (no finite step loss in this run);
     throughput: the throughput fields (`components.performance.summary_throughput_fields`), or None;
     validation_freq: ``validation.freq`` when validation is on, None when it is off (what the
-      validation line says when no validation ran: off, or not due yet when the run stopped)."""
+      validation line says when no validation ran: off, or not due yet when the run stopped);
+    outcome: the first line's tag: "done" (training.steps reached, or nothing failed), "preempted"
+      (a stop signal, after its checkpoint), "stopped (<error>, below)" (a failed save, bad data,
+      training health: the error follows the summary)."""
     ran = steps - start_step
-    lines = [["done", f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
+    lines = [[outcome, f"{ran} steps" + (f" (resumed at {start_step})" if start_step else ""),
               f"{count(tokens)} tokens", f"wall {duration(wall_s)}"] + ([f"skipped {skipped}"] if skipped else [])]
     if train_loss is not None:
         lines.append(["train loss", f"final {loss_text(train_loss[0])} (mean of the last {train_loss[1]} "

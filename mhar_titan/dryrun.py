@@ -84,7 +84,7 @@ from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import flops_per_token
-from mhar_titan.models.args import ModelArgs, count_parameters, family_name, resolve_model_args
+from mhar_titan.models.args import ModelArgs, count_parameters, family_name, resolve_model_args, routing_settings
 from mhar_titan.models.connections import build_connection
 from mhar_titan.models.connections.base import checkpointed_blocks
 from mhar_titan.models.cross_entropy import loss_path_bytes
@@ -158,8 +158,8 @@ def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int, device: str =
     batch_geometry(cfg.training, world_size)
     # the settings a CUDA graph cannot capture (a GPU job is checked as one wherever the dry run runs)
     check_cuda_graphs(cfg, args, cuda_available=device == "cuda")
-    # as train.py does before anything is built: the run folder exists or can be created, and is writable
-    check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
+    # as train.py does before anything is built: every folder the run writes exists or can be created, and is writable
+    RunFolder(cfg).check_writable()
     warnings = []
     if not cfg.data.is_mixture and cfg.data.source in ("local", "pretokenized") and not cfg.data.files:
         raise ConfigError(f"'data.files' is empty but data.source = {cfg.data.source!r}; list the training files")
@@ -361,6 +361,7 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"{args.n_kv_heads} ffn={args.ffn_dim} vocab={args.vocab_size} routing_kernel={args.routing_kernel}"
         + _routing_runs(args, device),
         *([f"routing: the {planned[1]} path on {device} ranks ({planned[2]})"] if planned is not None else []),
+        *([f"routing settings: {', '.join(routing_settings(args))}"] if routing_settings(args) else []),
         "parameters (built on the meta device, equal to count_parameters):",
         f"  total           {counts.total:>15,}",
         f"  non-embedding   {counts.non_embedding:>15,}",

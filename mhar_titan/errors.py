@@ -7,9 +7,13 @@ already expect it, of the built-in class it used to be: ``ValueError``,
 in one line on stderr and exits with code 2; other exceptions are bugs and keep
 their traceback.
 
-This module imports nothing, so every layer (config, data, checkpoint, launch,
-trainer) can use it.
+``missing_path(path, want)`` is the one wording of a path a user gave that is not there as
+asked: not found, or there but a folder where a file is wanted (or the other way round).
+
+This module imports nothing but the standard library, so every layer (config, data,
+checkpoint, launch, trainer) can use it.
 """
+import os
 
 
 class UserError(Exception):
@@ -23,3 +27,14 @@ class UserError(Exception):
 class ConfigError(UserError, ValueError):
     """A configuration file or command-line override is invalid (raised by the job config's
     parser, and by the model's argument resolution, which the parser runs)."""
+
+
+def missing_path(path: "str | os.PathLike", want: str = "file") -> str:
+    """Why ``path`` (which is not a ``want``: "file" or "folder") cannot be used, as the start of an
+    error message: "PATH is a folder, not a file" / "PATH is a file, not a folder" when it exists as
+    the other kind, else "PATH not found"."""
+    if os.path.isdir(path) and want == "file":
+        return f"{path} is a folder, not a file"
+    if os.path.exists(path) and want == "folder":
+        return f"{path} is a file, not a folder"
+    return f"{path} not found"

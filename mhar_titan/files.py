@@ -15,6 +15,10 @@ prepared data, sweep and analysis outputs) goes through this module:
   the end, so ``path`` exists only when it is complete.
 * ``check_output_folder(path, setting)`` tells, before anything expensive runs, whether
   a folder can be created and written (not read-only, not under a regular file).
+* ``check_new_outputs(paths, overwrite)`` refuses, before anything expensive runs, to replace
+  the results of an earlier command (a figure, a table) unless the command was asked to
+  (``--overwrite``); ``remove_stale_outputs`` then removes what an overwritten run left that
+  this one did not write again (a figure it no longer draws).
 
 A failed write raises ``WriteError`` (a ``UserError`` and an ``OSError``) naming the file,
 the OS error and, when the disk is full, the free space left. This module is the one owner of
@@ -42,7 +46,8 @@ from mhar_titan.errors import UserError
 
 __all__ = ["WriteError", "OutputFolderError", "umask", "file_mode", "folder_mode", "free_bytes", "os_error_text",
            "os_error_of", "write_error", "writing", "swallowed_write_error", "atomic_path", "atomic_open",
-           "write_text", "write_bytes", "atomic_folder", "check_output_folder"]
+           "write_text", "write_bytes", "atomic_folder", "check_output_folder", "OutputExistsError", "OVERWRITE_FLAG",
+           "check_new_outputs", "remove_stale_outputs"]
 
 
 class WriteError(UserError, OSError):
@@ -51,6 +56,14 @@ class WriteError(UserError, OSError):
 
 class OutputFolderError(UserError, OSError):
     """An output folder cannot be created or written (read-only, under a regular file, no permission)."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """A command would replace an earlier command's results (``check_new_outputs``)."""
+
+
+OVERWRITE_FLAG = "--overwrite"
+"""The flag with which a command that writes results replaces those of an earlier run of it."""
 
 
 _umask_lock = threading.Lock()
@@ -370,3 +383,36 @@ def check_output_folder(path: str | os.PathLike, setting: str) -> None:
     except OSError as e:
         verb = "cannot be written" if existing == path else f"cannot be created in {existing}"
         raise OutputFolderError(f"{setting}: {path} {verb}: {os_error_text(e, existing)}") from None
+
+
+def check_new_outputs(paths, overwrite: bool, elsewhere: str = "--out DIR") -> None:
+    """Refuse to replace earlier results: the files and folders a command is about to write
+    (``paths``, all of them, before anything is computed) must not exist yet, unless ``overwrite``
+    (the command's ``OVERWRITE_FLAG``). ``elsewhere`` names the command's other way out (another
+    output folder).
+
+    Raises:
+        OutputExistsError: one line naming the first path that exists (and how many more), that
+            nothing was written, and both ways out.
+    """
+    if overwrite:
+        return
+    existing = [Path(p) for p in paths if Path(p).exists()]
+    if existing:
+        more = f" (and {len(existing) - 1} more of its outputs)" if len(existing) > 1 else ""
+        raise OutputExistsError(f"{existing[0]} already exists{more}: it holds the results of an earlier run of this "
+                                f"command, which are kept (nothing was written); pass {OVERWRITE_FLAG} to replace "
+                                f"them, or {elsewhere} to write elsewhere")
+
+
+def remove_stale_outputs(candidates, written) -> list[Path]:
+    """Remove the files of ``candidates`` (every file a command may write) that this run did not
+    write (``written``): an overwritten run's outputs that would otherwise sit beside the new ones
+    (a figure the new run does not draw). Returns the removed paths."""
+    kept = {Path(p) for p in written}
+    removed = []
+    for path in map(Path, candidates):
+        if path not in kept and path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed

@@ -8,7 +8,9 @@ why in one line (``mhar_titan.say_once``). The workers keep exiting 2, so a fail
 failure for torchrun (it stops the other workers), for a bare ``torchrun`` and for SLURM; this
 runs torchrun in-process and, when the trainer's exit status (``mhar_titan.exit_status``, written
 by global rank 0 as it exits) says ``bad_input``, drops torchrun's failure lines and exits 2
-quietly. Any other failure (a crash, a signal, a health stop) keeps torchrun's report and exit code.
+quietly. Ctrl-C twice (the trainer's abort: rank 0 said in one line what was saved, every worker
+died of SIGINT) ends the launch with one line and exit status 130, not torchrun's tracebacks. Any
+other failure (a crash, another signal, a health stop) keeps torchrun's report and exit code.
 
 The exit status file is ``$MHAR_EXIT_STATUS_FILE`` (``scripts/run_train.sh`` and
 ``slurm/train.sbatch`` set it; the workers inherit it); without it a temporary file is used.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +30,8 @@ from typing import Optional
 from mhar_titan.exit_status import ENV_VAR, read_exit_status
 
 USER_ERROR_EXIT = 2
+ABORTED_EXIT = 128 + signal.SIGINT
+"""A launch aborted by Ctrl-C: the shell's status of a process that died of SIGINT."""
 
 
 class _QuietBadInput(logging.Filter):
@@ -64,12 +69,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its four-line notice
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(args)
         return 0
-    except ChildFailedError:
+    except ChildFailedError as e:
         if read_exit_status(status_file).get("status") == "bad_input":
             return USER_ERROR_EXIT  # rank 0 (and any rank with other news) printed the one line
+        codes = {getattr(f, "exitcode", None) for f in getattr(e, "failures", {}).values()}
+        if codes == {-signal.SIGINT}:  # every worker aborted on Ctrl-C: rank 0 said what was saved
+            return ABORTED_EXIT
+        raise
+    except SignalException as e:  # Ctrl-C reached torchrun itself: it stopped its workers
+        if e.sigval == signal.SIGINT:
+            print("torchrun: interrupted (Ctrl-C); the workers were stopped", file=sys.stderr)
+            return ABORTED_EXIT
         raise
     finally:
         for logger in loggers:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from mhar_titan.analysis.routing import routing_entropy
 from mhar_titan.checkpoint import CheckpointManager, checkpoint_fingerprint, refuse_optimizer_switch
+from mhar_titan.cli_args import Interrupted
 from mhar_titan.components.batches import batch_geometry, next_micro_batches
 from mhar_titan.components.cuda_graphs import GraphedMicroStep, check_cuda_graphs
 from mhar_titan.components.downstream import DownstreamEval
@@ -73,7 +74,6 @@ from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
-from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops, routing_temperature_metrics
 from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
 from mhar_titan.models.model import Transformer
@@ -102,6 +102,7 @@ class Trainer:
         self.run_folder = RunFolder(cfg)
         self.run_dir = self.run_folder.path
         self.preempted = False  # set when a stop signal ended train() (after its checkpoint)
+        self.failure: Optional[BaseException] = None  # what stopped train() or close() (the summary says so)
         on_rank0(env.rank, env.world_size, self.run_folder.lock)
         if env.rank == 0:
             clear_exit_status(self.run_dir)  # this start's outcome, or none after a crash
@@ -296,6 +297,13 @@ class Trainer:
         Raises:
             TrainingHealthError: ``training.max_consecutive_nonfinite`` consecutive non-finite steps.
         """
+        try:
+            return self._train()
+        except BaseException as e:  # a failed save, bad data, training health: the summary says the run stopped
+            self.failure = e
+            raise
+
+    def _train(self) -> TrainState:
         cfg, t = self.cfg, self.cfg.training
         snapshots = MemorySnapshots(cfg.profiling, self.run_dir, self.env.rank, self.device)
         snapshots.start()
@@ -438,15 +446,32 @@ class Trainer:
             checkpoint = "none written (checkpoint.enable = false)"
         else:  # enabled: no save was due in this run, or the last one was refused or failed (logged above)
             checkpoint = "none written in this run"
+        if self.failure is not None:
+            outcome = f"stopped ({type(self.failure).__name__}, below)" if isinstance(self.failure, Exception) \
+                else "aborted"
+        else:
+            outcome = "preempted" if self.preempted else "done"
         lines = summary_fields(self.state.step, start_step, self.state.tokens_seen, time.perf_counter() - began,
                                self.state.nonfinite_skipped, self.metrics.validation_losses(),
                                str(self.run_dir), checkpoint, self.metrics.locations,
                                train_loss=self.totals.smoothed_loss(),
                                throughput=summary_throughput_fields(self.totals, self.env.world_size, self.flops,
                                                                     self.peak_flops, self.device),
-                               validation_freq=self.cfg.validation.freq if self.val_loader is not None else None)
+                               validation_freq=self.cfg.validation.freq if self.val_loader is not None else None,
+                               outcome=outcome)
         for fields in lines:
             self.metrics.event(self.state.step, *fields)
+
+    def abort(self) -> None:
+        """After a second Ctrl-C: what can be released without another rank (no collective, no
+        checkpoint wait, no summary): the metrics written so far are closed, the signal handlers
+        restored, the run folder unlocked. The process then ends (``cli_args.Interrupted``)."""
+        try:
+            self.metrics.close()
+        finally:
+            if self.preemption is not None:
+                self.preemption.restore()
+            self.run_folder.unlock()
 
     def close(self, destroy_process_group: bool = True) -> None:
         """Wait for checkpoints, close sinks, free FSDP state, then destroy the process group.
@@ -456,8 +481,13 @@ class Trainer:
         (gloo worker threads still holding tensors at interpreter shutdown).
         """
         try:
-            if self.checkpointer is not None:
-                self.checkpointer.close()  # raises CheckpointSaveError when an async save failed
+            try:
+                if self.checkpointer is not None:
+                    self.checkpointer.close()  # raises CheckpointSaveError when an async save failed
+            except UserError as e:
+                self.failure = self.failure or e
+                self._summary()  # the run stopped: the summary says so before the error is reported
+                raise
             self._summary()
         finally:
             self.metrics.close()
@@ -469,6 +499,29 @@ class Trainer:
                 dist.barrier()
                 if destroy_process_group:
                     dist.destroy_process_group()
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def aborted_line(cfg: JobConfig, trainer: Optional[Trainer], when: str) -> str:
+    """The one line a training aborted by Ctrl-C prints (``cli_args.Interrupted``): when it stopped
+    and what was last saved, the checkpoint the same command resumes from (the newest complete
+    one of the run folder; a save cut short is not complete and is ignored)."""
+    from mhar_titan.checkpoint.layout import is_complete, step_folders
+
+    folder = RunFolder(cfg).path / cfg.checkpoint.folder
+    complete = sorted(step for step, path in step_folders(folder).items() if is_complete(path)) \
+        if folder.is_dir() else []
+    if complete:
+        saved = (f"the newest complete checkpoint is {folder / f'step-{complete[-1]}'}: the same command resumes "
+                 f"from step {complete[-1]}")
+    elif cfg.checkpoint.enable:
+        saved = "no checkpoint is complete: the same command starts again from step 0"
+    else:
+        saved = "nothing was saved (checkpoint.enable = false)"
+    return f"training aborted {when} (Ctrl-C): nothing more was saved; {saved}"
 
 
 def _record_exit(cfg: Optional[JobConfig], status: str, code: int, step: Optional[int] = None) -> int:
@@ -494,11 +547,12 @@ def quiet_known_warnings() -> None:
 
 
 def check_config(cfg: JobConfig) -> ModelArgs:
-    """The checks that need only the config, before anything is built: batch geometry for the
-    launch's WORLD_SIZE and the model arguments for the tokenizer, which it returns.
-    Raises UserError (ConfigError, or WriteError for a run folder that cannot be written)."""
-    # the run folder can be created and written (not read-only, not under a file)
-    check_output_folder(RunFolder(cfg).path, "the run folder (job.dump_folder / job.name)")
+    """The checks that need only the config, before anything is built, on every rank: every folder
+    the run writes (``RunFolder.check_writable``), batch geometry for the launch's WORLD_SIZE and
+    the model arguments for the tokenizer, which it returns. Raises UserError (ConfigError, or
+    OutputFolderError for a folder that cannot be written)."""
+    # every folder the run writes (run folder, checkpoints, metrics, ...) can be created and written
+    RunFolder(cfg).check_writable()
     batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
     args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
                               cfg.data.tokenizer)
@@ -571,11 +625,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             dist.barrier()  # every rank refused (the checks agree): leave together
             dist.destroy_process_group()
         return _refuse(cfg, f"cannot start training: {type(e).__name__}: {e}")
-    status, code, refused = "completed", 0, ""
+    except KeyboardInterrupt:  # Ctrl-C before the stop handler was installed: nothing trained
+        raise Interrupted(aborted_line(cfg, None, "during start-up") if _is_rank0() else "") from None
+    status, code, refused, aborted = "completed", 0, "", False
     try:
         trainer.train()
         if trainer.preempted:
             status = "preempted"
+    except KeyboardInterrupt:  # the second Ctrl-C: abort without saving (no collective, no close)
+        aborted = True
     except TrainingHealthError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         status, code = "health", 1
@@ -584,10 +642,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         status, code = "bad_input", 2
     finally:
         try:
-            trainer.close()
+            if aborted:
+                trainer.abort()
+            else:
+                trainer.close()
         except UserError as e:  # an async checkpoint save that failed (disk full) is reported at close
             refused = f"training stopped: {type(e).__name__}: {e}"
             status, code = "bad_input", 2
+    if aborted:
+        raise Interrupted(aborted_line(cfg, trainer, f"at step {trainer.state.step}") if _is_rank0() else "")
     if status == "bad_input":
         return _refuse(cfg, refused, trainer.state.step)
     return _record_exit(cfg, status, code, trainer.state.step)

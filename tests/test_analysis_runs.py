@@ -266,3 +266,40 @@ def test_trainers_routing_entropy_equals_the_analysis_value_on_its_checkpoint(ru
     assert abs(logged[0] - fresh) > 1e-4  # trained queries: not the uniform value
     baseline_rows = read_metrics(runs / "debug_baseline")
     assert any("loss" in r for r in baseline_rows) and not any("routing_entropy" in r for r in baseline_rows)
+
+
+def test_no_analysis_command_replaces_earlier_results_unless_asked(runs, tmp_path, capsys):
+    """compare writes a folder per comparison, named after its runs (a later one-run compare leaves
+    the two-run figure alone); any command whose outputs exist refuses in one line naming
+    --overwrite and --out, writes nothing, and replaces them with --overwrite."""
+    base, mhar = runs / "debug_baseline", runs / "debug_mhar"
+    assert analysis_main(["compare", str(base), str(mhar), "-k", "2"]) == 0
+    both = runs / "comparison" / "debug_baseline_vs_debug_mhar"
+    before = {p.name: p.read_bytes() for p in both.iterdir()}
+    assert set(before) == {"loss_vs_tokens.png", "comparison.md"}
+    assert analysis_main(["compare", str(mhar), "-k", "2"]) == 0
+    assert (runs / "comparison" / "debug_mhar" / "comparison.md").is_file()
+    assert {p.name: p.read_bytes() for p in both.iterdir()} == before
+    capsys.readouterr()
+    assert analysis_main(["compare", str(base), str(mhar), "-k", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"python -m mhar_titan.analysis compare: error: {both / 'comparison.md'} already exists (and 1 "
+                   "more of its outputs): it holds the results of an earlier run of this command, which are kept "
+                   "(nothing was written); pass --overwrite to replace them, or --out DIR to write elsewhere")
+    assert {p.name: p.read_bytes() for p in both.iterdir()} == before
+    assert analysis_main(["compare", str(base), str(mhar), "-k", "1", "--overwrite", "--format", "pdf"]) == 0
+    assert sorted(p.name for p in both.iterdir()) == ["comparison.md", "loss_vs_tokens.pdf"]  # no stale png
+    assert "(last 1, nats per token)" in (both / "comparison.md").read_text()
+    # heatmap and probe: the same rule for <run>/analysis (or --out), checked before the model loads
+    out = tmp_path / "heat"
+    assert analysis_main(["heatmap", str(mhar), "--batches", "1", "--out", str(out)]) == 0
+    heat = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert analysis_main(["heatmap", str(mhar), "--batches", "2", "--out", str(out)]) == 2
+    assert "pass --overwrite to replace them" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == heat
+    assert analysis_main(["heatmap", str(mhar), "--batches", "2", "--out", str(out), "--overwrite"]) == 0
+    (out / f"probe_step{STEPS}.md").write_text("an earlier probe\n")
+    assert analysis_main(["probe", str(mhar), "--out", str(out)]) == 2  # refused before it finds H = 8
+    assert f"probe_step{STEPS}.md already exists" in capsys.readouterr().err
+    assert (out / f"probe_step{STEPS}.md").read_text() == "an earlier probe\n"

@@ -268,11 +268,11 @@ def test_every_resolved_config_reloads_to_an_equal_config(tmp_path):
     for case in range(400):
         cfg = load_config(None, [])
         cfg.job.description = _random_text(rng, 60)
-        cfg.data.hub_path = _random_text(rng)
+        cfg.data.hub_path = _random_text(rng) or "x"  # an empty one is refused (parser.EMPTY_MEANS)
         cfg.data.files = [_random_text(rng) for _ in range(rng.randrange(4))]
         cfg.data.hub_data_files = [_random_text(rng) for _ in range(rng.randrange(3))]
         cfg.checkpoint.initial_load_path = rng.choice([None, _random_text(rng) or "x"])
-        cfg.metrics.wandb_project = _random_text(rng)
+        cfg.metrics.wandb_project = _random_text(rng) or "x"
         cfg.optimizer.lr = _random_float(rng) or 1e-3
         cfg.optimizer.weight_decay = _random_float(rng)
         cfg.optimizer.eps = _random_float(rng) or 1e-8

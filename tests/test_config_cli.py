@@ -203,3 +203,68 @@ def test_a_number_is_ascii_digits_and_one_value(value):
 
 def test_an_int_for_an_optional_float_key_loads_as_a_float():
     assert repr(load_config(None, ["--lr_scheduler.decay_ratio=1"]).lr_scheduler.decay_ratio) == "1.0"
+
+
+# --- empty values and paths of the wrong kind ---------------------------------------------------------
+
+
+def test_an_empty_job_name_is_the_config_files_stem_as_help_says(tmp_path):
+    """--help: "empty (or unset) means the config file's stem"; so it is from the command line and
+    from the file, and "run" without a file."""
+    config = str(ROOT / "train_configs" / "debug_mhar.toml")
+    assert "empty (or unset) means the config file's stem" in config_help("job")
+    assert load_config(config, ["--job.name="]).job.name == "debug_mhar"
+    assert load_config(None, ["--config", config, "--job.name", ""]).job.name == "debug_mhar"
+    named = tmp_path / "my_job.toml"
+    named.write_text('[job]\nname = ""\n')
+    assert load_config(str(named)).job.name == "my_job"
+    assert load_config(None, ["--job.name="]).job.name == "run"
+
+
+def test_an_empty_value_means_unset_for_an_optional_key_and_is_refused_where_it_means_nothing():
+    """One rule for every string key (command line and file alike): an optional key's empty value is
+    its default, None; a key whose empty value --help gives no meaning is refused in one line naming it."""
+    cfg = load_config(None, ["--checkpoint.initial_load_path=", "--data.tokenizer_file=", "--job.description="])
+    assert cfg.checkpoint.initial_load_path is None and cfg.data.tokenizer_file is None and cfg.job.description == ""
+    for key in ("job.dump_folder", "data.text_field", "data.tokenizer", "metrics.wandb_project",
+                "model.routing_logit_scale"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"--{key}="])
+        assert f"'{key}' is empty ('')" in str(err.value) and "leave the key out for its default" in str(err.value)
+    checked = [f"{section}.{f.name}" for section in SECTIONS for f in dataclasses.fields(getattr(JobConfig(), section))
+               if _field_types(type(getattr(JobConfig(), section)))[f.name] is str]
+    for key in checked:  # no plain string key takes an empty value silently
+        try:
+            load_config(None, [f"--{key}="])
+        except ConfigError:
+            continue
+        assert key in ("job.name", "job.description"), key
+
+
+def test_a_folder_given_for_a_file_is_called_a_folder_not_missing(tmp_path, capsys):
+    """--config, a sweep file, a sweep's base config: a folder is "a folder, not a file"; a run given
+    as a file is "a file, not a folder"; a missing path is still "not found"."""
+    from mhar_titan.analysis.__main__ import main as analysis_main
+    from mhar_titan.experiments.__main__ import main as experiments_main
+    from mhar_titan.train import main as train_main
+
+    configs = ROOT / "train_configs"
+    with pytest.raises(ConfigError, match=f"config file {configs} is a folder, not a file; name a TOML file such as "):
+        load_config(str(configs))
+    assert train_main(["--config", str(configs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: config file {configs} is a folder, not a file") and "\n" not in err
+    assert experiments_main(["list", str(configs / "sweeps")]) == 2
+    assert f"{configs / 'sweeps'} is a folder, not a file" in capsys.readouterr().err
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f'[sweep]\nname = "s"\nbase = "{configs}"\nseeds = [1]\n[families]\nbaseline = "baseline"\n')
+    assert experiments_main(["list", str(sweep)]) == 2
+    assert f"base config {configs} is a folder, not a file" in capsys.readouterr().err
+    a_file = tmp_path / "metrics.jsonl"
+    a_file.write_text("{}\n")
+    assert analysis_main(["compare", str(a_file)]) == 2
+    assert f"{a_file} is a file, not a folder: pass a run folder" in capsys.readouterr().err
+    assert analysis_main(["heatmap", str(a_file)]) == 2
+    assert f"{a_file} is a file, not a folder; pass a run folder" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.toml"))

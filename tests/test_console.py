@@ -187,3 +187,32 @@ def test_tensorboard_tags_are_grouped():
     assert [tensorboard_tag(k) for k in ("loss", "grad_norm/routing", "val_loss", "mfu", "routing_entropy",
                                          "tokens_seen")] == [
         "train/loss", "train/grad_norm/routing", "val/loss", "perf/mfu", "routing/entropy", "train/tokens_seen"]
+
+
+def test_the_start_line_step_lines_and_dry_run_say_the_routing_temperature_is_on(capsys):
+    """Every routing setting off its default is named on the start line and in the dry run
+    (models.args.routing_settings); a learned temperature is on every step line too."""
+    from mhar_titan.components.performance import startup_fields
+    from mhar_titan.config import load_config
+    from mhar_titan.dryrun import main as dryrun_main
+    from mhar_titan.metrics import flops_per_token
+    from mhar_titan.models import ModelArgs, Transformer
+    from mhar_titan.models.args import resolve_model_args, routing_settings
+
+    attnres = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=1)
+    assert routing_settings(attnres) == [] and routing_settings(ModelArgs.from_flavor("debug")) == []
+    tau = ModelArgs.from_flavor("debug", residual="attn_res", routing_heads=1, routing_logit_scale="match_heads:8",
+                                routing_null_source=True)
+    assert routing_settings(tau) == ["routing_null_source=True", "routing_logit_scale=match_heads:8 (x0.354)"]
+    config = str(ROOT / "train_configs" / "debug_attnres.toml")
+    cfg = load_config(config, ["--model.routing_temperature=learned", "--model.routing_logit_scale=0.5"])
+    args = resolve_model_args(cfg.model, cfg.training.seq_len)
+    with torch.device("meta"):
+        model = Transformer(args)
+    fields = startup_fields(cfg, args, model, 1, torch.device("cpu"), 8, 1, flops_per_token(args, 64))
+    assert fields[-2:] == ["routing_logit_scale=0.5", "routing_temperature=learned"], fields
+    step = console.step_fields({"loss": 5.0, "lr": 1e-3, "routing_temperature_mean": 0.93,
+                                "routing_temperature_min": 0.812, "routing_temperature_max": 1.05}, None)
+    assert "temp 0.93 (0.812-1.05)" in step
+    assert dryrun_main(["--config", config, "--model.routing_temperature=learned", "--device", "cpu"]) == 0
+    assert "routing settings: routing_temperature=learned" in capsys.readouterr().out.splitlines()

@@ -55,10 +55,12 @@ def _jobs(command: str) -> list[tuple[str, object]]:
     if words[:2] == ["bash", "scripts/toy_midtrain.sh"]:  # its base model and its two arms, as the script runs them
         assigned = shlex.split(command, comments=True)
         env = dict(a.split("=", 1) for a in assigned[:assigned.index("bash")])
-        base = load_config("train_configs/debug_baseline.toml", [f"--training.steps={env.get('BASE_STEPS', 200)}",
+        out = f"--job.dump_folder={env.get('OUT', 'outputs')}"  # and the job names, as the script passes them
+        base = load_config("train_configs/debug_baseline.toml", [out, "--job.name=toy_base",
+                                                                  f"--training.steps={env.get('BASE_STEPS', 200)}",
                                                                   *shlex.split(env.get("BASE_ARGS", ""))])
         arms = [(f"{command} [{arm}]", load_config(f"train_configs/toy_midtrain_{arm}.toml",
-                                                  shlex.split(env.get("ARM_ARGS", ""))))
+                                                  [out, f"--job.name=toy_{arm}", *shlex.split(env.get("ARM_ARGS", ""))]))
                 for arm in ("plain", "delta_mhar")]
         return [(f"{command} [base]", base), *arms]
     if words[:4] == ["python", "-m", "mhar_titan.experiments", "run"]:
@@ -66,8 +68,11 @@ def _jobs(command: str) -> list[tuple[str, object]]:
         from mhar_titan.experiments.sweep import load_sweep
 
         sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
-        sweep = load_sweep(ROOT / words[4], _settings(sets))
-        return [(f"{command} [{run.name}]", run.config) for run in sweep.runs]
+        dump = next((words[i + 1] for i, w in enumerate(words) if w == "--dump-folder"), None)
+        only = words[words.index("--only") + 1:] if "--only" in words else None
+        only = only[:next((i for i, w in enumerate(only) if w.startswith("-") or w == "&"), len(only))] if only else None
+        sweep = load_sweep(ROOT / words[4], _settings(sets), dump)
+        return [(f"{command} [{run.name}]", run.config) for run in sweep.runs if only is None or run.name in only]
     return []
 
 
@@ -91,7 +96,7 @@ def test_every_documented_training_runs_without_a_schedule_warning(monkeypatch):
     # the walk found the README's tour, its first look and a sweep (a broken walk would check nothing)
     names = " ".join(what for _, what, _ in trainings)
     assert "tour_baseline" in names and "tour_muon" in names and "debug_mixture" in names
-    assert 'make train ARGS="--training.steps=30' in names and "experiments run" in names
+    assert 'make train ARGS="--job.name=first_look --training.steps=30' in names and "experiments run" in names
     assert "BASE_STEPS=12" in names and "toy_midtrain.sh [delta_mhar]" in names
     warned = [f"{doc}: {what}: {w}" for doc, what, cfg in trainings
               for w in schedule_warnings(cfg.lr_scheduler, cfg.training.steps)]
@@ -104,3 +109,38 @@ def test_the_check_sees_the_warning_the_tour_printed(steps, warmup, warns):
     cfg = load_config(str(ROOT / "train_configs/debug_baseline.toml"),
                       [f"--training.steps={steps}", f"--lr_scheduler.warmup_steps={warmup}"])
     assert bool(schedule_warnings(cfg.lr_scheduler, cfg.training.steps)) is warns
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The keys (section.key) in which two ``JobConfig.to_dict()`` trees differ."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_no_documented_command_changes_what_a_later_one_trains(monkeypatch):
+    """A short first look must not change what the next documented command does: two documented
+    trainings of one run folder may differ in training.steps only (the later one resumes and
+    continues the earlier one's schedule, as the README's resume section does), and the quickstart's
+    folder, whose losses the README documents, is trained by the quickstart's config alone."""
+    monkeypatch.chdir(ROOT)
+    by_folder: dict[str, list] = {}
+    for doc, what, cfg in _documented_trainings():
+        by_folder.setdefault(f"{cfg.job.dump_folder.rstrip('/')}/{cfg.job.name}", []).append((doc, what, cfg))
+    quickstart = load_config(MAKE_DEFAULT_CONFIG).to_dict()
+    clashes = []
+    for folder, trainings in by_folder.items():
+        first_doc, first, cfg = trainings[0]
+        for doc, what, other in trainings[1:]:
+            differ = [k for k in _differences(cfg.to_dict(), other.to_dict()) if k != "training.steps"]
+            if differ:
+                clashes.append(f"{folder}: {first_doc}: {first!r} and {doc}: {what!r} differ in {differ}")
+        for doc, what, other in trainings:
+            if folder.endswith("/debug_mhar") and _differences(quickstart, other.to_dict()):
+                clashes.append(f"{folder}, the quickstart's folder: {doc}: {what!r} trains another config there")
+    assert not clashes, "\n".join(clashes)

@@ -224,3 +224,14 @@ def test_a_run_folder_that_does_not_exist_lists_the_run_folders_beside_it(tmp_pa
                               f"or one of its checkpoints/step-N folders; run folders in {tmp_path}: baseline_b, mhar_a")
     with pytest.raises(FileNotFoundError, match=r"step-N folders$"):
         load_run(tmp_path / "nowhere" / "debug_mhar")
+
+
+def test_few_examples_warns_of_every_task_below_the_minimum():
+    from mhar_titan.eval.tasks import MIN_EXAMPLES, few_examples
+
+    results = {"n-samples": {"small": {"original": 8, "effective": 8}, "limited": {"original": 400, "effective": 20},
+                             "enough": {"original": 400, "effective": MIN_EXAMPLES}}}
+    warnings = few_examples(results)
+    assert [w.split()[0] for w in warnings] == ["small", "limited"]
+    assert "scored 20 examples" in warnings[1] and "+/-0.22 (95%)" in warnings[1]
+    assert few_examples({}) == []

@@ -105,4 +105,19 @@ def test_the_command_refuses_bad_task_options_before_loading(tmp_path, capsys):
     assert eval_main(["lm-eval", str(run), "--tasks", "shakespeare_choice", "--log-samples"]) == 2
     assert "--log-samples writes the samples under --output-path" in capsys.readouterr().err
     assert eval_main(["lm-eval", str(run), "--tasks", "x", "--include-path", str(tmp_path / "nowhere")]) == 2
-    assert "is not a folder of lm-eval task YAML files" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--include-path {tmp_path / 'nowhere'} not found: pass a folder of lm-eval task YAML files" in err
+
+
+def test_a_task_too_small_to_tell_models_apart_is_warned(tmp_path, monkeypatch, capsys):
+    """shakespeare_choice has 8 examples (its accuracy prints 0 +/- 0 or 0.25 +/- 0.16): the command
+    warns in one line."""
+    monkeypatch.chdir(ROOT)
+    checkpoint = save_model_dcp(trained_like_debug(dict(FAMILIES["baseline"]), 384), tmp_path / "run" / "checkpoints"
+                                / "step-0", tokenizer="bytes")
+    assert eval_main(["lm-eval", str(checkpoint), "--tasks", "shakespeare_choice", "--include-path", "eval_tasks"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert warned == ["python -m mhar_titan.eval lm-eval: warning: shakespeare_choice scored 8 examples, too few to tell "
+                      "models apart: an accuracy from 8 examples is uncertain by up to +/-0.35 (95%), and its stderr is "
+                      "0 whenever every example agrees; score at least 100 (a larger limit, or a larger task such as "
+                      "shakespeare_next_line, 400 examples)"]  # enough examples, no warning: test_eval.py

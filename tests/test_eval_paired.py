@@ -237,3 +237,22 @@ def test_an_exported_folder_pairs_with_its_checkpoint_answer_for_answer(tmp_path
     assert (row["n"], row["a_only"], row["b_only"], row["p_value"]) == (8, 0, 0, 1.0)
     assert row["a"] == row["b"] and (row["ci_low"], row["ci_high"]) == (0.0, 0.0)
     assert "llama" in capsys.readouterr().out
+
+
+def test_an_earlier_comparison_is_kept_unless_asked(tmp_path, capsys):
+    """paired's output folder (default paired_eval/) holding an earlier comparison: refused before
+    anything is loaded, naming --overwrite and --output-path; the files are untouched."""
+    from mhar_titan.eval.__main__ import main as eval_main
+
+    out = tmp_path / "paired"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "results_2026-01-01T00-00-00.json").write_text("{}")
+    (out / "paired.json").write_text('{"rows": []}\n')
+    for run in ("run_a", "run_b"):  # run folders (not scored ones): their results would go to a/ and b/
+        (tmp_path / run).mkdir()
+    assert eval_main(["paired", str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--tasks", "x",
+                      "--output-path", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"python -m mhar_titan.eval paired: error: {out / 'paired.json'} already exists (and 1 "
+                          "more of its outputs)") and "--overwrite" in err and "--output-path DIR" in err
+    assert (out / "paired.json").read_text() == '{"rows": []}\n' and len(list((out / "a").iterdir())) == 1

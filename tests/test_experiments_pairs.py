@@ -3,6 +3,7 @@ paired difference B - A (table, printed rows, the figure's difference panel with
 seeds), the arms named in the results and in `analysis compare`, and the learned routing
 temperature's trajectory plotted against the fixed scales."""
 import json
+import math
 
 import pytest
 
@@ -98,8 +99,17 @@ def test_pairs_are_tabulated_seed_by_seed_and_printed_with_the_arms(tmp_path, ca
     assert "![learned routing temperature against tokens](routing_temperature.png)" in written
     assert {p.name for p in out.iterdir()} == {"RESULTS.md", "loss_vs_tokens.png", "routing_temperature.png"}
 
-    # --pair replaces the sweep's pairs; a pair naming no family is refused before anything is written
-    assert experiments_main(["results", str(sweep.path), "--out", str(out), "--pair", "mhar", "mhar_learned"]) == 0
+    # --pair replaces the sweep's pairs (in the same folder: only with --overwrite); a pair naming no
+    # family is refused before anything is written
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert experiments_main(["results", str(sweep.path), "--out", str(out), "--pair", "mhar", "mhar_learned"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"python -m mhar_titan.experiments results: error: {out / 'RESULTS.md'} already exists (and 2 more "
+                   "of its outputs): it holds the results of an earlier run of this command, which are kept (nothing "
+                   "was written); pass --overwrite to replace them, or --out DIR to write elsewhere")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert experiments_main(["results", str(sweep.path), "--out", str(out), "--pair", "mhar", "mhar_learned",
+                             "--overwrite"]) == 0
     text = (out / "RESULTS.md").read_text()
     assert "| mhar_learned - mhar | - | 3 | -0.0833 | 0.0167 | yes |" in text and "attnres_tau - attnres" not in text
     capsys.readouterr()
@@ -133,10 +143,16 @@ def test_the_difference_panel_draws_any_pair_with_its_seed_band(tmp_path):
     fig = plot_comparison(curves, rows, tmp_path / "p.png", pairs=[("attnres", "attnres_tau"), ("mhar", "baseline")])
     diff_ax = fig.axes[2]
     tau_line, base_line, zero = diff_ax.lines
-    assert [t.get_text() for t in diff_ax.get_legend().get_texts()] == [
-        "attnres_tau - attnres, 3 paired seeds, +/- 1 SE", "baseline - mhar, 3 paired seeds, +/- 1 SE",
-        "0 (no difference)"]
-    assert diff_ax.get_title() == "validation loss, B - A" and list(zero.get_ydata()) == [0, 0]
+    legend, = fig.legends  # one legend, below the panels
+    assert [t.get_text() for t in legend.get_texts()][-3:] == [
+        "attnres_tau - attnres (difference panel), 3 paired seeds",
+        "baseline - mhar (difference panel), 3 paired seeds",
+        "0 = no difference"]
+    assert diff_ax.get_title() == "validation loss, B - A\n(band +/- 1 SE over paired seeds)"
+    assert list(zero.get_ydata()) == [0, 0]
+    # B - A in B's colour: the colour B's own loss curves have in the panels above
+    val_colors = {name: line.get_color() for name, line in zip([c.name for c in curves], fig.axes[1].lines)}
+    assert tau_line.get_color() == val_colors["attnres_tau"] and base_line.get_color() == val_colors["baseline"]
     for line, (a, b) in ((tau_line, ("attnres", "attnres_tau")), (base_line, ("mhar", "baseline"))):
         assert list(line.get_xdata()) == [step * TOKENS_PER_STEP for step in (1, 2, 3, 4)]
         for k in range(4):
@@ -171,8 +187,14 @@ def test_the_learned_temperature_is_plotted_against_the_fixed_scales(tmp_path):
     band = ax.collections[0].get_paths()[0].vertices
     assert band[:, 1].min() == pytest.approx(0.4) and band[:, 1].max() == pytest.approx(1.2)
     assert list(tau_level.get_ydata()) == pytest.approx([8 ** -0.5] * 2) and list(one_level.get_ydata()) == [1.0, 1.0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+    legend, = fig.legends  # below the panel
+    assert [t.get_text() for t in legend.get_texts()] == [
         "mhar_learned, 3 seeds", "fixed 0.354: attnres_tau", "fixed 1: attnres, mhar"]
+    # the learned arm has the colour it has in the loss figure of the same curves
+    loss = plot_comparison(list(curves.values()), comparison_table(list(curves.values()), "baseline", 2),
+                           tmp_path / "p.png")
+    assert mean_line.get_color() == loss.axes[1].lines[list(curves).index("mhar_learned")].get_color()
+    pyplot().close(loss)
     pyplot().close(fig)
     with pytest.raises(ValueError, match="no run logged a learned routing temperature"):
         plot_temperatures([curves["mhar"]], tmp_path / "none.png")
@@ -206,3 +228,41 @@ def test_analysis_compare_names_the_arms_tabulates_pairs_and_plots_the_temperatu
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m mhar_titan.analysis compare: error: --pair: 'attnres_s9' is none of")
     assert "\n" not in err and not (tmp_path / "never").exists()
+
+
+def test_results_report_the_share_of_the_mhar_gap_the_temperature_recovers(tmp_path, capsys):
+    """attnres_tau (the single head at 1/sqrt(8)) recovers, seed by seed, X = tau - attnres of the
+    gap Y = mhar - attnres: the share mean(X) / mean(Y) with its delta-method SE over the seeds."""
+    from mhar_titan.experiments.results import temperature_families, temperature_shares
+
+    sweep = constructed_sweep(tmp_path)
+    assert temperature_families(sweep) == [("attnres_tau", "attnres", "mhar")]  # mhar_learned has 8 heads
+    x = [tail(VAL["attnres_tau"][s]) - tail(VAL["attnres"][s]) for s in SEEDS]
+    y = [tail(VAL["mhar"][s]) - tail(VAL["attnres"][s]) for s in SEEDS]
+    assert x == pytest.approx([-0.2, -0.1, -0.1]) and y == pytest.approx([-0.2, -0.2, -0.1])
+    n, mx, my = 3, sum(x) / 3, sum(y) / 3
+    r = mx / my
+    var = lambda a, m: sum((v - m) ** 2 for v in a) / (n - 1)  # noqa: E731
+    cov = sum((a - mx) * (b - my) for a, b in zip(x, y)) / (n - 1)
+    se = math.sqrt((var(x, mx) - 2 * r * cov + r * r * var(y, my)) / n) / abs(my)
+    assert (r, se) == (pytest.approx(0.8), pytest.approx(0.18330, abs=1e-5))
+    share, = temperature_shares(sweep, collect(sweep)[0])
+    assert (share.arm, share.reference, share.target, share.seeds) == ("attnres_tau", "attnres", "mhar", 3)
+    assert (share.gap, share.recovered) == (pytest.approx(my), pytest.approx(mx))
+    assert (share.share, share.share_se) == (pytest.approx(r), pytest.approx(se)) and share.resolved
+    out = tmp_path / "results"
+    assert experiments_main(["results", str(sweep.path), "--out", str(out)]) == 0
+    for text in (capsys.readouterr().out, (out / "RESULTS.md").read_text()):
+        assert ("| attnres_tau | attnres | mhar | - | 3 | -0.1667 | 0.0333 | -0.1333 | 0.0333 | 80% | 18% |  |"
+                in text)
+
+
+def test_an_unresolved_gap_is_flagged_and_one_seed_has_no_band():
+    from mhar_titan.experiments.results import ShareResult, _share
+
+    assert _share([0.1], [0.2]) == (pytest.approx(0.5), None)
+    assert _share([0.1, 0.1], [0.0, 0.0]) == (None, None)  # no gap: no share
+    r, se = _share([-0.01, 0.02, 0.0], [0.01, -0.01, 0.02])
+    assert r == pytest.approx((0.01 / 3) / (0.02 / 3)) and se > 1  # a gap within its noise: a huge SE
+    gap, gap_se = mean_and_se([0.01, -0.01, 0.02])
+    assert not ShareResult("t", "r", "m", "", 3, gap, gap_se, 0.0, 0.0, r, se).resolved

@@ -93,6 +93,8 @@ def test_results_command_writes_the_same_bytes_twice(tmp_path):
         p.unlink()
     assert experiments_main(["results", str(sweep.path), "--out", str(out)]) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    assert experiments_main(["results", str(sweep.path), "--out", str(out), "--overwrite"]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     write_results(sweep, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
 
@@ -139,16 +141,18 @@ def test_the_study_plot_draws_the_seed_mean_with_a_standard_error_band_at_column
     ys = band.get_paths()[0].vertices[:, 1]
     step3 = mean_and_se([VAL[f"mhar_h4_s{s}"][2] - VAL[f"baseline_s{s}"][2] for s in (1, 2, 3)])  # -2.0 +/- 2.0
     assert step3 == (pytest.approx(-2.0), pytest.approx(2.0)) and ys.min() == pytest.approx(-4.0)
-    # legends in every panel, named for the runs
-    for ax in (train_ax, val_ax):
-        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["baseline, 3 seeds", "mhar_h4, 3 seeds"]
-    assert [t.get_text() for t in diff_ax.get_legend().get_texts()] == ["mhar_h4, 3 paired seeds, +/- 1 SE",
-                                                                       "baseline"]
-    assert diff_ax.get_title() == "validation loss minus baseline's" and diff_ax.get_xlabel() == "tokens"
+    # one legend, below the panels, named for the runs; each family one colour in every panel
+    legend, = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["baseline, 3 seeds", "mhar_h4, 3 seeds"]
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    assert train_ax.lines[1].get_color() == val_ax.lines[1].get_color() == diff_line.get_color()
+    assert train_ax.lines[0].get_color() == zero.get_color() != diff_line.get_color()  # 0 = the baseline
+    assert diff_ax.get_title() == "validation loss minus baseline's\n(band +/- 1 SE over paired seeds)"
+    assert diff_ax.get_xlabel() == "tokens seen"
     width = fig.get_size_inches()[0]
     texts = [t for ax in fig.axes for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title, ax.xaxis.label,
                                             ax.yaxis.label) if t.get_text()]
-    texts += [t for ax in fig.axes for t in ax.get_legend().get_texts()]
+    texts += list(legend.get_texts())
     assert width <= 3.5 + 1e-9 and min(t.get_fontsize() for t in texts) * 3.5 / width >= 8
     pyplot().close(fig)
     # a single run has no band; the byte tokenizer's losses are drawn in bits per byte

@@ -199,3 +199,47 @@ def _torchrun(argv, exit_dir):
                              "tests/ckpt_train_entry.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "CKPT_EXIT_DIR": str(exit_dir), "OMP_NUM_THREADS": "1"})
+
+
+# --- every folder the run writes is checked at start; a save that fails later is not "done" -------------
+
+@pytest.mark.parametrize("setting, flags, blocked", [
+    ("checkpoint.folder", ["--checkpoint.enable=true"], "checkpoints"),
+    ("metrics.jsonl_file's folder", ["--metrics.jsonl_file=logs/metrics.jsonl"], "logs"),
+    ("metrics.save_tb_folder", ["--metrics.enable_tensorboard=true"], "tb"),
+    ("the wandb folder (metrics.enable_wandb)", ["--metrics.enable_wandb=true"], "wandb"),
+    ("profiling.save_traces_folder", ["--profiling.enable_profiling=true"], "profile_traces"),
+    ("profiling.save_memory_snapshot_folder", ["--profiling.enable_memory_snapshot=true"], "memory_snapshot"),
+])
+def test_an_unwritable_output_folder_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys, setting,
+                                                                          flags, blocked):
+    """A regular file where the run would write a folder (the check a read-only folder fails too):
+    exit 2 on every rank, one line naming the setting, before the model is built and before any step."""
+    built = []
+    real_build = train_module.build_model
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / blocked).write_text("not a folder\n")
+    assert main(debug_argv(tmp_path, "run", *TINY, "--training.steps=2", *flags)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"{setting}: {run / blocked}" in err[0] and "is a regular file" in err[0], err
+    assert built == [] and not (run / "metrics.jsonl").exists()
+
+
+def test_a_save_that_fails_later_stops_the_run_without_a_done_summary(tmp_path, capsys):
+    """A file where step 2's checkpoint goes (found only when step 2 saves): the summary's first line
+    says the run stopped and why, then one error line; exit 2; the stray file is left alone."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-2").write_text("a stray file\n")
+    argv = debug_argv(tmp_path, "run", *TINY, "--training.steps=3", "--checkpoint.enable=true",
+                      "--checkpoint.interval=2")
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    summary = [line for line in out.splitlines() if " | stopped " in line or " | done " in line]
+    assert len(summary) == 1 and summary[0].startswith("step 2/3 | stopped (CheckpointSaveError, below) | 2 steps")
+    err = [line for line in err.splitlines() if line.strip() and not line.startswith(("ERROR", "WARNING"))]
+    assert err[-1].startswith("training stopped: CheckpointSaveError: checkpoint ") and "move it away" in err[-1]
+    assert (run / "checkpoints" / "step-2").read_text() == "a stray file\n"
+    assert read_exit_status(run / "exit_status")["status"] == "bad_input"

@@ -152,3 +152,42 @@ def test_stop_signal_to_the_process_group_leaves_loader_workers_serving(sig):
     assert proc.returncode == 0, err[-3000:]
     assert out.startswith(f"finished the step after {sig.name} at batch "), err[-3000:]
     assert "DataLoader worker" not in err
+
+
+@pytest.mark.slow  # a training process and two signals
+def test_a_second_ctrl_c_aborts_train_py_in_one_line_naming_what_was_saved(tmp_path):
+    """The second Ctrl-C (sent once the first one's notice is printed, while the step it finishes
+    runs) ends train.py without saving, in one line naming the newest complete checkpoint, not a
+    traceback; the process dies of SIGINT as Python's own abort does, and the run folder is unlocked."""
+    argv = debug_argv(tmp_path, "abort", "--training.steps=500", "--checkpoint.enable=true",
+                      "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0", "--training.local_batch_size=16",
+                      "--training.seq_len=128")  # a step of seconds: the second Ctrl-C lands inside it
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run = tmp_path / "abort"
+    deadline = time.monotonic() + PATIENCE_S
+    while not any(is_complete(p) for p in step_folders(run / "checkpoints").values()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    lines = []
+    for line in proc.stdout:  # the event: the first Ctrl-C's notice
+        lines.append(line)
+        if "press Ctrl-C again to abort without saving" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out = "".join(lines) + proc.stdout.read()
+    proc.wait(timeout=PATIENCE_S)
+    assert proc.returncode == -signal.SIGINT, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    aborted = [line for line in out.splitlines() if line.startswith("training aborted")]
+    newest = max(s for s, p in step_folders(run / "checkpoints").items() if is_complete(p))
+    assert aborted == [f"training aborted at step {aborted[0].split()[4]} (Ctrl-C): nothing more was saved; the "
+                       f"newest complete checkpoint is {run / 'checkpoints' / f'step-{newest}'}: the same command "
+                       f"resumes from step {newest}"], out[-2000:]
+    from mhar_titan.components.run_folder import RunFolder
+    from mhar_titan.config import load_config
+
+    folder = RunFolder(load_config(None, argv))
+    folder.lock()  # the aborted run let go of it
+    folder.unlock()

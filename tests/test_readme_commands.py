@@ -263,8 +263,11 @@ def quickstart_script(block: Block, readme: str) -> str:
         words = words_of(command)
         if words[:2] == ["make", "train"]:
             setup = re.search(r"^train:\s*(.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1).split()
+            # the first look trains a folder of its own; shrunk to it, the quickstart stays in its folder, which
+            # the README's later examples read (outputs/debug_mhar)
+            args = re.sub(r"--job\.name=\S+\s*", "", shown.group(1))
             lines.append(shlex.join(["make", *[f"--assume-old={t}" for t in setup], *words[1:], "PY=python",
-                                     f"ARGS={shown.group(1)}"]))
+                                     f"ARGS={args}"]))
         else:
             assert words[:2] == ["make", "test"], f"{block}: an unexpected quickstart command {command!r}"
     return "\n".join(lines) + "\n"

@@ -642,3 +642,37 @@ def test_checkpoints_from_before_the_keys_keep_their_fingerprint():
                                           routing_temperature="learned").args, "gpt2")["model_args"]
     # the scale recorded is the one the setting means (1/sqrt(8)), whatever its spelling
     assert (scaled["routing_logit_scale"], scaled["routing_temperature"]) == (1 / math.sqrt(8), "learned")
+
+
+def test_the_learned_temperature_per_site_is_read_from_the_checkpoint_and_drawn(trained, tmp_path):
+    """analysis compare of the fixed-scale and the learned run draws temperature_sites: the learned
+    run's exp(log_temperature) at its newest checkpoint, site by site (mean over heads, band from the
+    least to the largest head), read without building the model; the fixed run is a grey level."""
+    from mhar_titan.analysis.__main__ import main as analysis_main
+    from mhar_titan.analysis.compare import read_run
+    from mhar_titan.analysis.plots import pyplot
+    from mhar_titan.analysis.temperature import plot_site_temperatures, read_site_temperatures, site_temperatures
+    from mhar_titan.convert.dcp_io import load_model_dcp
+
+    import numpy as np
+
+    step, values = read_site_temperatures(trained / "learned")
+    model = load_model_dcp(trained / "learned" / "checkpoints" / f"step-{TRAIN_STEPS}")
+    expected = model.routing.log_temperature.detach().double().exp().numpy()
+    assert step == TRAIN_STEPS and values.shape == (model.args.n_routing_sites, 1)
+    assert np.array_equal(values, expected) and values.std() > 0  # the sites moved apart
+    assert read_site_temperatures(trained / "match") is None  # a fixed scale learns nothing
+    runs = [read_run(trained / "match"), read_run(trained / "learned")]
+    sites, = site_temperatures(runs)
+    assert sites.name == "learned" and sites.steps == (TRAIN_STEPS,) and np.array_equal(sites.values[0], expected)
+    fig = plot_site_temperatures([sites], runs, tmp_path / "sites.png")
+    curve, level = fig.axes[0].lines
+    assert list(curve.get_ydata()) == pytest.approx(expected.mean(axis=1).tolist())
+    assert list(level.get_ydata()) == pytest.approx([8 ** -0.5] * 2)
+    assert fig.axes[0].get_xticklabels()[-1].get_text() == "final"
+    pyplot().close(fig)
+    out = tmp_path / "cmp"
+    assert analysis_main(["compare", str(trained / "match"), str(trained / "learned"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.md", "loss_vs_tokens.png", "routing_temperature.png",
+                                                      "temperature_sites.png"]
+    assert "](temperature_sites.png)" in (out / "comparison.md").read_text()

@@ -176,9 +176,11 @@ def test_run_command_keeps_argparse_errors_and_a_string_status():
     assert (done.returncode, done.stderr) == (1, "cmd: bad input\n")
 
 
-def test_run_command_lets_an_interrupt_and_other_errors_through():
-    done = _run_main("def main():\n    raise KeyboardInterrupt")
-    assert done.returncode == -signal.SIGINT and "KeyboardInterrupt" in done.stderr
+def test_run_command_ends_an_interrupt_in_one_line_and_lets_other_errors_through():
+    done = _run_main("def main():\n    raise KeyboardInterrupt")  # Ctrl-C: one line, then death by SIGINT
+    assert done.returncode == -signal.SIGINT and done.stderr == "-c: interrupted (Ctrl-C)\n"
+    done = _run_main("from mhar_titan.cli_args import Interrupted\ndef main():\n    raise Interrupted('x aborted')")
+    assert done.returncode == -signal.SIGINT and done.stderr == "x aborted\n"
     done = _run_main("def main():\n    raise BrokenPipeError('a socket, not stdout')")
     assert done.returncode == 1 and "BrokenPipeError: a socket, not stdout" in done.stderr
 

@@ -32,7 +32,7 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from mhar_titan.analysis.plots import new_figure, save_figure
-from mhar_titan.errors import ConfigError
+from mhar_titan.errors import ConfigError, missing_path
 
 # [data] keys that do not change which tokens a step sees (workers, caches, retries, resume permissions).
 _ORDER_NEUTRAL_DATA_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "hub_retries", "hub_retry_backoff_s",
@@ -183,6 +183,8 @@ def run_metrics(path: pathlib.Path) -> tuple:
     from mhar_titan.eval.load import read_run_config
     from mhar_titan.metrics import read_jsonl_rows
 
+    if not path.is_dir():
+        raise FileNotFoundError(f"{missing_path(path, 'folder')}: pass a run folder (<dump_folder>/<job.name>)")
     cfg = read_run_config(path)
     metrics = path / (cfg.metrics.jsonl_file if cfg is not None else "metrics.jsonl")
     if not metrics.is_file():
@@ -247,12 +249,17 @@ BYTE_TOKENIZER = "bytes"
 """``data.tokenizer`` of the byte-level tokenizer: one target token per byte."""
 
 
+NATS_PER_TOKEN = ("nats per token", 1.0)
+"""The unit the trainer logs losses in: (name, factor from nats per token)."""
+
+
 def loss_unit(runs: Sequence[RunCurves]) -> tuple[str, float]:
-    """(axis label, factor from nats per token) of the runs' losses: bits per byte when every
-    run uses the byte tokenizer (a token is a byte: nats / ln 2), else nats per token."""
+    """(unit name, factor from nats per token) of the runs' losses: bits per byte when every
+    run uses the byte tokenizer (a token is a byte: nats / ln 2), else nats per token. The one
+    unit of a command's figures and tables (axis labels, table headers)."""
     if runs and all(r.tokenizer == BYTE_TOKENIZER for r in runs):
         return "bits per byte", 1.0 / math.log(2.0)
-    return "nats per token", 1.0
+    return NATS_PER_TOKEN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,12 +394,14 @@ def pair_rows(runs: Sequence[RunCurves], pairs, k: int = 11) -> list[PairRow]:
     return rows
 
 
-def pairs_markdown(rows: Sequence[PairRow], k: int) -> str:
-    """The pair rows as a Markdown table (B - A, both tail means' evaluations, paired)."""
-    lines = [f"| B - A | tail-mean difference (last {k}) | evals (A, B) | paired |", "|---|---:|---|---|"]
+def pairs_markdown(rows: Sequence[PairRow], k: int, unit: tuple[str, float] = NATS_PER_TOKEN) -> str:
+    """The pair rows as a Markdown table (B - A, both tail means' evaluations, paired), in ``unit``
+    (``loss_unit`` of the runs: the unit the plot draws)."""
+    name, scale = unit
+    lines = [f"| B - A | tail-mean difference (last {k}, {name}) | evals (A, B) | paired |", "|---|---:|---|---|"]
     for r in rows:
         paired = {True: "yes", False: f"no ({r.unpaired})", None: "unknown"}[r.paired]
-        lines.append(f"| {r.b} - {r.a} | {r.delta:+.4f} | {r.evals[0]}, {r.evals[1]} | {paired} |")
+        lines.append(f"| {r.b} - {r.a} | {r.delta * scale:+.4f} | {r.evals[0]}, {r.evals[1]} | {paired} |")
     return "\n".join(lines) + "\n"
 
 
@@ -402,15 +411,17 @@ def short_tails(rows: Sequence[TableRow]) -> list[str]:
             f"{'those' if r.evals else 'none (NaN)'}" for r in rows if r.evals < r.k]
 
 
-def table_markdown(rows: Sequence[TableRow], k: int) -> str:
-    """The table as Markdown; runs with fewer than k evaluations and unpaired runs are noted under it."""
-    lines = [f"| run | tail-mean val loss (last {k}) | evals | delta vs baseline | paired | arm |",
+def table_markdown(rows: Sequence[TableRow], k: int, unit: tuple[str, float] = NATS_PER_TOKEN) -> str:
+    """The table as Markdown, losses in ``unit`` (``loss_unit`` of the runs: the unit the plot
+    draws); runs with fewer than k evaluations and unpaired runs are noted under it."""
+    name, scale = unit
+    lines = [f"| run | tail-mean val loss (last {k}, {name}) | evals | delta vs baseline | paired | arm |",
              "|---|---:|---:|---:|---|---|"]
     for r in rows:
-        delta = "baseline" if r.baseline else f"{r.delta:+.4f}"
+        delta = "baseline" if r.baseline else f"{r.delta * scale:+.4f}"
         paired = "-" if r.baseline else {True: "yes", False: f"no ({r.unpaired})", None: "unknown"}[r.paired]
         evals = f"{r.evals} of {k}" if r.evals < k else str(r.evals)
-        lines.append(f"| {r.name} | {r.tail_mean:.4f} | {evals} | {delta} | {paired} | {r.arm or 'unknown'} |")
+        lines.append(f"| {r.name} | {r.tail_mean * scale:.4f} | {evals} | {delta} | {paired} | {r.arm or 'unknown'} |")
     notes = short_tails(rows)
     if any(r.paired is False for r in rows):
         notes.append("an unpaired delta compares runs that did not see the same tokens for the same steps")
@@ -447,129 +458,162 @@ def plot_comparison(runs: Sequence[RunCurves], rows: Sequence[TableRow], path: s
                     dpi: int = 200, ylim: Optional[tuple[float, float]] = None,
                     diff_ylim: Optional[tuple[float, float]] = None, pairs: Sequence[tuple[str, str]] = ()):
     """Three panels against tokens, drawn at a paper's column width (`heatmap.COLUMN_WIDTH_IN`,
-    fonts `heatmap.FONT_PT`), one colour per run: training loss (top), validation loss
-    (middle), each with a legend marking the baseline, the runs paired with it and the seed
-    counts; and the difference to the baseline, validation loss B - A for every other run
-    (`val_difference`: paired seed by seed for seed means, with a band of -/+ one standard
-    error over the seeds; 0 = the baseline, below = lower loss), with its own legend. Curves
-    averaged over seeds get a band of -/+ one standard error. Loss unit: `loss_unit` (bits per
-    byte for the byte tokenizer).
+    fonts `heatmap.FONT_PT`), one colour per arm (`colors.curve_styles`: the same arm has the same
+    colour in every panel and every figure; curves of one arm differ in line style): training loss
+    (top), validation loss (middle), and the difference to the baseline, validation loss B - A for
+    every other run in the run's own colour and style (`val_difference`: paired seed by seed for
+    seed means, with a band of -/+ one standard error over the seeds; 0 = the baseline, drawn in
+    the baseline's colour; below = lower loss). Curves averaged over seeds get a band of -/+ one
+    standard error. One legend below the panels (over no data) names each run, marking the
+    baseline, the runs paired with it and the seed counts. Loss unit: `loss_unit` (bits per byte
+    for the byte tokenizer), on every y axis; the x axis is tokens seen.
 
     Args:
         ylim: (low, high) of both loss panels in that unit, e.g. to draw several comparisons on
             the same range (default: each panel's own).
         diff_ylim: (low, high) of the difference panel (default: its own range).
         pairs: (A, B) run names: the difference panel draws B - A for each pair instead
-            (``val_difference(B, A)``, with its band over paired seeds), e.g. MHAR H = 8 minus
-            the temperature-matched single head; 0 = no difference.
+            (``val_difference(B, A)``, with its band over paired seeds), in B's colour (a second pair
+            with the same B in another line style), each named in the legend; 0 = no difference
+            (a grey line: it stands for no arm).
 
-    Saves a PNG without version metadata (the same runs give the same bytes); returns the figure.
+    Saves the figure at ``path`` (format from its suffix: ``plots.FORMATS``) without version
+    metadata (the same runs give the same bytes); returns the figure.
 
     Raises:
         ValueError: ylim or diff_ylim is not two finite numbers with low < high.
         ConfigError: a pair names no run (``run_pairs``).
     """
+    from mhar_titan.analysis.colors import LINE_STYLES, curve_styles
     from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
+    from mhar_titan.analysis.plots import legend_below
 
     ylim, diff_ylim = check_ylim(ylim), check_ylim(diff_ylim, "diff_ylim")
     chosen = run_pairs(runs, pairs)
     unit, scale = loss_unit(runs)
-    fig, (train_ax, val_ax, diff_ax) = new_figure(3, 1, panel_size=(COLUMN_WIDTH_IN, 1.75), dpi=dpi, sharex=True,
-                                                  height_ratios=(1, 1, 0.9))
+    styles = dict(zip((r.name for r in runs), curve_styles([(r.name, r.arm) for r in runs])))
     base_row = next((k for k, row in enumerate(rows) if row.baseline), 0)
     base = runs[base_row]
+    fig, (train_ax, val_ax, diff_ax) = new_figure(3, 1, panel_size=(COLUMN_WIDTH_IN, 1.75), dpi=dpi, sharex=True,
+                                                  height_ratios=(1, 1, 0.9),
+                                                  legend_lines=len(runs) + len(chosen) + bool(chosen))
+    handles, labels = [], []
     for k, (run, row) in enumerate(zip(runs, rows)):
         label = run.name + (" (baseline)" if row.baseline and run.name != "baseline" else
                             " (paired)" if row.paired and not row.baseline else "")
         label += f", {run.seeds} seeds" if run.seeds > 1 else ""
-        line, = train_ax.plot([run.tokens(s) for s, _ in run.train], [v * scale for _, v in run.train], lw=1,
-                              label=label)
-        color = line.get_color()
-        val_ax.plot([run.tokens(s) for s, _ in run.val], [v * scale for _, v in run.val], "o-",
-                    color=color, lw=1, ms=2.5, label=label)
+        color, style = styles[run.name]
+        train_ax.plot([run.tokens(s) for s, _ in run.train], [v * scale for _, v in run.train], lw=1, color=color,
+                      ls=style)
+        line, = val_ax.plot([run.tokens(s) for s, _ in run.val], [v * scale for _, v in run.val], marker="o",
+                            color=color, ls=style, lw=1, ms=2.5)
+        handles.append(line)
+        labels.append(label)
         for ax, band in ((train_ax, run.train_band), (val_ax, run.val_band)):
             if band:
                 ax.fill_between([run.tokens(s) for s, _, _ in band], [lo * scale for _, lo, _ in band],
                                 [hi * scale for _, _, hi in band], color=color, alpha=0.25, lw=0)
         if k != base_row and not chosen:
-            _plot_difference(diff_ax, run, base, run.name, scale, color)
+            _plot_difference(diff_ax, run, base, scale, color, style)
+    used: dict[str, int] = {}
     for a, b in chosen:
-        _plot_difference(diff_ax, b, a, f"{b.name} - {a.name}", scale, None)
-    diff_ax.axhline(0.0, color="k", lw=0.8, label="0 (no difference)" if chosen else
-                    base.name + ("" if base.name == "baseline" else " (baseline)"))
-    banded = " (mean, band = +/- 1 SE over seeds)" if any(r.train_band or r.val_band for r in runs) else ""
-    for ax, title in ((train_ax, "training loss" + banded), (val_ax, "validation loss" + banded),
-                      (diff_ax, "validation loss, B - A" if chosen else f"validation loss minus {base.name}'s")):
+        color = styles[b.name][0]
+        style = LINE_STYLES[used.get(color, 0) % len(LINE_STYLES)]
+        used[color] = used.get(color, 0) + 1
+        diff = _plot_difference(diff_ax, b, a, scale, color, style)
+        handles.append(diff_ax.lines[-1])
+        labels.append(f"{b.name} - {a.name} (difference panel)" + (f", {diff.seeds} paired seeds" if diff.band else ""))
+    zero = diff_ax.axhline(0.0, color=styles[base.name][0] if not chosen else NO_DIFFERENCE_COLOR, lw=0.8)
+    if chosen:
+        handles.append(zero)
+        labels.append("0 = no difference")
+    banded = any(r.train_band or r.val_band for r in runs)
+    paired_band = "\n(band +/- 1 SE over paired seeds)" if any(len(r.seed_val or ()) > 1 for r in runs) else ""
+    for ax, title in ((train_ax, "training loss" + (" (mean, band +/- 1 SE over seeds)" if banded else "")),
+                      (val_ax, "validation loss" + (" (mean, band +/- 1 SE over seeds)" if banded else "")),
+                      (diff_ax, ("validation loss, B - A" if chosen else f"validation loss minus {base.name}'s")
+                       + paired_band)):
         ax.set_title(title, fontsize=FONT_PT)
         ax.set_ylabel(f"loss ({unit})" if ax is not diff_ax else f"difference ({unit})", fontsize=FONT_PT)
         ax.tick_params(labelsize=FONT_PT)
         ax.xaxis.get_offset_text().set_fontsize(FONT_PT)
         ax.yaxis.get_offset_text().set_fontsize(FONT_PT)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=FONT_PT, frameon=False, loc="upper right" if ax is not diff_ax else "best",
-                  handlelength=1.5, labelspacing=0.25, borderaxespad=0.2)
     if ylim is not None:
         train_ax.set_ylim(*ylim)
         val_ax.set_ylim(*ylim)
     if diff_ylim is not None:
         diff_ax.set_ylim(*diff_ylim)
-    diff_ax.set_xlabel("tokens", fontsize=FONT_PT)
+    diff_ax.set_xlabel("tokens seen", fontsize=FONT_PT)
+    legend_below(fig, handles, labels, FONT_PT)
     save_figure(fig, path, dpi)
     return fig
 
 
-def _plot_difference(ax, run: RunCurves, base: RunCurves, label: str, scale: float, color) -> None:
-    """``val_difference(run, base)`` against tokens on ``ax``, with its band over paired seeds."""
+NO_DIFFERENCE_COLOR = "0.35"
+"""The difference panel's zero line when it draws pairs (grey: no arm's colour, ``colors.PALETTE``)."""
+
+
+def _plot_difference(ax, run: RunCurves, base: RunCurves, scale: float, color, style: str) -> Difference:
+    """``val_difference(run, base)`` against tokens on ``ax``, with its band over paired seeds; returns it."""
     diff = val_difference(run, base)
     x = [run.tokens(s) for s in diff.steps]
-    line, = ax.plot(x, [v * scale for v in diff.mean], "o-", color=color, lw=1, ms=2.5,
-                    label=label + (f", {diff.seeds} paired seeds, +/- 1 SE" if diff.band else ""))
+    ax.plot(x, [v * scale for v in diff.mean], marker="o", color=color, ls=style, lw=1, ms=2.5)
     if diff.band:
         ax.fill_between(x, [lo * scale for lo, _ in diff.band], [hi * scale for _, hi in diff.band],
-                        color=line.get_color(), alpha=0.25, lw=0)
+                        color=color, alpha=0.25, lw=0)
+    return diff
 
 
 def plot_temperatures(runs: Sequence[RunCurves], path: str | pathlib.Path, dpi: int = 200):
-    """The learned routing temperature against tokens, one colour per run at a paper's column
-    width: the mean over routing sites and heads (line) with their min-max range (band), and the
-    routed fixed-temperature runs' scales as grey levels, one per distinct scale naming its runs
-    (1 for plain routing, 1/sqrt(8) = 0.354 for the temperature-matched single head), so a learned
-    temperature reads against the fixed ones. The temperature is the factor every depth logit is
-    multiplied by (below 1: a flatter depth softmax). Saves a PNG without version metadata;
-    returns the figure.
+    """The learned routing temperature against tokens at a paper's column width, in each arm's
+    colour (`colors.curve_styles` over all ``runs``, as in the loss figure): the mean over routing
+    sites and heads (line) with their min-max range (band), and the routed fixed-temperature runs'
+    scales as grey levels (grey is no arm's colour), one per distinct scale naming its runs (1 for
+    plain routing, 1/sqrt(8) = 0.354 for the temperature-matched single head), so a learned
+    temperature reads against the fixed ones; the legend below the panel. The temperature is the
+    factor every depth logit is multiplied by (below 1: a flatter depth softmax). Saves the figure
+    at ``path`` (format from its suffix) without version metadata; returns the figure.
 
     Raises:
         ValueError: no run has a learned temperature (``RunCurves.temperature`` empty).
     """
+    from mhar_titan.analysis.colors import curve_styles
     from mhar_titan.analysis.heatmap import COLUMN_WIDTH_IN, FONT_PT
+    from mhar_titan.analysis.plots import legend_below
 
     learned = [r for r in runs if r.temperature]
     if not learned:
         raise ValueError("no run logged a learned routing temperature (model.routing_temperature = 'learned'): "
                          "nothing to plot")
-    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.4), dpi=dpi)
-    x_range = [min(r.tokens(t[0]) for r in learned for t in r.temperature),
-               max(r.tokens(t[0]) for r in learned for t in r.temperature)]
-    for run in learned:
-        x = [run.tokens(step) for step, *_ in run.temperature]
-        line, = ax.plot(x, [mean for _, mean, _, _ in run.temperature], lw=1,
-                        label=run.name + (f", {run.seeds} seeds" if run.seeds > 1 else ""))
-        ax.fill_between(x, [lo for _, _, lo, _ in run.temperature], [hi for _, _, _, hi in run.temperature],
-                        color=line.get_color(), alpha=0.25, lw=0)
+    styles = dict(zip((r.name for r in runs), curve_styles([(r.name, r.arm) for r in runs])))
     levels: dict[float, list[str]] = {}
     for run in runs:
         if not run.temperature and run.logit_scale is not None:
             levels.setdefault(run.logit_scale, []).append(run.name)
+    fig, (ax,) = new_figure(1, 1, panel_size=(COLUMN_WIDTH_IN, 2.4), dpi=dpi, legend_lines=len(learned) + len(levels))
+    x_range = [min(r.tokens(t[0]) for r in learned for t in r.temperature),
+               max(r.tokens(t[0]) for r in learned for t in r.temperature)]
+    handles, labels = [], []
+    for run in learned:
+        x = [run.tokens(step) for step, *_ in run.temperature]
+        color, style = styles[run.name]
+        line, = ax.plot(x, [mean for _, mean, _, _ in run.temperature], lw=1, color=color, ls=style)
+        ax.fill_between(x, [lo for _, _, lo, _ in run.temperature], [hi for _, _, _, hi in run.temperature],
+                        color=color, alpha=0.25, lw=0)
+        handles.append(line)
+        labels.append(run.name + (f", {run.seeds} seeds" if run.seeds > 1 else ""))
     for k, (scale, names) in enumerate(sorted(levels.items())):
-        ax.plot(x_range, [scale] * 2, ls=("--", ":", "-.")[k % 3], color="0.35", lw=1,
-                label=f"fixed {scale:.3g}: " + (", ".join(names) if len(names) <= 2 else f"{len(names)} runs"))
+        line, = ax.plot(x_range, [scale] * 2, ls=("--", ":", "-.")[k % 3], color="0.35", lw=1)
+        handles.append(line)
+        labels.append(f"fixed {scale:.3g}: " + (", ".join(names) if len(names) <= 2 else f"{len(names)} runs"))
     seeds = ", seeds" if any(r.seeds > 1 for r in learned) else ""
     ax.set_title(f"routing temperature (learned: mean,\nband = min-max over sites, heads{seeds})", fontsize=FONT_PT)
-    ax.set_ylabel("temperature", fontsize=FONT_PT)
-    ax.set_xlabel("tokens", fontsize=FONT_PT)
+    ax.set_ylabel("temperature (x depth logits)", fontsize=FONT_PT)
+    ax.set_xlabel("tokens seen", fontsize=FONT_PT)
     ax.tick_params(labelsize=FONT_PT)
     ax.xaxis.get_offset_text().set_fontsize(FONT_PT)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=FONT_PT, frameon=False, loc="best", handlelength=1.5, labelspacing=0.25, borderaxespad=0.2)
+    legend_below(fig, handles, labels, FONT_PT)
     save_figure(fig, path, dpi)
     return fig

@@ -130,8 +130,8 @@ def unreadable_error(folder: Path, path: Path, error: BaseException, reader: boo
         else:
             way_out = (
                 f"move it out of the way (e.g. `mv {path} {path}.corrupt`; folders not named step-N are ignored), "
-                + (f"then resume: the previous complete checkpoint, step-{older[-1]}, is loaded "
-                   f"(or pass --checkpoint.load_step={older[-1]})" if older else
+                + (f"then resume with the same command: the previous complete checkpoint, step-{older[-1]}, is "
+                   "loaded" if older else
                    "then resume: there is no earlier complete checkpoint, so the run starts from step 0")
             )
     else:

@@ -76,7 +76,8 @@ from mhar_titan.checkpoint.checks import (check_keys, check_no_newer, check_opti
                                          unreadable_error)
 from mhar_titan.config.checkpoint import COMPONENTS, CheckpointConfig, CheckpointError
 from mhar_titan.checkpoint.fingerprint import check_fingerprint, json_safe
-from mhar_titan.checkpoint.guards import nonfinite_entries, nonfinite_error, save_failure, space_warning, state_bytes
+from mhar_titan.checkpoint.guards import (CheckpointSaveError, nonfinite_entries, nonfinite_error, save_failure,
+                                         space_warning, state_bytes)
 from mhar_titan.checkpoint.items import cast_floats, decode, encode, rng_state, set_rng_state
 from mhar_titan.checkpoint.layout import (
     MARKER, apply_retention, incomplete_reason, is_complete, read_marker, step_folders,
@@ -338,7 +339,16 @@ class CheckpointManager:
         return state
 
     def _clear_folder(self, path: Path) -> None:
-        """Remove a leftover folder of the same step (an incomplete save) before writing."""
+        """Remove a leftover folder of the same step (an incomplete save) before writing.
+
+        Raises:
+            CheckpointSaveError: on every rank, when ``path`` is a file (not the trainer's: it is
+                left alone, and the last complete checkpoint stays the newest).
+        """
+        if path.exists() and not path.is_dir():
+            raise CheckpointSaveError(f"checkpoint {path} could not be saved: a file of that name is in the checkpoint "
+                                      "folder (not a checkpoint; left as it is); move it away and relaunch: the run "
+                                      "resumes from its last complete checkpoint")
         if self.rank == 0 and path.exists():
             if is_complete(path):
                 logger.warning("checkpoint %s exists and is replaced by a new save of that step", path)
@@ -358,6 +368,7 @@ class CheckpointManager:
             "dtype": self.cfg.export_dtype if model_only else None,
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
+            "seq_len": (getattr(self.dataloader, "layout", None) or {}).get("seq_len"),  # of its data position
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": sorted(p.name for p in path.iterdir() if p.is_file()),
         }

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from mhar_titan.errors import UserError
 from mhar_titan.eval.lm_eval_adapter import MharLM
 
+logger = logging.getLogger(__name__)
 SCORED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 
 
@@ -188,6 +189,7 @@ class DownstreamEval:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.clock = clock
         self.stop_requested = stop_requested
+        self._warned: set[str] = set()  # tasks already warned of as too small (eval.tasks.few_examples)
         try:
             self.manager = task_manager(cfg.tasks, cfg.include_path, setting="eval.include_path")
             self._check_output_types()
@@ -209,7 +211,7 @@ class DownstreamEval:
         """Score the tasks on ``model`` (every rank together); returns the metrics row (the task metrics
         only where lm-eval returns them: on local rank 0, which includes the logging rank), or None on
         every rank when a stop signal ended it (within one forward: module docstring)."""
-        from mhar_titan.eval.tasks import run_tasks
+        from mhar_titan.eval.tasks import few_examples, run_tasks
 
         began = time.perf_counter()
         budget = EvalBudget(self.cfg.time_budget_s, self.clock, self.world_size, self.device, self.stop_requested)
@@ -232,6 +234,10 @@ class DownstreamEval:
                     over += 1
                 elif results is not None:  # lm-eval returns its results on LOCAL_RANK 0 only
                     row.update(metric_rows(results))
+                    if task not in self._warned:  # once per task and run, on the logging rank
+                        self._warned.add(task)
+                        for warning in few_examples(results):
+                            logger.warning("[eval] %s", warning)
         row.update({"eval/sequences": sequences, "eval/tasks_over_budget": over,
                     "eval/seconds": time.perf_counter() - began})
         return row

@@ -21,7 +21,7 @@ from mhar_kernels.traffic import H200_PROGRAMS, Launch, Traffic, element_bytes, 
 from mhar_titan.config import Profiling
 from mhar_titan.console import count
 from mhar_titan.metrics import FlopsPerToken, flops_per_token, mfu, peak_memory_gib
-from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs
+from mhar_titan.models.args import CONNECTION_KEYS, ModelArgs, routing_settings
 from mhar_titan.models.connections import build_connection
 from mhar_titan.models.connections.base import checkpointed_blocks
 from mhar_titan.models.plan import RoutingPlan
@@ -151,7 +151,9 @@ def startup_fields(cfg, model_args, model: torch.nn.Module, world_size: int, dev
     parameter count, ranks and device, batch geometry (sequences x tokens, accumulation),
     training FLOPs per token with the routing share, and for a routed model the routing
     implementation that runs (``routing eager``; ``routing triton -> eager`` when the kernel asked
-    for cannot run: `routing_kernel_warning` says why). The run folder gets a line of its own."""
+    for cannot run: `routing_kernel_warning` says why) and every other routing setting that is not
+    at its default (`models.args.routing_settings`: ``routing_logit_scale=match_heads:8 (x0.354)``,
+    ``routing_temperature=learned``, ...). The run folder gets a line of its own."""
     family = model_args.residual
     if model_args.residual == "attn_res":
         family += f" H={model_args.resolved_routing_heads} {model_args.routing_granularity} {model_args.routing_mode}"
@@ -168,7 +170,7 @@ def startup_fields(cfg, model_args, model: torch.nn.Module, world_size: int, dev
     pair = routing_kernel_runs(model_args, device)
     if pair is not None:
         fields.append(f"routing {pair[1]}" if pair[0] == pair[1] else f"routing {pair[0]} -> {pair[1]}")
-    return fields
+    return fields + routing_settings(model_args)
 
 
 def build_profiler(cfg: Profiling, run_dir: pathlib.Path, rank: int, device: torch.device,

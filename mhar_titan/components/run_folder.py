@@ -11,7 +11,12 @@ sinks write inside it on their own):
 * ``refuse_changed_seq_len()``: a resume at another ``training.seq_len`` is refused before
   the model is built;
 * ``save_config()``: the resolved config, keeping a differing earlier one as
-  ``<stem>.prev.toml``.
+  ``<stem>.prev.toml``;
+* ``check_writable()``: every folder the run will write (the run folder, checkpoints, the
+  metrics file's folder, TensorBoard, wandb, profiler traces, memory snapshots: ``outputs()``)
+  exists or can be created and can be written, checked on every rank before anything is built
+  (``train.check_config``, the dry run), so an unwritable ``checkpoints/`` is not found at the
+  first save, after the interval's compute.
 
 The checks run on rank 0; ``on_rank0`` raises their ``RunFolderError`` on every rank.
 """
@@ -22,11 +27,11 @@ import logging
 import pathlib
 from typing import Callable, Optional
 
-from mhar_titan.checkpoint.layout import is_complete, step_folders
+from mhar_titan.checkpoint.layout import MARKER, is_complete, read_marker, step_folders
 from mhar_titan.config import ConfigError, JobConfig, to_toml
 from mhar_titan.config.parser import read_toml
 from mhar_titan.errors import UserError
-from mhar_titan.files import WriteError, write_text
+from mhar_titan.files import OutputFolderError, WriteError, check_output_folder, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,45 @@ class RunFolder:
     def metrics_file(self) -> pathlib.Path:
         return self.path / self.cfg.metrics.jsonl_file
 
+    def outputs(self) -> list[tuple[pathlib.Path, str, bool]]:
+        """(path, the setting that names it, is a folder) of everything this job writes: the run
+        folder, its resolved config and metrics file, and the folders of the enabled writers
+        (checkpoints: also a model-only last save; TensorBoard, wandb, profiler traces, memory
+        snapshots). The trainer writes nothing outside the run folder."""
+        cfg, run = self.cfg, self.path
+        out = [(run, "the run folder (job.dump_folder / job.name)", True),
+               (run / cfg.job.save_config_file, "job.save_config_file", False),
+               (self.metrics_file, "metrics.jsonl_file", False)]
+        if cfg.checkpoint.enable:
+            out.append((run / cfg.checkpoint.folder, "checkpoint.folder", True))
+        if cfg.metrics.enable_tensorboard:
+            out.append((run / cfg.metrics.save_tb_folder, "metrics.save_tb_folder", True))
+        if cfg.metrics.enable_wandb:
+            out.append((run / "wandb", "the wandb folder (metrics.enable_wandb)", True))
+        if cfg.profiling.enable_profiling:
+            out.append((run / cfg.profiling.save_traces_folder, "profiling.save_traces_folder", True))
+        if cfg.profiling.enable_memory_snapshot:
+            out.append((run / cfg.profiling.save_memory_snapshot_folder, "profiling.save_memory_snapshot_folder",
+                        True))
+        return out
+
+    def check_writable(self) -> None:
+        """Every path of ``outputs()`` can be written: a folder exists or can be created and takes a
+        file (``files.check_output_folder``), a file's folder does and the file is not a folder.
+        Nothing is left behind. Run it on every rank (each writes its checkpoint shards).
+
+        Raises:
+            OutputFolderError: naming the setting, the path, the problem and the fix.
+        """
+        for path, setting, folder in self.outputs():
+            if folder:
+                check_output_folder(path, setting)
+                continue
+            if path.is_dir():
+                raise OutputFolderError(f"{setting}: {path} is a folder, where the run writes a file; move it away "
+                                        "or name another file")
+            check_output_folder(path.parent, setting + "'s folder")
+
     def lock(self) -> None:
         """Create the folder and hold an exclusive ``flock`` on ``<path>/.lock`` until ``unlock()``.
 
@@ -96,8 +140,11 @@ class RunFolder:
         Applies when the folder holds a complete checkpoint whose data position would be restored
         (``checkpoint.enable``, "dataloader" not in ``checkpoint.exclude_from_loading``): the data
         loader would refuse the position only after the model was built and the checkpoint read.
-        The run's seq_len is the one in its recorded config (``job.save_config_file``, written by the
-        last start that trained); without a readable one the loader's own check still applies.
+        The run's seq_len is the one the checkpoint to be loaded (``load_step``, else the newest complete
+        one) recorded in its marker, so the suggested value is the one the loader then accepts, also after
+        newer checkpoints were moved away; for a checkpoint from before markers held it, the one in the
+        run's recorded config (``job.save_config_file``, written by the last start that trained); without
+        either the loader's own check still applies.
 
         Raises:
             RunFolderError: naming both values and the three ways on.
@@ -105,13 +152,22 @@ class RunFolder:
         cfg = self.cfg
         if not cfg.checkpoint.enable or "dataloader" in cfg.checkpoint.exclude_from_loading:
             return
-        if not any(is_complete(p) for p in step_folders(self.path / cfg.checkpoint.folder).values()):
+        complete = {s: p for s, p in step_folders(self.path / cfg.checkpoint.folder).items() if is_complete(p)}
+        if not complete:
             return
-        saved = self.path / cfg.job.save_config_file
+        chosen = complete.get(cfg.checkpoint.load_step if cfg.checkpoint.load_step >= 0 else max(complete))
+        recorded, saved = None, self.path / cfg.job.save_config_file
         try:
-            recorded = read_toml(saved, "run config").get("training", {}).get("seq_len")
-        except ConfigError:
-            return
+            recorded = read_marker(chosen).get("seq_len") if chosen is not None else None
+        except (OSError, ValueError):
+            pass
+        if recorded is not None:
+            saved = chosen / MARKER
+        else:
+            try:
+                recorded = read_toml(saved, "run config").get("training", {}).get("seq_len")
+            except ConfigError:
+                return
         if isinstance(recorded, int) and recorded != cfg.training.seq_len:
             raise RunFolderError(
                 f"{self.path} holds a run trained with training.seq_len = {recorded} ({saved}) and this start "

@@ -29,7 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mhar_titan.config.sections import MUON_GROUPS, NO_DECAY_GROUPS, SECTIONS, JobConfig
-from mhar_titan.errors import ConfigError
+from mhar_titan.errors import ConfigError, missing_path
 
 
 class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
@@ -197,7 +197,29 @@ def _check_key(section: str, key: str, value: Any, types_: dict, where: str, tab
     cls = _table_class(tp)
     if cls is not None:
         return _tables_as(cls, f"{section}.{key}", list(value), where)
+    if isinstance(value, str) and not value:
+        return _empty(section, key, value, tp, where)
     return _coerce(value, tp)
+
+
+EMPTY_MEANS = {"job.name": "the config file's stem (else 'run')", "job.description": "no description"}
+"""The string keys for which an empty value means something of its own (``--help`` says what)."""
+
+
+def _empty(section: str, key: str, value: str, tp: Any, where: str) -> Optional[str]:
+    """An empty string given for ``section.key``: what ``EMPTY_MEANS`` says for its keys,
+    unset (None, the default's meaning) for an optional key, else refused: an empty name, path or
+    choice means nothing the trainer could do.
+
+    Raises:
+        ConfigError: naming the key and the two ways on.
+    """
+    if f"{section}.{key}" in EMPTY_MEANS:
+        return ""
+    if typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp):
+        return None
+    raise ConfigError(f"{where}: '{section}.{key}' is empty ({value!r}); give a value, or leave the key out for its "
+                      f"default (python train.py --help {section.split('[')[0]} lists it)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -356,6 +378,10 @@ def read_toml(path: pathlib.Path, what: str = "config file") -> dict:
         ConfigFileNotFoundError: ``path`` is not a file.
         ConfigError: it is not valid TOML (the message has the parser's line and column).
     """
+    if path.is_dir():
+        toml = sorted(path.glob("*.toml"))
+        example = f" such as {toml[0]}" if toml else ""
+        raise ConfigError(f"{what} {missing_path(path)}; name a TOML file{example}")
     if not path.is_file():
         raise ConfigFileNotFoundError(f"{what} not found: {path}")
     try:
@@ -385,8 +411,6 @@ def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]
         data = read_toml(path)
         for section, values in data.items():
             _apply_section(cfg, section, values, str(config_file))
-        if not cfg.job.name:
-            cfg.job.name = path.stem
     for name, raw in pairs:
         section, _, key = name.partition(".")
         if section not in SECTIONS:
@@ -396,8 +420,8 @@ def load_config(config_file: Optional[str] = None, overrides: Optional[list[str]
             types_ = _model_arg_types() or {}
         tp = types_.get(key, str)
         _apply_section(cfg, section, {key: _parse_cli_value(raw, tp, name)}, f"--{name}")
-    if not cfg.job.name:
-        cfg.job.name = "run"
+    if not cfg.job.name:  # unset or empty, in the file or on the command line: EMPTY_MEANS
+        cfg.job.name = pathlib.Path(config_file).stem if config_file is not None else "run"
     validate(cfg)
     return cfg
 

@@ -35,7 +35,8 @@ class Job:
     dump_folder: str = "./outputs"
     """Parent folder of run folders."""
     name: str = ""
-    """Run folder name under ``dump_folder``; empty means the config file's stem."""
+    """Run folder name under ``dump_folder``; empty (or unset) means the config file's stem
+    (``run`` without a config file)."""
     description: str = ""
     print_config: bool = False
     """Print the resolved config at start (rank 0)."""

@@ -23,7 +23,7 @@ from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positi
 from mhar_titan.eval import paired
 from mhar_titan.eval.load import USER_ERRORS, load_run
 from mhar_titan.eval.perplexity import evaluate_perplexity
-from mhar_titan.eval.tasks import require_lm_eval, run_tasks, task_manager
+from mhar_titan.eval.tasks import few_examples, require_lm_eval, run_tasks, task_manager
 
 
 DEFAULT_LM_EVAL_BATCH_SIZE = 8
@@ -60,6 +60,8 @@ def _lm_eval(args) -> str:
     model_args = {**loaded.source(), "device": args.device, "batch_size": lm.batch_size}
     results = run_tasks(lm, tasks, manager, model_args=model_args, limit=args.limit, num_fewshot=args.num_fewshot,
                         log_samples=args.log_samples, evaluation_tracker=tracker)
+    for warning in few_examples(results):
+        print(f"python -m mhar_titan.eval lm-eval: warning: {warning}", file=sys.stderr)
     samples = results.pop("samples", None)
     lm_eval_results.attribute(results, model_args)
     written = []

@@ -21,7 +21,7 @@ from mhar_titan.config import ConfigError, JobConfig, load_config
 from mhar_titan.config.parser import read_toml
 from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
-from mhar_titan.errors import UserError
+from mhar_titan.errors import UserError, missing_path
 from mhar_titan.models.args import ModelArgs, resolve_model_args
 from mhar_titan.models.model import Transformer
 
@@ -146,6 +146,9 @@ def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tup
         there = f"; run folders in {parent}: {', '.join(runs[:10])}{', ...' if len(runs) > 10 else ''}" if runs else ""
         raise FileNotFoundError(f"{path} does not exist; pass a run folder (<dump_folder>/<job.name>) "
                                 f"or one of its checkpoints/step-N folders{there}")
+    if path.is_file():
+        raise FileNotFoundError(f"{missing_path(path, 'folder')}; pass a run folder (<dump_folder>/<job.name>) or one "
+                                "of its checkpoints/step-N folders")
     if _is_checkpoint(path):
         if step is not None:
             raise ValueError(f"{path} is a checkpoint folder already; drop the step ({step}) or pass the run folder")

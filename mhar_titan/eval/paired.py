@@ -23,7 +23,10 @@ Pairing needs the same examples: the two runs must have scored the same document
 and targets; otherwise the command refuses, naming the task and the first difference.
 
 The table goes to stdout and the same rows as JSON to ``OUTPUT/paired.json``; the two runs' lm-eval
-results and samples go to ``OUTPUT/a`` and ``OUTPUT/b`` (reusable as RUN_A / RUN_B later).
+results and samples go to ``OUTPUT/a`` and ``OUTPUT/b`` (reusable as RUN_A / RUN_B later). An
+OUTPUT that already holds an earlier comparison (its ``paired.json``, or results in the ``a/`` or
+``b/`` the command would score into) is refused before anything is loaded, unless ``--overwrite``:
+then those are replaced (a scored folder given as RUN_A or RUN_B is read, never cleared).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mhar_titan.files import OutputFolderError, check_output_folder, write_text
+from mhar_titan.files import OVERWRITE_FLAG, OutputFolderError, check_new_outputs, check_output_folder, write_text
 
 SAMPLE_KEYS = ("doc_id", "doc_hash", "prompt_hash", "target_hash", "filter", "metrics")
 """What a per-example log must hold to be paired (lm-eval >= 0.4.2 writes them)."""
@@ -335,17 +338,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward")
     parser.add_argument("--output-path", default="paired_eval",
                         help="folder for paired.json and both runs' lm-eval results and samples (a/, b/)")
+    parser.add_argument(OVERWRITE_FLAG, action="store_true",
+                        help="replace an earlier comparison in --output-path (refused without it)")
     parser.add_argument("--bootstrap-resamples", type=positive_int, default=10_000)
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's resampling")
 
 
-def check_outputs(out: pathlib.Path, scored: Sequence[bool]) -> None:
+def check_outputs(out: pathlib.Path, scored: Sequence[bool], overwrite: bool = False) -> None:
     """Refuse, before anything is loaded or scored, output paths the command could not write:
     ``out`` (``--output-path``) a file, read-only or under a file; ``out/a`` or ``out/b`` (where
-    a run that is not a scored folder writes its results) a file; ``out/paired.json`` a folder.
+    a run that is not a scored folder writes its results) a file; ``out/paired.json`` a folder;
+    and, unless ``overwrite``, an earlier comparison there: ``out/paired.json``, or a non-empty
+    ``out/a`` or ``out/b`` that would be scored into.
 
     Raises:
         OutputFolderError: naming the path and the fix.
+        OutputExistsError: an earlier comparison, naming --overwrite and --output-path.
     """
     check_output_folder(out, "--output-path")
     for which, done in zip(("a", "b"), scored):
@@ -354,6 +362,22 @@ def check_outputs(out: pathlib.Path, scored: Sequence[bool]) -> None:
     if (out / "paired.json").is_dir():
         raise OutputFolderError(f"--output-path: {out / 'paired.json'} is a folder, where the command writes its "
                                 "table as a file; remove it or choose another --output-path")
+    earlier = [out / which for which, done in zip(("a", "b"), scored)
+               if not done and (out / which).is_dir() and any((out / which).iterdir())]
+    check_new_outputs([out / "paired.json", *earlier], overwrite, elsewhere="--output-path DIR")
+
+
+def clear_scoring_folders(out: pathlib.Path, scored: Sequence[bool], runs: Sequence[str]) -> None:
+    """Remove ``out/a`` and ``out/b`` where the command scores a run into them (``scored`` False
+    for that side), so that an overwritten comparison's results do not pair with the new ones; a
+    folder holding one of ``runs`` (RUN_A, RUN_B: read, not scored) is kept."""
+    import shutil
+
+    inputs = [pathlib.Path(r).resolve() for r in runs]
+    for which, done in zip(("a", "b"), scored):
+        folder = (out / which).resolve()
+        if not done and folder.is_dir() and not any(r == folder or r.is_relative_to(folder) for r in inputs):
+            shutil.rmtree(folder)
 
 
 def run(args) -> str:
@@ -372,7 +396,9 @@ def run(args) -> str:
     check_include_paths(args.include_path)
     out = pathlib.Path(args.output_path)
     scored = [is_scored_folder(p) for p in (args.run_a, args.run_b)]
-    check_outputs(out, scored)
+    check_outputs(out, scored, args.overwrite)
+    if args.overwrite:
+        clear_scoring_folders(out, scored, [args.run_a, args.run_b])
     manager = None
     if not all(scored):
         require_lm_eval("the paired command")
@@ -389,6 +415,11 @@ def run(args) -> str:
     print(f"paired: pairing the examples, {args.bootstrap_resamples} bootstrap resamples per metric", file=sys.stderr,
           flush=True)
     rows = pair_results(results[0], results[1], tasks, args.bootstrap_resamples, args.seed)
+    from mhar_titan.eval.tasks import few_examples
+
+    paired_n = {r.task: {"effective": r.n} for r in rows if r.paired}
+    for warning in few_examples({"n-samples": paired_n}):
+        print(f"paired: warning: {warning}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "paired.json", json.dumps({
         "a": names[0], "b": names[1], "difference": "b - a", "bootstrap_resamples": args.bootstrap_resamples,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pathlib
 from typing import Optional, Sequence
 
+from mhar_titan.errors import missing_path
+
 LM_EVAL_MISSING = "needs lm-eval: pip install 'mhar-titan[lm-eval]'"
 
 
@@ -28,7 +30,8 @@ def check_include_paths(include_path: Optional[Sequence[str]], setting: str = "-
     """Each folder exists (FileNotFoundError naming ``setting`` otherwise); nothing is imported."""
     for folder in include_path or ():
         if not pathlib.Path(folder).is_dir():
-            raise FileNotFoundError(f"{setting} {folder} is not a folder of lm-eval task YAML files")
+            raise FileNotFoundError(f"{setting} {missing_path(folder, 'folder')}: pass a folder of lm-eval task YAML "
+                                    "files (e.g. eval_tasks)")
 
 
 def task_manager(tasks: Sequence[str], include_path: Optional[Sequence[str]] = None,
@@ -56,6 +59,26 @@ def task_manager(tasks: Sequence[str], include_path: Optional[Sequence[str]] = N
         where = f" (nor in {', '.join(include)})" if include else f" (local tasks: {setting} FOLDER)"
         raise ValueError(f"lm-eval knows no task {', '.join(unknown)}{where}")
     return manager
+
+
+MIN_EXAMPLES = 100
+"""Examples a task must score to say anything about one model against another: below it, an accuracy
+near 0.5 is uncertain by more than +/-0.1 (95%: 1.96 x sqrt(0.25 / n)), and lm-eval's standard error
+is 0 whenever every example agrees (0 +/- 0 from 8 examples)."""
+
+
+def few_examples(results: dict, minimum: int = MIN_EXAMPLES) -> list[str]:
+    """One warning per task of lm-eval's ``results`` (its ``n-samples``) that scored fewer than
+    ``minimum`` examples: how many, how uncertain that leaves an accuracy, and the way out."""
+    out = []
+    for task, counts in (results.get("n-samples") or {}).items():
+        n = counts.get("effective", counts.get("original")) if isinstance(counts, dict) else None
+        if isinstance(n, int) and 0 < n < minimum:
+            out.append(f"{task} scored {n} examples, too few to tell models apart: an accuracy from {n} examples is "
+                       f"uncertain by up to +/-{1.96 * (0.25 / n) ** 0.5:.2f} (95%), and its stderr is 0 whenever every "
+                       f"example agrees; score at least {minimum} (a larger limit, or a larger task such as "
+                       "shakespeare_next_line, 400 examples)")
+    return out
 
 
 def run_tasks(lm, tasks: Sequence[str], manager, *, model_args=None, limit: Optional[int] = None,

@@ -10,10 +10,13 @@ slurm SWEEP     write a bash script with one `sbatch slurm/train.sbatch ...` per
                 world size first (with --memory-gib G also the memory fit in G GiB per rank);
                 extra sbatch options after `--`
 results SWEEP   RESULTS.md (its tables also printed) and loss_vs_tokens.png from the run
-                folders (--out DIR, default <dump_folder>/results; --ylim, --diff-ylim fix the
-                plot's y ranges; --pair A B, repeatable: report and plot family B minus family
-                A, paired by seed, instead of the sweep's [sweep] pairs); with a learned routing
-                temperature also routing_temperature.png, its trajectory
+                folders (--out DIR, default <dump_folder>/results; --format pdf or svg for
+                vector figures; --ylim, --diff-ylim fix the plot's y ranges; --pair A B,
+                repeatable: report and plot family B minus family A, paired by seed, instead of
+                the sweep's [sweep] pairs); with a learned routing temperature also
+                routing_temperature.png, its trajectory, and temperature_sites.png, its value per
+                routing site; temperature arms: the share of the MHAR gap they recover. Earlier
+                results in --out are not replaced without --overwrite
 compare A B     --check-schedule: A and B (each a job config or a run folder) are schedule-matched:
                 the same LR at every step (planned or logged), tokens per step and data order
                 (mhar_titan.experiments.schedule); --world-size N for configs (default 1). Prints
@@ -35,13 +38,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mhar_titan.analysis.compare import add_ylim_arguments
+from mhar_titan.analysis.plots import add_format_argument
 from mhar_titan.cli_args import ArgumentParser, positive_float, positive_int, probability, run_command
 from mhar_titan.config import ConfigError
 from mhar_titan.errors import UserError
 from mhar_titan.experiments.launch import (check_runs, gpu_hours, run_local, run_state, slurm_script, train_command,
                                           world_size_of)
 from mhar_titan.experiments.sweep import load_sweep
-from mhar_titan.files import OutputFolderError, check_output_folder, write_text
+from mhar_titan.files import OVERWRITE_FLAG, OutputFolderError, check_new_outputs, check_output_folder, write_text
 
 
 def _select(sweep, only):
@@ -96,7 +100,10 @@ def main(argv=None) -> int:
     p.add_argument("sbatch_args", nargs="*", help="extra sbatch options, after --")
     p = sub.choices["results"]
     p.add_argument("--out", default=None, help="output folder (default: <dump_folder>/results)")
-    p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch")
+    p.add_argument("--dpi", type=positive_int, default=200, help="pixels per inch of a png")
+    add_format_argument(p)
+    p.add_argument(OVERWRITE_FLAG, action="store_true",
+                   help="replace the results an earlier run of the command wrote in the output folder")
     add_ylim_arguments(p)
     p.add_argument("--pair", nargs=2, action="append", default=None, metavar=("A", "B"),
                    help="families whose paired difference B - A is tabulated and plotted (repeatable; "
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
                 print(text, end="")
             return 0
         from mhar_titan.analysis.compare import check_pairs, check_ylim
-        from mhar_titan.experiments.results import write_results
+        from mhar_titan.experiments.results import results_outputs, write_results
 
         try:
             check_ylim(args.ylim, "--ylim")
@@ -161,9 +168,11 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         pairs = None if args.pair is None else check_pairs(args.pair, list(sweep.families), "--pair")
-        check_output_folder(args.out or sweep.dump_folder / "results", "--out")
-        for path in write_results(sweep, args.out or sweep.dump_folder / "results", dpi=args.dpi, ylim=args.ylim,
-                                  diff_ylim=args.diff_ylim, pairs=pairs, echo=print):
+        out = args.out or sweep.dump_folder / "results"
+        check_output_folder(out, "--out")
+        check_new_outputs(results_outputs(out), args.overwrite)
+        for path in write_results(sweep, out, dpi=args.dpi, ylim=args.ylim, diff_ylim=args.diff_ylim, pairs=pairs,
+                                  echo=print, fmt=args.format):
             print(f"wrote {path}")
         return 0
     except (UserError, FileNotFoundError, ImportError) as e:  # ConfigError, an unwritable folder, a full disk

@@ -21,16 +21,32 @@ k = ``sweep.tail_evals``:
   the mean and standard error as above: e.g. MHAR H = 8 minus the temperature-matched single head,
   the "heads or temperature?" question of the MHAR paper's v2 control.
 
+* per temperature arm (``temperature_shares``: a single-head family whose only difference from
+  another family of the sweep, the single head R, is its routing temperature: a fixed logit scale
+  or a learned one) and MHAR family M of the same model but for its heads (for a
+  ``match_heads:H`` scale, the one with H heads), at each grid point, over the seeds that have
+  all three runs: the gap Y_s = M_s - R_s, what the temperature alone recovers X_s = T_s - R_s,
+  and the share of the gap it recovers, mean(X) / mean(Y) (the MHAR paper v2's summary number),
+  with its standard error by the delta method over the paired seeds:
+  SE^2 = (var(X) - 2 r cov(X, Y) + r^2 var(Y)) / (n mean(Y)^2), r the share, var and cov over
+  the seeds (n - 1 in the denominator); n/a for one seed. A gap within two standard errors of 0
+  is flagged: its share says nothing.
+
 The file also names each family's arm (``Sweep.arms``: the family-table row and the keys the
-sweep adds, e.g. ``attn_res H=1 + routing_logit_scale=match_heads:8``).
+sweep adds, e.g. ``attn_res H=1 + routing_logit_scale=match_heads:8``). Every loss in the tables
+and the plots is in one unit (``analysis.compare.loss_unit``: bits per byte for the byte tokenizer,
+else nats per token).
 
 The plot shows each family's loss curves averaged over seeds (at the steps all its seeds logged)
 with a band of -/+ one standard error, and each family's paired validation-loss difference to the
 baseline family (or, with pairs, B - A for each pair) with its band over seeds, in the tokenizer's
 unit (bits per byte for the byte tokenizer), through
-``mhar_titan.analysis.compare.plot_comparison``; with a learned routing temperature a second plot
-shows its trajectory (``plot_temperatures``). Nothing in these files depends on the time or the
-software version: rerunning on the same run folders rewrites the same bytes.
+``mhar_titan.analysis.compare.plot_comparison``, one colour per arm in every figure
+(``analysis.colors``); with a learned routing temperature a second plot shows its trajectory
+(``plot_temperatures``) and a third its value per routing site at each run's newest checkpoint
+(``analysis.temperature.plot_site_temperatures``, over the family's seeds). The figures are PNG,
+PDF or SVG (``fmt``). Nothing in these files depends on the time or the software version:
+rerunning on the same run folders rewrites the same bytes.
 """
 from __future__ import annotations
 
@@ -45,7 +61,7 @@ from mhar_titan.analysis.compare import (RunCurves, check_pairs, comparison_tabl
 from mhar_titan.analysis.plots import pyplot
 from mhar_titan.experiments.sweep import Run, Sweep, paired_baseline, paired_run
 from mhar_titan.experiments.timing import timing_lines
-from mhar_titan.files import write_text
+from mhar_titan.files import remove_stale_outputs, write_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,64 +169,184 @@ def group_pairs(results: Sequence[RunResult], pairs: Sequence[tuple[str, str]]) 
     return [(group_of[a, point], group_of[b, point]) for a, b in pairs for point in points]
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareResult:
+    """What a temperature arm T recovers of the gap between the single head R and MHAR M at one
+    grid point, over the seeds with all three runs (module docstring: "temperature arm")."""
+
+    arm: str
+    reference: str
+    target: str
+    point_tag: str
+    seeds: int
+    gap: Optional[float]
+    """Mean over the seeds of M's tail mean minus R's (nats per token; None without seeds)."""
+    gap_se: Optional[float]
+    recovered: Optional[float]
+    """Mean over the seeds of T's tail mean minus R's."""
+    recovered_se: Optional[float]
+    share: Optional[float]
+    """recovered / gap (None without seeds or for a zero gap)."""
+    share_se: Optional[float]
+    """Delta-method standard error of the share over the paired seeds (None for one seed)."""
+
+    @property
+    def resolved(self) -> bool:
+        """The gap is more than two standard errors from 0 (else its share says nothing)."""
+        return self.gap is not None and self.gap_se is not None and abs(self.gap) > 2 * self.gap_se
+
+
+def temperature_families(sweep: Sweep) -> list[tuple[str, str, str]]:
+    """(temperature arm, single head, MHAR family) triples of the sweep's families, from their
+    resolved model arguments (module docstring: "temperature arm"), in the sweep's family order."""
+    from mhar_titan.models.args import MATCH_HEADS, ModelArgs, resolve_model_args
+
+    first = {}
+    for run in sweep.runs:
+        first.setdefault(run.family, run)
+    args = {f: resolve_model_args(r.config.model, r.config.training.seq_len) for f, r in first.items()}
+    default = ModelArgs()
+    plain = {"routing_logit_scale": default.routing_logit_scale, "routing_temperature": default.routing_temperature}
+    out = []
+    for arm, a in args.items():
+        tempered = a.routing_temperature != plain["routing_temperature"] or \
+            a.routing_logit_scale != plain["routing_logit_scale"]
+        if a.residual != "attn_res" or a.routing_heads != 1 or not tempered:
+            continue
+        reference = next((f for f, b in args.items() if b == dataclasses.replace(a, **plain)), None)
+        if reference is None:
+            continue
+        scale = str(a.routing_logit_scale)
+        heads = int(scale[len(MATCH_HEADS):]) if a.routing_temperature == "fixed" and scale.startswith(MATCH_HEADS) \
+            else None
+        for target, b in args.items():
+            h = b.routing_heads
+            if h != 1 and (heads is None or h == heads) and b == dataclasses.replace(args[reference], routing_heads=h):
+                out.append((arm, reference, target))
+    return out
+
+
+def _share(recovered: Sequence[float], gaps: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
+    """(mean(recovered) / mean(gaps), its delta-method SE over the paired seeds; module docstring)."""
+    n, x, y = len(gaps), math.fsum(recovered) / len(gaps), math.fsum(gaps) / len(gaps)
+    if y == 0:
+        return None, None
+    r = x / y
+    if n < 2:
+        return r, None
+    var_x, var_y = statistics.variance(recovered), statistics.variance(gaps)
+    cov = math.fsum((a - x) * (b - y) for a, b in zip(recovered, gaps)) / (n - 1)
+    return r, math.sqrt(max(var_x - 2 * r * cov + r * r * var_y, 0.0) / n) / abs(y)
+
+
+def temperature_shares(sweep: Sweep, results: Sequence[RunResult]) -> list[ShareResult]:
+    """One ``ShareResult`` per (temperature arm, single head, MHAR family) of ``temperature_families``
+    and grid point, over the seeds whose three runs were all evaluated."""
+    by_name = {r.run.name: r for r in results}
+    out = []
+    for arm, reference, target in temperature_families(sweep):
+        for point in dict.fromkeys(r.run.point for r in results):
+            recovered, gaps = [], []
+            for run in (r.run for r in results if r.run.family == arm and r.run.point == point):
+                t, ref, m = (by_name[run.name], by_name[paired_run(sweep, run, reference).name],
+                             by_name[paired_run(sweep, run, target).name])
+                if t.evals and ref.evals and m.evals:
+                    recovered.append(t.tail_mean - ref.tail_mean)
+                    gaps.append(m.tail_mean - ref.tail_mean)
+            tag = next(r.run.point_tag for r in results if r.run.point == point).lstrip("_")
+            stats = [mean_and_se(v) if v else (None, None) for v in (gaps, recovered)]
+            share, share_se = _share(recovered, gaps) if gaps else (None, None)
+            se = [None if v is None or not math.isfinite(v) else v for _, v in stats]
+            out.append(ShareResult(arm, reference, target, tag, len(gaps), stats[0][0], se[0], stats[1][0], se[1],
+                                   share, share_se))
+    return out
+
+
+def _percent(value: Optional[float]) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.0f}%"
+
+
 def _num(value: Optional[float], fmt: str) -> str:
     return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
 def results_markdown(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[GroupResult],
-                     plots: Sequence[str] = (), pairs: Sequence[PairResult] = ()) -> str:
+                     plots: Sequence[str] = (), pairs: Sequence[PairResult] = (),
+                     shares: Sequence[ShareResult] = ()) -> str:
     """The results file: how it was made, the plots (file names: the loss plot, then the learned
-    routing temperature's when there is one), the arms, the per-family table of paired differences,
-    the pairs' differences (when ``pairs``), the per-run table."""
+    routing temperature's against tokens and per site when there are they), the arms, the
+    per-family table of paired differences, the pairs' differences (when ``pairs``), the
+    temperature shares (when ``shares``), the per-run table; every loss in ``loss_unit``."""
     k = sweep.tail_evals
     unit = loss_unit([r.curves for r in results if r.curves is not None])[0]
     lines = [f"# Sweep {sweep.name}", "",
              f"Made by `python -m mhar_titan.experiments results {sweep.path}` from the run folders under "
-             f"`{sweep.dump_folder}`. Tail mean: the mean of the last {k} validation losses (nats per token). "
-             f"Paired difference: a run's tail mean minus that of the `{sweep.baseline}` run with the same seed "
-             "(same tokens in the same order); mean and standard error over seeds (negative = lower loss).", ""]
-    if plots:
-        lines += [f"![loss against tokens, mean over seeds]({plots[0]})", "",
-                  f"(The plot's losses are in {unit}; the tables' in nats per token.)", ""]
-    if len(plots) > 1:
-        lines += [f"![learned routing temperature against tokens]({plots[1]})", ""]
-    return "\n".join(lines) + "\n" + results_tables(sweep, results, groups, pairs)
+             f"`{sweep.dump_folder}`. Losses in {unit}, in the tables and the plots. Tail mean: the mean of the last "
+             f"{k} validation losses. Paired difference: a run's tail mean minus that of the `{sweep.baseline}` run "
+             "with the same seed (same tokens in the same order); mean and standard error over seeds (negative = "
+             "lower loss).", ""]
+    titles = ["loss against tokens, mean over seeds", "learned routing temperature against tokens",
+              "learned routing temperature per routing site"]
+    for title, plot in zip(titles, plots):
+        lines += [f"![{title}]({plot})", ""]
+    return "\n".join(lines) + "\n" + results_tables(sweep, results, groups, pairs, shares)
 
 
 def results_tables(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[GroupResult],
-                   pairs: Sequence[PairResult] = ()) -> str:
-    """The results file's tables (Markdown): the arms, the per-family paired differences to the
-    baseline, the pairs' differences (when ``pairs``), the per-run table."""
+                   pairs: Sequence[PairResult] = (), shares: Sequence[ShareResult] = ()) -> str:
+    """The results file's tables (Markdown), losses in ``loss_unit`` of the runs: the arms, the
+    per-family paired differences to the baseline, the pairs' differences (when ``pairs``), the
+    temperature shares (when ``shares``), the per-run table."""
     k = sweep.tail_evals
+    unit, scale = loss_unit([r.curves for r in results if r.curves is not None])
+
+    def loss(value: Optional[float], fmt: str) -> str:
+        return _num(None if value is None else value * scale, fmt)
+
     lines = []
     if sweep.arms:
         lines += ["| family | arm |", "|---|---|", *(f"| {f} | {sweep.arms[f]} |" for f in sweep.families), ""]
-    lines += [f"| family | grid | seeds | tail-mean val loss (mean) | paired diff vs {sweep.baseline} | SE | "
+    lines += [f"| family | grid | seeds | tail-mean val loss (mean, {unit}) | paired diff vs {sweep.baseline} | SE | "
               "paired seeds |", "|---|---|---:|---:|---:|---:|---:|"]
     for g in groups:
         base = g.family == sweep.baseline
-        lines.append(f"| {g.family} | {g.point_tag or '-'} | {g.seeds} | {g.tail_mean:.4f} | "
-                     f"{'baseline' if base else _num(g.delta_mean, '+.4f')} | "
-                     f"{'-' if base else _num(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
+        lines.append(f"| {g.family} | {g.point_tag or '-'} | {g.seeds} | {loss(g.tail_mean, '.4f')} | "
+                     f"{'baseline' if base else loss(g.delta_mean, '+.4f')} | "
+                     f"{'-' if base else loss(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
     lines += ["", *timing_lines(sweep, results, {(g.family, g.point_tag): (g.delta_mean, g.delta_se) for g in groups})]
     if pairs:
         lines += ["", "Pairs: B's tail mean minus A's, seed by seed (same tokens in the same order), mean and "
                   "standard error over the seeds that have both runs (negative = B has the lower loss).", "",
-                  "| B - A | grid | paired seeds | tail-mean diff | SE | paired |", "|---|---|---:|---:|---:|---|"]
+                  f"| B - A | grid | paired seeds | tail-mean diff ({unit}) | SE | paired |",
+                  "|---|---|---:|---:|---:|---|"]
         for p in pairs:
             paired = {True: "yes", False: "NO", None: "unknown"}[p.paired] if p.seeds else "-"
-            lines.append(f"| {p.b} - {p.a} | {p.point_tag or '-'} | {p.seeds} | {_num(p.delta_mean, '+.4f')} | "
-                         f"{_num(p.delta_se, '.4f')} | {paired} |")
-    lines += ["", f"| run | seed | tail-mean val loss (last {k}) | evals | paired diff | paired | tokens seen | "
-              "tokens/s (median) |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+            lines.append(f"| {p.b} - {p.a} | {p.point_tag or '-'} | {p.seeds} | {loss(p.delta_mean, '+.4f')} | "
+                         f"{loss(p.delta_se, '.4f')} | {paired} |")
+    if shares:
+        lines += ["", "Temperature share: of the gap between MHAR M and the single head R (M - R), the part the "
+                  "temperature arm T recovers alone (T - R), seed by seed over the seeds with all three runs; share = "
+                  "mean(T - R) / mean(M - R), with its delta-method standard error over the paired seeds (100% = the "
+                  "temperature explains MHAR's whole gain).", "",
+                  f"| T (temperature) | R (single head) | M (MHAR) | grid | paired seeds | gap M - R ({unit}) | SE | "
+                  f"recovered T - R ({unit}) | SE | share | SE | note |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in shares:
+            note = ("no seed has all three runs yet" if not r.seeds else "" if r.resolved else
+                    "one seed: no SE" if r.gap_se is None else "gap within 2 SE of 0: the share says nothing")
+            lines.append(f"| {r.arm} | {r.reference} | {r.target} | {r.point_tag or '-'} | {r.seeds} | "
+                         f"{loss(r.gap, '+.4f')} | {loss(r.gap_se, '.4f')} | {loss(r.recovered, '+.4f')} | "
+                         f"{loss(r.recovered_se, '.4f')} | {_percent(r.share)} | {_percent(r.share_se)} | {note} |")
+    lines += ["", f"| run | seed | tail-mean val loss (last {k}, {unit}) | evals | paired diff | paired | "
+              "tokens seen | tokens/s (median) |", "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         if r.curves is None:
             lines.append(f"| {r.run.name} | {r.run.seed} | not run | 0 | - | - | - | - |")
             continue
         base = r.run.family == sweep.baseline
         paired = "-" if base else {True: "yes", False: "NO", None: "unknown"}[r.paired]
-        lines.append(f"| {r.run.name} | {r.run.seed} | {_num(r.tail_mean, '.4f')} | {r.evals} | "
-                     f"{'baseline' if base else _num(r.paired_delta, '+.4f')} | {paired} | "
+        lines.append(f"| {r.run.name} | {r.run.seed} | {loss(r.tail_mean, '.4f')} | {r.evals} | "
+                     f"{'baseline' if base else loss(r.paired_delta, '+.4f')} | {paired} | "
                      f"{r.curves.tokens_seen:,} | {_num(r.throughput, ',.0f')} |")
     return "\n".join(lines) + "\n"
 
@@ -258,10 +394,15 @@ def _mean_temperature(curves: Sequence[Sequence[tuple[int, float, float, float]]
 
 def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=None,
                   diff_ylim=None, pairs: Optional[Sequence[tuple[str, str]]] = None,
-                  echo: Optional[Callable[[str], None]] = None) -> list[pathlib.Path]:
-    """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.png`` (``ylim``, ``diff_ylim``: the
-    plot's fixed y ranges, as ``plot_comparison``), and ``<out>/routing_temperature.png``
-    (``plot_temperatures``) when a family learns its routing temperature; returns the paths written.
+                  echo: Optional[Callable[[str], None]] = None, fmt: str = "png") -> list[pathlib.Path]:
+    """Write ``<out>/RESULTS.md`` and ``<out>/loss_vs_tokens.<fmt>`` (``ylim``, ``diff_ylim``: the
+    plot's fixed y ranges, as ``plot_comparison``), and, when a family learns its routing
+    temperature, ``<out>/routing_temperature.<fmt>`` (``plot_temperatures``) and
+    ``<out>/temperature_sites.<fmt>`` (``plot_site_temperatures``, from the runs' newest
+    checkpoints, when they have one); returns the paths written. ``fmt``: png, pdf or svg
+    (``analysis.plots.FORMATS``). A figure ``<out>`` holds from an earlier call that this one
+    does not draw is removed (the caller decides whether earlier results may be replaced:
+    ``files.check_new_outputs``, ``results_outputs``).
 
     pairs: (A, B) families (checked by ``analysis.compare.check_pairs``) whose difference B - A the file
     tabulates and the plot's difference panel draws, at every grid point both have run (default:
@@ -272,7 +413,10 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=No
         FileNotFoundError: no run of the sweep has a metrics file yet.
         ValueError: ylim or diff_ylim is not two finite numbers with low < high.
         ConfigError: a pair names no family of the sweep.
+        CheckpointError: a learned-temperature run's newest checkpoint cannot be read.
     """
+    from mhar_titan.analysis.temperature import plot_site_temperatures, site_temperatures
+
     pairs = sweep.pairs if pairs is None else check_pairs([list(p) for p in pairs], list(sweep.families), "pairs")
     results, groups = collect(sweep)
     if not groups:
@@ -285,18 +429,34 @@ def write_results(sweep: Sweep, out: str | pathlib.Path, dpi: int = 200, ylim=No
     names = [c.name for c in curves]
     baseline = next((r.run.group for r in results if r.run.family == sweep.baseline and r.run.group in names),
                     names[0])
-    png = out / "loss_vs_tokens.png"
+    figure = out / f"loss_vs_tokens.{fmt}"
     plotted = [(a, b) for a, b in group_pairs(results, pairs) if a in names and b in names]
-    fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), png, dpi=dpi, ylim=ylim,
+    fig = plot_comparison(curves, comparison_table(curves, baseline, sweep.tail_evals), figure, dpi=dpi, ylim=ylim,
                           diff_ylim=diff_ylim, pairs=plotted)
     pyplot().close(fig)
-    written = [png]
+    written = [figure]
     if any(c.temperature for c in curves):
-        written.append(out / "routing_temperature.png")
+        written.append(out / f"routing_temperature.{fmt}")
         pyplot().close(plot_temperatures(curves, written[-1], dpi=dpi))
+        dirs = {g: [r.run.run_dir for r in results if r.run.group == g and r.curves is not None] for g in names}
+        sites = site_temperatures(curves, dirs)
+        if sites:
+            written.append(out / f"temperature_sites.{fmt}")
+            pyplot().close(plot_site_temperatures(sites, curves, written[-1], dpi=dpi))
     md = out / "RESULTS.md"
     pair_rows = pair_results(sweep, results, pairs)
-    write_text(md, results_markdown(sweep, results, groups, [p.name for p in written], pair_rows))
+    shares = temperature_shares(sweep, results)
+    write_text(md, results_markdown(sweep, results, groups, [p.name for p in written], pair_rows, shares))
+    remove_stale_outputs(results_outputs(out), [md, *written])
     if echo is not None:
-        echo(results_tables(sweep, results, groups, pair_rows))
+        echo(results_tables(sweep, results, groups, pair_rows, shares))
     return [md, *written]
+
+
+def results_outputs(out: str | pathlib.Path) -> list[pathlib.Path]:
+    """Every file ``write_results(sweep, out, fmt=...)`` may write, in any figure format."""
+    from mhar_titan.analysis.plots import FORMATS
+
+    out = pathlib.Path(out)
+    return [out / "RESULTS.md", *(out / f"{name}.{fmt}" for name in ("loss_vs_tokens", "routing_temperature",
+                                                                        "temperature_sites") for fmt in FORMATS)]

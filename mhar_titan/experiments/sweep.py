@@ -53,6 +53,7 @@ from typing import Any, Optional
 from mhar_titan.analysis.compare import check_pairs
 from mhar_titan.config import ConfigError, JobConfig, load_config
 from mhar_titan.config.parser import read_toml
+from mhar_titan.errors import missing_path
 
 SWEEP_KEYS = ("name", "base", "dump_folder", "seeds", "seed_keys", "baseline", "tail_evals", "pairs", "set",
               "grid", "slurm")
@@ -247,7 +248,8 @@ def load_sweep(path: str | pathlib.Path, extra_set: Optional[dict] = None,
         raise ConfigError(f"{where}: [sweep.slurm] args must be a list of sbatch options (strings)")
     base = str(raw["base"])
     if not pathlib.Path(base).is_file():
-        raise FileNotFoundError(f"{where}: base config {base} not found (paths are relative to the repository root)")
+        raise FileNotFoundError(f"{where}: base config {missing_path(base)} (paths are relative to the repository "
+                                "root)")
     base_cfg = load_config(base)
     dump = pathlib.Path(dump_folder or raw.get("dump_folder", pathlib.Path(base_cfg.job.dump_folder) / str(raw["name"])))
 

@@ -449,6 +449,36 @@ def family_name(args: "ModelArgs") -> str:
     return " + ".join([name, *diffs])
 
 
+ROUTING_IN_FAMILY_TEXT = ("routing_heads", "routing_granularity", "routing_mode", "routing_kernel")
+"""The routing fields the start line names on their own (the family text ``attn_res H=8 sublayer
+replace`` and ``routing eager``); ``routing_settings`` gives the others."""
+
+
+def routing_settings(args: "ModelArgs") -> list[str]:
+    """``field=value`` of every ``routing_*`` field of a routed ``args`` (residual ``attn_res``) that
+    differs from the ``ModelArgs`` default, but those the start line names otherwise
+    (``ROUTING_IN_FAMILY_TEXT``), in field order; a logit scale with the factor it means
+    (``routing_logit_scale=match_heads:8 (x0.354)``). [] for the baseline. What the trainer's
+    start line and the dry run print, so a run that routes at another temperature (or with a
+    null source, a permuted head layout, groups...) says so."""
+    if args.residual != "attn_res":
+        return []
+    defaults = ModelArgs()
+    out = []
+    for f in dataclasses.fields(ModelArgs):
+        name = f.name
+        if not name.startswith("routing_") or name in ROUTING_IN_FAMILY_TEXT:
+            continue
+        value = getattr(args, name)
+        if value == getattr(defaults, name):
+            continue
+        text = f"{name}={value}"
+        if name == "routing_logit_scale" and isinstance(value, str):
+            text += f" (x{logit_scale(value):.3g})"
+        out.append(text)
+    return out
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of a model. `non_embedding` excludes the vocabulary-sized matrices
