@@ -82,7 +82,7 @@ def test_compile_report_prints_a_line_per_compile_into_the_log(tmp_path):
     pytest.importorskip("triton")
     log = tmp_path / "compile.log"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    proc = start_logged(["-m", "mhar_kernels.compile_report"], log, env)
+    proc = start_logged([str(ROOT / "bench" / "compile_report.py")], log, env)
     try:
         wait_for(lambda: "compile_report: [" in log.read_text() or "no CUDA backend" in log.read_text()
                  or proc.poll() is not None, "compile_report's first line", context=lambda: log.read_text()[-2000:])
