@@ -117,7 +117,7 @@ def test_the_scan_sees_relative_and_function_level_imports():
     assert "mhar_titan.models.plan" in imports(PACKAGE / "models" / "args.py")  # `from .plan import RoutingPlan`
     assert "mhar_kernels.op" in imports(KERNELS / "dispatch.py")  # `from . import op` inside a function
     parser = PACKAGE / "config" / "parser.py"
-    assert "mhar_titan.models.args" in imports(parser)  # inside validate()
+    assert "mhar_titan.models.args" in imports(parser)  # inside job_model_args()
     assert violations(("mhar_titan.dryrun",), ("mhar_kernels",)) != []  # a real edge is reported
     assert violations(("mhar_titan.models.router",), ("mhar_titan.models.plan",)) != []  # `from .plan import`
 

@@ -393,6 +393,30 @@ def test_srun_without_torchrun_is_refused(tmp_path, monkeypatch, capsys):
 # --------------------------------------------------------------------------- the run folder
 
 
+def test_model_args_are_resolved_once_per_start(tmp_path, monkeypatch):
+    """``python train.py`` resolves the job's model arguments once (the config parser's, kept on
+    the config): the start-up checks, the memory check and the build size that one resolution for
+    the tokenizer; the model trained is what one resolution with the tokenizer gives. A config
+    changed after loading is resolved again."""
+    import mhar_titan.models.args as model_args
+    from mhar_titan.config.parser import job_model_args
+
+    resolve, calls = model_args.resolve_model_args, []
+    monkeypatch.setattr(model_args, "resolve_model_args", lambda *a, **k: calls.append(a) or resolve(*a, **k))
+    built = []
+    monkeypatch.setattr(Trainer, "train", lambda self: built.append(self.model_args) or self.state)
+    argv = debug_argv(tmp_path, "once", "--training.steps=1")
+    assert main(argv) == 0
+    assert len(calls) == 1, calls
+    cfg = load_config(None, argv)
+    assert built == [resolve(cfg.model, cfg.training.seq_len, 50_257, "gpt2")]
+    assert built[0].vocab_size == 50_304 and built[0].max_seq_len == model_args.ModelArgs.from_flavor("debug").max_seq_len
+    calls.clear()
+    assert job_model_args(cfg) is job_model_args(cfg) and calls == []
+    cfg.training.seq_len = 4096
+    assert job_model_args(cfg).max_seq_len == 4096 and len(calls) == 1
+
+
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory):
     """A finished 1-step run without checkpoints (folder ``old``)."""

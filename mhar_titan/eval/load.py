@@ -19,10 +19,11 @@ import torch
 from mhar_titan.checkpoint import CheckpointMismatchError, read_marker
 from mhar_titan.checkpoint.find import find_checkpoint, read_run_config
 from mhar_titan.config import JobConfig
+from mhar_titan.config.parser import job_model_args
 from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
 from mhar_titan.errors import UserError
-from mhar_titan.models.args import ModelArgs, resolve_model_args
+from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -128,8 +129,7 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
         raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
                                       f"{run_dir / 'config.toml'} names {data_cfg.tokenizer!r}")
     tokenizer = build_tokenizer(data_cfg)
-    max_seq_len = (resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer.n_vocab, tokenizer.name).max_seq_len
-                   if cfg is not None else DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = job_model_args(cfg).max_seq_len if cfg is not None else DEFAULT_MAX_SEQ_LEN
     model = load_model_dcp(checkpoint, ema=ema, max_seq_len=max_seq_len, routing_kernel=routing_kernel)
     model = model.to(device).eval()
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,
