@@ -174,6 +174,26 @@ def test_readme_shows_a_sampled_generation_before_any_greedy_one():
     assert re.search(r"[Gg]reedy decoding[^.]*repeats", text), "say what greedy decoding of a tiny model gives"
 
 
+def test_benchmarks_is_a_short_reference_whose_figures_name_command_and_date():
+    """BENCHMARKS.md is a table a user reads in a minute (at most 150 lines): every row names its
+    command, shapes, machine, date and whether it was measured or modelled; the dated runs are in
+    the lab notebook it links, docs/benchmarks-log.md."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 150, "move dated runs to docs/benchmarks-log.md"
+    assert "(docs/benchmarks-log.md)" in text and (ROOT / "docs" / "benchmarks-log.md").is_file()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[:7] == ["what", "figure", "shapes", "command", "machine", "date", "measured or modelled"], header
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert len(rows) >= 5
+    for row in rows:
+        cells = dict(zip(header, row))
+        assert re.search(r"`(?:python|make|bash) [^`]*`|`make [a-z]+`", cells["command"]), row
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", cells["date"]), row
+        assert re.match(r"(?:host time )?(?:measured|modelled)", cells["measured or modelled"]), row
+        assert cells["shapes"] and cells["machine"], row
+
+
 def anchors(path: Path) -> set[str]:
     """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
     found = set()
