@@ -4,6 +4,7 @@ every ``python -m mhar_titan.*`` command and subcommand answers ``--help`` with 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from helpers import PATIENCE_S, ROOT
+from warm_python import WarmPython
 
 from mhar_titan.config import SECTIONS, ConfigError, JobConfig
 from mhar_titan.config.help import config_help, field_descriptions, help_request
@@ -113,28 +115,33 @@ def _entry_points() -> list[str]:
     return names
 
 
-@pytest.mark.slow  # one interpreter per command and subcommand: about 80 s on 2 busy cores
 def test_every_module_command_and_subcommand_answers_help():
+    """Each `python -m COMMAND [SUBCOMMAND] --help` runs as a process of its own, forked from one warm
+    interpreter (tests/warm_python.py: the imports are done once)."""
     commands = _entry_points()
     assert {"mhar_titan.models", "mhar_titan.eval", "mhar_titan.convert", "mhar_titan.dryrun"} <= set(commands)
 
-    def run_all(argvs):  # four at a time: each starts its own interpreter (torch imported: ~0.5 GB)
+    def run_all(argvs):  # four at a time
         done = []
         for first in range(0, len(argvs), 4):
             batch = argvs[first:first + 4]
-            procs = [subprocess.Popen([sys.executable, "-m", *argv, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for argv in batch]
+            procs = [subprocess.Popen([str(warm.bin / "python"), "-m", *argv, "--help"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in batch]
             done += [(argv, p.returncode, out, err) for argv, p in zip(batch, procs)
                      for out, err in [p.communicate(timeout=PATIENCE_S)]]
         return done
 
-    subcommands = []
-    for argv, code, out, err in run_all([[c] for c in commands]):
-        assert code == 0 and out.startswith("usage: "), (argv, code, err[-2000:])  # (a wrapped tool's own prog)
-        choices = re.search(r"^positional arguments:\n  \{([\w,-]+)\}", out, re.M)  # argparse's subcommands
-        subcommands += [[argv[0], sub] for sub in choices.group(1).split(",")] if choices else []
-    assert ["mhar_titan.eval", "paired"] in subcommands
-    for argv, code, out, err in run_all(subcommands):
+    with WarmPython() as warm:
+        env = warm.env(os.environ)
+        answers = run_all([[c] for c in commands])
+        subcommands = []
+        for argv, code, out, err in answers:
+            assert code == 0 and out.startswith("usage: "), (argv, code, err[-2000:])  # (a wrapped tool's own prog)
+            choices = re.search(r"^positional arguments:\n  \{([\w,-]+)\}", out, re.M)  # argparse's subcommands
+            subcommands += [[argv[0], sub] for sub in choices.group(1).split(",")] if choices else []
+        assert ["mhar_titan.eval", "paired"] in subcommands
+        answers = run_all(subcommands)
+    for argv, code, out, err in answers:
         assert code == 0 and out.startswith(f"usage: python -m {' '.join(argv)}"), (argv, code, err[-2000:])
 
 
