@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "kernels") not in sys.path:  # a plain checkout: the package mhar_kernels/ is in kernels/
-    sys.path.append(str(ROOT / "kernels"))
+for _folder in (ROOT, ROOT / "kernels"):  # a plain checkout: mhar_titan (the exit handler) and mhar_kernels
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # The paper's shapes (d, H) and the deepest site of the 1b flavor.
 SHAPES = [(512, 1), (512, 8), (1024, 1), (1024, 8), (1280, 1), (1280, 8)]
@@ -282,7 +283,7 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--shapes", default=",".join(f"{d}x{h}" for d, h in SHAPES), help="comma list of dxH")
@@ -314,7 +315,10 @@ def main(argv=None) -> None:
     print(text)
     if a.out:
         a.out.write_text(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)
