@@ -80,9 +80,9 @@ def one_thread():
 @pytest.fixture(scope="session")
 def torchrun():
     """``torchrun(script, *args, nproc=2, env=None)``: ``python -m torch.distributed.run --standalone
-    --nproc_per_node=nproc script args`` from the repository root (gloo on CPU), one intra-op thread
-    per rank unless ``env`` sets OMP_NUM_THREADS; returns the CompletedProcess (text, stdout and stderr
-    captured). Its tests are in the slow tier, marked ``distributed``."""
+    --nproc_per_node=nproc script args`` from the repository root (gloo on CPU), with this
+    environment updated by ``env``; returns the CompletedProcess (text, stdout and stderr captured).
+    Its tests are in the slow tier, marked ``distributed``."""
     import subprocess
     import sys
 
@@ -91,8 +91,8 @@ def torchrun():
     def launch(script, *args, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 str(script), *map(str, args)]
-        return subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                              capture_output=True, text=True, timeout=PATIENCE_S)
+        return subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=PATIENCE_S)
 
     return launch
 

@@ -9,7 +9,6 @@ gives the same masked-batch gradients. The launch exiting 0 shows the clean gloo
 import gc
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import PATIENCE_S, ROOT, metric_losses, read_metrics  # noqa: E402
+from helpers import ROOT, metric_losses, read_metrics  # noqa: E402
 from train_common import DEBUG_MHAR, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
@@ -201,18 +200,14 @@ def test_bad_config_fails_before_anything_is_built(tmp_path, capsys, bad, needle
 
 
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
+def dist_results(tmp_path_factory, torchrun):
+    """The 2-rank checks, one torchrun launch for the module (its tests are marked distributed by the fixture)."""
     out = tmp_path_factory.mktemp("dist")
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(ROOT / "tests" / "dist_train_checks.py", out, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "dist.json").read_text()), torch.load(out / "grads.pt")
 
 
-@pytest.mark.distributed
 def test_two_ranks_match_one_process(dist_results, reference_run):
     results, _ = dist_results
     _, reference = reference_run
@@ -223,7 +218,6 @@ def test_two_ranks_match_one_process(dist_results, reference_run):
         assert max(diffs) <= 1e-5, (ac, results[f"losses_{ac}"], reference)
 
 
-@pytest.mark.distributed
 def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads):
     results, grads = dist_results
     loss8, g8, _, norm8 = masked_grads[8]
@@ -232,7 +226,6 @@ def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads)
     assert results["masked_grad_norm"] == pytest.approx(norm8, rel=1e-5)
 
 
-@pytest.mark.distributed
 def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_results):
     """Issue 16, acceptance 4 on 2 ranks: ranks with different global RNG states route with one
     permutation (the seed's), in three runs; a 2-step run resumed to 3 steps gives the straight
@@ -247,7 +240,6 @@ def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_re
     assert len(straight) == 3 and resumed == straight, (straight, resumed)
 
 
-@pytest.mark.distributed
 def test_two_rank_mixture_resumed_equals_straight(dist_results):
     """Issue 30, acceptance 1: a 2-rank data-mixture run (document sharding) stopped at step 2 and
     resumed to 4 has the straight run's losses and every source's position on every rank; its
@@ -273,7 +265,6 @@ def test_two_rank_mixture_resumed_equals_straight(dist_results):
     assert [r["val_loss"] for r in vals] == [r["val_loss"] for r in results["rows_mix_resumed"] if "val_loss" in r]
 
 
-@pytest.mark.distributed
 def test_train_state_is_rank0s_on_every_rank(dist_results):
     """Rank 0 owns the W&B run; its id must reach every rank's train_state (the checkpoint keeps one copy)."""
     results, _ = dist_results
