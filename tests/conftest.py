@@ -100,15 +100,30 @@ def torchrun():
 @pytest.fixture(scope="session")
 def train_process():
     """``train_process(*args, env=None)``: ``python train.py args`` in a process of its own from the
-    repository root; returns the CompletedProcess (text, stdout and stderr captured). Its tests are
-    in the slow tier, marked ``processes``."""
+    repository root, with the environment ``env`` (default: this process's); returns the
+    CompletedProcess (text, stdout and stderr captured). Its tests are in the slow tier, marked
+    ``processes``."""
     import subprocess
     import sys
 
     from helpers import PATIENCE_S
 
     def launch(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT, env={**os.environ, **(env or {})},
-                              capture_output=True, text=True, timeout=PATIENCE_S)
+        return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT,
+                              env=dict(os.environ) if env is None else env, capture_output=True, text=True,
+                              timeout=PATIENCE_S)
 
     return launch
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """One warm interpreter for the session (tests/warm_python.py): ``warm_python.run(args)`` runs
+    ``python ARGS`` as a process of its own, forked from a server that imported torch and the
+    package once; ``warm_python.python`` is its shim and ``warm_python.env()`` puts it first on PATH.
+    For tests that start many short commands; a test of how the interpreter itself starts (closed
+    streams, import resolution, a process's own memory) runs ``sys.executable`` instead."""
+    from warm_python import WarmPython
+
+    with WarmPython() as warm:
+        yield warm

@@ -4,16 +4,13 @@ every ``python -m mhar_titan.*`` command and subcommand answers ``--help`` with 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
-import sys
 import typing
 from dataclasses import dataclass, field
 
 import pytest
 from helpers import PATIENCE_S, ROOT
-from warm_python import WarmPython
 
 from mhar_titan.config import SECTIONS, ConfigError, JobConfig
 from mhar_titan.config.help import config_help, field_descriptions, help_request
@@ -96,10 +93,9 @@ def test_descriptions_come_from_the_attribute_docstring_or_the_line_comment():
                                             "commented": "a comment on the line", "table": ""}
 
 
-def test_train_py_help_through_the_entry_point():
+def test_train_py_help_through_the_entry_point(warm_python):
     for flag in ("-h", "--help"):
-        done = subprocess.run([sys.executable, "train.py", flag, "optimizer"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=PATIENCE_S)
+        done = warm_python.run(["train.py", flag, "optimizer"], timeout=PATIENCE_S)
         assert done.returncode == 0 and done.stdout.startswith("[optimizer]  AdamW, or Muon"), done.stderr[-2000:]
 
 
@@ -115,7 +111,7 @@ def _entry_points() -> list[str]:
     return names
 
 
-def test_every_module_command_and_subcommand_answers_help():
+def test_every_module_command_and_subcommand_answers_help(warm_python):
     """Each `python -m COMMAND [SUBCOMMAND] --help` runs as a process of its own, forked from one warm
     interpreter (tests/warm_python.py: the imports are done once)."""
     commands = _entry_points()
@@ -125,23 +121,19 @@ def test_every_module_command_and_subcommand_answers_help():
         done = []
         for first in range(0, len(argvs), 4):
             batch = argvs[first:first + 4]
-            procs = [subprocess.Popen([str(warm.bin / "python"), "-m", *argv, "--help"], cwd=ROOT, env=env,
+            procs = [subprocess.Popen([warm_python.python, "-m", *argv, "--help"], cwd=ROOT, env=warm_python.env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in batch]
             done += [(argv, p.returncode, out, err) for argv, p in zip(batch, procs)
                      for out, err in [p.communicate(timeout=PATIENCE_S)]]
         return done
 
-    with WarmPython() as warm:
-        env = warm.env(os.environ)
-        answers = run_all([[c] for c in commands])
-        subcommands = []
-        for argv, code, out, err in answers:
-            assert code == 0 and out.startswith("usage: "), (argv, code, err[-2000:])  # (a wrapped tool's own prog)
-            choices = re.search(r"^positional arguments:\n  \{([\w,-]+)\}", out, re.M)  # argparse's subcommands
-            subcommands += [[argv[0], sub] for sub in choices.group(1).split(",")] if choices else []
-        assert ["mhar_titan.eval", "paired"] in subcommands
-        answers = run_all(subcommands)
-    for argv, code, out, err in answers:
+    subcommands = []
+    for argv, code, out, err in run_all([[c] for c in commands]):
+        assert code == 0 and out.startswith("usage: "), (argv, code, err[-2000:])  # (a wrapped tool's own prog)
+        choices = re.search(r"^positional arguments:\n  \{([\w,-]+)\}", out, re.M)  # argparse's subcommands
+        subcommands += [[argv[0], sub] for sub in choices.group(1).split(",")] if choices else []
+    assert ["mhar_titan.eval", "paired"] in subcommands
+    for argv, code, out, err in run_all(subcommands):
         assert code == 0 and out.startswith(f"usage: python -m {' '.join(argv)}"), (argv, code, err[-2000:])
 
 

@@ -11,6 +11,7 @@ from helpers import ROOT
 PATIENCE_S = 1800  # a hang guard only: six launches of a 100m model on a loaded 2-core machine
 
 
+@pytest.mark.slow  # downloads the wheels from the package index
 def test_wheel_list_resolves_and_installs(tmp_path):
     wheels = tmp_path / "whl"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wheels.sh"), str(wheels)], capture_output=True,

@@ -240,6 +240,7 @@ def test_group_against_the_fp64_oracle(dtype, tol, kernel, monkeypatch):
         assert rel_err(x, t, floor=1e-3) < tol, (name, rel_err(x, t, floor=1e-3))
 
 
+@pytest.mark.slow  # float64 gradcheck of the fused kernels through the Triton interpreter
 def test_fused_phase1_and_merge_pass_gradcheck(monkeypatch):
     """float64, one group of 2 sites over a null source and 2 start sources, the second site
     merging 1 in-group source: the fused phase 1 followed by the merge passes

@@ -15,6 +15,8 @@ import sys
 import pytest
 from helpers import PATIENCE_S, ROOT
 
+pytestmark = pytest.mark.slow  # each test compiles 12 to 18 kernels through Triton's ptxas in a process of its own
+
 SHAPES = "512x1,512x8,1024x1,1024x8,1280x1,1280x8"
 COMPILE_REPORT = str(ROOT / "bench" / "compile_report.py")
 

@@ -18,6 +18,8 @@ import pytest
 
 from helpers import ROOT, wait_for
 
+pytestmark = pytest.mark.processes  # each waits on a command in a process of its own for its first progress line
+
 
 def start_logged(args: list[str], log, env: dict | None = None) -> subprocess.Popen:
     """Run ``python ARGS`` with stdout and stderr into the file ``log`` (not a terminal)."""

@@ -2,7 +2,6 @@
 README's notebook-sized script that uses it runs, without a warning, in the README doc test,
 tests/test_readme_commands.py). The analysis guide analyses only runs it trains, and its training
 and analysis lines run as written (shrunk to a few steps, in a temporary folder)."""
-import os
 import pathlib
 import re
 import shlex
@@ -12,7 +11,6 @@ import sys
 import pytest
 
 from helpers import PATIENCE_S, ROOT
-from warm_python import WarmPython
 from train_common import SAMPLE
 
 import mhar_titan
@@ -78,21 +76,18 @@ SHRINK = ["--training.steps=2", "--training.seq_len=32", "--training.local_batch
 @pytest.mark.slow  # three 2-step trainings, a heatmap, a probe, a comparison: 3.5 min at load 14 on 2 cores
 @pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
                     reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
-def test_the_readme_training_and_analysis_lines_run_as_written(tmp_path):
+def test_the_readme_training_and_analysis_lines_run_as_written(tmp_path, warm_python):
     lines = readme_bash_block("# Analysis and generation")
     trainings = [["python", "train.py", "--config", "train_configs/debug_mhar.toml"]]  # make train
     trainings += [w for w in lines if w[:2] == ["python", "train.py"]]
     analyses = [w for w in lines if w[:3] == ["python", "-m", "mhar_titan.analysis"]]
     assert len(trainings) == 3 and [w[3] for w in analyses] == ["heatmap", "probe", "compare"]
-    with WarmPython() as warm:  # each command a process of its own, the imports done once
-        python, env = lambda words: [str(warm.bin / "python"), *words[1:]], warm.env(os.environ)
-        for words in trainings:
-            done = subprocess.run(python(words) + [f"--job.dump_folder={tmp_path / 'outputs'}", *SHRINK], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=PATIENCE_S)
-            assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
-        for words in analyses:  # outputs/... read the runs just trained
-            words = [re.sub(r"^outputs/", f"{tmp_path / 'outputs'}/", w) for w in words]
-            done = subprocess.run(python(words), cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
-            assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
-            assert "warning" not in done.stderr.lower(), (shlex.join(words), done.stderr[-3000:])
+    for words in trainings:  # each command a process of its own, forked from the warm interpreter
+        done = warm_python.run([*words[1:], f"--job.dump_folder={tmp_path / 'outputs'}", *SHRINK], timeout=PATIENCE_S)
+        assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
+    for words in analyses:  # outputs/... read the runs just trained
+        words = [re.sub(r"^outputs/", f"{tmp_path / 'outputs'}/", w) for w in words]
+        done = warm_python.run(words[1:], timeout=PATIENCE_S)
+        assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
+        assert "warning" not in done.stderr.lower(), (shlex.join(words), done.stderr[-3000:])
     assert list((tmp_path / "outputs" / "debug_mhar" / "analysis").glob("*.png"))

@@ -448,11 +448,10 @@ def test_the_doc_test_fails_a_readme_that_changes_what_git_sees(small_repo, bloc
 @pytest.mark.skipif(not SAMPLE.exists(), reason="run `make train` (or `make setup`) first: no Shakespeare sample")
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("matplotlib") is None,
                     reason="the README's evaluation and figures need `make setup`")
-def test_the_readme_blocks_run_in_order_after_the_quickstart(tmp_path):
+def test_the_readme_blocks_run_in_order_after_the_quickstart(tmp_path, warm_python):
     test_every_block_is_run_or_marked_and_the_readme_is_short()  # nothing runs unless every block is accounted for
     root = copy_of_the_repository(tmp_path / "clone")
     assert all(line.startswith("A  ") for line in git_status(root)), git_status(root)[:5]
-    with WarmPython() as warm:
-        ran = run_in_order(README.read_text(), root, warm)
+    ran = run_in_order(README.read_text(), root, warm_python)
     assert ran >= 10, f"only {ran} README blocks ran"
     assert_nothing_changed_that_git_sees(root)

@@ -5,13 +5,11 @@ slow tier)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
 from helpers import ROOT, read_metrics
-from warm_python import WarmPython
 
 pytestmark = pytest.mark.lm_eval  # runs lm-eval (the slow tier)
 
@@ -45,14 +43,13 @@ def check_the_toy_experiment(stdout: str, out) -> None:
     assert "toy_plain" in json.loads((out / "toy_paired" / "paired.json").read_text())["a"]
 
 
-def test_a_rerun_after_an_interruption_continues_from_the_first_unfinished_stage(tmp_path):
+def test_a_rerun_after_an_interruption_continues_from_the_first_unfinished_stage(tmp_path, warm_python):
     """The first run dies right after the export finished, before the script marked it (the issue's
     case: the export folder exists); the rerun skips the base training, redoes the export into its
     existing folder and finishes. A third run has nothing left to do. The script's Python commands run
     forked from one warm interpreter (tests/warm_python.py: each a process of its own, the imports
     done once)."""
-    with WarmPython() as warm:
-        rerun_after_an_interruption(tmp_path, str(warm.bin / "python"), warm.env(os.environ))
+    rerun_after_an_interruption(tmp_path, warm_python.python, warm_python.env())
 
 
 def rerun_after_an_interruption(tmp_path, real: str, env: dict) -> None:

@@ -3,15 +3,18 @@
 command starts in milliseconds instead of the seconds its imports take on a CPU.
 
     with WarmPython() as warm:                    # the server, stopped (and its children) at the end
-        env = warm.env(os.environ)                # PATH starts with a folder whose `python` is the shim
-        subprocess.run(["bash", "-c", "python train.py ..."], env=env)
+        warm.run(["train.py", "--help"])          # `python train.py --help`, forked from the server
+        subprocess.run(["bash", "-c", "python train.py ..."], env=warm.env())  # the shim first on PATH
+
+The tests share one server, the session fixture ``warm_python`` (tests/conftest.py).
 
 The shim (``python`` and ``python3`` in ``warm.bin``) hands the server its arguments, working folder,
 environment and standard streams (the file descriptors themselves) and exits with the command's
 status. The child runs the command as ``python`` would: ``SCRIPT``, ``-m MODULE`` or ``-c CODE``
 with its own ``sys.argv``, ``sys.path[0]``, ``__main__``, environment, folder, streams (unbuffered
 under PYTHONUNBUFFERED), default signal handlers, reseeded global random generators, exit status
-(an uncaught exception prints its traceback and exits 1) and exit handlers. The warnings and output
+(an uncaught exception prints its traceback and exits 1, an uncaught KeyboardInterrupt ends the
+shim by SIGINT) and exit handlers. The warnings and output
 the server's imports gave are written to the child's stderr first, as a fresh process's imports
 would write them. What differs from a new interpreter: the modules the server imported are
 imported already, and OMP_NUM_THREADS takes effect through ``torch.set_num_threads``. A form the
@@ -60,15 +63,20 @@ s.connect(path)
 body = json.dumps(dict(argv=args, cwd=os.getcwd(), env=dict(os.environ))).encode()
 socket.send_fds(s, [struct.pack("!Q", len(body)) + body], [0, 1, 2])
 status = s.recv(4)
-sys.exit(struct.unpack("!i", status)[0] if len(status) == 4 else 1)
+code = struct.unpack("!i", status)[0] if len(status) == 4 else 1
+if code < 0:  # the command ended by a signal (an uncaught KeyboardInterrupt: SIGINT): so does the shim
+    import signal
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
 """
 
 
 class WarmPython:
     """The server (started on enter, stopped with every child it forked on exit) and its shim folder."""
 
-    def __init__(self, preload=PRELOAD, python: str = sys.executable):
-        self.preload, self.python = tuple(preload), python
+    def __init__(self, preload=PRELOAD, interpreter: str = sys.executable):
+        self.preload, self.interpreter = tuple(preload), interpreter
         self.folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
         self.bin = self.folder / "bin"
         self.socket = self.folder / "server.sock"
@@ -78,9 +86,9 @@ class WarmPython:
         self.bin.mkdir()
         for name in ("python", "python3"):
             shim = self.bin / name
-            shim.write_text(_SHIM.format(python=self.python, socket_env=SOCKET_ENV))
+            shim.write_text(_SHIM.format(python=self.interpreter, socket_env=SOCKET_ENV))
             shim.chmod(shim.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        self.proc = subprocess.Popen([self.python, __file__, str(self.socket), *self.preload], start_new_session=True,
+        self.proc = subprocess.Popen([self.interpreter, __file__, str(self.socket), *self.preload], start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 600
         while not self.socket.exists():
@@ -92,9 +100,22 @@ class WarmPython:
             time.sleep(0.05)
         return self
 
-    def env(self, base: dict) -> dict:
-        """``base`` with the shim first on PATH and the server's socket named."""
+    @property
+    def python(self) -> str:
+        """The shim: ``python`` of this warm interpreter."""
+        return str(self.bin / "python")
+
+    def env(self, base: dict | None = None) -> dict:
+        """``base`` (default: this process's environment) with the shim first on PATH and the
+        server's socket named."""
+        base = dict(os.environ) if base is None else base
         return {**base, "PATH": f"{self.bin}{os.pathsep}{base.get('PATH', '')}", SOCKET_ENV: str(self.socket)}
+
+    def run(self, args: list, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """``python ARGS`` through the shim (text, output captured, from the repository root unless
+        ``cwd`` is given), with ``env`` (default: this process's environment)."""
+        kwargs = {"capture_output": True, "text": True, "cwd": Path(__file__).resolve().parents[1], **kwargs}
+        return subprocess.run([self.python, *map(str, args)], env=self.env(env), **kwargs)
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
@@ -149,7 +170,7 @@ def _run(argv: list[str]) -> int:
         return 1
     except BaseException as e:  # noqa: BLE001  (as the interpreter: the traceback without this frame, exit 1)
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        return 1
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1  # an interrupt ends by SIGINT
 
 
 def _child(request: dict, fds: list[int], conn: socket.socket, replay: str) -> None:
@@ -179,10 +200,12 @@ def _child(request: dict, fds: list[int], conn: socket.socket, replay: str) -> N
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):
             stream.flush()
-    code = code if 0 <= code < 256 else code % 256
     with contextlib.suppress(OSError):
-        conn.sendall(struct.pack("!i", code))
-    os._exit(code)
+        conn.sendall(struct.pack("!i", code if code < 0 else code % 256))  # < 0: the signal that ends it
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code % 256)
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
