@@ -82,14 +82,13 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
         f"{dtype}, backward partial sums from {H200_PROGRAMS} programs), GB; floor = N + 1 rows forward and "
         "2N + 1 backward per site. The sources are rows of one depth buffer: the backward column includes the "
         "read-back of the gradient rows a deeper site wrote; slot writes: the copies into slots (the embedding "
-        "and the MLP outputs: the attention outputs are computed straight into theirs); recomputed projections: "
-        "output projections that AC full runs once more because they compute into their slots (none: only "
-        "attention outputs do, and the recompute runs through them anyway); the last column is the "
+        "and every sublayer output, copied in after its output projection; AC full copies a recomputed attention "
+        "output again); the last column is the "
         "ratio if separate source tensors' per-site gradients were summed by autograd instead.",
         "",
-        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | slot writes | recomputed projections "
+        "| scale | AC | sites | micro-batch | d | forward | backward | reduce | slot writes "
         "| counted | floor | counted / floor | without shared gradients |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for scale in scales:
         args = ModelArgs.from_flavor(scale, residual="attn_res", routing_heads=8)
@@ -100,7 +99,7 @@ def bytes_table(scales=("100m", "350m", "1b"), dtype=torch.bfloat16) -> str:
             kinds = {k: v / 1e9 for k, v in traffic.by_kind().items()}
             lines.append(
                 f"| {scale} | {ac} | {args.n_routing_sites} | {b}x{t} | {args.dim} | {kinds['forward']:.2f} | "
-                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | {kinds['write']:.3f} | {kinds['projection']:.2f} | "
+                f"{kinds['backward']:.2f} | {kinds['reduce']:.3f} | {kinds['write']:.3f} | "
                 f"{traffic.total / 1e9:.2f} | {traffic.floor / 1e9:.2f} | {traffic.ratio:.2f}x | {unshared.ratio:.2f}x |")
     return "\n".join(lines)
 

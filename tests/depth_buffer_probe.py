@@ -91,24 +91,6 @@ def recording():
         return hand(ctx, token_grad)
 
     patch(depth_buffer._Write, "backward", staticmethod(recording_hand))
-    project = depth_buffer.DepthBuffer.project
-
-    def recording_project(buffer, slot, x, weight, token):  # an output projection computed into its slot
-        backward = _in_backward()
-        before = buffer.values[slot].clone() if backward else None
-        out = project(buffer, slot, x, weight, token)
-        log.append(Event("write", buffer.values, None, (slot,), torch.equal(before, buffer.values[slot])
-                         if backward else None, backward))
-        return out
-
-    patch(depth_buffer.DepthBuffer, "project", recording_project)
-    hand_projected = depth_buffer._Project.backward
-
-    def recording_hand_projected(ctx, grad_out, token_grad):
-        log.append(Event("hand", ctx.buffer.values, None, (ctx.slot,), None, True))
-        return hand_projected(ctx, grad_out, token_grad)
-
-    patch(depth_buffer._Project, "backward", staticmethod(recording_hand_projected))
     try:
         yield log
     finally:

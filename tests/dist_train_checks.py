@@ -22,7 +22,7 @@ from helpers import metric_losses, read_metrics  # noqa: E402
 from train_common import MIXTURE_ARGV, debug_cfg, full_grads, masked_micro_batches, source_positions  # noqa: E402
 
 from mhar_titan.train import Trainer  # noqa: E402
-from mhar_titan.models.router import RoutingSettings
+from mhar_titan.models.routing_params import RoutingSettings
 
 
 def main(out):

@@ -9,7 +9,8 @@ import pytest
 from mhar_titan.data import DataConfig, TokenizerFileError, build_tokenizer
 from mhar_titan.data.prepare_tokenizer import main as prepare_main
 from mhar_titan.data.prepare_tokenizer import prepare_encoding
-from mhar_titan.data.tokenizer import ENCODING_FILES
+from helpers import ROOT
+from mhar_titan.data.tokenizer import ENCODING_FILES, checkout_root, default_cache_dir
 
 # Ids published with tiktoken's own tests / the GPT-2 vocabulary.
 KNOWN = {
@@ -114,3 +115,22 @@ def test_prepare_command_error_exits_2_with_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         prepare_main(["--cache-dir", str(not_a_dir), "--encodings", "gpt2"])
     assert exit_.value.code == 2 and str(not_a_dir) in capsys.readouterr().err
+
+
+def test_a_checkout_is_the_package_parent_holding_pyproject(tmp_path):
+    assert checkout_root() == ROOT  # this suite runs the checkout (the editable install)
+    assert checkout_root(tmp_path) is None  # as site-packages, which holds no pyproject.toml
+    (tmp_path / "pyproject.toml").touch()
+    assert checkout_root(tmp_path) == tmp_path
+
+
+def test_the_default_cache_is_tiktokens_variable_else_the_checkouts_folder(monkeypatch, tmp_path):
+    """The variable wins; a checkout then keeps the cache where `make setup` prepares it, whatever the
+    user's cache folder (an installed copy's default: tests/test_wheel.py)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # empty counts as unset
+    assert default_cache_dir() == ROOT / ".cache" / "tiktoken"
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR")
+    assert default_cache_dir() == ROOT / ".cache" / "tiktoken"

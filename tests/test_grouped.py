@@ -11,7 +11,7 @@ from mhar_kernels import dispatch
 from mhar_titan.config import ActivationCheckpoint
 from mhar_kernels import grouped_reference as grouped
 from mhar_titan.models import router
-from mhar_titan.models.router import RoutingSettings
+from mhar_titan.models.routing_params import RoutingSettings
 from mhar_titan.models.args import FAMILIES, ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import Group, RoutingPlan, Site

@@ -23,7 +23,7 @@ from mhar_kernels.depth_buffer import DepthBuffer
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
-from mhar_titan.models.router import RoutingSchedule
+from mhar_titan.models.schedule import RoutingSchedule
 from mhar_titan.parallel import apply_ac
 from depth_buffer_probe import check_order, recording
 from kernels_oracle import DEVICE, random_routing_model, rel_err

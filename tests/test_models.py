@@ -371,10 +371,16 @@ def test_llama3_rope_scaling_regimes():
 
 
 def _leaves(value, path="output"):
-    """(path, leaf) of a nested tuple / NamedTuple / `router.BlockSources` (its entries tuple); a dict
-    or list anywhere is reported as a leaf."""
-    from mhar_titan.models.router import BlockSources
+    """(path, leaf) of a nested tuple / NamedTuple / `router.BlockSources` (its entries tuple) /
+    `router.RoutingLink` (its sources and its BlockRouting); a dict or list anywhere is reported as
+    a leaf."""
+    from mhar_titan.models.router import BlockSources, RoutingLink
 
+    if isinstance(value, RoutingLink):
+        return _leaves(value.sources, f"{path}.sources")
+    if hasattr(value, "enter") and hasattr(value, "leave"):  # another connection's link: its tensors
+        return [leaf for name in getattr(value, "__slots__", ()) if isinstance(getattr(value, name), (tuple, torch.Tensor))
+                for leaf in _leaves(getattr(value, name), f"{path}.{name}")]
     if isinstance(value, BlockSources):
         return _leaves(value.entries, f"{path}.entries")
     if isinstance(value, tuple):
@@ -388,18 +394,19 @@ def _leaves(value, path="output"):
     dict(residual="attn_res", routing_heads=2, routing_granularity="block", routing_block_layers=2,
          routing_group_size="auto"),
 ], ids=["baseline", "mhar", "delta g=3", "block auto"])
-def test_block_forward_has_four_inputs_of_tensors_and_returns_tensors(overrides):
-    """TransformerBlock.forward(h, attention_context, sources, routing): four parameters besides
-    self, no *args / **kwargs; what travels into and out of every block is tensors (or None) in
-    tuples, never a dict or a list (issue 20, acceptance 2). The sources are one tuple held by a
-    `router.BlockSources`, which FSDP2's argument walk does not open (see its docstring)."""
+def test_block_forward_has_three_inputs_of_tensors_and_returns_tensors(overrides):
+    """TransformerBlock.forward(carried, attention_context, link): three parameters besides self, no
+    *args / **kwargs; what travels into and out of every block is tensors (or None) in tuples, never
+    a dict or a list (issue 20, acceptance 2). Depth routing's link holds the sources, one tuple in a
+    `router.BlockSources`, which FSDP2's argument walk does not open (see its docstring), and the
+    block's `BlockRouting` (tensors)."""
     import inspect
 
     from mhar_titan.models.model import TransformerBlock
-    from mhar_titan.models.router import BlockSources
+    from mhar_titan.models.router import BlockSources, RoutingLink
 
     parameters = list(inspect.signature(TransformerBlock.forward).parameters.values())[1:]
-    assert [p.name for p in parameters] == ["h", "attention_context", "sources", "routing"]
+    assert [p.name for p in parameters] == ["carried", "attention_context", "link"]
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
     args = ModelArgs(dim=32, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=16,
                      **overrides)
@@ -412,9 +419,12 @@ def test_block_forward_has_four_inputs_of_tensors_and_returns_tensors(overrides)
     assert len(seen) == args.n_layers
     carried = 0
     for inputs, output in seen:
-        assert len(inputs) == 4
-        assert type(inputs[2]) is BlockSources and type(inputs[2].entries) is tuple
+        assert len(inputs) == 3
+        link = inputs[2]
+        if args.residual == "attn_res":
+            assert type(link) is RoutingLink and type(link.sources) is BlockSources
+            assert type(link.sources.entries) is tuple
         for path, leaf in _leaves(inputs, "inputs") + _leaves(output):
             assert leaf is None or isinstance(leaf, torch.Tensor), (path, type(leaf))
-        carried += len(output.states)
+        carried += len(getattr(output, "states", ()))
     assert (carried > 0) == (args.routing_group_size == 3)  # grouped states leave blocks as tuples

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mhar_titan.models.model as model_module
+import mhar_titan.models.router as router_module
 from mhar_kernels import dispatch
 from mhar_titan.checkpoint import LEGACY_MODEL_DEFAULTS, CheckpointConfig, CheckpointManager
 from mhar_titan.config import ActivationCheckpoint
@@ -134,13 +135,14 @@ def test_a_second_layout_is_data(monkeypatch):
 
 def test_forward_frees_entries_no_later_site_uses(monkeypatch):
     """Block-delta partial sums that no site routes over are not kept to the end of the forward:
-    at the final routing only the completed blocks (and the last layer's entries) are alive."""
+    at the final routing only the completed blocks are alive (the last layer's partial sum too is
+    freed once the flow has released it)."""
     args = ModelArgs(**SHAPE, n_layers=4, residual="attn_res", routing_mode="delta", routing_granularity="block",
                      routing_block_layers=2)
     plan, model = RoutingPlan.from_args(args), Transformer(args)
     model.init_weights()
     created, alive_at_final = [], []
-    real_new_sources, real_route = model_module.new_sources, dispatch.route
+    real_new_sources, real_route = router_module.new_sources, dispatch.route
 
     def recording_new_sources(*args):
         out = real_new_sources(*args)
@@ -152,13 +154,13 @@ def test_forward_frees_entries_no_later_site_uses(monkeypatch):
             alive_at_final.extend(ref() is not None for ref in created)
         return real_route(sources, *args, **kwargs)
 
-    monkeypatch.setattr(model_module, "new_sources", recording_new_sources)
+    monkeypatch.setattr(router_module, "new_sources", recording_new_sources)
     monkeypatch.setattr(dispatch, "route", spy)
     with torch.no_grad():
         model.hidden_states(torch.zeros(1, 4, dtype=torch.long))
     # entries 1..4: block 1's partial sums (4 = D1), 5..8: block 2's (8 = D2); layer 3 made 7, 8
     assert plan.last_use == (8, 1, 2, 3, 8, 5, 6, 7, 8)
-    assert alive_at_final == [False, False, False, True, False, False, True, True]
+    assert alive_at_final == [False, False, False, True, False, False, False, True]
 
 
 def test_baseline_plan_is_empty_and_keeps_the_stream():

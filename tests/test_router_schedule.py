@@ -10,7 +10,8 @@ import torch
 from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.models.plan import RoutingPlan
-from mhar_titan.models.router import RoutingSchedule, carried_sites, leaving_sites, parameter_rows
+from mhar_titan.models.routing_params import parameter_rows
+from mhar_titan.models.schedule import RoutingSchedule, carried_sites, leaving_sites
 
 FAMILIES = {
     "per call": dict(routing_heads=2),
@@ -87,15 +88,15 @@ def test_each_routing_parameter_gets_its_gradient_from_one_node(family, expected
     def indexed(parameter, groups):  # every row by indexing: one backward node per site
         return (tuple(parameter[i] for i in range(parameter.shape[0])),
                 {g.index: parameter[g.sites[0]:g.sites[0] + g.size] for g in groups if g.size > 1})
-    import mhar_titan.models.router as router
-    original, router.parameter_rows = router.parameter_rows, indexed
+    import mhar_titan.models.routing_params as routing_params
+    original, routing_params.parameter_rows = routing_params.parameter_rows, indexed
     try:
         model.zero_grad(set_to_none=True)
         indexed_loss = model(tokens).float().square().mean()
         assert len(_parents_of(indexed_loss, model.routing.query)) > 1  # what the check above tells apart
         indexed_loss.backward()
     finally:
-        router.parameter_rows = original
+        routing_params.parameter_rows = original
     for name, p in model.routing.named_parameters():
         torch.testing.assert_close(p.grad, rows[name], rtol=1e-6, atol=1e-7, msg=name)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from helpers import ROOT
 from mhar_kernels import dispatch, reference
 from mhar_titan.models import ModelArgs, Transformer
-from mhar_titan.models.model import new_sources
+from mhar_titan.models.router import new_sources
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +83,7 @@ def formula_mix(sources, query, temperature, norm_weight, heads, eps, permutatio
 def formula_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits with every routing site computed by `formula_mix` from the RAW
     parameters (query, key norm, exp(log_temperature) or the configured scale): the block
-    structure of model.TransformerBlock, the sources by the plan (model.new_sources)."""
+    structure of model.TransformerBlock, the sources by the plan (router.new_sources)."""
     args, plan, r = model.args, model.plan, model.routing
     heads = args.resolved_routing_heads
     scale = args.resolved_logit_scale
@@ -103,8 +103,8 @@ def formula_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
                           args.routing_eps, perm).to(h.dtype)
         return stream + r.alpha[i] * mix if site.gated else mix
 
-    for layer in model.layers:
-        attention_site, mlp_site = layer.sites
+    for i, layer in enumerate(model.layers):
+        attention_site, mlp_site = plan.layer_sites(i)
         a = layer.attention(layer.attention_norm(route(attention_site)), context)
         stream = None if stream is None else stream + a
         sources += new_sources(attention_site, sources, a, stream)
@@ -266,7 +266,7 @@ def test_heatmap_weights_are_the_forwards_with_a_temperature_and_permuted_heads(
     raw = reference.route_reference(
         [s.detach() for s in __import__("helpers").site_sources(model, ids)[-1]], model.routing.query[-1].detach(),
         model.routing.key_norm[-1].detach(), 4, model.args.routing_eps, return_weights=True,
-        permutation=model.routing_settings.permutation)[1]
+        permutation=model.connection.settings.permutation)[1]
     assert not torch.allclose(raw, given[-1], atol=1e-3)
 
 

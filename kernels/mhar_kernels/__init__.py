@@ -12,6 +12,8 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   `merge_rows` (rows of a depth buffer), which every caller uses.
 - `depth_buffer`: one micro-batch's sources as rows of one tensor, the slot writes and their
   token chain, and the per-call `Reads` (torch only).
+- `depth_mix`: weighted sums of depth-buffer rows with the buffer's backward protocol, the depth
+  mixes of DenseFormer and MUDDFormer (torch only).
 - `route(sources, query, norm_weight, heads, eps=1e-6, *, partial=None, alpha=None,
   null_source=None)`: the fused kernels as the registered custom op `mhar::depth_route` with
   autograd (`op.py`); `can_run(device, dim, heads)` says where it runs (CUDA; CPU under
@@ -36,7 +38,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "triton_merge", "depth_buffer", "traffic", "routing_kernels", "grouped_kernels")
+               "triton_merge", "depth_buffer", "depth_mix", "traffic", "routing_kernels", "grouped_kernels")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -81,44 +81,6 @@ class DepthBuffer:
         chained to `token` (the previous write's, None for the first)."""
         return _Write.apply(source, token, self, slot)
 
-    def project(self, slot: int, x: Tensor, weight: Tensor, token: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        """A sublayer's output projection x @ weight^T (x (B, T, k), weight (d, k)) computed
-        straight into row `slot` (no copy of its result, as `write` would make); returns (the row
-        (B, T, d), a view of the buffer, as the sublayer's output; the new token, chained to
-        `token`). Its backward adds the row's routing gradient to any other gradient of the
-        output before the projection's own backward."""
-        return _Project.apply(x, weight, token, self, slot)
-
-
-class _Project(torch.autograd.Function):
-    """x @ weight^T into a slot; the backward takes the slot's finished gradient row too."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, token: Optional[Tensor], buffer: DepthBuffer, slot: int):
-        ctx.set_materialize_grads(False)
-        ctx.buffer, ctx.slot = buffer, slot
-        ctx.save_for_backward(x, weight)
-        row = buffer.values[slot]
-        torch.matmul(x, weight.t(), out=row)
-        # the row's memory as a tensor of its own, not a view of the buffer: later slot writes bump
-        # the buffer's version counter, which autograd would otherwise hold against this output
-        own = row.new_empty(0).set_(row.untyped_storage(), row.storage_offset(), row.shape, row.stride())
-        return own, x.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad_out, _token):
-        _first_derivative_only()
-        x, weight = ctx.saved_tensors
-        grads = ctx.buffer.grads
-        grad = None if grads is None or ctx.slot not in ctx.buffer.written else grads[ctx.slot]
-        ctx.buffer.written.discard(ctx.slot)  # handed on: a later backward writes it afresh
-        if grad_out is not None:
-            grad = grad_out if grad is None else grad + grad_out
-        if grad is None:
-            return None, None, None, None, None
-        flat = grad.reshape(-1, grad.shape[-1])
-        return grad @ weight, flat.t() @ x.reshape(-1, x.shape[-1]), None, None, None
-
 
 class _Write(torch.autograd.Function):
     """Copy a source into its slot; the backward hands the slot's finished gradient row on."""

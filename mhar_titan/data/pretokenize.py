@@ -123,7 +123,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokenizer", default="gpt2", help="tiktoken encoding: gpt2, cl100k_base or o200k_base")
     parser.add_argument("--text-field", default="text", help="column (parquet) or key (jsonl) holding the text")
     parser.add_argument("--tokenizer-cache-dir", default=None,
-                        help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR or <repo>/.cache/tiktoken)")
+                        help="tiktoken cache folder (default: $TIKTOKEN_CACHE_DIR; else .cache/tiktoken "
+                             "in a checkout, ~/.cache/mhar-titan/tiktoken for an installed copy)")
     args = parser.parse_args(argv)
     try:
         tok = build_tokenizer(DataConfig(tokenizer=args.tokenizer, tokenizer_cache_dir=args.tokenizer_cache_dir))

@@ -23,7 +23,6 @@ from mhar_titan.data.tokenizer_base import Tokenizer
 from mhar_titan.errors import UserError
 from mhar_titan.files import write_bytes
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_COMMAND = "python -m mhar_titan.data.prepare_tokenizer"
 _BASE = "https://openaipublic.blob.core.windows.net/"
 
@@ -97,10 +96,38 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+CACHE_NAME = "mhar-titan"
+"""The folder an installed copy keeps its tiktoken cache in, under the user's cache folder."""
+
+
+def checkout_root(package_parent: Path = Path(__file__).resolve().parents[2]) -> Path | None:
+    """The repository root when this package runs from a source checkout (an editable install, or
+    the root on ``sys.path``): ``package_parent``, the folder holding ``mhar_titan/``, when it also
+    holds ``pyproject.toml``. None for an installed copy (a wheel in site-packages, ``pip install
+    --target``), whose parent folder is not the user's to write into."""
+    return package_parent if (package_parent / "pyproject.toml").is_file() else None
+
+
 def default_cache_dir() -> Path:
-    """$TIKTOKEN_CACHE_DIR if set, else <repo>/.cache/tiktoken."""
+    """The tiktoken cache folder when no ``data.tokenizer_cache_dir`` (or ``--cache-dir``) names one:
+
+    1. ``$TIKTOKEN_CACHE_DIR`` when set and not empty (tiktoken's own variable);
+    2. in a source checkout (``checkout_root``), ``<repo>/.cache/tiktoken``, where ``make setup``
+       prepares it;
+    3. for an installed copy, ``$XDG_CACHE_HOME/mhar-titan/tiktoken``, or
+       ``~/.cache/mhar-titan/tiktoken`` when ``XDG_CACHE_HOME`` is unset or not an absolute path
+       (the XDG base-directory rule): never inside site-packages.
+
+    Reads only the environment; creates nothing.
+    """
     env = os.environ.get("TIKTOKEN_CACHE_DIR")
-    return Path(env) if env else REPO_ROOT / ".cache" / "tiktoken"
+    if env:
+        return Path(env)
+    root = checkout_root()
+    if root is not None:
+        return root / ".cache" / "tiktoken"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / CACHE_NAME / "tiktoken"
 
 
 def resolve_cache_dir(cfg: DataConfig) -> Path:

@@ -9,8 +9,8 @@ from mhar_titan.lazy import lazy_exports
 
 _EXPORTS = {
     "FAMILIES": "args", "FLAVORS": "args", "ModelArgs": "args", "ParamCounts": "args", "count_parameters": "args",
-    "pad_vocab": "args", "RoutingPlan": "plan", "BlockOutput": "model", "Transformer": "model",
-    "TransformerBlock": "model", "AttentionContext": "model", "DepthRouting": "router", "Router": "router",
+    "pad_vocab": "args", "RoutingPlan": "plan", "BlockOutput": "router", "Transformer": "model",
+    "TransformerBlock": "model", "AttentionContext": "model", "DepthRouting": "routing_params", "Router": "router",
     "BlockRouting": "router", "resolve_model_args": "args",
 }
 

@@ -11,6 +11,10 @@ and its residual path (MHAR_SPEC sections 1 and 2):
 | Block AttnRes | "attn_res"   | any           | "block"             | "replace"    |
 | delta (conv.) | "attn_res"   | any           | either              | "delta"      |
 
+and the other depth connections (`connections/`): `residual = "dense"` (DenseFormer, keys
+`dense_dilation`, `dense_period`) and `"mudd"` (MUDDFormer, key `mudd_prepost_norm`); their
+parameter counts are `connection_parameters`.
+
 `routing_logit_scale` (a float > 0, or "match_heads:H" = 1/sqrt(H)) multiplies every depth logit
 of every routing head, and `routing_temperature = "learned"` makes that factor one learnable
 log-temperature per routing site and head, starting at the scale (docs/DESIGN.md "Logit scale and
@@ -44,7 +48,11 @@ from .plan import RoutingPlan
 
 ATTN_MASK_TYPES = ("causal", "block_causal")
 """Values of ``model.attn_mask_type`` (TorchTitan's key and values; attention_mask.py)."""
-RESIDUALS = ("standard", "attn_res")
+RESIDUALS = ("standard", "attn_res", "dense", "mudd")
+"""Values of ``model.residual``: the depth connections (``connections.CONNECTIONS`` maps each to its class)."""
+CONNECTION_KEYS = {"dense": ("dense_dilation", "dense_period"), "mudd": ("mudd_prepost_norm",)}
+"""The keys of each depth connection other than depth routing's (``routing_*``): set away from their
+defaults they need that connection."""
 GRANULARITIES = ("sublayer", "block")
 ROUTING_MODES = ("replace", "delta")
 ROUTING_LAYOUTS = ("clean", "paper")
@@ -55,10 +63,10 @@ MATCH_HEADS = "match_heads:"
 """Prefix of the `routing_logit_scale` spelling "match_heads:H" (the scale 1/sqrt(H))."""
 ROUTING_KERNELS = ("eager", "compile", "triton", "auto")  # mhar_kernels.dispatch.KERNELS (a test checks)
 INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-              "rope_original_max_seq_len", "routing_block_layers")
+              "rope_original_max_seq_len", "routing_block_layers", "dense_dilation", "dense_period")
 REAL_FIELDS = ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                "routing_eps")
-BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source", "rope_per_document")
+BOOL_FIELDS = ("qk_norm", "tie_embeddings", "routing_null_source", "rope_per_document", "mudd_prepost_norm")
 WEIGHT_NEUTRAL_FIELDS = ("routing_kernel", "max_seq_len", "routing_group_size")
 """Fields that change how the model is computed, not its weights: a checkpoint resumes, and a
 converted folder loads, across them."""
@@ -96,8 +104,8 @@ class ModelArgs:
     rope_per_document: bool = False  # block_causal only: RoPE positions restart at each document
     eos_id: int | None = None  # the EOS closing each packed document; block_causal needs it (the tokenizer's)
 
-    # -- residual path (MHAR_SPEC sections 1, 2) ----------------------------------------
-    residual: Literal["standard", "attn_res"] = "standard"
+    # -- residual path: the depth connection (MHAR_SPEC sections 1, 2; connections/) -------
+    residual: Literal["standard", "attn_res", "dense", "mudd"] = "standard"
     routing_heads: int | str = 8  # H; 1 = single-head AttnRes; "kv" = n_kv_heads
     routing_granularity: Literal["sublayer", "block"] = "sublayer"
     routing_block_layers: int = 4  # transformer layers per block (block granularity)
@@ -111,6 +119,9 @@ class ModelArgs:
     routing_head_layout_seed: int = 0  # seed of the permuted layout's fixed permutation of the d coordinates
     routing_logit_scale: float | str = 1.0  # multiplies every depth logit (> 0); "match_heads:H" = 1/sqrt(H)
     routing_temperature: Literal["fixed", "learned"] = "fixed"  # learned: a log-temperature per site and head, from the scale
+    dense_dilation: int = 1  # DenseFormer k: block i's average reads the outputs X_j with j = i+1 (mod k)
+    dense_period: int = 1  # DenseFormer p: the average runs after block i only where (i+1) % p == 0
+    mudd_prepost_norm: bool = True  # MUDDFormer's pre/post DA norm (normalised sources, streams = X + DA)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -178,6 +189,7 @@ class ModelArgs:
                 f"(got routing_mode={self.routing_mode!r}, routing_null_source={self.routing_null_source}, "
                 f"routing_eps={self.routing_eps})"
             )
+        self._check_connection_keys()
         if self.residual == "standard" and (self.routing_mode == "delta" or self.routing_null_source):
             raise ValueError(
                 f"routing_mode={self.routing_mode!r} and routing_null_source={self.routing_null_source} need "
@@ -185,14 +197,40 @@ class ModelArgs:
                 "or routing_mode='replace' and routing_null_source=False"
             )
 
+    def _check_connection_keys(self) -> None:
+        """A connection's own keys (`CONNECTION_KEYS`) need that connection, and depth routing's
+        (`routing_*`, but the weight-neutral kernel) need residual='attn_res', unless left at their
+        defaults (ValueError naming the keys); DenseFormer's dilation and period are at most n_layers."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for residual, keys in CONNECTION_KEYS.items():
+            changed = [k for k in keys if getattr(self, k) != defaults[k]]
+            if changed and self.residual != residual:
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} residual="
+                                 f"{residual!r}, not residual={self.residual!r}: set residual={residual!r}, or leave "
+                                 f"{' and '.join(changed)} at the default")
+        if self.residual not in ("standard", "attn_res"):
+            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("routing_")
+                       and f.name not in WEIGHT_NEUTRAL_FIELDS and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} "
+                                 f"{'configures' if len(changed) == 1 else 'configure'} depth routing "
+                                 f"(residual='attn_res'); residual={self.residual!r} has no routing sites: leave "
+                                 f"{' and '.join(changed)} at the default")
+        for key in ("dense_dilation", "dense_period"):
+            if getattr(self, key) > self.n_layers:
+                raise ValueError(f"{key}={getattr(self, key)} is larger than n_layers={self.n_layers}: DenseFormer's "
+                                 f"{'dilation' if key == 'dense_dilation' else 'period'} counts blocks; choose "
+                                 f"1..{self.n_layers}")
+
     def _check_group_size(self) -> None:
         """routing_group_size: a positive int or "auto"; g != 1 rejects routing_kernel="compile" (ValueError)."""
         g = self.routing_group_size
         if g != "auto" and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
             raise ValueError(f"routing_group_size must be a positive integer (1 = per-call routing) or 'auto', "
                              f"got {g!r}")
-        if g not in (1, "auto") and self.residual == "standard":
-            raise ValueError(f"routing_group_size={g!r} needs residual='attn_res' (the standard residual has no "
+        if g not in (1, "auto") and self.residual != "attn_res":
+            raise ValueError(f"routing_group_size={g!r} needs residual='attn_res' (residual={self.residual!r} has no "
                              "routing sites); set routing_group_size=1")
         if g != 1 and self.routing_layout != "clean":
             raise ValueError(f"routing_group_size={g!r} supports routing_layout='clean' only (the paper layout's "
@@ -350,12 +388,15 @@ FAMILIES: dict[str, dict] = {
         residual="attn_res", routing_heads=8, routing_granularity="block", routing_mode="delta",
         routing_null_source=True,
     ),
+    "dense": dict(residual="dense"),
+    "mudd": dict(residual="mudd"),
+    "mudd_plain": dict(residual="mudd", mudd_prepost_norm=False),
 }
 
 
 FAMILY_FIELDS = ("residual", "routing_heads", "routing_granularity", "routing_block_layers", "routing_mode",
                  "routing_null_source", "routing_layout", "routing_head_layout", "routing_logit_scale",
-                 "routing_temperature")
+                 "routing_temperature", *(k for keys in CONNECTION_KEYS.values() for k in keys))
 """The ``ModelArgs`` fields that tell one residual-path family from another."""
 
 
@@ -387,22 +428,70 @@ class ParamCounts:
 def count_parameters(args: ModelArgs) -> ParamCounts:
     """Count parameters from the arguments alone (no allocation); equals `Transformer(args)`'s count.
 
-    Routing extra (MHAR_SPEC section 2): S = 2L+1 sites x (pseudo-query d + key-norm weight d),
-    plus one (1,) gate per site in delta mode and a (d,) null source when enabled (one per
-    sublayer site, and no final site, in the paper layout), and with a learned routing temperature
-    one log-temperature per site and routing head.
+    The extra over the baseline is the depth connection's (`connection_parameters`).
     """
     d, hd = args.dim, args.head_dim
     attention = d * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + (2 * hd if args.qk_norm else 0)
     mlp = 3 * d * args.ffn_dim
     per_layer = attention + mlp + 2 * d  # + attention_norm and ffn_norm weights
     embedding = args.vocab_size * d * (1 if args.tie_embeddings else 2)
-    routing = args.n_routing_sites * (2 * d + (1 if args.routing_mode == "delta" else 0))
-    routing += RoutingPlan.from_args(args).n_nulls * d
-    if args.residual == "attn_res" and args.routing_temperature == "learned":
-        routing += args.n_routing_sites * args.resolved_routing_heads
+    routing = connection_parameters(args)
     non_embedding = args.n_layers * per_layer + d + routing  # + final norm
     return ParamCounts(total=non_embedding + embedding, non_embedding=non_embedding, routing=routing)
+
+
+def connection_parameters(args: ModelArgs) -> int:
+    """Parameters of the depth connection, beyond the baseline's (0 for the standard residual).
+
+    - attn_res (MHAR_SPEC section 2): S = 2L+1 sites x (pseudo-query d + key-norm weight d), plus
+      one (1,) gate per site in delta mode and a (d,) null source when enabled (one per sublayer
+      site, and no final site, in the paper layout), and with a learned routing temperature one
+      log-temperature per site and routing head.
+    - dense (DenseFormer): one weight per (block i, source j) of every depth-weighted average,
+      floor((i+1)/k) + 1 sources after each block i with (i+1) % p == 0: L(L+3)/2 at k = p = 1.
+    - mudd (MUDDFormer): per block i, with C_i = 4 streams (1 after the last block) over i+2 sources
+      and K_i the hidden width (`mudd_hidden`): d K_i + K_i C_i (i+2) + C_i (i+2); with the pre/post
+      DA norm also the sources' norm scales ((L+1) d), each block's generator and post-norm scales
+      (2 L d); and the K and V streams' input norms of blocks 1..L-1 (2 (L-1) d).
+    """
+    d, L = args.dim, args.n_layers
+    if args.residual == "attn_res":
+        sites = args.n_routing_sites
+        count = sites * (2 * d + (1 if args.routing_mode == "delta" else 0)) + RoutingPlan.from_args(args).n_nulls * d
+        return count + (sites * args.resolved_routing_heads if args.routing_temperature == "learned" else 0)
+    if args.residual == "dense":
+        return sum(len(dense_sources(args, i)) for i in range(L) if dense_averages(args, i))
+    if args.residual == "mudd":
+        count = sum(d * mudd_hidden(args, i) + (mudd_hidden(args, i) + 1) * mudd_streams(args, i) * (i + 2)
+                    for i in range(L))
+        return count + ((L + 1) * d + 2 * L * d if args.mudd_prepost_norm else 0) + 2 * (L - 1) * d
+    return 0
+
+
+def dense_averages(args: ModelArgs, block: int) -> bool:
+    """Whether DenseFormer averages after block `block` (0-based): (block + 1) % dense_period == 0."""
+    return (block + 1) % args.dense_period == 0
+
+
+def dense_sources(args: ModelArgs, block: int) -> tuple[int, ...]:
+    """The block outputs X_j (X_0 the embedding) DenseFormer's average after block `block` reads, in
+    order: j <= block + 1 with j = block + 1 (mod dense_dilation); the last is the block's own X."""
+    k = args.dense_dilation
+    return tuple(range((block + 1) % k, block + 2, k))
+
+
+def mudd_streams(args: ModelArgs, block: int) -> int:
+    """MUDDFormer's streams C after block `block`: 4 (queries, keys, values, residual R), 1 (R)
+    after the last block."""
+    return 1 if block == args.n_layers - 1 else 4
+
+
+def mudd_hidden(args: ModelArgs, block: int) -> int:
+    """The hidden width K of MUDDFormer's weight generator after block `block`: C (block + 2), times 4
+    after the last block, then (K // 64 + 1) * 64 (the reference's rounding, which adds 64 to a
+    multiple of 64)."""
+    k = mudd_streams(args, block) * (block + 2) * (4 if block == args.n_layers - 1 else 1)
+    return (k // 64 + 1) * 64
 
 
 def _blamed_model_key(m, overrides: dict) -> str:

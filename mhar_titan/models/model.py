@@ -1,18 +1,11 @@
-"""The decoder: Qwen3/Llama-style pre-norm transformer with a pluggable residual path.
+"""The decoder: Qwen3/Llama-style pre-norm transformer with a pluggable depth connection.
 
-Residual paths (MHAR_SPEC sections 1, 2; names in args.py):
-- standard: h = h + f(norm(h)) for every sublayer f (attention, then MLP).
-- attn_res, replace (AttnRes H=1 / MHAR H>1, sublayer or block granularity): every sublayer
-  input is route(sources); the final routing feeds the final norm and the LM head.
-- attn_res, delta (MHAR_SPEC 1.4): the standard residual stream h is kept and every sublayer
-  input is h + alpha * route(sources).
-
-Which sources each routing site reads, and which entries each sublayer adds to the one growing
-source list (sublayer outputs, block partial sums), is the routing plan (plan.py): the forward
-below follows it and re-derives nothing. Blocks hold no routing parameters: `Transformer.routing`
-(router.py's `DepthRouting`) holds all of them, and the forward's `Router` gives each block one
-`BlockRouting` argument (its two sites' rows and, for grouped routing, the phase-1 states carried
-to it) and takes the block's new states back (router.py).
+`ModelArgs.residual` picks how the sublayers are connected across depth (connections/): the
+standard residual (h <- h + f(norm(h))), depth routing (AttnRes / MHAR, every mode of MHAR_SPEC
+sections 1 and 2), DenseFormer and MUDDFormer. A block reads each sublayer's input from its
+connection's link and writes the sublayer's output back (connections/base.py), so the block below
+reads the same for every connection; the connection's parameters are the top-level
+`Transformer.routing` module (None for the standard residual), never inside a block.
 """
 from __future__ import annotations
 
@@ -26,33 +19,15 @@ from torch import Tensor, nn
 
 from .args import ModelArgs
 from .attention_mask import attend, dense_mask, document_ids, document_positions, flex_block_mask
+from .connections import build_connection
+from .connections.base import Link
 from .cross_entropy import plain_linear_cross_entropy
-from .plan import OUTPUT, STREAM, RoutingPlan, Site
-from .router import (BlockRouting, BlockSources, DepthRouting, Observer, Router, RoutingSchedule, RoutingSettings,
-                     State, sublayer_input)
+from .norms import RMSNorm
+from .plan import RoutingPlan
+from .router import Observer
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
-
-
-NO_SOURCES = BlockSources(())  # the standard residual's blocks route over nothing
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm rounded like Hugging Face Llama/Qwen3: normalise in fp32, cast back, times weight."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_frequencies(args: ModelArgs, device=None) -> Tensor:
@@ -122,16 +97,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, context: AttentionContext, into=None) -> Tensor:
-        """x (B, T, d) -> (B, T, d); `context` holds the RoPE tables of the T positions, the mask
-        and, when decoding, the cache: the T new keys/values are appended to it and the queries
-        attend to every cached position the cache's mask allows (earlier tokens of the row's
-        document, no padding). into: where the output projection writes its result
-        (`router.Projection`, a depth-buffer slot), None for a new tensor."""
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+    def forward(self, x: Tensor | tuple[Tensor, Tensor, Tensor], context: AttentionContext) -> Tensor:
+        """x (B, T, d) -> (B, T, d), or the three streams (x_q, x_k, x_v) that queries, keys and
+        values are projected from (MUDDFormer's). `context` holds the RoPE tables of the T positions,
+        the mask and, when decoding, the cache: the T new keys/values are appended to it and the
+        queries attend to every cached position the cache's mask allows (earlier tokens of the
+        row's document, no padding)."""
+        xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)
+        B, T, _ = xq.shape
+        q = self.wq(xq).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(xk).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(xv).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
@@ -141,8 +117,7 @@ class Attention(nn.Module):
         else:
             k, v, mask = context.cache.update(self.layer_id, k, v)
             y = attend(q, k, v, mask)
-        y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.wo(y) if into is None else into(self.wo, y)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -154,101 +129,37 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: Tensor, into=None) -> Tensor:
-        """x (B, T, d) -> (B, T, d); into: as `Attention.forward`'s."""
-        y = F.silu(self.w1(x)) * self.w3(x)
-        return self.w2(y) if into is None else into(self.w2, y)
-
-
-class BlockOutput(NamedTuple):
-    """What a block returns in every mode.
-
-    h: the residual stream after the block (B, T, d); None in replace mode, where routing
-    replaces it. sources: the entries its two sublayers added to the source list, in plan order
-    (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
-    states: grouped routing only, the phase-1 `router.State`s of later blocks' sites, in site
-    order (`router.LayerSchedule.leaving`); empty otherwise. token: the newest depth-buffer
-    write's token where routing runs on the fused kernels' buffer (`mhar_kernels.depth_buffer`),
-    else None.
-    """
-
-    h: Tensor | None
-    sources: tuple[Tensor, ...]
-    states: tuple[State, ...] = ()
-    token: Tensor | None = None
-
-
-def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Tensor | None) -> list[Tensor]:
-    """The entries `site`'s sublayer creates: each recipe of the plan summed left to right over
-    the sublayer `output`, the stream `h` after it and earlier entries of `sources`."""
-    created: list[Tensor] = []
-    for entry in site.creates if site is not None else ():
-        value = None
-        for coefficient, operand in entry.recipe:
-            if operand == OUTPUT:
-                x = output
-            elif operand == STREAM:
-                x = h
-            else:  # an index into the source list, the entries created here continuing it
-                x = sources[operand] if operand < len(sources) else created[operand - len(sources)]
-            value = x if value is None else (value + x if coefficient > 0 else value - x)
-        created.append(value)
-    return created
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, T, d) -> (B, T, d)."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    """One decoder layer (attention sublayer, then MLP sublayer); self-contained for AC/compile/FSDP.
+    """One decoder layer: an attention sublayer, then an MLP sublayer, each reading its input from
+    the depth connection and writing its output back (connections/base.py); self-contained for AC,
+    compile and FSDP.
 
-    forward(h, attention_context, sources, routing) -> BlockOutput
-      h: residual stream (B, T, d), None in replace mode. attention_context: `AttentionContext`
-      (RoPE tables). sources: the source list so far as a `router.BlockSources` (tensors, None for
-      entries no later site reads; empty for the standard residual). routing: the layer's
-      `router.BlockRouting` (None for the standard residual).
-    `self.sites` are the layer's two sites of the routing plan, (None, None) for the standard residual;
-    `self.schedule` its `router.LayerSchedule` (the model's `RoutingSchedule`, else one built from the plan).
+    forward(carried, attention_context, link) -> what the connection's flow takes back
+      carried: what the connection carries into the block (the stream h (B, T, d) for the
+      standard residual; connections/). attention_context: `AttentionContext` (RoPE tables, mask,
+      cache). link: the block's `connections.base.Link` in this forward.
+    `attention_norm` is the connection's (`Connection.attention_norm`): an RMSNorm, or one per
+    stream where the connection feeds attention its queries, keys and values separately.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs, plan: RoutingPlan | None = None,
-                 settings: RoutingSettings | None = None, schedule: RoutingSchedule | None = None):
+    def __init__(self, layer_id: int, args: ModelArgs, attention_norm: nn.Module | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = attention_norm if attention_norm is not None else RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.plan = plan if plan is not None else RoutingPlan.from_args(args)
-        self.settings = settings if settings is not None else RoutingSettings.from_args(args)
-        self.sites = self.plan.layer_sites(layer_id)
-        schedule = schedule if schedule is not None else RoutingSchedule.from_plan(self.plan, args.n_layers)
-        self.schedule = schedule.layers[layer_id]  # its sites' calls, the states entering / leaving it
 
-    def forward(self, h: Tensor | None, attention_context: AttentionContext, sources: BlockSources,
-                routing: BlockRouting | None) -> BlockOutput:
-        given, entries = sources, list(sources.entries)
-        start = len(entries)
-        # phase-1 states by site, local to this call (checkpointing re-runs the block with its inputs)
-        schedule = self.schedule
-        states = dict(zip(schedule.carried, routing.states)) if routing is not None else {}
-        token = routing.token if routing is not None else None
-        attention_site, mlp_site = self.sites
-        attention_call, mlp_call = schedule.calls
-        x = sublayer_input(attention_call, self.settings, 0, h, entries, routing, states, given, token)
-        into = given.into(schedule.direct[0], token)
-        a = self.attention(self.attention_norm(x), attention_context, into)
-        token = token if into is None else into.token
-        h = None if h is None else h + a
-        new, token = given.add(new_sources(attention_site, entries, a, h), schedule.slots[0], schedule.keeps[0], token,
-                               schedule.direct[0])
-        entries += new
-        x = sublayer_input(mlp_call, self.settings, 1, h, entries, routing, states, given, token)
-        into = given.into(schedule.direct[1], token)
-        m = self.feed_forward(self.ffn_norm(x), into)
-        token = token if into is None else into.token
-        h = None if h is None else h + m
-        new, token = given.add(new_sources(mlp_site, entries, m, h), schedule.slots[1], schedule.keeps[1], token,
-                               schedule.direct[1])
-        entries += new
-        return BlockOutput(h, tuple(entries[start:]), tuple(states[s] for s in schedule.leaving), token)
+    def forward(self, carried, attention_context: AttentionContext, link: Link):
+        state = link.enter(carried)
+        state = link.write(0, state, self.attention(self.attention_norm(link.read(0, state)), attention_context))
+        state = link.write(1, state, self.feed_forward(self.ffn_norm(link.read(1, state))))
+        return link.leave(state)
 
 
 class Transformer(nn.Module):
@@ -271,14 +182,13 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.plan = RoutingPlan.from_args(args)
-        self.routing_settings = RoutingSettings.from_args(args)
-        self.routing_schedule = RoutingSchedule.from_plan(self.plan, args.n_layers)
+        self.connection = build_connection(args)  # plain data: the depth connection (connections/)
+        self.plan = getattr(self.connection, "plan", None) or RoutingPlan.from_args(args)  # empty but for attn_res
         self.routing_observer: Observer | None = None  # set by `observe_routing`
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args, self.plan, self.routing_settings, self.routing_schedule)
+        self.layers = nn.ModuleList(TransformerBlock(i, args, self.connection.attention_norm(i))
                                     for i in range(args.n_layers))
-        self.routing = DepthRouting(args, self.plan) if args.residual == "attn_res" else None
+        self.routing = self.connection.parameters()  # the connection's parameters; None for the standard residual
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_cos_sin(args, device=self.tok_embeddings.weight.device)
@@ -290,18 +200,22 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)initialise every parameter and the RoPE buffers; works after `to_empty()`.
 
-        Linear and embedding weights ~ N(0, 0.02^2); norm weights 1; routing as
-        `DepthRouting.reset_parameters`. RoPE tables are recomputed on `buffer_device`
-        (default: where they are now).
+        Linear and embedding weights ~ N(0, 0.02^2); norm weights 1; the connection's parameters
+        (`routing`) by its own `reset_parameters` (depth routing: `DepthRouting.reset_parameters`).
+        RoPE tables are recomputed on `buffer_device` (default: where they are now).
         """
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = rope_cos_sin(self.args, device=device)
         self._rope_device = self.rope_cos.device
-        for module in self.modules():
+        for name, module in self.named_modules():
+            if name == "routing" or name.startswith("routing."):
+                continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, (RMSNorm, DepthRouting)):
+            elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+        if self.routing is not None:
+            self.routing.reset_parameters()
 
     @contextlib.contextmanager
     def observe_routing(self, observer: Observer):
@@ -309,7 +223,8 @@ class Transformer(nn.Module):
         routing site in order (the attention and MLP sites of every layer, then the final one):
         the entries that site routes over (as `router.routed_sources`) while the forward runs, and
         the `router.Router`, whose `weights(site, sources)` gives the reference's depth-softmax
-        weights (analysis; under FSDP the root's parameters are unsharded then)."""
+        weights (analysis; under FSDP the root's parameters are unsharded then). Depth routing
+        (attn_res) only: the other connections have no routing sites."""
         previous, self.routing_observer = self.routing_observer, observer
         try:
             yield
@@ -317,33 +232,23 @@ class Transformer(nn.Module):
             self.routing_observer = previous
 
     def hidden_states(self, tokens: Tensor, cache: "KVCache | None" = None) -> Tensor:
-        """Run embedding, layers and the final routing (not the final norm): (B, T) -> (B, T, d).
+        """Run the embedding, the layers and the connection's read-out (not the final norm):
+        (B, T) -> (B, T, d).
 
         With `cache` (decoding, `kv_cache.KVCache`), `tokens` continue the sequences it holds:
-        attention reads the cached keys/values; routing needs no cache, since each token routes
-        over its own depth history. Raises ValueError (from the cache) past its capacity or max_seq_len.
+        attention reads the cached keys/values; the depth connections need no cache, since each
+        token's connection reads only its own depth history. Raises ValueError (from the cache) past
+        its capacity or max_seq_len.
         """
         self._check_tokens(tokens)
         context = self.attention_context(tokens, cache)
-        h = self.tok_embeddings(tokens)
-        if self.routing is None:
-            for layer in self.layers:
-                h = layer(h, context, NO_SOURCES, None).h
-            return h
-        router = Router(self.routing_schedule, self.routing, self.routing_settings, self.routing_observer,
-                        buffered=not self.compiled_blocks)
-        sources = router.initial_sources(h)
-        h = h if self.plan.stream else None
-        for i, (layer, schedule) in enumerate(zip(self.layers, self.routing_schedule.layers)):
-            h, new, states, token = layer(h, context, router.sources(sources), router.block_routing(i))
-            sources += new
-            router.block_done(i, states, sources, h, token)
-            # Drop the entries no later site uses (block-delta partial sums are never routed over),
-            # so that they are freed once autograd is done with them.
-            for j in schedule.released:
-                sources[j] = None
-        return router.final(h, sources)
-
+        flow = self.connection.flow(self.routing, self.tok_embeddings(tokens), self.routing_observer,
+                                    buffered=not self.compiled_blocks)
+        for i, layer in enumerate(self.layers):
+            carried, link = flow.block(i)
+            flow.done(i, layer(carried, context, link))
+            del carried, link  # hold nothing of a finished block: the flow drops the entries it released
+        return flow.final()
 
     def _check_tokens(self, tokens: Tensor) -> None:
         """ValueError for tokens that are not a non-empty (B, T) integer batch of ids in

@@ -223,7 +223,7 @@ class RoutingPlan:
         layout = layout or getattr(args, "routing_layout", "clean")
         if layout not in LAYOUTS:
             raise ValueError(f"unknown routing layout {layout!r}; choose one of {LAYOUTS}")
-        if args.residual == "standard":
+        if args.residual != "attn_res":  # the other connections have no routing sites (connections/)
             return cls(layout, "sublayer", "replace", False, stream=True, sources=(), sites=())
         plan = _paper(args) if layout == "paper" else _clean(args)
         g = getattr(args, "routing_group_size", 1)

@@ -1,22 +1,20 @@
-"""The model's side of depth routing: its parameters and the Router that feeds every block.
+"""Depth routing of one forward (lifetime: one forward): the attn_res connection's flow and links.
 
 How a routing site is computed is the op package's job (`mhar_kernels.dispatch`, one backend
 rule over the reference, the grouped reference and the fused kernels). This module maps the
-routing plan onto those calls:
+routing schedule (schedule.py, made once per model from the routing plan) onto those calls, with
+the model's routing parameters (routing_params.py):
 
-- `DepthRouting`: all routing parameters of the model (pseudo-queries, key norms, gates, nulls).
-- `RoutingSettings`: what every site shares (kernel, heads H, eps, the permuted head layout).
-- `RoutingSchedule`: the plan resolved once per model into what each site and block does (which
-  entries it routes over, its group, the states entering and leaving each block, the entries
-  the forward releases after it), so that no plan lookup runs per site and forward.
-- `Router`: built once per forward from the schedule, the parameters and the settings. It takes
-  every routing parameter's rows once (`DepthRouting.rows`: views with one backward node per
-  parameter), makes the initial source list, gives each block one `BlockRouting` argument (that
-  block's rows and the phase-1 states carried to it, all tensors, so activation checkpointing
-  keeps them as block inputs), takes the block's new states back, and routes the final site.
+- `Router`: the flow of one forward (connections/base.py). Built from the schedule, the
+  parameters and the settings, it takes every routing parameter's rows once
+  (`DepthRouting.rows`: views with one backward node per parameter), makes the initial source
+  list (and the fused kernels' depth buffer), gives each block its `RoutingLink` (that block's
+  rows and the phase-1 states carried to it, all tensors, so activation checkpointing keeps them
+  as block inputs), takes the block's new entries and states back, and routes the final site.
   With an observer it hands every site's sources to it and gives it the reference's
   depth-softmax weights (analysis).
-- `sublayer_input`: what a block calls for each of its two sublayers.
+- `RoutingLink`: a block's link: the input of each of its two sublayers (`route_site`) and the
+  entries each sublayer's output creates (`new_sources`), written into the depth buffer.
 
 Grouped routing (`routing_group_size` g > 1, docs/DESIGN.md "Grouped routing"): the block holding
 a group's first site runs its phase 1 and merges the states of its own sites; the states of sites
@@ -25,18 +23,17 @@ through the Router.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mhar_kernels import contract, dispatch, reference
-from mhar_kernels.depth_buffer import DepthBuffer, Reads, reads as device_reads
+from mhar_kernels.depth_buffer import DepthBuffer, Reads
 
-from .args import ModelArgs
-from .plan import OUTPUT, Group, RoutingPlan, Site
+from .plan import OUTPUT, STREAM, Group, Site
+from .routing_params import DepthRouting, RoutingSettings
+from .schedule import LayerSchedule, RoutingSchedule, SiteCall
 
 
 class State(NamedTuple):
@@ -65,18 +62,11 @@ class BlockSources:
     def __init__(self, entries: tuple, buffer: DepthBuffer | None = None, reads: tuple | None = None):
         self.entries, self.buffer, self.reads = entries, buffer, reads
 
-    def into(self, slot: int | None, token: Tensor | None) -> "Projection | None":
-        """Where a sublayer's output projection writes: depth-buffer row `slot` (its one entry is
-        its output as it is, `LayerSchedule.direct`) after the write that made `token`, where there
-        is a buffer; else None (a new tensor)."""
-        return None if self.buffer is None or slot is None else Projection(self.buffer, slot, token)
-
 
     def add(self, created: list[Tensor], slots: Sequence[int | None], keeps: Sequence[bool],
-            token: Tensor | None, direct: int | None = None) -> tuple[list[Tensor], Tensor | None]:
-        """Write the new entries `created` into their depth-buffer slots (None: not routed over;
-        `direct`: the slot the output projection already computed its entry into, `into`) after the write that made
-        `token`; returns (the entries as the source list holds them: the buffer's row, or the
+            token: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+        """Write the new entries `created` into their depth-buffer slots (None: not routed over),
+        each by a copy, after the write that made `token`; returns (the entries as the source list holds them: the buffer's row, or the
         tensor itself where a later entry is built from it (`keeps`) or it has no slot; the newest
         token). Without a buffer, (created, token). Every entry is first taken to the storage
         dtype (the buffer's, else the embedding's): under autocast a sublayer's output is in the
@@ -89,7 +79,7 @@ class BlockSources:
             return created, token
         entries = []
         for value, slot, keep in zip(created, slots, keeps, strict=True):
-            if slot is not None and slot != direct:
+            if slot is not None:
                 token = buffer.write(slot, value, token)
             entries.append(held(buffer, value, slot, keep))
         return entries, token
@@ -103,28 +93,6 @@ def held(buffer: DepthBuffer, value: Tensor, slot: int | None, keep: bool) -> Te
     so a recipe over it would give the entry's producer no gradient through that recipe (the
     paper layout's first block source, stream - embedding, lost the embedding's part)."""
     return value if keep or slot is None else buffer.values[slot]
-
-
-class Projection:
-    """A sublayer's output projection computed straight into a depth-buffer slot
-    (`DepthBuffer.project`: no copy of its result): called as projection(linear, x) by the
-    sublayer's module (so its forward hooks see the output), it keeps the write's token. A
-    projection that is not a plain bias-free `nn.Linear` without hooks (a subclass, an adapter),
-    or one under autocast, runs as a module and its output is copied into the slot."""
-
-    __slots__ = ("buffer", "slot", "token")
-
-    def __init__(self, buffer: DepthBuffer, slot: int, token: Tensor | None):
-        self.buffer, self.slot, self.token = buffer, slot, token
-
-    def __call__(self, linear: nn.Linear, x: Tensor) -> Tensor:
-        if (type(linear) is not nn.Linear or linear.bias is not None or linear._forward_hooks
-                or linear._forward_pre_hooks or torch.is_autocast_enabled(x.device.type)):
-            out = linear(x)
-            self.token = self.buffer.write(self.slot, out, self.token)
-            return out
-        out, self.token = self.buffer.project(self.slot, x, linear.weight, self.token)
-        return out
 
 
 class BlockRouting(NamedTuple):
@@ -147,359 +115,6 @@ class BlockRouting(NamedTuple):
     token: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class RoutingSettings:
-    """What every routing site of a model shares: the configured `kernel` (routing_kernel),
-    `heads` (resolved H), `eps`, and for the permuted head layout the model `dim` and
-    `permutation_seed` (None for contiguous heads)."""
-
-    kernel: str
-    heads: int
-    eps: float
-    dim: int = 0
-    permutation_seed: int | None = None
-
-    @classmethod
-    def from_args(cls, args: ModelArgs) -> "RoutingSettings":
-        seed = args.routing_head_layout_seed if args.routing_head_layout == "permuted" else None
-        return cls(args.routing_kernel, args.resolved_routing_heads, args.routing_eps, args.dim, seed)
-
-    @property
-    def permutation(self) -> Tensor | None:
-        """The permuted head layout's int64 (d,) permutation (`reference.head_permutation`, on the
-        CPU, made once per process), None for contiguous heads."""
-        return None if self.permutation_seed is None else reference.head_permutation(self.dim, self.permutation_seed)
-
-
-class SiteRows(NamedTuple):
-    """Every routing parameter's rows for one forward (`DepthRouting.rows`), all views.
-
-    query, key_norm: S rows (d,), by site. alpha: S rows (1,) in delta mode, else None.
-    group_query, group_key_norm: {group index: its (g, d) rows} for the groups of more than one
-    site (grouped routing), empty for per-call routing."""
-
-    query: tuple[Tensor, ...]
-    key_norm: tuple[Tensor, ...]
-    alpha: tuple[Tensor, ...] | None
-    group_query: dict[int, Tensor]
-    group_key_norm: dict[int, Tensor]
-
-
-def parameter_rows(parameter: Tensor, groups: Sequence[Group]) -> tuple[tuple[Tensor, ...], dict[int, Tensor]]:
-    """The rows of an (S, ...) routing parameter as views: per site its row (S rows of shape
-    (...)), and {group index: its (g, ...) rows} for every group of more than one site.
-
-    Per-call routing unbinds the parameter once (one backward node, which stacks the S row
-    gradients into one (S, ...) gradient); grouped routing splits it once by group and unbinds
-    each group's rows (one node per group besides). Indexing a row per site instead gives each
-    site a backward that writes a zero-filled (S, ...) tensor, and autograd one (S, ...) addition
-    per site."""
-    if len(groups) == parameter.shape[0]:  # the groups cover the S sites: S groups are S single sites
-        return parameter.unbind(0), {}
-    chunks = parameter.split([group.size for group in groups])
-    rows = tuple(row for chunk in chunks for row in chunk.unbind(0))
-    return rows, {group.index: chunk for group, chunk in zip(groups, chunks) if group.size > 1}
-
-
-class DepthRouting(nn.Module):
-    """All routing parameters of the model (MHAR_SPEC section 2; DESIGN.md "Placement").
-
-    query (S, d): pseudo-queries, row 2i / 2i+1 = layer i's attention / MLP site, row 2L = final.
-    key_norm (S, d): key RMSNorm weights. alpha (S, 1): delta gates (delta mode only; shape (1,)
-    per site because FSDP rejects 0-dim parameters). null_source: when enabled, (d,), or (2L, d)
-    in the paper layout (row k = the null of site k; plan.py). log_temperature (S, H): with
-    `routing_temperature = "learned"` only, one learnable log-temperature per site and routing
-    head, initialised to log(routing_logit_scale); None otherwise.
-
-    Logit scale and temperature (docs/DESIGN.md "Logit scale and temperature", which also says
-    why Adam does not absorb a fixed scale): every depth logit of site s and head h is
-    t_{s,h} <q_s[h], RMSNorm(k)[h]>, t the fixed `routing_logit_scale` or, learned,
-    exp(log_temperature[s, h]). The factor is folded into the query once per forward,
-    q_eff[s, h] = t_{s,h} q_s[h] (`effective_queries`, the ONE accessor of a site's effective
-    pseudo-query), so every routing path runs unchanged on q_eff; at scale 1 with a fixed
-    temperature the raw parameter itself is used (bitwise the unscaled model). Gradients through
-    the fold: dL/dq_s[h] = t_{s,h} dL/dq_eff[h], dL/dlog t_{s,h} = <dL/dq_eff[h], q_eff[h]>.
-    """
-
-    def __init__(self, args: ModelArgs, plan: RoutingPlan | None = None):
-        super().__init__()
-        plan = plan or RoutingPlan.from_args(args)
-        S, d, nulls = plan.n_sites, args.dim, plan.n_nulls
-        self.query = nn.Parameter(torch.empty(S, d))
-        self.key_norm = nn.Parameter(torch.empty(S, d))
-        self.alpha = nn.Parameter(torch.empty(S, 1)) if args.routing_mode == "delta" else None
-        self.null_source = nn.Parameter(torch.empty((nulls, d) if nulls > 1 else (d,))) if nulls else None
-        self.logit_scale = args.resolved_logit_scale  # c, a float (args.logit_scale)
-        self.heads = args.resolved_routing_heads
-        self.settings = RoutingSettings.from_args(args)
-        learned = args.routing_temperature == "learned"
-        self.log_temperature = nn.Parameter(torch.empty(S, self.heads)) if learned else None
-
-    def reset_parameters(self) -> None:
-        """Pseudo-queries exactly 0 (uniform depth softmax, MHAR_SPEC pitfall 2), key norms 1, gates 0, null 0,
-        log-temperatures log(routing_logit_scale) (the learned temperature starts at the fixed scale)."""
-        nn.init.zeros_(self.query)
-        nn.init.ones_(self.key_norm)
-        if self.alpha is not None:
-            nn.init.zeros_(self.alpha)
-        if self.null_source is not None:
-            nn.init.zeros_(self.null_source)
-        if self.log_temperature is not None:
-            nn.init.constant_(self.log_temperature, math.log(self.logit_scale))
-
-    def null_sources(self) -> list[Tensor]:
-        """The (d,) null sources in the order of the plan's null entries (empty when disabled)."""
-        if self.null_source is None:
-            return []
-        return [self.null_source] if self.null_source.dim() == 1 else list(self.null_source.unbind(0))
-
-    @property
-    def learned(self) -> bool:
-        """Whether the temperatures are learned (`routing_temperature = "learned"`)."""
-        return self.log_temperature is not None
-
-    @property
-    def scaled(self) -> bool:
-        """Whether the effective pseudo-queries differ from the raw ones (a scale other than 1, or
-        a learned temperature)."""
-        return self.log_temperature is not None or self.logit_scale != 1.0
-
-    def temperatures(self) -> Tensor:
-        """(S, H) factors t_{s,h} every depth logit of site s, head h is multiplied by (class
-        docstring): exp(log_temperature), or the fixed scale; in the query's dtype, on its device."""
-        if self.log_temperature is not None:
-            return self.log_temperature.exp().to(self.query.dtype)
-        return torch.full((self.query.shape[0], self.heads), self.logit_scale, dtype=self.query.dtype,
-                          device=self.query.device)
-
-    def effective_queries(self) -> Tensor:
-        """(S, d) effective pseudo-queries q_eff[s, h] = t_{s,h} q_s[h], head h being the layout's
-        coordinates of head h (contiguous slices, or the permuted layout's): the one accessor every
-        reader of a site's query uses (class docstring). Differentiable; the raw parameter itself
-        at scale 1 with a fixed temperature."""
-        if not self.scaled:
-            return self.query
-        if self.log_temperature is None:
-            return self.query * self.logit_scale
-        S, d = self.query.shape
-        t = self.log_temperature.exp().to(self.query.dtype).unsqueeze(-1)  # (S, H, 1)
-        permutation = self.settings.permutation
-        if permutation is None:
-            return (self.query.view(S, self.heads, -1) * t).view(S, d)
-        perm = permutation.to(self.query.device)  # head h owns coordinates perm[h K:(h + 1) K]
-        scaled = (self.query.index_select(1, perm).view(S, self.heads, -1) * t).view(S, d)
-        return scaled.index_select(1, torch.argsort(perm))
-
-    def effective_query(self, site: int) -> Tensor:
-        """(d,) effective pseudo-query of `site` (`effective_queries`' row)."""
-        return self.effective_queries()[site]
-
-    def rows(self, groups: Sequence[Group]) -> SiteRows:
-        """Every parameter's per-site and per-group rows for one forward (`parameter_rows`), taken
-        once per forward (under FSDP2 from the unsharded parameters), for the plan's `groups`; the
-        query rows are the effective pseudo-queries (`effective_queries`, folded once here)."""
-        query, group_query = parameter_rows(self.effective_queries(), groups)
-        key_norm, group_key_norm = parameter_rows(self.key_norm, groups)
-        alpha = None if self.alpha is None else self.alpha.unbind(0)
-        return SiteRows(query, key_norm, alpha, group_query, group_key_norm)
-
-
-# ---------------------------------------------------------------------------- the schedule
-class SiteCall(NamedTuple):
-    """How one site is routed, resolved from the plan once per model.
-
-    site: the plan's `Site`. reads: its entries of the source list, as a slice where they are
-    consecutive (per-call sublayer routing reads every entry so far), else the indices.
-    null_only: every entry it reads is a (d,) null source (paper layout, layer 0's attention).
-    group: its group of more than one site, None for a per-call site; position: its place in it;
-    late: the in-group entries its merge reads (grouped only); starts: its block runs the
-    group's phase 1 here (position 0 of a group of more than one site). null: the (d,) null
-    entry it reads first (its group's, for phase 1), else None. rows, phase1_rows: the indices of
-    its fused calls on the depth buffer in `RoutingSchedule.buffer_calls` (its per-call routing or
-    merge; the group's phase 1), None where it makes no such call."""
-
-    site: Site
-    reads: slice | tuple[int, ...]
-    null_only: bool
-    group: Group | None
-    position: int
-    late: tuple[int, ...]
-    starts: bool
-    null: int | None = None
-    rows: int | None = None
-    phase1_rows: int | None = None
-
-
-class LayerSchedule(NamedTuple):
-    """One block's part of the schedule: calls, its two sites' `SiteCall`s (None for the
-    standard residual); carried, the sites of this layer whose phase 1 ran in an earlier block
-    (their states enter the block, in site order); leaving, the later sites whose phase 1 runs
-    in this block (their states leave it, in site order); group, the group of more than one site
-    whose first site is in this layer, else None; released, the entries of the source list no
-    site after this block reads or builds on (the forward drops them after it, so that they are
-    freed once autograd is done with them); slots, per sublayer, one depth-buffer slot per entry
-    it creates (None: no site routes over it); keeps, per sublayer and entry: a later entry is
-    built from it, so the source list holds the tensor itself, not its buffer row; direct, per
-    sublayer, the slot its output projection computes straight into (its one entry is its output
-    as it is, `BlockSources.into`), else None."""
-
-    calls: tuple[SiteCall | None, SiteCall | None]
-    carried: tuple[int, ...]
-    leaving: tuple[int, ...]
-    group: Group | None
-    released: tuple[int, ...]
-    slots: tuple[tuple[int | None, ...], tuple[int | None, ...]] = ((), ())
-    keeps: tuple[tuple[bool, ...], tuple[bool, ...]] = ((), ())
-    direct: tuple[int | None, int | None] = (None, None)
-
-
-def _as_slice(indices: tuple[int, ...]) -> slice | tuple[int, ...]:
-    if indices and indices == tuple(range(indices[0], indices[-1] + 1)):
-        return slice(indices[0], indices[-1] + 1)
-    return indices
-
-
-def site_call(plan: RoutingPlan, site: Site) -> SiteCall:
-    """The `SiteCall` of `site` under `plan`."""
-    group, position = plan.group_of(site.index)
-    grouped = group.size > 1
-    return SiteCall(site, _as_slice(site.reads), all(plan.sources[j].kind == "null" for j in site.reads),
-                    group if grouped else None, position, group.late[position] if grouped else (),
-                    grouped and position == 0)
-
-
-def carried_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
-    """Sites of `layer` whose phase 1 ran in an earlier block (their states enter the block)."""
-    return tuple(s.index for s in plan.layer_sites(layer)
-                 if s is not None and plan.group_of(s.index)[0].sites[0] < 2 * layer)
-
-
-def leaving_sites(plan: RoutingPlan, layer: int) -> tuple[int, ...]:
-    """Sites after `layer` whose phase 1 runs in its block (their states leave the block)."""
-    out = []
-    for site in plan.layer_sites(layer):
-        if site is None:
-            continue
-        group, position = plan.group_of(site.index)
-        if position == 0:
-            out += [s for s in group.sites if s > 2 * layer + 1]
-    return tuple(out)
-
-
-class BufferCall(NamedTuple):
-    """One fused call on the depth buffer, resolved from the plan: `slots`, the rows it reads in
-    its source order; `adds`, per row, whether its backward adds to the row's gradient (False: it
-    is the row's last reader in the forward, so the first in the backward, and writes it)."""
-
-    slots: tuple[int, ...]
-    adds: tuple[bool, ...]
-
-
-def buffer_layout(plan: RoutingPlan) -> tuple[dict[int, int], list[tuple[tuple, tuple[int, ...]]]]:
-    """The depth buffer of `plan` (docs/DESIGN.md "The depth buffer"): ({entry: slot} for every
-    (B, T, d) entry some site routes over, in list order), and the fused calls in forward order as
-    (key, entries read): ("site", s) per-call routing or the merge of site s (its in-group reads),
-    ("phase1", s) the phase 1 of the group starting at site s. A site that reads only null
-    sources makes no buffer call."""
-    routed = sorted({j for site in plan.sites for j in site.reads if plan.sources[j].kind != "null"})
-    slots = {j: slot for slot, j in enumerate(routed)}
-    calls = []
-    for site in plan.sites:
-        if all(plan.sources[j].kind == "null" for j in site.reads):
-            continue
-        group, position = plan.group_of(site.index)
-        if group.size == 1:
-            calls.append((("site", site.index), tuple(j for j in site.reads if j in slots)))
-            continue
-        if position == 0:
-            calls.append((("phase1", site.index), tuple(j for j in group.reads if j in slots)))
-        if group.late[position]:
-            calls.append((("site", site.index), tuple(group.late[position])))
-    return slots, calls
-
-
-def _direct(site: Site | None, slots: dict[int, int]) -> int | None:
-    """The slot `site`'s sublayer output projection computes into: where the sublayer is an
-    attention (the MLP's projection is a block's last op, which activation checkpointing's early
-    stop does not recompute when it is torch's own linear: a custom projection, whose saved
-    tensors are packed after it ran, would run again; its copy into the slot is cheaper), its one
-    created entry is its output as it is (recipe ((1, OUTPUT),)) and some site routes over it;
-    else None."""
-    if (site is None or site.sublayer != "attention" or len(site.creates) != 1
-            or site.creates[0].recipe != ((1, OUTPUT),)):
-        return None
-    return slots.get(site.creates[0].index)
-
-
-@dataclass(frozen=True)
-class RoutingSchedule:
-    """The routing plan resolved once per model (module docstring): `layers`, one
-    `LayerSchedule` per layer (n_layers of them, also for the standard residual); `final`, the
-    final site's `SiteCall` (None where the plan has none); for the fused kernels' depth buffer
-    (`buffer_layout`): `capacity` (its rows), `initial_slots` (per initial entry, its slot or
-    None), `initial_keeps` (per initial entry, whether a later entry is built from it, as
-    `LayerSchedule.keeps`), `buffer_calls` (every fused call's `BufferCall`, indexed by `SiteCall.rows` /
-    `SiteCall.phase1_rows`). Build with `from_plan`."""
-
-    plan: RoutingPlan
-    layers: tuple[LayerSchedule, ...]
-    final: SiteCall | None
-    capacity: int = 0
-    initial_slots: tuple[int | None, ...] = ()
-    initial_keeps: tuple[bool, ...] = ()
-    buffer_calls: tuple[BufferCall, ...] = ()
-    _reads: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @classmethod
-    def from_plan(cls, plan: RoutingPlan, n_layers: int) -> "RoutingSchedule":
-        """The schedule of `plan` for a model of `n_layers` layers."""
-        slots, calls = buffer_layout(plan)
-        last = {j: i for i, (_, entries) in enumerate(calls) for j in entries}
-        buffer_calls = tuple(BufferCall(tuple(slots[j] for j in entries), tuple(last[j] != i for j in entries))
-                             for i, (_, entries) in enumerate(calls))
-        index = {key: i for i, (key, _) in enumerate(calls)}
-        built_from = {op for source in plan.sources for _, op in source.recipe if isinstance(op, int)}
-
-        def resolved(site: Site) -> SiteCall:
-            call = site_call(plan, site)
-            group = plan.group_of(site.index)[0]
-            first = (group.reads if call.starts else site.reads)[:1]
-            null = first[0] if first and plan.sources[first[0]].kind == "null" else None
-            return call._replace(null=null, rows=index.get(("site", site.index)),
-                                 phase1_rows=index.get(("phase1", site.index)))
-
-        layers, released, created = [], set(), sum(1 for s in plan.sources if s.site is None)
-        for layer in range(n_layers):
-            sites = plan.layer_sites(layer)
-            calls_here = tuple(None if s is None else resolved(s) for s in sites)
-            made = []  # per sublayer, the entries it creates
-            for s in sites:
-                made.append(range(created, created + (len(s.creates) if s is not None else 0)))
-                created += len(made[-1])
-            group = next((c.group for c in calls_here if c is not None and c.starts), None)
-            # entries that exist after this block and that no site after it reads or builds on
-            drop = tuple(j for j in range(created) if j not in released and plan.last_use[j] <= 2 * layer + 1)
-            released.update(drop)
-            layers.append(LayerSchedule(
-                calls_here, carried_sites(plan, layer), leaving_sites(plan, layer), group, drop,
-                tuple(tuple(slots.get(j) for j in entries) for entries in made),
-                tuple(tuple(j in built_from for j in entries) for entries in made),
-                tuple(_direct(s, slots) for s in sites)))
-        final = None if plan.final is None else resolved(plan.final)
-        initial = tuple(slots.get(source.index) for source in plan.initial)
-        initial_keeps = tuple(source.index in built_from for source in plan.initial)
-        return cls(plan, tuple(layers), final, len(slots), initial, initial_keeps, buffer_calls)
-
-    def reads(self, device: torch.device) -> tuple[Reads, ...]:
-        """Every fused call's `Reads` on `device` (made once per device: their slot and add
-        vectors are the same at every step)."""
-        found = self._reads.get(device)
-        if found is None:
-            found = self._reads[device] = tuple(device_reads(c.slots, c.adds, device) for c in self.buffer_calls)
-        return found
-
-
-# ---------------------------------------------------------------------------- one site
 def routed_sources(call: SiteCall, sources: Sequence[Tensor], like: Tensor | None) -> list[Tensor]:
     """The entries the site of `call` routes over. A site that reads only its (d,) null source
     (paper layout, layer 0's attention) gets it broadcast to the shape of `like` (B, T, d), so
@@ -601,19 +216,115 @@ def sublayer_input(call: SiteCall | None, settings: RoutingSettings, row: int, h
                       None if routing.alpha is None else routing.alpha[row], routing.group_query, routing.group_key_norm)
 
 
+class BlockOutput(NamedTuple):
+    """What a block returns in every mode.
+
+    h: the residual stream after the block (B, T, d); None in replace mode, where routing
+    replaces it. sources: the entries its two sublayers added to the source list, in plan order
+    (sublayer outputs or block partial sums, each (B, T, d)); empty for the standard residual.
+    states: grouped routing only, the phase-1 `router.State`s of later blocks' sites, in site
+    order (`router.LayerSchedule.leaving`); empty otherwise. token: the newest depth-buffer
+    write's token where routing runs on the fused kernels' buffer (`mhar_kernels.depth_buffer`),
+    else None.
+    """
+
+    h: Tensor | None
+    sources: tuple[Tensor, ...]
+    states: tuple[State, ...] = ()
+    token: Tensor | None = None
+
+
+def new_sources(site: Site | None, sources: list[Tensor], output: Tensor, h: Tensor | None) -> list[Tensor]:
+    """The entries `site`'s sublayer creates: each recipe of the plan summed left to right over
+    the sublayer `output`, the stream `h` after it and earlier entries of `sources`."""
+    created: list[Tensor] = []
+    for entry in site.creates if site is not None else ():
+        value = None
+        for coefficient, operand in entry.recipe:
+            if operand == OUTPUT:
+                x = output
+            elif operand == STREAM:
+                x = h
+            else:  # an index into the source list, the entries created here continuing it
+                x = sources[operand] if operand < len(sources) else created[operand - len(sources)]
+            value = x if value is None else (value + x if coefficient > 0 else value - x)
+        created.append(value)
+    return created
+
+
+class BlockInput(NamedTuple):
+    """What the Router carries into a block: the stream h (B, T, d) (None in replace mode) and the
+    block's `BlockRouting`. Tensors in a tuple: FSDP2 registers its post-backward hook on a block's
+    tensor inputs, so the routing rows (which need a gradient) must be among them in replace mode,
+    where no stream enters."""
+
+    h: Tensor | None
+    routing: BlockRouting
+
+
+class BlockState(NamedTuple):
+    """A block call's routing state (`RoutingLink.enter`): the stream h (B, T, d) (None in replace
+    mode), the block's `BlockRouting`, the source list as the block extends it (`entries`, a list;
+    the block's own entries from index `start` on), the phase-1 `State`s by site (the block's own
+    dict) and the newest depth-buffer write's token."""
+
+    h: Tensor | None
+    routing: BlockRouting
+    entries: list
+    start: int
+    states: dict
+    token: Tensor | None
+
+
+class RoutingLink:
+    """One block's link (connections/base.py) in one forward: its two sites' `SiteCall`s and
+    `LayerSchedule` (`schedule`), the plan's two `Site`s, the shared `RoutingSettings` and the source
+    list so far (`sources`, a `BlockSources`); the block's rows and the states carried to it come in
+    its `BlockInput`. A sublayer's input is `route_site`'s; its output makes the entries of its
+    site's recipes (`new_sources`), written into the depth buffer (`BlockSources.add`)."""
+
+    __slots__ = ("schedule", "sites", "settings", "sources")
+
+    def __init__(self, schedule: LayerSchedule, sites: tuple[Site, Site], settings: RoutingSettings,
+                 sources: BlockSources):
+        self.schedule, self.sites, self.settings, self.sources = schedule, sites, settings, sources
+
+    def enter(self, carried: BlockInput) -> BlockState:
+        entries, routing = list(self.sources.entries), carried.routing
+        return BlockState(carried.h, routing, entries, len(entries), dict(zip(self.schedule.carried, routing.states)),
+                          routing.token)
+
+    def read(self, sublayer: int, state: BlockState) -> Tensor:
+        return sublayer_input(self.schedule.calls[sublayer], self.settings, sublayer, state.h, state.entries,
+                              state.routing, state.states, self.sources, state.token)
+
+    def write(self, sublayer: int, state: BlockState, output: Tensor) -> BlockState:
+        h = None if state.h is None else state.h + output
+        new, token = self.sources.add(new_sources(self.sites[sublayer], state.entries, output, h),
+                                      self.schedule.slots[sublayer], self.schedule.keeps[sublayer], state.token)
+        state.entries.extend(new)
+        return state._replace(h=h, token=token)
+
+    def leave(self, state: BlockState) -> BlockOutput:
+        return BlockOutput(state.h, tuple(state.entries[state.start:]),
+                           tuple(state.states[s] for s in self.schedule.leaving), state.token)
+
+
 # ---------------------------------------------------------------------------- once per forward
 Observer = Callable[[int, list, "Router"], None]
 """observer(site index, the sources it routes over, the router), called for every site in order."""
 
 
 class Router:
-    """Depth routing of one forward (module docstring): built from the `schedule`
-    (`RoutingSchedule`), the routing parameters `params` (`DepthRouting`) and the `settings`;
-    `observer` (optional) sees every site. `plan` is the schedule's routing plan. `buffered`:
-    the fused kernels may route over one depth buffer per forward (False where the blocks are
-    compiled: torch.compile traces the list-of-sources custom ops instead). After
-    `initial_sources`, `buffer` is the forward's `DepthBuffer` (None where routing runs on another
-    backend) and `token` the newest write's token; `block_done` takes each block's back."""
+    """Depth routing of one forward, the attn_res connection's flow (connections/base.py; module
+    docstring): built from the `schedule` (`RoutingSchedule`), the routing parameters `params`
+    (`DepthRouting`) and the `settings`; `observer` (optional) sees every site. `plan` is the
+    schedule's routing plan. `buffered`: the fused kernels may route over one depth buffer per
+    forward (False where the blocks are compiled: torch.compile traces the list-of-sources custom
+    ops instead). `start(x0)` makes the initial source list; then `block(i)` / `done(i, out)` per
+    block and `final()`. `buffer` is the forward's `DepthBuffer` (None where routing runs on
+    another backend), `token` the newest write's token, `entries` the source list so far (None for
+    entries no later site reads) and `h` the stream (None in replace mode)."""
 
     def __init__(self, schedule: RoutingSchedule, params: DepthRouting, settings: RoutingSettings,
                  observer: Observer | None = None, buffered: bool = True):
@@ -625,6 +336,37 @@ class Router:
         self.buffer: DepthBuffer | None = None
         self.reads: tuple[Reads, ...] | None = None
         self.token: Tensor | None = None
+        self.entries: list = []
+        self.h: Tensor | None = None
+
+    def start(self, x0: Tensor) -> None:
+        """Begin the forward at the token embedding `x0` (B, T, d): the initial source list, and the
+        stream where the plan keeps one (standard residual inside delta mode)."""
+        self.entries = self.initial_sources(x0)
+        self.h = x0 if self.plan.stream else None
+
+    def block(self, layer: int) -> tuple[BlockInput, RoutingLink]:
+        """Block `layer`'s arguments: its `BlockInput` (the stream and its rows), and its `RoutingLink`."""
+        return (BlockInput(self.h, self.block_routing(layer)),
+                RoutingLink(self.schedule.layers[layer], self.plan.layer_sites(layer), self.settings,
+                            self.sources(self.entries)))
+
+    def done(self, layer: int, out: BlockOutput) -> None:
+        """Take block `layer`'s `BlockOutput` back: its entries join the source list, its states and
+        token are kept, the observer sees its sites, and the entries no later site uses are dropped
+        (block-delta partial sums are never routed over), so that they are freed once autograd is
+        done with them."""
+        h, new, states, token = out
+        self.entries += new
+        self.h = h
+        self.block_done(layer, states, self.entries, h, token)
+        for j in self.schedule.layers[layer].released:
+            self.entries[j] = None
+
+    def final(self) -> Tensor:
+        """The read-out (B, T, d) before the final norm: the final site's routing, or the stream
+        where the plan has no final site (the paper layout)."""
+        return self.final_site(self.h, self.entries)
 
     def initial_sources(self, h: Tensor) -> list[Tensor]:
         """The plan's first entries (null sources, the embedding `h` (B, T, d)). Where the fused
@@ -673,7 +415,7 @@ class Router:
             for call in schedule.calls:
                 self.observer(call.site.index, routed_sources(call, sources, h), self)
 
-    def final(self, h: Tensor | None, sources: list) -> Tensor:
+    def final_site(self, h: Tensor | None, sources: list) -> Tensor:
         """The final site's routing (B, T, d): per call, or the merge of its phase-1 state; `h`
         itself where the plan has no final site (the paper layout)."""
         call = self.schedule.final
