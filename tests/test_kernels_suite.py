@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+
+import pytest
 from helpers import PATIENCE_S, ROOT
 
 SUITE = ROOT / "bench" / "gpu_suite.sh"
