@@ -11,7 +11,8 @@ The tests share one server, the session fixture ``warm_python`` (tests/conftest.
 The shim (``python`` and ``python3`` in ``warm.bin``) hands the server its arguments, working folder,
 environment and standard streams (the file descriptors themselves) and exits with the command's
 status. The child runs the command as ``python`` would: ``SCRIPT``, ``-m MODULE`` or ``-c CODE``
-with its own ``sys.argv``, ``sys.path[0]``, ``__main__``, environment, folder, streams (unbuffered
+with its own ``sys.argv``, ``sys.path[0]``, ``__main__``, environment, folder, ``sys.executable`` (the
+shim: the Python commands it starts are warm too), streams (unbuffered
 under PYTHONUNBUFFERED), default signal handlers, reseeded global random generators, exit status
 (an uncaught exception prints its traceback and exits 1, an uncaught KeyboardInterrupt ends the
 shim by SIGINT) and exit handlers. The warnings and output
@@ -60,7 +61,7 @@ if not warm:
     os.execv({python!r}, [{python!r}, *args])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(path)
-body = json.dumps(dict(argv=args, cwd=os.getcwd(), env=dict(os.environ))).encode()
+body = json.dumps(dict(argv=args, cwd=os.getcwd(), env=dict(os.environ), executable=os.path.abspath(sys.argv[0]))).encode()
 socket.send_fds(s, [struct.pack("!Q", len(body)) + body], [0, 1, 2])
 status = s.recv(4)
 code = struct.unpack("!i", status)[0] if len(status) == 4 else 1
@@ -184,6 +185,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket, replay: str) -> N
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.executable = request["executable"]  # the `python` it was started as: a command's own children are warm too
     _streams(bool(os.environ.get("PYTHONUNBUFFERED")))
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a new process draws a new seed (random reseeds itself at fork)
