@@ -3,7 +3,9 @@
 # the packages, the offline tokenizer cache and the local Shakespeare sample.
 #
 #   make train [CONFIG=train_configs/debug_baseline.toml] [ARGS="--training.steps=50"]
-#   make test  [PYTEST_ARGS="-k config"]
+#   make test  [PYTEST_ARGS="-k config"]   # the whole suite (what .ci/run runs)
+#   make test-fast [PYTEST_ARGS=...]       # the fast tier: every test not marked slow (no training
+#                                          # processes, torchrun, signals or lm-eval), a few minutes
 #   make setup-train   # what `make train` needs: torch, the package and its core dependencies
 #                      # (numpy, datasets, torchdata, tiktoken, ...), the tokenizer rank files,
 #                      # the tiktoken cache and the Shakespeare sample
@@ -52,7 +54,7 @@ SAMPLE := data/shakespeare/validation-00000-of-00001.parquet
 # (pip --target; the export tests put it first on a child process's path).
 TRANSFORMERS_OLDEST := $(VENV)/transformers-4.51
 
-.PHONY: train test setup setup-train clean-runs transformers-oldest test-latest lock
+.PHONY: train test test-fast setup setup-train clean-runs transformers-oldest test-latest lock
 
 # After training, a short sample from the run's newest checkpoint (one thread: a tiny model
 # generates faster without thread hand-offs; a failed sample does not fail the target).
@@ -63,6 +65,10 @@ train: setup-train
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast tier (tests/tiers.py): the slow tier (marked slow, or a kind that implies it) left out.
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 setup-train: $(CORE_STAMP) $(SAMPLE)
 	$(PY) -m mhar_titan.data.prepare_tokenizer

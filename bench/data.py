@@ -4,7 +4,7 @@ Usage::
 
     python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare   # once
     python bench/data.py [--data data/shakespeare] [--seq-len 2048] [--batch 8] [--tokens 3000000] [--workers 0 1 2] \\
-        [--long-chars 8000000] [--append BENCHMARKS.md]
+        [--long-chars 8000000] [--append docs/benchmarks-log.md]
 
 Each row iterates the train loader until ``--tokens`` input tokens have been
 delivered (the ~1.5 M-token Shakespeare training split wraps into new epochs) and
@@ -116,7 +116,8 @@ def main(argv=None) -> None:
     parser.add_argument("--long-chars", type=positive_int, default=8_000_000,
                         help="characters per document of the long-document rows (0 = no such rows)")
     parser.add_argument("--append", type=Path, default=None,
-                        help="append the table with command, machine, versions and date to this BENCHMARKS.md")
+                        help="append the table with command, machine, versions and date to this notebook "
+                             "(docs/benchmarks-log.md)")
     args = parser.parse_args(argv)
     files = sorted(str(p) for p in args.data.glob("train-*.parquet"))
     if not files:

@@ -7,7 +7,7 @@ untimed warm-up call of each, and prints a markdown table row per family with th
 Both paths produce the same greedy tokens (checked here; tests/test_kv_cache.py checks logits).
 
     python bench/generation.py                              # debug flavor, MHAR H=8, CPU
-    python bench/generation.py --families baseline,"mhar H=8" --threads 1 --append BENCHMARKS.md
+    python bench/generation.py --families baseline,"mhar H=8" --threads 1 --append docs/benchmarks-log.md
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def table(rows: list[dict], flavor: str, prompt_len: int, new: int) -> str:
 
 
 def append(path: pathlib.Path, text: str) -> None:
-    """Append `text` under the generation section of BENCHMARKS.md (created at the end if absent)."""
+    """Append `text` under the generation section of the lab notebook (docs/benchmarks-log.md; created at
+    the end if absent)."""
     content = path.read_text()
     if SECTION not in content:
         content = content.rstrip("\n") + f"\n\n{SECTION}\n\nWritten by `bench/generation.py`.\n"
@@ -82,7 +83,8 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=positive_int, default=40, help="new tokens")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--append", type=pathlib.Path, default=None, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--append", type=pathlib.Path, default=None,
+                   help="append the table to this notebook (docs/benchmarks-log.md)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

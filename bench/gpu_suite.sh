@@ -147,7 +147,7 @@ row_cmd() {
     compile)
       local kernels=()
       (( TINY )) && kernels=(--shapes 512x8 --variants aligned)
-      CMD=(env -u TRITON_INTERPRET "${RUN[@]}" -m mhar_kernels.compile_report "${kernels[@]}" --out "$table") ;;
+      CMD=(env -u TRITON_INTERPRET "${RUN[@]}" bench/compile_report.py "${kernels[@]}" --out "$table") ;;
     host)
       local iters=200
       (( TINY )) && iters=3

@@ -7,7 +7,7 @@ Muon's all-gathers receive per rank per step (``optim.muon_comm_bytes``) at ``--
 ``--comm-world`` FSDP ranks in bf16 (its CUDA arithmetic), beside one bf16 all-gather of the whole
 model (what FSDP2 gathers once per forward, for scale).
 
-    python bench/optimizer.py --flavor 100m --reps 1            # prints a BENCHMARKS.md table
+    python bench/optimizer.py --flavor 100m --reps 1            # prints a table for docs/benchmarks-log.md
     python bench/optimizer.py --flavor debug --reps 2            # toy size (the test runs this)
 
 State the load (``uptime``) beside the numbers: step times on a shared machine move with it.

@@ -11,7 +11,7 @@ move more), so the GB/s column compares implementations at equal work. Gradients
 with torch.autograd.grad (nothing accumulates into the leaves' .grad between calls).
 
     python bench/routing.py                       # CUDA: paper shapes, eager/compile/triton
-    python bench/routing.py --append BENCHMARKS.md
+    python bench/routing.py --append docs/benchmarks-log.md
     python bench/routing.py --shapes toy --iters 2 --warmup 1      # CPU (Triton via the interpreter)
     python bench/routing.py --bytes                # counted bytes per step vs the floor, no timing
     python bench/routing.py --host                 # host time of one call, launches stubbed
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     p.add_argument("--scales", help="comma list of the shapes' names to run (default: all of --shapes)")
     p.add_argument("--group", default="0", help="also time the step with its sites in groups of this many "
                    "(grouped routing; eager, triton); auto: the group size routing_group_size='auto' picks per shape")
-    p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--append", type=pathlib.Path, help="append the table to this notebook (docs/benchmarks-log.md)")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every row")
     p.add_argument("--budget-s", type=float, help="start no new measurement after this many seconds")
     p.add_argument("--bytes", action="store_true", help="print the counted bytes per step vs the floor, then stop")

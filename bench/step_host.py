@@ -21,7 +21,7 @@ time exceeds the GPU time (the GPU waits), by the ratio of the two.
 
     python bench/step_host.py                        # 100m and 1b, three families, AC none and full
     python bench/step_host.py --scales 1b --repeats 40 --json
-    python bench/step_host.py --append BENCHMARKS.md
+    python bench/step_host.py --append docs/benchmarks-log.md
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
                    "shared machine the tiny tensors' CPU kernels otherwise spin-wait for a descheduled worker "
                    "thread, which the host CPU time of the step's thread counts)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--append", type=pathlib.Path, help="append the table to this notebook (docs/benchmarks-log.md)")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file")
     a = p.parse_args(argv)
     for f in a.families.split(","):

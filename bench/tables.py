@@ -1,5 +1,6 @@
 """Where the kernel benchmarks' tables go: a table file (the GPU suite's OUT_DIR) or the kernels
-section of BENCHMARKS.md (`bench/routing.py`, `bench/throughput.py`, `bench/step_host.py`)."""
+section of the lab notebook, docs/benchmarks-log.md (`bench/routing.py`, `bench/throughput.py`,
+`bench/step_host.py`)."""
 from __future__ import annotations
 
 import pathlib
@@ -19,7 +20,8 @@ def write_table(path: pathlib.Path, text: str) -> None:
 
 
 def append_section(path: pathlib.Path, text: str, title: str) -> None:
-    """Append `text` under `title` inside the kernels section of BENCHMARKS.md (other sections untouched)."""
+    """Append `text` under `title` inside the kernels section of the lab notebook (docs/benchmarks-log.md;
+    other sections untouched)."""
     content = path.read_text() if path.exists() else "# Benchmarks\n"
     block = f"\n### {title}\n\n{text}\n"
     if SECTION not in content:

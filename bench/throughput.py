@@ -20,7 +20,7 @@ with --rope-per-document restarting positions), --loss (`training.loss_path`, ch
     python bench/throughput.py --mask block_causal --compile whole    # CUDA: the best baseline vs MHAR
 
     python bench/throughput.py                         # CUDA: 100m, 350m, 1b
-    python bench/throughput.py --append BENCHMARKS.md
+    python bench/throughput.py --append docs/benchmarks-log.md
     python bench/throughput.py --scales debug --batch 1 --seq 16 --steps 2 --warmup 1   # CPU
     python bench/throughput.py --out OUT/throughput.md --budget-s 80   # the GPU suite
 
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=positive_int, help="override the vocabulary size (CPU smoke runs)")
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--warmup", type=non_negative_int, default=3)
-    p.add_argument("--append", type=pathlib.Path, help="append the table to this BENCHMARKS.md")
+    p.add_argument("--append", type=pathlib.Path, help="append the table to this notebook (docs/benchmarks-log.md)")
     p.add_argument("--out", type=pathlib.Path, help="write the table to this file after every run")
     p.add_argument("--budget-s", type=positive_float, help="start no new run after this many seconds")
     a = p.parse_args(argv)

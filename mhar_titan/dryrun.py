@@ -80,11 +80,12 @@ from mhar_titan.components.run_folder import RunFolder
 from mhar_titan.components.performance import (HOST_STEP_MS, MODEL_BANDWIDTH, MODEL_MFU, depth_read_bytes,
                                                planned_routing, routing_step_bytes, step_verdict)
 from mhar_titan.config import ConfigError, JobConfig, load_config, to_toml
+from mhar_titan.config.parser import job_model_args
 from mhar_titan.data.tokenizer import HF_PREFIX, tokenizer_n_vocab
 from mhar_titan.errors import UserError
 from mhar_titan.files import check_output_folder
 from mhar_titan.metrics import flops_per_token
-from mhar_titan.models.args import ModelArgs, count_parameters, family_name, resolve_model_args, routing_settings
+from mhar_titan.models.args import ModelArgs, count_parameters, family_name, routing_settings, sized_for_tokenizer
 from mhar_titan.models.connections import build_connection
 from mhar_titan.models.connections.base import checkpointed_blocks
 from mhar_titan.models.cross_entropy import loss_path_bytes
@@ -117,14 +118,14 @@ class MemoryEstimate:
 
 
 def build_model_args(cfg: JobConfig) -> ModelArgs:
-    """The ``ModelArgs`` the trainer would build (``models.args.resolve_model_args``), with the
-    tokenizer's vocabulary size from ``data.tokenizer.N_VOCAB`` (no file is read).
+    """The ``ModelArgs`` the trainer builds: the config's (``config.parser.job_model_args``, resolved
+    once when it was loaded) sized for the tokenizer's vocabulary from ``data.tokenizer.N_VOCAB``
+    (no file is read).
 
     Raises:
         ConfigError: unknown tokenizer or flavor, or arguments the trainer would reject.
     """
-    return resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
-                              cfg.data.tokenizer)
+    return sized_for_tokenizer(job_model_args(cfg), cfg.model, tokenizer_n_vocab(cfg.data.tokenizer), cfg.data.tokenizer)
 
 
 def validate_job(cfg: JobConfig, args: ModelArgs, world_size: int, device: str = "cuda") -> list[str]:

@@ -65,17 +65,17 @@ from mhar_titan.components.step_guard import guarded_step, read_step
 from mhar_titan.components.train_state import TrainingHealthError, TrainState
 from mhar_titan.config import JobConfig, load_config
 from mhar_titan.config.help import config_help, help_request
+from mhar_titan.config.parser import job_model_args
 from mhar_titan.console import LOG_FORMAT, LossEMA, summary_fields
 from mhar_titan.convert import load_pretrained_weights
 from mhar_titan.data import build_tokenizer
 from mhar_titan.data.checks import check_data_files
 from mhar_titan.data.loader import build_train_loader, build_validation_sets
-from mhar_titan.data.tokenizer import tokenizer_n_vocab
 from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory
 from mhar_titan.errors import UserError
 from mhar_titan.exit_status import clear_exit_status, write_exit_status
 from mhar_titan.metrics import MetricsLogger, Throughput, flops_per_token, peak_flops, routing_temperature_metrics
-from mhar_titan.models.args import ModelArgs, resolve_model_args, with_document_eos
+from mhar_titan.models.args import ModelArgs, sized_for_tokenizer, with_document_eos
 from mhar_titan.models.model import Transformer
 from mhar_titan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_by_group, optimizer_fields
 from mhar_titan.parallel import build_model, init_distributed
@@ -125,9 +125,9 @@ class Trainer:
         # and the files, the loaders and the validation set's size. All ranks agree on the outcome.
         agree_on_setup(self._build_inputs, env.world_size)
         agree_on_setup(self._build_downstream, env.world_size)  # the [eval] tasks, checked before the model
-        if self.model_args is None:
-            self.model_args = resolve_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.n_vocab,
-                                                 cfg.data.tokenizer)
+        if self.model_args is None:  # the config's, resolved when it was loaded, for this tokenizer
+            self.model_args = sized_for_tokenizer(job_model_args(cfg), cfg.model, self.tokenizer.n_vocab,
+                                                  cfg.data.tokenizer)
         self.model_args = with_document_eos(self.model_args, self.tokenizer.eos_id)
         self.model = build_model(Transformer, self.model_args, cfg, env)
         self.model.check_token_ids = False  # next_micro_batches checks each batch's ids on the host
@@ -554,8 +554,7 @@ def check_config(cfg: JobConfig) -> ModelArgs:
     # every folder the run writes (run folder, checkpoints, metrics, ...) can be created and written
     RunFolder(cfg).check_writable()
     batch_geometry(cfg.training, int(os.environ.get("WORLD_SIZE", "1")))
-    args = resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer_n_vocab(cfg.data.tokenizer),
-                              cfg.data.tokenizer)
+    args = build_model_args(cfg)  # the config's, resolved when it was loaded, sized for the tokenizer
     check_cuda_graphs(cfg, args)
     return args
 

@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import tiers  # pytest and the standard library only
 from helpers import ROOT  # standard library only: nothing is imported before the variables are set
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -41,9 +42,14 @@ def touches_third_party(path) -> bool:
     return _touches_third_party[key]
 
 
+def pytest_configure(config):
+    tiers.configure(config)  # the fast tier's per-test budget, where it runs (CI)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped where none is visible (CI runs CPU-only). Tests in a
-    module that imports a THIRD_PARTY package are marked ``third_party``."""
+    """Tests in a module that imports a THIRD_PARTY package are marked ``third_party``; the slow tier
+    is marked and kinds that cannot run here are skipped (``tiers.mark_tiers``: ``gpu`` without CUDA,
+    CI runs CPU-only)."""
     for item in items:
         if item.path.suffix == ".py" and touches_third_party(item.path):
             item.add_marker(pytest.mark.third_party)
@@ -53,12 +59,7 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except ImportError:  # pragma: no cover
         has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    tiers.mark_tiers(items, has_cuda)
 
 
 @pytest.fixture
@@ -71,3 +72,58 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- launching fixtures: a test that asks for one (or for a fixture that does) is in the slow tier,
+# marked with its kind (tests/tiers.py, SLOW_FIXTURES) ---------------------------------------------
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """``torchrun(script, *args, nproc=2, env=None)``: ``python -m torch.distributed.run --standalone
+    --nproc_per_node=nproc script args`` from the repository root (gloo on CPU), with this
+    environment updated by ``env``; returns the CompletedProcess (text, stdout and stderr captured).
+    Its tests are in the slow tier, marked ``distributed``."""
+    import subprocess
+    import sys
+
+    from helpers import PATIENCE_S
+
+    def launch(script, *args, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                str(script), *map(str, args)]
+        return subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=PATIENCE_S)
+
+    return launch
+
+
+@pytest.fixture(scope="session")
+def train_process():
+    """``train_process(*args, env=None)``: ``python train.py args`` in a process of its own from the
+    repository root, with the environment ``env`` (default: this process's); returns the
+    CompletedProcess (text, stdout and stderr captured). Its tests are in the slow tier, marked
+    ``processes``."""
+    import subprocess
+    import sys
+
+    from helpers import PATIENCE_S
+
+    def launch(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT,
+                              env=dict(os.environ) if env is None else env, capture_output=True, text=True,
+                              timeout=PATIENCE_S)
+
+    return launch
+
+
+@pytest.fixture(scope="session")
+def warm_python():
+    """One warm interpreter for the session (tests/warm_python.py): ``warm_python.run(args)`` runs
+    ``python ARGS`` as a process of its own, forked from a server that imported torch and the
+    package once; ``warm_python.python`` is its shim and ``warm_python.env()`` puts it first on PATH.
+    For tests that start many short commands; a test of how the interpreter itself starts (closed
+    streams, import resolution, a process's own memory) runs ``sys.executable`` instead."""
+    from warm_python import WarmPython
+
+    with WarmPython() as warm:
+        yield warm

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
-import sys
 import typing
 from dataclasses import dataclass, field
 
@@ -94,10 +93,9 @@ def test_descriptions_come_from_the_attribute_docstring_or_the_line_comment():
                                             "commented": "a comment on the line", "table": ""}
 
 
-def test_train_py_help_through_the_entry_point():
+def test_train_py_help_through_the_entry_point(warm_python):
     for flag in ("-h", "--help"):
-        done = subprocess.run([sys.executable, "train.py", flag, "optimizer"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=PATIENCE_S)
+        done = warm_python.run(["train.py", flag, "optimizer"], timeout=PATIENCE_S)
         assert done.returncode == 0 and done.stdout.startswith("[optimizer]  AdamW, or Muon"), done.stderr[-2000:]
 
 
@@ -113,17 +111,18 @@ def _entry_points() -> list[str]:
     return names
 
 
-@pytest.mark.slow  # one interpreter per command and subcommand: about 80 s on 2 busy cores
-def test_every_module_command_and_subcommand_answers_help():
+def test_every_module_command_and_subcommand_answers_help(warm_python):
+    """Each `python -m COMMAND [SUBCOMMAND] --help` runs as a process of its own, forked from one warm
+    interpreter (tests/warm_python.py: the imports are done once)."""
     commands = _entry_points()
     assert {"mhar_titan.models", "mhar_titan.eval", "mhar_titan.convert", "mhar_titan.dryrun"} <= set(commands)
 
-    def run_all(argvs):  # four at a time: each starts its own interpreter (torch imported: ~0.5 GB)
+    def run_all(argvs):  # four at a time
         done = []
         for first in range(0, len(argvs), 4):
             batch = argvs[first:first + 4]
-            procs = [subprocess.Popen([sys.executable, "-m", *argv, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for argv in batch]
+            procs = [subprocess.Popen([warm_python.python, "-m", *argv, "--help"], cwd=ROOT, env=warm_python.env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in batch]
             done += [(argv, p.returncode, out, err) for argv, p in zip(batch, procs)
                      for out, err in [p.communicate(timeout=PATIENCE_S)]]
         return done

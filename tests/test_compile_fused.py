@@ -61,6 +61,8 @@ compile is tests/test_multistream_connections.py's."""
 KERNEL_FILES = [path.name for path in Path(mhar_kernels.__file__).parent.glob("*.py")]
 PAPER = dict(routing_layout="paper", routing_mode="delta", routing_null_source=True)
 
+pytestmark = pytest.mark.slow  # torch.compile (dynamo, aot_eager) of every routed family's blocks over the Triton interpreter
+
 
 @pytest.mark.parametrize("family, group, extra", [*((family, 1, {}) for family in ROUTED), ("mhar H=8", 3, {}),
                                                    ("delta block H=8 +null", 3, {}), ("mhar H=8", 1, PAPER)])

@@ -50,6 +50,7 @@ def check_equal(family: str, backend: str, **overrides) -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # whole-model torch.compile of a debug model and 5 steps: tens of seconds on 2 cores
 @pytest.mark.parametrize("family,mask", [("baseline", "causal"), ("mhar H=8", "block_causal")])
 def test_whole_model_aot_eager_fullgraph_equals_eager(family, mask):
     """fullgraph=True (no graph break from the embedding to the loss), 5 AdamW steps: losses and

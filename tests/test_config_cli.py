@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import typing
 from typing import Literal
 
 import pytest
-from helpers import PATIENCE_S, ROOT
+from helpers import PATIENCE_S
 
 from mhar_titan.config import SECTIONS, ConfigError, JobConfig, load_config
 from mhar_titan.config.data import MixtureSource
@@ -120,10 +118,9 @@ def test_help_shows_each_list_keys_item_type_and_both_forms():
     assert "--compile.components=whole_model" in USAGE and """--compile.components='["model", "loss"]'""" in USAGE
 
 
-def test_the_training_command_refuses_an_unquoted_array_in_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "train.py", *BASE, f"--job.dump_folder={tmp_path}",
-                           "--compile.components=[whole_model]"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=PATIENCE_S)
+def test_the_training_command_refuses_an_unquoted_array_in_one_line_exit_2(tmp_path, warm_python):
+    done = warm_python.run(["train.py", *BASE, f"--job.dump_folder={tmp_path}", "--compile.components=[whole_model]"],
+                           timeout=PATIENCE_S)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "config error: --compile.components=[whole_model]: not a TOML array (did the shell remove its quotes?); "

@@ -7,13 +7,11 @@ mean throughput / MFU. TensorBoard: grouped tags and the run's hyperparameters."
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import PATIENCE_S, ROOT, read_metrics
+from helpers import read_metrics
 from train_common import SAMPLE, debug_argv
 
 from mhar_titan import console
@@ -110,14 +108,13 @@ def test_run_totals_smooth_the_loss_over_the_last_steps_and_average_the_throughp
     assert summary[2] == ["throughput", *fields]
 
 
-def test_routing_kernel_asked_but_not_run_is_said_at_the_start(tmp_path):
+def test_routing_kernel_asked_but_not_run_is_said_at_the_start(tmp_path, train_process):
     """routing_kernel = "triton" on CPU without TRITON_INTERPRET trains on the eager path: the
     start line says "routing triton -> eager" and a warning says why."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     argv = debug_argv(tmp_path, "fallback", "--training.steps=1", "--training.local_batch_size=2",
                       "--model.routing_kernel=triton")
-    done = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=PATIENCE_S)
+    done = train_process(*argv, env={**env, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
     start = next(line for line in out.splitlines() if " | start | " in line)

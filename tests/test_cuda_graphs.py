@@ -306,6 +306,7 @@ def test_a_recompile_during_capture_stops_with_the_guard_named():
 
 @pytest.mark.skipif(not SAMPLE.exists(),
                     reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
+@pytest.mark.slow  # per-block and loss torch.compile of the debug model, a Trainer per family
 @pytest.mark.parametrize("family", ["per call", "grouped"])
 def test_one_warm_up_micro_batch_compiles_everything_the_capture_runs(tmp_path, family, one_thread):
     """The trainer's model as built for a graphed job (per-block compile and the compiled loss, AC full,

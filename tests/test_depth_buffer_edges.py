@@ -123,6 +123,7 @@ def test_forward_without_gradients_makes_no_gradient_buffer(variant, mode, buffe
     assert alive(buffers["values"]) == 0, "the depth buffer outlived its forward"
 
 
+@pytest.mark.slow  # three training steps of each variant through the Triton interpreter
 @pytest.mark.parametrize("variant,ac", [("per call", "none"), ("grouped", "full"),
                                         ("grouped delta block +null", "full")])
 def test_no_depth_buffer_outlives_its_training_step(variant, ac, buffers):

@@ -96,7 +96,7 @@ def test_every_documented_training_runs_without_a_schedule_warning(monkeypatch):
     # the walk found the README's tour, its first look and a sweep (a broken walk would check nothing)
     names = " ".join(what for _, what, _ in trainings)
     assert "tour_baseline" in names and "tour_muon" in names and "debug_mixture" in names
-    assert 'make train ARGS="--job.name=first_look --training.steps=30' in names and "experiments run" in names
+    assert 'make train ARGS="--job.name=first_look --training.steps=20' in names and "experiments run" in names
     assert "BASE_STEPS=12" in names and "toy_midtrain.sh [delta_mhar]" in names
     warned = [f"{doc}: {what}: {w}" for doc, what, cfg in trainings
               for w in schedule_warnings(cfg.lr_scheduler, cfg.training.steps)]

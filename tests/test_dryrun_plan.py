@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -30,12 +28,14 @@ WITHOUT_TRITON = "import sys; sys.modules['triton'] = None; from mhar_titan.dryr
 WITH_TRITON_IF_ANY = "import sys; from mhar_titan.dryrun import main; sys.exit(main(sys.argv[1:]))"
 
 
-def dry_run(code: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture
+def dry_run(warm_python):
+    """``dry_run(code, *argv)``: ``python -c CODE ARGV`` in a process of its own (forked from the warm
+    interpreter, which has not imported triton: tests/warm_python.py)."""
+    return lambda code, *argv: warm_python.run(["-c", code, *argv], timeout=300)
 
 
-def test_the_gpu_plan_does_not_depend_on_whether_this_machine_has_triton():
+def test_the_gpu_plan_does_not_depend_on_whether_this_machine_has_triton(dry_run):
     argv = ("--config", MHAR_1B, "--world-size", "8")
     without = dry_run(WITHOUT_TRITON, *argv)
     assert without.returncode == 0, without.stderr
@@ -58,7 +58,7 @@ def test_the_gpu_plan_does_not_depend_on_whether_this_machine_has_triton():
     assert "routing: the eager path on cuda ranks (model.routing_kernel = 'eager')" in eager, eager
 
 
-def test_a_grouped_gpu_plan_needs_no_triton_either():
+def test_a_grouped_gpu_plan_needs_no_triton_either(dry_run):
     """Grouped routing's step-time model takes the fused kernels' layout (sites per program) from
     `mhar_kernels.contract`, not from the Triton modules."""
     argv = ("--config", MHAR_1B, "--world-size", "8", "--model.routing_group_size=4")

@@ -1,12 +1,10 @@
 """Sweeps: expansion, paired data order, the resumable local launcher, SLURM emission."""
 import hashlib
 import math
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -166,7 +164,7 @@ def test_local_launcher_skips_finished_runs_and_resumes_an_interrupted_one(tmp_p
     assert steps == [1, 2, 3, 4]  # resumed at step 2, not restarted
 
 
-def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
+def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path, warm_python):
     """Every emitted line is `sbatch ... slurm/train.sbatch CONFIG overrides`; the arguments after
     train.sbatch pass the job's own preflight (DRY_RUN=1 slurm/torchrun_node.sh, as train.sbatch
     runs it) at 1 node x 8 GPUs."""
@@ -182,7 +180,8 @@ def test_slurm_emission_passes_bash_n_and_the_dry_run(tmp_path):
         assert job_args == [run.base, *run.overrides] and (ROOT / job_args[0]).is_file()
         assert {"--nodes=1", "--gpus-per-node=8", "--time=12:00:00", f"--job-name=paper_fineweb_100m-{run.name}"} \
             <= set(words)
-    env = {**os.environ, "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": "8", "PYTHON": sys.executable}
+    # the dry runs' Python: each a process of its own, forked from the warm interpreter
+    env = {**warm_python.env(), "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": "8", "PYTHON": warm_python.python}
     for words in (lines[0], lines[2], lines[3], lines[5]):  # baseline, MHAR, the scaled and the learned temperature
         job_args = words[words.index("slurm/train.sbatch") + 1:]
         done = subprocess.run([str(ROOT / "slurm" / "torchrun_node.sh"), *job_args], cwd=ROOT, env=env,

@@ -66,11 +66,12 @@ def header_commands(path) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(tmp_path, monkeypatch, capsys):
+def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(tmp_path, monkeypatch, warm_python):
     """The header's smoke commands (2 steps per run), for seed 1 of the temperature arms and the
     families they are paired with (`--only`): every run completes, and `results` prints the
     arms, their paired rows and the pairs' differences with the values of their metrics files;
-    the plotted temperature is the one the checkpoint holds."""
+    the plotted temperature is the one the checkpoint holds. The commands and the trainings they
+    start are processes forked from the warm interpreter (tests/warm_python.py)."""
     from mhar_titan.eval.load import load_run
     from mhar_titan.metrics import TEMPERATURE_KEYS
 
@@ -83,12 +84,15 @@ def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(t
     names = [f"{f}_s1" for f in ("baseline", "attnres", "mhar_h8", "attnres_tau", "attnres_learned", "mhar_h8_learned")]
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainings are child processes; one thread each is quickest here
-    from mhar_titan.experiments.__main__ import main as experiments_main
 
-    assert experiments_main([swap.get(a, a) for a in run_cmd] + ["--only", *names]) == 0
-    assert f"sweep study_bytes: {len(names)} completed, 0 already done, 0 failed" in capsys.readouterr().out
-    assert experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")]) == 0
-    printed = capsys.readouterr().out
+    def experiments_main(argv):
+        done = warm_python.run(["-m", "mhar_titan.experiments", *argv])
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done.stdout
+
+    printed = experiments_main([swap.get(a, a) for a in run_cmd] + ["--only", *names])
+    assert f"sweep study_bytes: {len(names)} completed, 0 already done, 0 failed" in printed
+    printed = experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")])
 
     def val_tail(name):  # the tail mean (tail_evals = 5: both of the smoke run's evaluations)
         vals = [r["val_loss"] for r in read_metrics(tmp_path / "smoke" / name) if "val_loss" in r]

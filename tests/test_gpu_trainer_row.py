@@ -8,9 +8,10 @@ import sys
 import pytest
 from helpers import ROOT
 
-PATIENCE_S = 1800  # a hang guard only: six launches of a 100m model on a loaded 2-core machine
+PATIENCE_S = 1800  # a hang guard only, per launch of a 100m model on a loaded 2-core machine (six launches)
 
 
+@pytest.mark.slow  # downloads the wheels from the package index
 def test_wheel_list_resolves_and_installs(tmp_path):
     wheels = tmp_path / "whl"
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_wheels.sh"), str(wheels)], capture_output=True,
@@ -37,10 +38,12 @@ def test_trainer_row_runs_the_paper_config_on_cpu(tmp_path):
     data, the config's own cl100k_base tokenizer from the offline cache, a SIGKILL after a checkpoint
     and a bitwise resume), minus CUDA and at a size a CPU trains in seconds."""
     table = tmp_path / "trainer.md"
+    # the row's per-launch limit is the GPU window's plan, not a verdict: here a hang guard (a 100m
+    # launch on a CPU shared with other jobs took more than the default 300 s, 2026-12-07)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trainer_row.py"), "resume", "--scale", "100m",
                            "--families", "mhar,baseline", "--steps", "6", "--checkpoint-at", "2", "--batch", "1",
-                           "--seq", "64", "--out", str(table)],
-                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
+                           "--seq", "64", "--budget-s", str(PATIENCE_S), "--out", str(table)],
+                          capture_output=True, text=True, timeout=6 * PATIENCE_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = table.read_text()
     assert "resumed from 2: losses bitwise equal at all 6 steps" in text, text

@@ -1,8 +1,6 @@
 """Grouped two-phase routing (eager): the same loss and gradients as per-call routing, the source
 rows the plan counts, what it saves for backward, and a training run with routing_group_size="auto"."""
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +18,7 @@ from mhar_titan.models.plan import Group, RoutingPlan, Site
 from mhar_titan.parallel import apply_ac
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import PATIENCE_S, metric_losses  # noqa: E402
+from helpers import metric_losses  # noqa: E402
 from kernels_oracle import DEVICE, oracle_route, random_routing_model, rel_err  # noqa: E402
 from train_common import SAMPLE, debug_cfg  # noqa: E402
 
@@ -242,6 +240,7 @@ def test_group_against_the_fp64_oracle(dtype, tol, kernel, monkeypatch):
         assert rel_err(x, t, floor=1e-3) < tol, (name, rel_err(x, t, floor=1e-3))
 
 
+@pytest.mark.slow  # float64 gradcheck of the fused kernels through the Triton interpreter
 def test_fused_phase1_and_merge_pass_gradcheck(monkeypatch):
     """float64, one group of 2 sites over a null source and 2 start sources, the second site
     merging 1 in-group source: the fused phase 1 followed by the merge passes
@@ -456,21 +455,16 @@ def test_training_with_auto_groups_follows_the_per_call_loss_curve(tmp_path):
         assert abs(got - ref) <= 1e-4 * abs(ref), (step, ref, got)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
 @pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
                     reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
-def test_two_rank_fsdp_grouped_equals_per_call(tmp_path):
+def test_two_rank_fsdp_grouped_equals_per_call(tmp_path, torchrun):
     """2 ranks, FSDP2, one masked step with accumulation 2: routing_group_size 3 with activation
     checkpointing none and full (eager), and full with the fused phase 1 (routing_kernel triton),
     gives per-call routing's loss and every gradient within 2e-4; in the fused run each of the two
     micro-batches routed over its one depth buffer and kept its contract under FSDP2's prefetching
     and the recompute (`depth_buffer_probe.check_order`)."""
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     worker = pathlib.Path(__file__).resolve().parent / "grouped_fsdp_worker.py"
-    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone", str(worker), str(tmp_path)],
-                          cwd=worker.parents[1], capture_output=True, text=True, timeout=PATIENCE_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(worker, tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = torch.load(tmp_path / "grouped.pt")
     counts = results.pop("buffer")

@@ -16,6 +16,7 @@ import routing_bytes  # noqa: E402
 import throughput as throughput_bench  # noqa: E402
 
 
+@pytest.mark.slow  # torch.compile and the Triton interpreter, each timed
 def test_routing_bench_toy_all_impls(tmp_path, capsys):
     """One toy call per implementation; the table lands in the kernels section of BENCHMARKS.md
     without touching another section."""

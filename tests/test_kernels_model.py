@@ -3,8 +3,6 @@ activation checkpointing none/full in one process, and a 2-rank FSDP2 run (one t
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 from types import SimpleNamespace
 
@@ -15,7 +13,7 @@ from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 from mhar_titan.parallel import apply_ac
 from kernels_oracle import DEVICE
-from helpers import PATIENCE_S, ROOT
+from helpers import ROOT
 
 VARIANTS = {
     "mhar": dict(),
@@ -83,17 +81,14 @@ def test_triton_model_matches_eager(variant, ac_mode):
     assert grads_e["routing.query"].abs().sum() > 0  # routing gradients are exercised
 
 
-@pytest.mark.distributed
-def test_triton_model_under_fsdp2_two_ranks(tmp_path):
+def test_triton_model_under_fsdp2_two_ranks(tmp_path, torchrun):
     """2-rank FSDP2 (gloo, CPU) with full AC and routing_kernel="triton": loss and gradients equal
     the single-process eager model on the full batch, every fused call read the micro-batch's one
     depth buffer and its order held under FSDP2's prefetching and the recompute (the worker's
     `depth_buffer_probe.check_order`), and every block's post-backward ran inside the backward (one
     torchrun launch, all variants)."""
-    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "kernels_fsdp_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    proc = torchrun(ROOT / "tests" / "kernels_fsdp_worker.py", tmp_path,
+                    env={"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for variant in VARIANTS:
         assert (tmp_path / f"ok_{variant}").exists(), proc.stdout[-3000:]

@@ -15,12 +15,15 @@ import sys
 import pytest
 from helpers import PATIENCE_S, ROOT
 
+pytestmark = pytest.mark.slow  # each test compiles 12 to 18 kernels through Triton's ptxas in a process of its own
+
 SHAPES = "512x1,512x8,1024x1,1024x8,1280x1,1280x8"
+COMPILE_REPORT = str(ROOT / "bench" / "compile_report.py")
 
 # (kernel, d, H) -> (stack frame, spill stores, spill loads) in bytes per thread of Triton's own
 # build (triton 3.9.0, ptxas with Triton's -lineinfo --regAllocOptLevel=2, aligned variant, the
 # launchers' warps and register limits; the kernels reading their sources as rows of one depth
-# buffer), measured with `python -m mhar_kernels.compile_report --json` on 2026-12-05 (the phase-1
+# buffer), measured with `python bench/compile_report.py --json` on 2026-12-05 (the phase-1
 # kernels over the group `auto` picks at each width). The bound is what Triton builds today: more
 # spilling, or a spill elsewhere, fails; less passes. (With the per-launch pointer tables of
 # 2ddef65 the backward spilled 16 / 16 bytes at 512 x 8 and 1024 x 8, the merge backward 16 / 16
@@ -53,7 +56,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _report(shapes: str, variants: str) -> list[dict]:
-    proc = _run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", shapes, "--variants", variants])
+    proc = _run([COMPILE_REPORT, "--json", "--shapes", shapes, "--variants", variants])
     return json.loads(proc.stdout)["rows"]
 
 
@@ -89,7 +92,7 @@ def test_general_variant_makes_no_alignment_promise():
 # compile, caught without one.
 _EVERY_VARIANT = """
 import itertools
-from mhar_kernels.compile_report import compile_kernel
+from bench.compile_report import compile_kernel
 count = 0
 for (dtype, aligned), a, b in itertools.product((("bf16", True), ("fp32", False)), (False, True), (False, True)):
     compile_kernel("forward", 96, 4, aligned=aligned, n_sources=5, tokens=48, dtype=dtype,
@@ -118,7 +121,7 @@ def test_grouped_phase1_kernels_fit_registers_and_copy_sources_by_16_bytes():
     statistics, not source tiles (docs/DESIGN.md, "Grouped routing", lists the numbers)."""
     rows = []
     for d, g in AUTO_GROUP.items():
-        rows += json.loads(_run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", f"{d}x1,{d}x8", "--variants",
+        rows += json.loads(_run([COMPILE_REPORT, "--json", "--shapes", f"{d}x1,{d}x8", "--variants",
                                  "aligned", "--kernels", "phase1_forward,phase1_backward", "--group", str(g)]
                                 ).stdout)["rows"]
     assert len(rows) == 12
@@ -138,7 +141,7 @@ def test_merge_kernels_fit_registers_and_copy_sources_by_16_bytes():
     gradients out, `mhar_kernels.triton_merge`) at every paper shape, aligned: spills within
     ``SPILLS`` (the backward at H = 8, d = 512 and 1024: 4 and 24 bytes each way), at most 168
     registers, sources copied by 16-byte `cp.async` in a pipelined loop."""
-    rows = json.loads(_run(["-m", "mhar_kernels.compile_report", "--json", "--shapes", SHAPES, "--variants", "aligned",
+    rows = json.loads(_run([COMPILE_REPORT, "--json", "--shapes", SHAPES, "--variants", "aligned",
                             "--kernels", "merge_forward,merge_backward"]).stdout)["rows"]
     assert len(rows) == 12
     for r in rows:
@@ -150,7 +153,7 @@ def test_merge_kernels_fit_registers_and_copy_sources_by_16_bytes():
 
 
 _PHASE1_VARIANTS = """
-from mhar_kernels.compile_report import compile_kernel
+from bench.compile_report import compile_kernel
 count = 0
 for dtype, aligned in (("bf16", True), ("fp32", False)):
     for null in (False, True):

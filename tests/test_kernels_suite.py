@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+
+import pytest
 from helpers import PATIENCE_S, ROOT
 
 SUITE = ROOT / "bench" / "gpu_suite.sh"
@@ -62,6 +64,7 @@ def test_gpu_suite_plan_puts_the_valuable_rows_first_and_fits_six_minutes():
         assert last_big < first_small, (big, small)
 
 
+@pytest.mark.distributed  # the suite's trainer rows run train.py under torchrun (and SIGKILL it)
 def test_gpu_suite_tiny_writes_every_table(tmp_path):
     out = tmp_path / "suite"
     # the budgets are the GPU window's plan, not a verdict: scaled up so that load cannot fail a row

@@ -117,7 +117,7 @@ def test_the_scan_sees_relative_and_function_level_imports():
     assert "mhar_titan.models.plan" in imports(PACKAGE / "models" / "args.py")  # `from .plan import RoutingPlan`
     assert "mhar_kernels.op" in imports(KERNELS / "dispatch.py")  # `from . import op` inside a function
     parser = PACKAGE / "config" / "parser.py"
-    assert "mhar_titan.models.args" in imports(parser)  # inside validate()
+    assert "mhar_titan.models.args" in imports(parser)  # inside job_model_args()
     assert violations(("mhar_titan.dryrun",), ("mhar_kernels",)) != []  # a real edge is reported
     assert violations(("mhar_titan.models.router",), ("mhar_titan.models.plan",)) != []  # `from .plan import`
 
@@ -166,3 +166,35 @@ def test_no_two_modules_import_each_other():
     counts), e.g. the tokenizer builders and the tokenizer type they share."""
     assert import_cycles() == []
     assert "mhar_titan.data.tokenizer_base" in imports(PACKAGE / "data" / "hf_tokenizer.py")
+
+
+def entry_points(path: pathlib.Path) -> list[str]:
+    """How the module at ``path`` runs as a command: an ``argparse`` import and an
+    ``if __name__ == "__main__"`` block, each named where present."""
+    found = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    if any(name == "argparse" or name.startswith("argparse.") for name in imports(path)):
+        found.append("imports argparse")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+                isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__":
+            found.append("has a __main__ block")
+    return found
+
+
+def test_the_kernels_package_holds_only_what_the_model_runs():
+    """Measurement tools (the sm_90 compile report, benchmarks) live in bench/: no module of
+    mhar_kernels parses a command line or runs as a command; the scan sees both forms."""
+    assert {module_name(p): entry_points(p) for p in sources("mhar_kernels") if entry_points(p)} == {}
+    assert entry_points(ROOT / "bench" / "compile_report.py") == ["imports argparse", "has a __main__ block"]
+
+
+def test_one_module_finds_a_runs_checkpoint():
+    """``find_checkpoint`` (which checkpoint a run or step-N folder names) is defined once, in the
+    checkpoint package; the tools that take a run folder import it from there."""
+    defined = [module_name(p) for p in sources("mhar_titan")
+               if any(isinstance(n, ast.FunctionDef) and n.name == "find_checkpoint"
+                      for n in ast.walk(ast.parse(p.read_text())))]
+    assert defined == ["mhar_titan.checkpoint.find"]
+    for tool in ("convert/__main__.py", "analysis/__main__.py", "eval/load.py"):
+        assert "mhar_titan.checkpoint.find.find_checkpoint" in imports(PACKAGE / tool), tool

@@ -113,6 +113,14 @@ def test_make_test_installs_the_test_extras_and_only_what_make_train_left_out(cl
     assert any(LOCKED_PACKAGE.search(c) for c in pip) and any(f'.[{",".join(EXTRAS)}]' in c for c in pip)
 
 
+def test_make_test_fast_sets_up_as_make_test_does_and_leaves_the_slow_tier_out(clone):
+    """`make test-fast` is `make test` with `-m "not slow"`: the same set-up, then the fast tier."""
+    full, fast = dry_run(clone, "test"), dry_run(clone, "test-fast")
+    assert fast[:-1] == full[:-1]
+    assert full[-1].split() == [".venv/bin/python", "-m", "pytest"]
+    assert fast[-1].split() == [".venv/bin/python", "-m", "pytest", "-m", '"not', 'slow"']
+
+
 def test_every_install_takes_the_locked_versions_and_a_new_lock_redoes_them(clone):
     pip = installs(dry_run(clone, "setup"))
     package = [c for c in pip if " -e " in c]

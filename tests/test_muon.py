@@ -4,14 +4,12 @@ the settings the config refuses."""
 import copy
 import itertools
 import math
-import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.optim._muon as torch_muon
-from helpers import PATIENCE_S, ROOT, tiny_model
+from helpers import ROOT, tiny_model
 from train_common import debug_cfg
 
 from mhar_titan.components.loss import build_loss_fn, target_count
@@ -188,8 +186,7 @@ def single_process_reference(record: dict, cfg):
 MUON_RUN = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32", "--optimizer.lr=1e-3", "--training.steps=5"]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow  # about 40 s per world size on 2 idle cores (torchrun start-up, 5 steps)
+# about 40 s per world size on 2 idle cores (torchrun start-up, 5 steps)
 @pytest.mark.parametrize("world, geometry", [
     (2, ["--training.local_batch_size=2", "--training.global_batch_size=4"]),
     # 128 and 64 rows over 3 ranks: uneven shards; gradient accumulation 2, activation checkpointing and a
@@ -199,18 +196,15 @@ MUON_RUN = ["--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32", "--opt
     (3, ["--training.local_batch_size=1", "--training.global_batch_size=6", "--activation_checkpoint.mode=full",
          "--training.ema_decay=0.9"]),
 ])
-def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch, world, geometry):
+def test_fsdp_ranks_equal_one_process_torch_muon_and_adamw(tmp_path, monkeypatch, torchrun, world, geometry):
     """FSDP2 over `world` gloo ranks against one process applying torch.optim.Muon (its Newton-Schulz
     iteration in float64, the fp32 run's reference) and torch.optim.AdamW to the same parameters with
     the same settings, clipping and schedule. fp32 arithmetic: bf16 Newton-Schulz rounds the update to
     bf16, so the trajectories of an FSDP and a one-process run part at bf16 precision (one process
     against torch.optim.Muon in bf16 is bitwise: test_one_process_is_bitwise_torch_muon_and_adamw)."""
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     name = f"w{world}"
     overrides = [*MUON_RUN, *geometry]
-    done = subprocess.run([str(torchrun), f"--nproc_per_node={world}", "--standalone",
-                           str(ROOT / "tests" / "muon_fsdp_worker.py"), str(tmp_path), name, *overrides],
-                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
+    done = torchrun(ROOT / "tests" / "muon_fsdp_worker.py", tmp_path, name, *overrides, nproc=world)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"| optimizer | Muon 28 matrices, 786k params | AdamW 20 tensors, 6.44M params" in done.stdout
     record = torch.load(tmp_path / f"{name}.pt", weights_only=False)

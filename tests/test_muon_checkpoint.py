@@ -2,21 +2,16 @@
 ranks, and the refusal to switch optimizer at a resume."""
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import PATIENCE_S, ROOT, read_metrics
+from helpers import ROOT, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TORCHRUN = pathlib.Path(sys.executable).with_name("torchrun")
 
 
-def launch(phase: str, world: int, out: pathlib.Path) -> dict:
-    done = subprocess.run([str(TORCHRUN), f"--nproc_per_node={world}", "--standalone",
-                           str(ROOT / "tests" / "muon_ckpt_worker.py"), phase, str(out)],
-                          capture_output=True, text=True, timeout=PATIENCE_S, cwd=ROOT)
+def launch(torchrun, phase: str, world: int, out: pathlib.Path) -> dict:
+    done = torchrun(ROOT / "tests" / "muon_ckpt_worker.py", phase, out, nproc=world)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / f"{phase}.json").read_text())
 
@@ -30,13 +25,12 @@ def state_tensors(tree, prefix=""):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, torchrun):
     out = tmp_path_factory.mktemp("muon_ckpt")
-    return out, {phase: launch(phase, world, out) for phase, world in (("two", 2), ("one", 1), ("three", 3))}
+    return out, {phase: launch(torchrun, phase, world, out) for phase, world in (("two", 2), ("one", 1), ("three", 3))}
 
 
-@pytest.mark.distributed
-@pytest.mark.slow  # three torchrun launches, about 2 min on 2 idle cores
+# three torchrun launches, about 2 min on 2 idle cores (the runs fixture)
 def test_resumed_two_rank_muon_run_has_bitwise_the_straight_losses(runs):
     _, r = runs
     straight, resumed = r["two"]["straight"], r["two"]["resumed"]
@@ -44,8 +38,6 @@ def test_resumed_two_rank_muon_run_has_bitwise_the_straight_losses(runs):
     assert resumed == straight[3:]  # bitwise: the same floats
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["one", "three"])
 def test_two_rank_checkpoint_loads_on_one_and_three_ranks_with_every_state_equal(runs, phase):
     out, r = runs

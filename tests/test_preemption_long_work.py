@@ -119,18 +119,11 @@ def test_stop_signal_during_in_training_evaluation_ends_it_within_one_forward(tm
     assert evals("stopped") == evals("straight") and sorted(evals("straight")) == [2, 4]  # step 2's done first
 
 
-@pytest.mark.slow  # three 2-rank torchrun trainings: about a minute on 2 busy cores
-@pytest.mark.distributed
-def test_a_signal_on_one_rank_stops_every_rank_within_the_same_validation_forward(tmp_path):
+# three 2-rank torchrun trainings: about a minute on 2 busy cores
+def test_a_signal_on_one_rank_stops_every_rank_within_the_same_validation_forward(tmp_path, torchrun):
     import json
-    import pathlib
-    import subprocess
-    import sys
 
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone",
-                           str(ROOT / "tests" / "preemption_long_work_worker.py"), str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = torchrun(ROOT / "tests" / "preemption_long_work_worker.py", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"read-{r}.json").read_text()) for r in (0, 1)]
     # rank 0 got no signal: it stopped at the same batch as rank 1, after one forward of its 6

@@ -18,6 +18,8 @@ import pytest
 
 from helpers import ROOT, wait_for
 
+pytestmark = pytest.mark.processes  # each waits on a command in a process of its own for its first progress line
+
 
 def start_logged(args: list[str], log, env: dict | None = None) -> subprocess.Popen:
     """Run ``python ARGS`` with stdout and stderr into the file ``log`` (not a terminal)."""
@@ -82,7 +84,7 @@ def test_compile_report_prints_a_line_per_compile_into_the_log(tmp_path):
     pytest.importorskip("triton")
     log = tmp_path / "compile.log"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    proc = start_logged(["-m", "mhar_kernels.compile_report"], log, env)
+    proc = start_logged([str(ROOT / "bench" / "compile_report.py")], log, env)
     try:
         wait_for(lambda: "compile_report: [" in log.read_text() or "no CUDA backend" in log.read_text()
                  or proc.poll() is not None, "compile_report's first line", context=lambda: log.read_text()[-2000:])

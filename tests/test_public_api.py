@@ -1,6 +1,6 @@
-"""The package's public API: `import mhar_titan` is light and resolves its names lazily, and the
-README's notebook-sized script (build a debug MHAR model, train a few steps, sample) runs without
-a warning. The README's analysis section analyses only runs the README trains, and its training
+"""The package's public API: `import mhar_titan` is light and resolves its names lazily (the
+README's notebook-sized script that uses it runs, without a warning, in the README doc test,
+tests/test_readme_commands.py). The analysis guide analyses only runs it trains, and its training
 and analysis lines run as written (shrunk to a few steps, in a temporary folder)."""
 import pathlib
 import re
@@ -31,25 +31,6 @@ def test_the_package_exports_lazily_and_imports_nothing_heavy():
                                        "JobConfig", "run_training", "Trainer", "load_run", "generate_batch"}
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mhar_titan.nope  # noqa: B018
-
-
-@pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
-                    reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
-def test_the_readme_python_example_trains_and_samples(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## From Python"):]
-    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert 'OUT = "outputs"\n' in script
-    script = script.replace('OUT = "outputs"\n', f'OUT = {str(tmp_path)!r}\n')
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=PATIENCE_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # the example triggers none of the trainer's warnings (a warm-up longer than its 8 steps did)
-    assert "warmup_steps" not in done.stderr and "WARNING" not in done.stdout + done.stderr, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert "8 1024" in lines  # 8 steps of 4 x 32 tokens
-    assert any(line.startswith("step 8/8 | done | 8 steps") for line in lines)
-    assert done.stdout.index("\n20 tokens: ROMEO:") > done.stdout.index("| metrics |")  # sampled after the summary
-    assert (tmp_path / "notebook_mhar" / "checkpoints" / "step-8").is_dir()
 
 
 def readme_bash_block(heading: str, doc: str = "docs/ANALYSIS.md") -> list[list[str]]:
@@ -95,20 +76,18 @@ SHRINK = ["--training.steps=2", "--training.seq_len=32", "--training.local_batch
 @pytest.mark.slow  # three 2-step trainings, a heatmap, a probe, a comparison: 3.5 min at load 14 on 2 cores
 @pytest.mark.skipif(not (SAMPLE / "validation-00000-of-00001.parquet").exists(),
                     reason="run `python -m mhar_titan.data.prepare_shakespeare --out data/shakespeare`")
-def test_the_readme_training_and_analysis_lines_run_as_written(tmp_path):
+def test_the_readme_training_and_analysis_lines_run_as_written(tmp_path, warm_python):
     lines = readme_bash_block("# Analysis and generation")
     trainings = [["python", "train.py", "--config", "train_configs/debug_mhar.toml"]]  # make train
     trainings += [w for w in lines if w[:2] == ["python", "train.py"]]
     analyses = [w for w in lines if w[:3] == ["python", "-m", "mhar_titan.analysis"]]
     assert len(trainings) == 3 and [w[3] for w in analyses] == ["heatmap", "probe", "compare"]
-    python = lambda words: [sys.executable, *words[1:]]
-    for words in trainings:
-        done = subprocess.run(python(words) + [f"--job.dump_folder={tmp_path / 'outputs'}", *SHRINK], cwd=ROOT,
-                              capture_output=True, text=True, timeout=PATIENCE_S)
+    for words in trainings:  # each command a process of its own, forked from the warm interpreter
+        done = warm_python.run([*words[1:], f"--job.dump_folder={tmp_path / 'outputs'}", *SHRINK], timeout=PATIENCE_S)
         assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
     for words in analyses:  # outputs/... read the runs just trained
         words = [re.sub(r"^outputs/", f"{tmp_path / 'outputs'}/", w) for w in words]
-        done = subprocess.run(python(words), cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S)
+        done = warm_python.run(words[1:], timeout=PATIENCE_S)
         assert done.returncode == 0, (shlex.join(words), done.stderr[-3000:])
         assert "warning" not in done.stderr.lower(), (shlex.join(words), done.stderr[-3000:])
     assert list((tmp_path / "outputs" / "debug_mhar" / "analysis").glob("*.png"))

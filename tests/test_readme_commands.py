@@ -16,6 +16,15 @@ but what the README shows. A block fails when it exits non-zero, prints "nothing
 training command whose run folder logged no new step; no example may train in the quickstart's run
 folder (the test shrinks the quickstart, so what an example did there would not be what a user
 sees). Afterwards ``git status`` of the copy must show nothing new or changed outside ignored paths.
+Two blocks are checked further: the Python example says what it trained and sampled, without a
+warning (``check_python_example``), and the mid-training command did every stage
+(``test_toy_midtrain.check_the_toy_experiment``).
+
+Every ``python`` command of the blocks (and of the scripts they run) is a process of its own forked
+from one warm interpreter (tests/warm_python.py) that imported torch and the package once: the
+commands run as written, without paying those imports each time. The small READMEs below check the
+verdicts themselves: a block that exits non-zero, prints "nothing to do" or trains no step fails,
+and so does a README that leaves files git sees changed.
 """
 from __future__ import annotations
 
@@ -33,6 +42,8 @@ from pathlib import Path
 import pytest
 
 from helpers import PATIENCE_S, ROOT
+from test_toy_midtrain import check_the_toy_experiment
+from warm_python import WarmPython
 
 README = ROOT / "README.md"
 SAMPLE = ROOT / "data" / "shakespeare" / "validation-00000-of-00001.parquet"
@@ -174,6 +185,26 @@ def test_readme_shows_a_sampled_generation_before_any_greedy_one():
     assert re.search(r"[Gg]reedy decoding[^.]*repeats", text), "say what greedy decoding of a tiny model gives"
 
 
+def test_benchmarks_is_a_short_reference_whose_figures_name_command_and_date():
+    """BENCHMARKS.md is a table a user reads in a minute (at most 150 lines): every row names its
+    command, shapes, machine, date and whether it was measured or modelled; the dated runs are in
+    the lab notebook it links, docs/benchmarks-log.md."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 150, "move dated runs to docs/benchmarks-log.md"
+    assert "(docs/benchmarks-log.md)" in text and (ROOT / "docs" / "benchmarks-log.md").is_file()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[:7] == ["what", "figure", "shapes", "command", "machine", "date", "measured or modelled"], header
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert len(rows) >= 5
+    for row in rows:
+        cells = dict(zip(header, row))
+        assert re.search(r"`(?:python|make|bash) [^`]*`|`make [a-z]+`", cells["command"]), row
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", cells["date"]), row
+        assert re.match(r"(?:host time )?(?:measured|modelled)", cells["measured or modelled"]), row
+        assert cells["shapes"] and cells["machine"], row
+
+
 def anchors(path: Path) -> set[str]:
     """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
     found = set()
@@ -273,25 +304,44 @@ def quickstart_script(block: Block, readme: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_block(block: Block, script: str, root: Path) -> str:
+def run_block(block: Block, script: str, root: Path, warm: WarmPython | None = None) -> tuple[str, str]:
+    """Run one block in ``root`` with the virtual environment activated (and ``warm``'s `python`
+    first on PATH); (stdout, stderr). AssertionError when it exits non-zero or prints "nothing to do"."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "VIRTUAL_ENV"))}
     env["PYTHONUNBUFFERED"] = "1"
+    activate = "source .venv/bin/activate\n"
+    if warm is not None:
+        env = warm.env(env)
+        env["PYTHON"] = str(warm.bin / "python")  # the interpreter scripts/*.sh run (theirs: .venv/bin/python)
+        activate += f"export PATH={shlex.quote(str(warm.bin))}:$PATH\n"
     if block.info == "python":
         (root / "outputs").mkdir(exist_ok=True)
         path = root / "outputs" / f"readme_block_{block.line}.py"
         path.write_text(script)
-        argv = ["bash", "-c", f"source .venv/bin/activate && python {shlex.quote(str(path))}"]
+        argv = ["bash", "-e", "-c", activate + f"python {shlex.quote(str(path))}"]
     else:
-        argv = ["bash", "-e", "-o", "pipefail", "-c", "source .venv/bin/activate\n" + script]
+        argv = ["bash", "-e", "-o", "pipefail", "-c", activate + script]
     done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"{block} exited {done.returncode}:\n{script}\n{out[-4000:]}"
     assert not NOTHING.search(out), f"{block} did nothing:\n{script}\n{out[-3000:]}"
-    return out
+    return done.stdout, done.stderr
+
+
+def check_python_example(stdout: str, stderr: str, root: Path) -> None:
+    """The README's notebook-sized script (build a model, train 8 steps, sample from the checkpoint)
+    says what it did, in order, and triggers none of the trainer's warnings (a warm-up longer than its
+    8 steps did)."""
+    assert "warmup_steps" not in stderr and "WARNING" not in stdout + stderr, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert "8 1024" in lines  # 8 steps of 4 x 32 tokens
+    assert any(line.startswith("step 8/8 | done | 8 steps") for line in lines)
+    assert stdout.index("\n20 tokens: ROMEO:") > stdout.index("| metrics |")  # sampled after the summary
+    assert (root / "outputs" / "notebook_mhar" / "checkpoints" / "step-8").is_dir()
 
 
 
-def run_in_order(readme: str, root: Path) -> int:
+def run_in_order(readme: str, root: Path, warm: WarmPython | None = None) -> int:
     """Run the blocks of ``readme`` in ``root`` (a copy of the repository) as the module docstring
     says; AssertionError at the first block that fails, does nothing, or trains where it must not.
     Returns how many blocks ran."""
@@ -303,7 +353,13 @@ def run_in_order(readme: str, root: Path) -> int:
         script = quickstart_script(block, readme) if block.kind == "quickstart" else block.text
         before = run_folders(root)
         started = time.monotonic()
-        run_block(block, script, root)
+        stdout, stderr = run_block(block, script, root, warm)
+        if block.info == "python" and "run_training(" in block.text:
+            check_python_example(stdout, stderr, root)
+        for command in commands(block) if block.info == "bash" else []:
+            toy = re.match(r"^OUT=(\S+) .*\bscripts/toy_midtrain\.sh$", command)
+            if toy:  # the shrunk mid-training experiment did every stage
+                check_the_toy_experiment(stdout, root / toy.group(1))
         print(f"{block}: {time.monotonic() - started:.0f} s")  # with -s: where the test's time goes
         ran += 1
         after = run_folders(root)
@@ -329,17 +385,76 @@ def git_status(root: Path) -> list[str]:
                           capture_output=True, text=True, check=True).stdout.splitlines()
 
 
+def assert_nothing_changed_that_git_sees(root: Path) -> None:
+    """Every file of the copy is as it was staged: nothing new or changed outside ignored paths."""
+    stray = [line for line in git_status(root) if not line.startswith("A  ")]
+    assert not stray, f"README commands wrote or changed files that git sees (write under outputs/): {stray[:20]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the doc test's verdicts, on small READMEs run in a small git repository (nothing trains)
+
+
+@pytest.fixture
+def small_repo(tmp_path) -> Path:
+    """A git repository holding one tracked file, everything staged, with an (empty) virtual
+    environment to activate and outputs/ ignored, as the doc test's copy is."""
+    root = tmp_path / "repo"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "activate").write_text("")
+    (root / ".gitignore").write_text(".venv\noutputs/\n")
+    (root / "tracked.txt").write_text("as committed\n")
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    return root
+
+
+def readme_of(*blocks: str) -> str:
+    return "# A README\n\n" + "\n\ntext\n\n".join(f"```bash\n{b}\n```" for b in blocks) + "\n"
+
+
+def logs_a_step(run: str, step: int) -> str:
+    """A block that logs ``step`` in run folder outputs/``run`` as a training would (and names train.py)."""
+    return f"mkdir -p outputs/{run} && echo '{{\"step\": {step}}}' >> outputs/{run}/metrics.jsonl  # python train.py"
+
+
+def test_the_doc_test_runs_every_block_in_order_and_passes_a_good_readme(small_repo):
+    readme = readme_of("echo one > outputs_first.txt && rm outputs_first.txt", logs_a_step("a", 1), logs_a_step("a", 2))
+    assert run_in_order(readme, small_repo) == 3
+    assert_nothing_changed_that_git_sees(small_repo)
+
+
+@pytest.mark.parametrize("block, message", [
+    ("exit 3", r"README.md:\d+ \(bash, run\) exited 3"),
+    ("false | cat", r"exited 1"),  # pipefail
+    ("echo 'Nothing to do: the run finished at step 40'", r"did nothing"),
+    ("echo 'nothing left to do' >&2", r"did nothing"),
+    ("echo python train.py --config x.toml", r"logged no new step in any run folder"),
+    (logs_a_step("a", 1), r"logged no new step"),  # the same step again: no new step
+])
+def test_the_doc_test_fails_a_block_that_exits_non_zero_does_nothing_or_trains_no_step(small_repo, block, message):
+    readme = readme_of(logs_a_step("a", 1), block)
+    with pytest.raises(AssertionError, match=message):
+        run_in_order(readme, small_repo)
+
+
+@pytest.mark.parametrize("block", ["echo changed > tracked.txt", "echo new > notes.txt", "rm tracked.txt"])
+def test_the_doc_test_fails_a_readme_that_changes_what_git_sees(small_repo, block):
+    assert run_in_order(readme_of(block), small_repo) == 1
+    with pytest.raises(AssertionError, match="wrote or changed files that git sees"):
+        assert_nothing_changed_that_git_sees(small_repo)
+
+
 @pytest.mark.slow  # every example's training, analysis, evaluation, export, sweep: 14 and 25 min on 2 cores
 # shared with other test runs (load average 3-7 and 7-9, 2026-12-04), most of it the trainings
 @pytest.mark.lm_eval
 @pytest.mark.skipif(not SAMPLE.exists(), reason="run `make train` (or `make setup`) first: no Shakespeare sample")
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("matplotlib") is None,
                     reason="the README's evaluation and figures need `make setup`")
-def test_the_readme_blocks_run_in_order_after_the_quickstart(tmp_path):
+def test_the_readme_blocks_run_in_order_after_the_quickstart(tmp_path, warm_python):
     test_every_block_is_run_or_marked_and_the_readme_is_short()  # nothing runs unless every block is accounted for
     root = copy_of_the_repository(tmp_path / "clone")
     assert all(line.startswith("A  ") for line in git_status(root)), git_status(root)[:5]
-    ran = run_in_order(README.read_text(), root)
+    ran = run_in_order(README.read_text(), root, warm_python)
     assert ran >= 10, f"only {ran} README blocks ran"
-    stray = [line for line in git_status(root) if not line.startswith("A  ")]
-    assert not stray, f"README commands wrote or changed files that git sees (write under outputs/): {stray[:20]}"
+    assert_nothing_changed_that_git_sees(root)

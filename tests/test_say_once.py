@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from helpers import PATIENCE_S, ROOT
 
 DEBUG = str(ROOT / "train_configs" / "debug_mhar.toml")
@@ -33,6 +34,7 @@ def failure_noise(text: str) -> list[str]:
                                        "Root Cause", "FAILED"))]
 
 
+@pytest.mark.distributed  # scripts/run_train.sh with NGPU=2: torchrun
 def test_a_memory_fit_error_of_two_ranks_is_one_line_and_exit_2(tmp_path):
     """scripts/run_train.sh, both ranks' output shown: the MemoryFitError every rank meets (each with
     its own measured free memory) is printed once, by rank 0, and the launch exits 2."""
@@ -55,6 +57,7 @@ def run_entry(tmp_path, **faults) -> subprocess.CompletedProcess:
                           env=launch_env(**faults))
 
 
+@pytest.mark.distributed  # mhar_titan.torchrun with 2 ranks
 def test_a_rank_says_its_error_only_where_it_differs_and_warnings_print_once(tmp_path):
     both = run_entry(tmp_path, MHAR_TEST_WARN="1", MHAR_TEST_DATA_ERROR_RANK0="data/a.jsonl:3: not valid JSON",
                      MHAR_TEST_DATA_ERROR_RANK1="data/b.jsonl:9: no key 'text'")
@@ -84,6 +87,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # train.py against a stand-in for the hub (a closed port), its retries
 def test_an_unreachable_hub_is_one_counted_line_not_a_page_of_retries(tmp_path):
     port = closed_port()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
@@ -102,6 +106,7 @@ def test_an_unreachable_hub_is_one_counted_line_not_a_page_of_retries(tmp_path):
     assert lines[-1].startswith("cannot start training: DataError: opening the training data"), out
 
 
+@pytest.mark.slow  # huggingface_hub's retries against a stand-in for the hub (a closed port)
 def test_hub_retries_of_one_request_log_one_line():
     """The filter every command that may reach the hub installs (train.py, python -m mhar_titan.eval),
     on huggingface_hub's own retry loop against a closed loopback port (a fresh process: the tests

@@ -185,9 +185,8 @@ def test_run_command_ends_an_interrupt_in_one_line_and_lets_other_errors_through
     assert done.returncode == 1 and "BrokenPipeError: a socket, not stdout" in done.stderr
 
 
-def test_a_config_error_through_the_training_command_is_one_line_exit_2():
-    done = subprocess.run([PYTHON, "train.py", "--debug.force_nonfinite_loss_steps=3,x"], capture_output=True,
-                          text=True, timeout=120)
+def test_a_config_error_through_the_training_command_is_one_line_exit_2(warm_python):
+    done = warm_python.run(["train.py", "--debug.force_nonfinite_loss_steps=3,x"], timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "'debug.force_nonfinite_loss_steps' must be list of int" in done.stderr
 

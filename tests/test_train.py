@@ -9,7 +9,6 @@ gives the same masked-batch gradients. The launch exiting 0 shows the clean gloo
 import gc
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from helpers import PATIENCE_S, ROOT, metric_losses, read_metrics  # noqa: E402
+from helpers import ROOT, metric_losses, read_metrics  # noqa: E402
 from train_common import DEBUG_MHAR, SAMPLE, debug_argv, debug_cfg, full_grads, masked_micro_batches, rel_diff  # noqa: E402
 
 from mhar_titan.config import load_config  # noqa: E402
@@ -201,18 +200,14 @@ def test_bad_config_fails_before_anything_is_built(tmp_path, capsys, bad, needle
 
 
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
+def dist_results(tmp_path_factory, torchrun):
+    """The 2-rank checks, one torchrun launch for the module (its tests are marked distributed by the fixture)."""
     out = tmp_path_factory.mktemp("dist")
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = torchrun(ROOT / "tests" / "dist_train_checks.py", out, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "dist.json").read_text()), torch.load(out / "grads.pt")
 
 
-@pytest.mark.distributed
 def test_two_ranks_match_one_process(dist_results, reference_run):
     results, _ = dist_results
     _, reference = reference_run
@@ -223,8 +218,6 @@ def test_two_ranks_match_one_process(dist_results, reference_run):
         assert max(diffs) <= 1e-5, (ac, results[f"losses_{ac}"], reference)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
 @pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain"])
 def test_depth_connections_on_two_ranks_match_one_process_and_ac_full_is_bitwise(connection_runs, family):
     """DenseFormer and MUDDFormer (both variants) under FSDP2 on 2 gloo ranks (local batch 4): the
@@ -239,7 +232,7 @@ def test_depth_connections_on_two_ranks_match_one_process_and_ac_full_is_bitwise
 
 
 @pytest.fixture(scope="module")
-def connection_runs(tmp_path_factory):
+def connection_runs(tmp_path_factory, torchrun):
     """({family_ac: losses} on 1 process at local batch 8, the same on 2 ranks: tests/dist_train_checks.py
     connections)."""
     from dist_train_checks import CONNECTIONS
@@ -251,16 +244,11 @@ def connection_runs(tmp_path_factory):
             cfg = debug_cfg(out / "one", f"{family}_{ac}", "--training.steps=5", "--training.local_batch_size=8",
                             f"--activation_checkpoint.mode={ac}", *overrides)
             one[f"{family}_{ac}"], _ = run(cfg)
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [str(torchrun), "--nproc_per_node=2", "--standalone", str(ROOT / "tests" / "dist_train_checks.py"), str(out),
-         "connections"], cwd=ROOT, capture_output=True, text=True, timeout=PATIENCE_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(ROOT / "tests" / "dist_train_checks.py", out, "connections", env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return one, json.loads((out / "connections.json").read_text())
 
 
-@pytest.mark.distributed
 def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads):
     results, grads = dist_results
     loss8, g8, _, norm8 = masked_grads[8]
@@ -269,7 +257,6 @@ def test_two_ranks_with_accumulation_match_gradients(dist_results, masked_grads)
     assert results["masked_grad_norm"] == pytest.approx(norm8, rel=1e-5)
 
 
-@pytest.mark.distributed
 def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_results):
     """Issue 16, acceptance 4 on 2 ranks: ranks with different global RNG states route with one
     permutation (the seed's), in three runs; a 2-step run resumed to 3 steps gives the straight
@@ -284,7 +271,6 @@ def test_permuted_head_layout_is_the_same_on_every_rank_and_after_resume(dist_re
     assert len(straight) == 3 and resumed == straight, (straight, resumed)
 
 
-@pytest.mark.distributed
 def test_two_rank_mixture_resumed_equals_straight(dist_results):
     """Issue 30, acceptance 1: a 2-rank data-mixture run (document sharding) stopped at step 2 and
     resumed to 4 has the straight run's losses and every source's position on every rank; its
@@ -310,7 +296,6 @@ def test_two_rank_mixture_resumed_equals_straight(dist_results):
     assert [r["val_loss"] for r in vals] == [r["val_loss"] for r in results["rows_mix_resumed"] if "val_loss" in r]
 
 
-@pytest.mark.distributed
 def test_train_state_is_rank0s_on_every_rank(dist_results):
     """Rank 0 owns the W&B run; its id must reach every rank's train_state (the checkpoint keeps one copy)."""
     results, _ = dist_results
@@ -428,6 +413,30 @@ def test_srun_without_torchrun_is_refused(tmp_path, monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------- the run folder
+
+
+def test_model_args_are_resolved_once_per_start(tmp_path, monkeypatch):
+    """``python train.py`` resolves the job's model arguments once (the config parser's, kept on
+    the config): the start-up checks, the memory check and the build size that one resolution for
+    the tokenizer; the model trained is what one resolution with the tokenizer gives. A config
+    changed after loading is resolved again."""
+    import mhar_titan.models.args as model_args
+    from mhar_titan.config.parser import job_model_args
+
+    resolve, calls = model_args.resolve_model_args, []
+    monkeypatch.setattr(model_args, "resolve_model_args", lambda *a, **k: calls.append(a) or resolve(*a, **k))
+    built = []
+    monkeypatch.setattr(Trainer, "train", lambda self: built.append(self.model_args) or self.state)
+    argv = debug_argv(tmp_path, "once", "--training.steps=1")
+    assert main(argv) == 0
+    assert len(calls) == 1, calls
+    cfg = load_config(None, argv)
+    assert built == [resolve(cfg.model, cfg.training.seq_len, 50_257, "gpt2")]
+    assert built[0].vocab_size == 50_304 and built[0].max_seq_len == model_args.ModelArgs.from_flavor("debug").max_seq_len
+    calls.clear()
+    assert job_model_args(cfg) is job_model_args(cfg) and calls == []
+    cfg.training.seq_len = 4096
+    assert job_model_args(cfg).max_seq_len == 4096 and len(calls) == 1
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -137,13 +135,9 @@ def test_a_generation_task_or_a_missing_task_folder_is_refused_before_the_model_
     assert built == []
 
 
-@pytest.mark.slow  # two 2-rank torchrun trainings with evaluation: about 60 s on 2 busy cores
-@pytest.mark.distributed
-def test_two_ranks_equal_standalone_and_leave_the_losses_unchanged(tmp_path, monkeypatch):
-    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc_per_node=2", "--standalone",
-                           str(ROOT / "tests" / "downstream_eval_worker.py"), str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+# two 2-rank torchrun trainings with evaluation: about 60 s on 2 busy cores
+def test_two_ranks_equal_standalone_and_leave_the_losses_unchanged(tmp_path, monkeypatch, torchrun):
+    proc = torchrun(ROOT / "tests" / "downstream_eval_worker.py", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert metric_losses(tmp_path / "evaluated") == metric_losses(tmp_path / "plain")
     (last,) = [r for r in read_metrics(tmp_path / "evaluated") if "eval/sequences" in r]

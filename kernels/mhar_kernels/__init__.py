@@ -26,8 +26,9 @@ A leaf package: imports torch and triton, nothing of the models. Contents:
   alignment, the launch wrappers `route_forward` / `route_backward` /
   `phase1_forward` / `phase1_backward`).
 - `traffic`: bytes each routing launch reads and writes, against the floor.
-- `compile_report`: the kernels compiled for sm_90 without a GPU (`python -m
-  mhar_kernels.compile_report`: registers, spills, vector width, pipelining).
+
+The sm_90 compile report (registers, spills, vector width, pipelining, without a GPU) is a
+measurement tool, not part of what the model runs: `python bench/compile_report.py`.
 
 Names are exported lazily (`__getattr__`): importing the package, `contract`, `reference` or
 `dispatch` does not import Triton or run any @triton.jit decorator, so TRITON_INTERPRET=1 may
@@ -37,7 +38,7 @@ _LAZY = {"route": "op", "route_unchecked": "op", "can_run": "op",
          "route_phase1": "triton_grouped",
          "route_reference": "reference", "routing_logits": "reference", "backend": "dispatch"}
 _SUBMODULES = ("contract", "reference", "grouped_reference", "dispatch", "op", "triton_routing", "triton_grouped",
-               "triton_merge", "depth_buffer", "depth_mix", "traffic", "compile_report", "routing_kernels", "grouped_kernels")
+               "triton_merge", "depth_buffer", "depth_mix", "traffic", "routing_kernels", "grouped_kernels")
 
 __all__ = [*_SUBMODULES[:4], *_LAZY]
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .contract import MAX_TILE, _next_pow2, compute_dtype, fits_tile  # noqa: F401  (re-exported)
-from .routing_kernels import (  # noqa: F401  (the device helpers, also for triton_grouped and compile_report)
+from .routing_kernels import (  # noqa: F401  (the device helpers, also for triton_grouped and bench/compile_report.py)
     INTERPRET, _inv_rms_and_key, _load_null, _load_source, _route_bwd_kernel, _route_fwd_kernel, _slot_base,
     _to_storage,
 )

@@ -29,7 +29,8 @@ import sys
 from mhar_titan.analysis.compare import add_ylim_arguments
 from mhar_titan.analysis.plots import FORMATS, add_format_argument
 from mhar_titan.cli_args import ArgumentParser, device, non_negative_int, positive_float, positive_int, run_command
-from mhar_titan.eval.load import USER_ERRORS, LoadedModel, find_checkpoint, load_run
+from mhar_titan.checkpoint.find import find_checkpoint
+from mhar_titan.eval.load import USER_ERRORS, LoadedModel, load_run
 from mhar_titan.files import OVERWRITE_FLAG, check_new_outputs, check_output_folder, remove_stale_outputs, write_text
 
 

@@ -180,7 +180,7 @@ def run_metrics(path: pathlib.Path) -> tuple:
     Raises:
         FileNotFoundError: no metrics file in the folder.
     """
-    from mhar_titan.eval.load import read_run_config
+    from mhar_titan.checkpoint.find import read_run_config
     from mhar_titan.metrics import read_jsonl_rows
 
     if not path.is_dir():

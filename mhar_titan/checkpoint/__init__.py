@@ -2,6 +2,7 @@
 
 ==================  ============================================================
 ``layout``          ``step-N`` folders and the ``complete.json`` marker
+``find``            which checkpoint a path names (``find_checkpoint``), a run's ``config.toml``
 ``fingerprint``     what must match between a checkpoint and the resuming run
 ``checks``          key and shape checks, ``load_step`` ordering
 ``items``           non-tensor items: safe encoding, RNG states, export casting
@@ -22,6 +23,7 @@ _EXPORTS = {
     "ASYNC_MODES": _SECTION, "COMPONENTS": _SECTION, "EXPORT_DTYPES": _SECTION, "CheckpointConfig": _SECTION,
     "CheckpointError": _SECTION, "CheckpointMismatchError": _SECTION,
     "MARKER": "layout", "is_complete": "layout", "read_marker": "layout", "step_folders": "layout",
+    "find_checkpoint": "find", "read_run_config": "find",
     "LEGACY_MODEL_DEFAULTS": "fingerprint", "checkpoint_fingerprint": "fingerprint",
     "CheckpointManager": "manager", "refuse_optimizer_switch": "manager", "CheckpointSaveError": "guards",
 }

@@ -1,7 +1,7 @@
 """``training.cuda_graphs``: each micro-batch's forward and backward replayed as one CUDA graph.
 
 Why: at the paper's 1b recipe (micro-batch 4 x 1024) even the baseline's eager step is host-bound
-(BENCHMARKS.md, "Whole-step host time and the host-bound verdict"); a replayed graph queues the
+(docs/benchmarks-log.md, "Whole-step host time and the host-bound verdict"); a replayed graph queues the
 whole forward and backward with one call. How (the pattern of PyTorch's CUDA-graph notes, as
 TorchTitan's trainer applies it): the first ``WARMUP_CALLS`` micro-batches run eagerly on a side
 stream, which makes everything that is made once (cuBLAS workspaces, NCCL communicators, FSDP2's

@@ -345,7 +345,7 @@ STEP_SEQ = {"100m": 2048, "1b": 1024}  # the paper's sequence lengths of the mea
 # mode, measured by `python bench/step_host.py --repeats 20` (real depth and routing plan, tiny
 # tensors, kernel launches stubbed; host CPU time of the step's thread, one torch thread, automatic
 # garbage collection off inside the steps as in the trainer) on a 2-core CPU (AMD EPYC, load
-# average 0.8, nothing else running), 2026-12-02 15:21 UTC (BENCHMARKS.md "Whole-step host time,
+# average 0.8, nothing else running), 2026-12-02 15:21 UTC (docs/benchmarks-log.md "Whole-step host time,
 # routing calls that save only their activations"). The host work of a step does not depend on
 # the micro-batch.
 HOST_STEP_MS = {

@@ -491,6 +491,25 @@ def _check_muon(o) -> None:
         raise ConfigError(f"'optimizer.muon_eps' must be a finite number > 0, got {o.muon_eps}")
 
 
+def job_model_args(cfg: JobConfig):
+    """The ``ModelArgs`` of ``cfg``'s ``[model]`` at ``training.seq_len`` without a tokenizer
+    (``models.args.resolve_model_args``): resolved once, by ``validate``, and kept on ``cfg`` while
+    ``[model]`` and ``training.seq_len`` stay as they are (a changed config is resolved again). The
+    trainer and the dry run size them for the tokenizer (``models.args.sized_for_tokenizer``).
+
+    Raises:
+        ConfigError: unknown flavor or field, arguments ``ModelArgs`` rejects, or ``seq_len``
+            above an explicit max_seq_len.
+    """
+    from mhar_titan.models.args import resolve_model_args
+
+    key = (cfg.model.flavor, repr(cfg.model.overrides), cfg.training.seq_len)
+    kept = cfg.__dict__.get("_model_args")
+    if kept is None or kept[0] != key:
+        kept = cfg.__dict__["_model_args"] = (key, resolve_model_args(cfg.model, cfg.training.seq_len))
+    return kept[1]
+
+
 def validate(cfg: JobConfig) -> None:
     """Cross-field and value checks that need no model, data or process group.
 
@@ -525,9 +544,7 @@ def validate(cfg: JobConfig) -> None:
     if not o.weight_decay >= 0:
         raise ConfigError(f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
     _check_muon(o)
-    from mhar_titan.models.args import resolve_model_args  # the tokenizer's vocabulary is checked at build
-
-    resolve_model_args(cfg.model, cfg.training.seq_len)
+    job_model_args(cfg)  # resolved here, kept for the trainer and the dry run; the tokenizer's vocabulary at build
     t = cfg.training
     for key in ("local_batch_size", "seq_len", "steps"):
         if getattr(t, key) < 1:

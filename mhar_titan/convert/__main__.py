@@ -104,13 +104,13 @@ def _parser() -> ArgumentParser:
 
 def export_checkpoint(path: str | Path, step: int | None) -> tuple[Path, Path]:
     """(run folder, checkpoint folder) of ``export``'s first argument, found as ``generate`` and
-    ``eval`` find theirs (``eval.load.find_checkpoint``); the checkpoint must be complete.
+    ``eval`` find theirs (``checkpoint.find.find_checkpoint``); the checkpoint must be complete.
 
     Raises:
         ConversionError: no such path, no complete checkpoint (the message lists the complete
             steps), a step given with a checkpoint folder, or a checkpoint whose save never finished.
     """
-    from mhar_titan.eval.load import find_checkpoint
+    from mhar_titan.checkpoint.find import find_checkpoint
 
     try:
         run_dir, checkpoint = find_checkpoint(path, step)

@@ -16,13 +16,14 @@ from typing import Optional
 
 import torch
 
-from mhar_titan.checkpoint import CheckpointMismatchError, is_complete, read_marker, step_folders
-from mhar_titan.config import ConfigError, JobConfig, load_config
-from mhar_titan.config.parser import read_toml
+from mhar_titan.checkpoint import CheckpointMismatchError, read_marker
+from mhar_titan.checkpoint.find import find_checkpoint, read_run_config
+from mhar_titan.config import JobConfig
+from mhar_titan.config.parser import job_model_args
 from mhar_titan.convert.dcp_io import load_model_dcp
 from mhar_titan.data import DataConfig, Tokenizer, ValidationLoader, build_tokenizer, build_validation_loader
-from mhar_titan.errors import UserError, missing_path
-from mhar_titan.models.args import ModelArgs, resolve_model_args
+from mhar_titan.errors import UserError
+from mhar_titan.models.args import ModelArgs
 from mhar_titan.models.model import Transformer
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -98,74 +99,6 @@ class LoadedModel:
             sequences=sequences)
 
 
-def _is_checkpoint(path: pathlib.Path) -> bool:
-    return (path / ".metadata").is_file()
-
-
-def read_run_config(run_dir: pathlib.Path) -> Optional[JobConfig]:
-    """The resolved ``config.toml`` of a run folder, or None when it has none.
-
-    Raises:
-        ConfigError: the file exists but is empty, cannot be read, is not valid TOML or holds no
-            ``[training]`` table: never replaced by defaults (they would evaluate at another
-            sequence length, on other files).
-    """
-    path = pathlib.Path(run_dir) / "config.toml"
-    if not path.is_file():
-        return None
-    fix = (f"restore it (an earlier version may be in {path.with_name('config.prev.toml').name}), or move it "
-           "away to use the checkpoint's model with default data settings")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"run config {path} cannot be read ({e}); {fix}") from None
-    if not text.strip():
-        raise ConfigError(f"run config {path} is empty ({path.stat().st_size} bytes; a full disk while it was "
-                          f"written?); {fix}")
-    try:
-        tables = read_toml(path, "run config")
-    except ConfigError as e:
-        raise ConfigError(f"run config {e}; {fix}") from None
-    if "training" not in tables:
-        raise ConfigError(f"run config {path} is not a resolved config (no [training] table); {fix}")
-    return load_config(str(path))
-
-
-def find_checkpoint(path: str | pathlib.Path, step: Optional[int] = None) -> tuple[pathlib.Path, pathlib.Path]:
-    """(run folder, ``step-N`` folder) for a run folder (newest complete checkpoint, or ``step``)
-    or for a checkpoint folder itself.
-
-    Raises:
-        FileNotFoundError: the path does not exist, or holds no complete checkpoint (or not ``step``);
-            the message lists the complete steps there.
-    """
-    path = pathlib.Path(path)
-    if not path.exists():
-        parent = path.parent
-        runs = sorted(p.name for p in parent.iterdir() if (p / "config.toml").is_file()) if parent.is_dir() else []
-        there = f"; run folders in {parent}: {', '.join(runs[:10])}{', ...' if len(runs) > 10 else ''}" if runs else ""
-        raise FileNotFoundError(f"{path} does not exist; pass a run folder (<dump_folder>/<job.name>) "
-                                f"or one of its checkpoints/step-N folders{there}")
-    if path.is_file():
-        raise FileNotFoundError(f"{missing_path(path, 'folder')}; pass a run folder (<dump_folder>/<job.name>) or one "
-                                "of its checkpoints/step-N folders")
-    if _is_checkpoint(path):
-        if step is not None:
-            raise ValueError(f"{path} is a checkpoint folder already; drop the step ({step}) or pass the run folder")
-        return path.parent.parent, path
-    cfg = read_run_config(path)
-    folder = path / (cfg.checkpoint.folder if cfg is not None else "checkpoints")
-    complete = {s: p for s, p in step_folders(folder).items() if is_complete(p)}
-    if not complete:
-        raise FileNotFoundError(f"{path} holds no complete checkpoint (looked in {folder}); train with "
-                                "checkpoint.enable = true, or pass a step-N folder")
-    if step is None:
-        step = max(complete)
-    if step not in complete:
-        raise FileNotFoundError(f"{folder} has no complete checkpoint step-{step}; complete steps: {sorted(complete)}")
-    return path, complete[step]
-
-
 def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str | torch.device = "cpu",
              routing_kernel: str = "eager", ema: bool = True) -> LoadedModel:
     """Build the model of a run (or checkpoint) folder, load its weights, switch to eval mode.
@@ -196,8 +129,7 @@ def load_run(path: str | pathlib.Path, step: Optional[int] = None, device: str |
         raise CheckpointMismatchError(f"{checkpoint} was trained with tokenizer {tokenizer_name!r} but "
                                       f"{run_dir / 'config.toml'} names {data_cfg.tokenizer!r}")
     tokenizer = build_tokenizer(data_cfg)
-    max_seq_len = (resolve_model_args(cfg.model, cfg.training.seq_len, tokenizer.n_vocab, tokenizer.name).max_seq_len
-                   if cfg is not None else DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = job_model_args(cfg).max_seq_len if cfg is not None else DEFAULT_MAX_SEQ_LEN
     model = load_model_dcp(checkpoint, ema=ema, max_seq_len=max_seq_len, routing_kernel=routing_kernel)
     model = model.to(device).eval()
     return LoadedModel(model=model, args=model.args, tokenizer=tokenizer, run_dir=run_dir, checkpoint=checkpoint,

@@ -601,7 +601,9 @@ def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
     """Flavor ``m.flavor`` with the ``[model]`` overrides ``m.overrides``, and the defaults
     ``vocab_size = pad_vocab(n_vocab)`` (a multiple of 128),
     ``max_seq_len = max(flavor's, seq_len)`` and, under ``attn_mask_type = "block_causal"``,
-    ``eos_id`` (the tokenizer's, which closes every packed document) unless the config sets them.
+    ``eos_id`` (the tokenizer's, which closes every packed document) unless the config sets them:
+    ``sized_for_tokenizer`` of the tokenizer-free resolution. A job's config resolves that once
+    (``config.parser.job_model_args``, which ``load_config`` fills); the trainer and the dry run size it.
 
     Args:
         m: the ``[model]`` section (``mhar_titan.config.Model``: ``flavor``, ``overrides``).
@@ -617,22 +619,38 @@ def resolve_model_args(m, seq_len: int, n_vocab: Optional[int] = None,
     """
     overrides = dict(m.overrides)
     try:
-        if n_vocab is not None:
-            overrides.setdefault("vocab_size", pad_vocab(n_vocab))
         overrides.setdefault("max_seq_len", max(ModelArgs.from_flavor(m.flavor).max_seq_len, seq_len))
         args = ModelArgs.from_flavor(m.flavor, **overrides)
-        args = with_document_eos(args, eos_id)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{_blamed_model_key(m, overrides)}: {e}") from e
+    if seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"'training.seq_len' ({seq_len}) exceeds 'model.max_seq_len' ({args.max_seq_len}); "
+            f"lower it or set --model.max_seq_len={seq_len}"
+        )
+    return sized_for_tokenizer(args, m, n_vocab, tokenizer, eos_id)
+
+
+def sized_for_tokenizer(args: ModelArgs, m, n_vocab: Optional[int], tokenizer: str = "",
+                        eos_id: Optional[int] = None) -> ModelArgs:
+    """``args`` (``resolve_model_args`` without a tokenizer) for the tokenizer: ``vocab_size =
+    pad_vocab(n_vocab)`` unless ``[model]`` ``m`` sets it, and the tokenizer's ``eos_id`` under
+    ``attn_mask_type = "block_causal"`` unless the config sets one (``with_document_eos``).
+    ``n_vocab`` None (a Hugging Face tokenizer before its files are read) keeps the vocabulary.
+
+    Raises:
+        ConfigError: a vocab_size below ``n_vocab``, or arguments ``ModelArgs`` rejects with it.
+    """
+    try:
+        if n_vocab is not None and "vocab_size" not in m.overrides:
+            args = dataclasses.replace(args, vocab_size=pad_vocab(n_vocab))
+        args = with_document_eos(args, eos_id)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{_blamed_model_key(m, dict(m.overrides))}: {e}") from e
     if n_vocab is not None and args.vocab_size < n_vocab:
         raise ConfigError(
             f"'model.vocab_size' ({args.vocab_size}) is smaller than tokenizer {tokenizer!r} "
             f"({n_vocab} tokens); set --model.vocab_size to at least {n_vocab} (a multiple of 128 is faster) "
             "or leave it unset"
-        )
-    if seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"'training.seq_len' ({seq_len}) exceeds 'model.max_seq_len' ({args.max_seq_len}); "
-            f"lower it or set --model.max_seq_len={seq_len}"
         )
     return args

@@ -1,8 +1,8 @@
 """Compile the routing kernels for sm_90 without a GPU and report what ptxas made of them.
 
-    python -m mhar_kernels.compile_report            # paper shapes, N = 73, bf16: one line each
-    python -m mhar_kernels.compile_report --json     # the same as JSON
-    python -m mhar_kernels.compile_report --kernels phase1_forward,phase1_backward --group 11 --shapes 1280x8
+    python bench/compile_report.py            # paper shapes, N = 73, bf16: one line each
+    python bench/compile_report.py --json     # the same as JSON
+    python bench/compile_report.py --kernels phase1_forward,phase1_backward --group 11 --shapes 1280x8
 
 Uses Triton's ahead-of-time path (`triton.compile` with `GPUTarget("cuda", 90, 64)`) and the
 ptxas that ships with Triton, so it runs on a CPU-only machine. The registers and spills are those of
@@ -33,6 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+for _folder in (ROOT, ROOT / "kernels"):  # a plain checkout: mhar_titan (the exit handler) and mhar_kernels
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # The paper's shapes (d, H) and the deepest site of the 1b flavor.
 SHAPES = [(512, 1), (512, 8), (1024, 1), (1024, 8), (1280, 1), (1280, 8)]
@@ -121,12 +126,12 @@ def compile_kernel(kind: str, d: int, heads: int, *, aligned: bool, n_sources: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import grouped_kernels as gk
-    from . import routing_kernels as rk
+    from mhar_kernels import grouped_kernels as gk
+    from mhar_kernels import routing_kernels as rk
     if rk.interpret_requested():
         raise RuntimeError("compile_report needs the compiler: unset TRITON_INTERPRET")
-    from . import triton_grouped as tg
-    from . import triton_routing as tr
+    from mhar_kernels import triton_grouped as tg
+    from mhar_kernels import triton_routing as tr
 
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         raise RuntimeError("this Triton build has no CUDA backend")
@@ -278,7 +283,7 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--shapes", default=",".join(f"{d}x{h}" for d, h in SHAPES), help="comma list of dxH")
@@ -310,7 +315,10 @@ def main(argv=None) -> None:
     print(text)
     if a.out:
         a.out.write_text(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from mhar_titan.cli_args import run_command
+
+    run_command(main)
