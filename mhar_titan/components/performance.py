@@ -219,9 +219,12 @@ class MemorySnapshots:
 # ---------------------------------------------------------------------------- routing bytes of a step
 def plan_sources(args: ModelArgs) -> list[list[int]]:
     """For each routing site of the model's routing plan, the entries (ids) of the (B, T, d)
-    sources it reads; the null source is not a row and is left out."""
+    sources it reads; the null source is not a row and is left out, except at a site that reads
+    only its null source (paper layout, layer 0's attention): the router broadcasts it to a
+    (B, T, d) tensor of its own (`router.routed_sources`), counted as one row of id -1 - s."""
     plan = RoutingPlan.from_args(args)
-    return [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
+    rows = [[j for j in site.reads if plan.sources[j].kind != "null"] for site in plan.sites]
+    return [ids or [-1 - s] for s, ids in enumerate(rows)]
 
 
 def parameter_gradients(args: ModelArgs, dtype: torch.dtype) -> Launch:
