@@ -11,7 +11,7 @@ import typing
 from typing import Literal
 
 import pytest
-from helpers import PATIENCE_S
+from helpers import PATIENCE_S, ROOT
 
 from mhar_titan.config import SECTIONS, ConfigError, JobConfig, load_config
 from mhar_titan.config.data import MixtureSource

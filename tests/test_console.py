@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from helpers import read_metrics
+from helpers import ROOT, read_metrics
 from train_common import SAMPLE, debug_argv
 
 from mhar_titan import console

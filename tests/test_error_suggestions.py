@@ -65,6 +65,7 @@ COVERED = {
     "set data.allow_document_reshard=true": "test_config_suggestions_load",
     "set data.tokenizer = ": "test_config_suggestions_load",
     "set optimizer.name = \"Muon\"": "test_config_suggestions_load",
+    "set mhc_init='prenorm', or leave mhc_res_bias at the default": "test_model_suggestions_load",
     "pass --config FILE (e.g. train_configs/debug_mhar.toml)": "test_config_suggestions_load",
     "(python train.py --help lists the keys)": "test_config_suggestions_load",
     "--overwrite": "test_command_suggestions_run",
@@ -232,6 +233,7 @@ def _model_flags(text: str) -> list[str]:
     (["--model.routing_temperature=learned"], "or routing_logit_scale=1.0 and routing_temperature='fixed'"),
     (["--model.dense_dilation=2"], ": set residual='dense'"),
     (["--model.mudd_prepost_norm=false"], ": set residual='mudd'"),
+    (["--model.residual=mhc", "--model.mhc_res_bias=2.0"], "set mhc_init='prenorm'"),
 ])
 def test_model_suggestions_load(refused, suggestion):
     """The model arguments' errors: each alternative they suggest, as --model.key=value, loads."""

@@ -43,10 +43,11 @@ def test_closed_form_flops_match_flop_counter(residual):
     assert closed.attention == 12 * args.n_layers * args.n_heads * args.head_dim * 128
     # The counter sees matmuls only: the routing's dot products and weighted sums (and DenseFormer's
     # and MUDDFormer's) are elementwise ops to it, so the model part must match and the total stays
-    # within 2%. MUDDFormer's weight generator is two matmuls per block, which the counter does see:
-    # its count lies between the model part and the total (measured: 0.5% below the total).
+    # within 2%. MUDDFormer's weight generator is two matmuls per block and its eager depth mix one
+    # batched matrix product per block (mhar_kernels.depth_mix), which the counter does see: its
+    # count lies above the model part, at most the total (measured: equal to it).
     if residual == "mudd":
-        assert closed.model < counted < closed.total, (closed, counted)
+        assert closed.model < counted <= closed.total, (closed, counted)
     else:
         assert abs(closed.model - counted) / counted < 0.02, (closed, counted)
     assert abs(closed.total - counted) / counted < 0.02, (closed, counted)

@@ -131,10 +131,10 @@ def _probe(args) -> list[pathlib.Path]:
     from mhar_titan.analysis.plots import pyplot
     from mhar_titan.analysis.probe import check_probe, plot_probe, query_probe
 
-    check_probe(_saved_model_args(args))  # one line, before the model is loaded
     stem = f"probe_step{_step_of(args)}"
     candidates = [f"{stem}.md", *(f"{stem}.{fmt}" for fmt in FORMATS)]
     out = _check_out(args, candidates)
+    check_probe(_saved_model_args(args))  # one line, before the model is loaded
     loaded = load_run(args.run, args.step, args.device)
     result = query_probe(loaded.model, _validation_tokens(loaded, args),
                          slices=args.slices, draws=args.draws, seed=args.seed)

@@ -31,7 +31,7 @@ PALETTE = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#5
 matplotlib's tab10 and ColorBrewer's Dark2, Paired, PRGn and Set1 that differ from them; no grey."""
 LINE_STYLES = ("-", "--", ":", "-.")
 """Line styles of the curves that share an arm's colour, in curve order."""
-_SALT = b"mhar-arm-colour-2:"  # the shipped sweeps' arms hash to distinct colours with it (a test checks)
+_SALT = b"mhar-arm-colour-20:"  # the shipped sweeps' arms hash to distinct colours with it (a test checks)
 
 
 def _rows() -> list[str]:
