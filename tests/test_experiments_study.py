@@ -65,6 +65,10 @@ def header_commands(path) -> list[list[str]]:
     return [shlex.split(c)[3:] for c in commands]
 
 
+BITS_PER_BYTE = 1 / math.log(2)
+"""The study's byte-level tokens: `results` gives its losses in bits per byte (nats per token / ln 2)."""
+
+
 @pytest.mark.slow
 def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(tmp_path, monkeypatch, warm_python):
     """The header's smoke commands (2 steps per run), for seed 1 of the temperature arms and the
@@ -94,10 +98,10 @@ def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(t
     assert f"sweep study_bytes: {len(names)} completed, 0 already done, 0 failed" in printed
     printed = experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")])
 
-    def val_tail(name):  # the tail mean (tail_evals = 5: both of the smoke run's evaluations)
+    def val_tail(name):  # the tail mean (tail_evals = 5: both of the smoke run's evaluations), in bits per byte
         vals = [r["val_loss"] for r in read_metrics(tmp_path / "smoke" / name) if "val_loss" in r]
         assert len(vals) == 2
-        return sum(vals) / 2
+        return sum(vals) / 2 * BITS_PER_BYTE
 
     tails = {name: val_tail(name) for name in names}
     for name in names[1:]:
@@ -144,7 +148,7 @@ def test_the_study_smoke_run_trains_the_depth_connections_and_prints_every_arms_
     assert experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")]) == 0
     printed = capsys.readouterr().out
     rows = {name: read_metrics(tmp_path / "smoke" / name) for name in names}
-    tail = {n: statistics.mean(r["val_loss"] for r in rows[n] if "val_loss" in r) for n in names}
+    tail = {n: statistics.mean(r["val_loss"] for r in rows[n] if "val_loss" in r) * BITS_PER_BYTE for n in names}
     speed = {n: statistics.median(r["tokens_per_s"] for r in rows[n] if "tokens_per_s" in r and r["step"] > 1)
              for n in names}
     assert f"| baseline | - | {speed['baseline_s1']:,.0f} | - | baseline |" in printed
