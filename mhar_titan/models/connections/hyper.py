@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Connection
-from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand
+from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand, state_rows
 
 LAYER_NORM_EPS = 1e-5
 """The dynamic part's LayerNorm eps: torch's default, as the reference's nn.LayerNorm."""
@@ -175,5 +175,10 @@ class HyperConnections(Connection):
         its two sites' rows of AC none come on top."""
         n, L = self.args.hyper_rate, self.args.n_layers
         if ac == "full":
-            return L * (n - 1)
-        return 2 * L * ((2 * n if self.args.hyper_dynamic else n) + 1)
+            return self.state_rows(ac) - L
+        return self.state_rows(ac) + 2 * L * ((n if self.args.hyper_dynamic else 0) + 1)
+
+    def state_rows(self, ac: str) -> int:
+        """H's rows among what the backward keeps (streams.state_rows; the sum over streams keeps
+        nothing): L n under AC full, 2 L n otherwise."""
+        return state_rows(ac, self.args.n_layers, self.args.hyper_rate, 0)
