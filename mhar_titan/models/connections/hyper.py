@@ -29,7 +29,7 @@ s_beta per site, the read stream counted over sublayers, the coefficients cast t
 differs: each stream goes through an RMSNorm with a learned gain (1 + gamma) instead of the
 LayerNorm, the read stream is random where no layer index is given, and the streams sit in the
 batch dimension; one public port copied a version in which the residual mix R was never applied
-(docs/DEPTH_CONNECTIONS.md).
+(docs/CONNECTIONS.md).
 
 Cost (the hooks of base.Connection): per site the mixing reads H three times (the read, the mix,
 the write's R) and, with the dynamic part, twice more (the LayerNorm, the projection of Hbar).
@@ -62,6 +62,10 @@ class HyperWeights(nn.Module):
 
     weight_decay = False
     """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
+
+    mix_weights = {"alpha": 2, "beta": 1}
+    """The weights each site gives its observer ("site s alpha", "site s beta") and how many of
+    their dimensions are the weights' own, (n, 1+n) and (n,); per token they lead with (B, T)."""
 
     def __init__(self, args):
         super().__init__()

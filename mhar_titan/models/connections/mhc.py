@@ -152,6 +152,11 @@ class MhcWeights(nn.Module):
     weight_decay = False
     """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
 
+    mix_weights = {"pre": 1, "post": 1, "comb": 2, "exit": 1}
+    """The weights each site gives its observer ("site s pre", "site s post", "site s comb") and the
+    learned exit ("exit"), with how many of their dimensions are the weights' own, (n,), (n,),
+    (n, n) and (n,), after the tokens' (B, T)."""
+
     def __init__(self, args):
         super().__init__()
         S, n, d = 2 * args.n_layers, args.hyper_rate, args.dim
