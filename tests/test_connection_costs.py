@@ -238,7 +238,10 @@ def test_the_guides_cost_table_is_the_models():
             "`mhar_1b` (H = 8, fused, per call)": ("mhar_1b", []),
             '`mhar_1b`, `routing_group_size = "auto"` (g = 11)': ("mhar_1b", ["--model.routing_group_size=auto"]),
             "`dense_1b`": ("dense_1b", []), "`mudd_1b`": ("mudd_1b", []),
-            "`mudd_1b`, `mudd_prepost_norm = false`": ("mudd_1b", ["--model.mudd_prepost_norm=false"])}
+            "`mudd_1b`, `mudd_prepost_norm = false`": ("mudd_1b", ["--model.mudd_prepost_norm=false"]),
+            "`hyper_1b`": ("hyper_1b", []),
+            "`hyper_1b`, `hyper_dynamic = false`": ("hyper_1b", ["--model.hyper_dynamic=false"]),
+            "`mhc_1b`": ("mhc_1b", []), '`mhc_1b`, `mhc_exit = "mean"`': ("mhc_1b", ["--model.mhc_exit=mean"])}
     for label, (config, overrides) in rows.items():
         cfg = load_config(str(root / "train_configs" / f"{config}.toml"), overrides)
         args, t = build_model_args(cfg), cfg.training
@@ -249,6 +252,18 @@ def test_the_guides_cost_table_is_the_models():
                 f"{forward:,} + {backward:,} | {depth_read_bytes(args, tokens, mode) / 1e9:.2f} GB | "
                 f"{routing_step_bytes(args, tokens, mode) / 1e9:.2f} GB | {connection.kept_rows(mode)} |")
         assert line in doc, line
+    # the n-stream state's share the text quotes for mhc_1b (micro-batch 4, AC full, 8 ranks) is the dry run's
+    from mhar_titan.dryrun import build_meta_model, estimate_memory
+
+    cfg = load_config(str(root / "train_configs" / "mhc_1b.toml"))
+    args, t = build_model_args(cfg), cfg.training
+    assert (t.local_batch_size, ac_mode(cfg), t.mixed_precision_param) == (4, "full", "bfloat16")
+    rows = build_connection(args).state_rows("full")
+    state = rows * args.dim * t.local_batch_size * t.seq_len * 2
+    activations = estimate_memory(build_meta_model(args), cfg, 8, "cuda", "eager").activations
+    quoted = (f"{rows} rows of d, {state / 2**30:.2f} GiB per rank in bf16, {100 * state / activations:.0f}% of the "
+              f"{activations / 2**30:.2f} GiB activation estimate")
+    assert quoted in " ".join(doc.split()), quoted
 
 
 def test_dry_run_states_the_stream_states_share_of_the_activations_for_mhc_1b(tmp_path):
