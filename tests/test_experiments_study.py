@@ -126,8 +126,8 @@ def test_the_study_smoke_run_trains_the_temperature_arms_and_prints_their_rows(t
 
 @pytest.mark.slow
 def test_the_study_smoke_run_trains_the_depth_connections_and_prints_every_arms_row(tmp_path, monkeypatch, capsys):
-    """The header's smoke commands (2 steps per run) for seed 1 of the baseline, MHAR, DenseFormer
-    and MUDDFormer: every run completes, and `results` prints each arm's row in the per-family
+    """The header's smoke commands (2 steps per run) for seed 1 of the baseline, MHAR, DenseFormer,
+    MUDDFormer, Hyper-Connections and mHC: every run completes, and `results` prints each arm's row in the per-family
     table and in the table at equal steps and equal wall-clock time, with its tokens/s (the median
     of the run's logged rate after step 1) and the paired difference at equal steps (the tail
     means of its metrics file)."""
@@ -137,7 +137,7 @@ def test_the_study_smoke_run_trains_the_depth_connections_and_prints_every_arms_
     run_cmd, results_cmd = header_commands(sweep_file)
     folder = str(tmp_path / "smoke")
     swap = {"outputs/sweeps/study_smoke": folder}
-    names = [f"{f}_s1" for f in ("baseline", "mhar_h8", "dense", "mudd")]
+    names = [f"{f}_s1" for f in ("baseline", "mhar_h8", "dense", "mudd", "hyper", "mhc")]
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     from mhar_titan.experiments.__main__ import main as experiments_main
@@ -147,11 +147,12 @@ def test_the_study_smoke_run_trains_the_depth_connections_and_prints_every_arms_
     assert experiments_main([swap.get(a, a) for a in results_cmd] + ["--out", str(tmp_path / "results")]) == 0
     printed = capsys.readouterr().out
     rows = {name: read_metrics(tmp_path / "smoke" / name) for name in names}
-    tail = {n: statistics.mean(r["val_loss"] for r in rows[n] if "val_loss" in r) for n in names}
+    # the results' losses are in bits per byte (byte tokens: nats / ln 2), every table alike
+    tail = {n: statistics.mean(r["val_loss"] for r in rows[n] if "val_loss" in r) / math.log(2) for n in names}
     speed = {n: statistics.median(r["tokens_per_s"] for r in rows[n] if "tokens_per_s" in r and r["step"] > 1)
              for n in names}
     assert f"| baseline | - | {speed['baseline_s1']:,.0f} | - | baseline |" in printed
-    for family in ("mhar_h8", "dense", "mudd"):
+    for family in ("mhar_h8", "dense", "mudd", "hyper", "mhc"):
         name = f"{family}_s1"
         diff = tail[name] - tail["baseline_s1"]
         assert f"| {family} | - | 1 | {tail[name]:.4f} | {diff:+.4f} | n/a | 1 |" in printed, family
