@@ -16,7 +16,8 @@
 # training.cuda_graphs, losses bitwise and host-inclusive step times), then
 # per scale 1b before 100m the throughput rows (AC none and full side by side) and the Triton
 # routing rows, with after 1b's one timed step of every depth connection at 350m (baseline,
-# DenseFormer and MUDDFormer on their eager code, MHAR and AttnRes fused), then the kernel tests, the eager routing rows, the sm_90 compile report, the
+# DenseFormer, MUDDFormer, Hyper-Connections and mHC on their eager code, MHAR and AttnRes fused),
+# then the kernel tests, the eager routing rows, the sm_90 compile report, the
 # host-time row, and torch.compile last at one shape (1b). (The counted bytes are a CPU count:
 # `bench/routing.py --bytes` runs anywhere. 350m is left out to fit the window but for the connections
 # row, and so is the 1b
@@ -54,8 +55,8 @@ SCALE=${MHAR_SUITE_BUDGET_SCALE:-1}
 [[ $SCALE =~ ^[1-9][0-9]*$ ]] || { echo "MHAR_SUITE_BUDGET_SCALE must be a positive integer, got $SCALE" >&2; exit 2; }
 RUN=("$PY" bench/plain_python.py)
 FAMILIES=baseline,mhar,mhar-grouped
-CONNECTIONS=baseline,dense,mudd,mhar,attnres  # the depth connections: the eager mixing of DenseFormer and
-                                              # MUDDFormer, then MHAR (H = 8 = KV heads at 350m) and AttnRes fused
+CONNECTIONS=baseline,dense,mudd,hyper,mhc,mhar,attnres  # the depth connections: the eager mixing of DenseFormer,
+                          # MUDDFormer, Hyper-Connections and mHC (n = 4), then MHAR (H = 8 = KV heads at 350m) and AttnRes fused
 
 # section scale family impl ac budget_s   (one row per line; "-": not applicable)
 if (( TINY )); then
@@ -75,16 +76,16 @@ bytes 100m,350m,1b mhar,mhar-grouped model none,full 20"
 else
   PLAN="env - - - - 6
 isolated 1b mhar,mhar-grouped triton none 28
-trainer 100m mhar,baseline torchrun none 71
-graphs 1b mhar,mhar-grouped torchrun full 82
+trainer 100m mhar,baseline torchrun none 69
+graphs 1b mhar,mhar-grouped torchrun full 78
 throughput 1b $FAMILIES triton none 23
 throughput 1b $FAMILIES triton full 21
 routing 1b mhar,mhar-grouped triton none 11
-connections 350m $CONNECTIONS triton none 22
+connections 350m $CONNECTIONS triton none 30
 throughput 100m $FAMILIES triton none 15
 throughput 100m $FAMILIES triton full 14
 routing 100m mhar,mhar-grouped triton none 9
-tests - - triton - 22
+tests - - triton - 20
 routing 1b mhar,mhar-grouped eager none 7
 routing 100m mhar,mhar-grouped eager none 5
 compile sm_90 - triton - 8
@@ -127,8 +128,8 @@ row_cmd() {
       local sizes_c=(--steps 1 --warmup 1)
       (( TINY )) && sizes_c=(--batch 1 --seq 8 --vocab 256 --steps 1 --warmup 0)
       # one timed step per depth connection (the paper's 350m micro-batch, 4 x 1024), as the throughput
-      # rows: DenseFormer and MUDDFormer on their eager code, MHAR and AttnRes on the fused kernels; the
-      # fused ones last, their kernels compile at this width on their first step
+      # rows: DenseFormer, MUDDFormer, Hyper-Connections and mHC on their eager code, MHAR and AttnRes on
+      # the fused kernels; the fused ones last, their kernels compile at this width on their first step
       CMD=("${RUN[@]}" bench/throughput.py --scales "$scale" --ac "$ac" --families "$family" --kernel "$impl"
            --mask block_causal --loss chunked "${sizes_c[@]}" --out "$table" --budget-s "$stop_s") ;;
     routing)
@@ -161,11 +162,11 @@ total=0 rows=0
 while read -r _ _ _ _ _ budget; do total=$(( total + budget )); rows=$(( rows + 1 )); done <<< "$PLAN"
 print_plan() {
   echo "GPU suite plan ($(date -u +%FT%TZ), tiny=$TINY): $rows rows, at most ${total} s in all"
-  printf '  %-3s %-11s %-12s %-32s %-8s %-9s %s\n' row section scale family impl AC budget
+  printf '  %-3s %-11s %-12s %-42s %-8s %-9s %s\n' row section scale family impl AC budget
   local n=0
   while read -r section scale family impl ac budget; do
     n=$(( n + 1 ))
-    printf '  %-3s %-11s %-12s %-32s %-8s %-9s %3d s\n' "$n" "$section" "$scale" "$family" "$impl" "$ac" "$budget"
+    printf '  %-3s %-11s %-12s %-42s %-8s %-9s %3d s\n' "$n" "$section" "$scale" "$family" "$impl" "$ac" "$budget"
   done <<< "$PLAN"
 }
 if (( PLAN_ONLY )); then

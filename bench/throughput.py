@@ -2,8 +2,9 @@
 
 Families: baseline, attnres, mhar (per-call routing) and mhar-grouped (MHAR with
 routing_group_size="auto": 5 / 7 / 11 at 100m / 350m / 1b; the table's "routing g" column), and
-the other depth connections, dense (DenseFormer) and mudd (MUDDFormer with the pre/post DA norm),
-whose mixing runs as eager torch code (the routing kernel is depth routing's only).
+the other depth connections, dense (DenseFormer), mudd (MUDDFormer with the pre/post DA norm),
+hyper (dynamic Hyper-Connections) and mhc (mHC, learned exit), n = 4 streams each, whose mixing runs
+as eager torch code (the routing kernel is depth routing's only).
 
 Trains each model for a few steps on synthetic tokens (bf16 parameters and compute, AdamW, the
 paper's micro-batches: 100m 8x2048, 350m 4x1024, 1b 2x1024), with activation checkpointing
@@ -63,8 +64,10 @@ from tables import append_section, write_table  # noqa: E402
 FAMILIES = {short: MODEL_FAMILIES[name] for short, name in
             (("baseline", "baseline"), ("attnres", "attn_res H=1"), ("mhar", "mhar H=8"))}
 FAMILIES["mhar-grouped"] = dict(FAMILIES["mhar"], routing_group_size="auto")
-# The other depth connections (eager code: DenseFormer's averages, MUDDFormer with the pre/post DA norm).
-FAMILIES.update(dense=MODEL_FAMILIES["dense"], mudd=MODEL_FAMILIES["mudd"])
+# The other depth connections (eager code: DenseFormer's averages, MUDDFormer with the pre/post DA norm,
+# Hyper-Connections and mHC with n = 4 streams).
+FAMILIES.update(dense=MODEL_FAMILIES["dense"], mudd=MODEL_FAMILIES["mudd"], hyper=MODEL_FAMILIES["hyper"],
+                mhc=MODEL_FAMILIES["mhc"])
 
 
 EOS = 0

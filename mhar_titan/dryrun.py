@@ -368,7 +368,7 @@ def report(cfg: JobConfig, world_size: int, device: str,
         f"  non-embedding   {counts.non_embedding:>15,}",
         f"  embedding       {counts.total - counts.non_embedding:>15,}",
         f"  connection      {counts.routing:>15,}  (models.args.connection_parameters)",
-        *connection_lines(cfg, args, device),
+        *connection_lines(cfg, args, device, mem.activations),
         f"batch: {world_size} ranks x local {t.local_batch_size} x grad accumulation {accum} = "
         f"{world_size * t.local_batch_size * accum} sequences x {t.seq_len} tokens "
         f"= {world_size * t.local_batch_size * accum * t.seq_len:,} tokens per step",
@@ -404,12 +404,14 @@ def report(cfg: JobConfig, world_size: int, device: str,
     return "\n".join(lines), warnings
 
 
-def connection_lines(cfg: JobConfig, args: ModelArgs, device: str) -> list[str]:
+def connection_lines(cfg: JobConfig, args: ModelArgs, device: str, activations: int) -> list[str]:
     """What the depth connection costs per token beyond the baseline, from its cost model
-    (`models.connections.base.Connection`: `flops_per_token`, `depth_reads`, `kept_rows`):
-    FLOPs, the rows of its depth history it reads and their bytes per micro-batch step, the bytes
-    the step moves for it (`components.performance.routing_step_bytes`) and the rows it keeps for
-    the backward (in the memory estimate's activations)."""
+    (`models.connections.base.Connection`: `flops_per_token`, `depth_reads`, `kept_rows`,
+    `state_rows`): FLOPs, the rows of its depth history it reads and their bytes per micro-batch
+    step, the bytes the step moves for it (`components.performance.routing_step_bytes`), the rows it
+    keeps for the backward (in the memory estimate's activations) and, for a multi-stream
+    connection, the bytes of its n-stream state among them and their share of `activations` (the
+    memory estimate's, bytes per rank)."""
     connection = build_connection(args)
     t, mode = cfg.training, ac_mode(cfg)
     forward, backward = connection.depth_reads()
@@ -434,7 +436,21 @@ def connection_lines(cfg: JobConfig, args: ModelArgs, device: str) -> list[str]:
         "reads otherwise)",
         f"  kept rows       {kept:>15,} rows of d beyond the baseline's under AC {mode}: "
         f"{kept * args.dim * tokens * c / GIB:,.2f} GiB per rank at {c} B per value (in the activations below)",
+        *_stream_state_lines(connection.state_rows(mode), args.dim, tokens, c, mode, activations),
     ]
+
+
+def _stream_state_lines(rows: int, d: int, tokens: int, c: int, mode: str, activations: int) -> list[str]:
+    """The n-stream state's line (none for a connection of one stream): its `rows` of d per token
+    kept for the backward under AC `mode`, in bytes per rank and as a share of the activations."""
+    if not rows:
+        return []
+    where = ("every block's input H, n rows where the baseline keeps its one stream" if mode == "full"
+             else "every sublayer site's H")
+    state = rows * d * tokens * c
+    return [f"  stream state    {rows:>15,} rows of d of the n x d state H kept for the backward under AC {mode} "
+            f"({where}; the read-out's): {state / GIB:,.2f} GiB per rank, "
+            f"{100 * state / activations:.0f}% of the activation estimate ({activations / GIB:,.2f} GiB)"]
 
 
 def _compute_dtype(cfg: JobConfig, device: str) -> str:

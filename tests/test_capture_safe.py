@@ -305,6 +305,10 @@ FAMILIES = {
     "dense": ["--model.residual=dense"],
     "mudd": ["--model.residual=mudd"],
     "mudd-plain": ["--model.residual=mudd", "--model.mudd_prepost_norm=false"],
+    "hyper": ["--model.residual=hyper"],
+    "hyper-static": ["--model.residual=hyper", "--model.hyper_dynamic=false"],
+    "mhc": ["--model.residual=mhc"],
+    "mhc-mean": ["--model.residual=mhc", "--model.mhc_exit=mean"],
 }
 
 

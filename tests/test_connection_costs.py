@@ -176,23 +176,36 @@ def test_checkpointed_blocks_follow_apply_ac():
             checkpointed_blocks(bad, 3)
 
 
-@pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain"])
+@pytest.mark.parametrize("family", ["dense", "mudd", "mudd_plain", "hyper", "hyper_static", "mhc", "mhc mean"])
 def test_dry_run_prints_the_connection_costs(family, tmp_path):
     """The dry run's connection count is the issue's formula (DenseFormer L(L+3)/2; MUDDFormer
-    sum_i d K_i + K_i C_i (i+2) + C_i (i+2) and its norms), its FLOPs, reads and kept rows are the
-    connection's, and its activations grow by the kept rows (a 12-layer debug model, CPU)."""
+    sum_i d K_i + K_i C_i (i+2) + C_i (i+2) and its norms; Hyper-Connections 2L (n(n+2) + d(n+2) +
+    2d + 2), static 2L n(n+2); mHC 2L ((n^2+2n) nd + n^2 + 2n + 3) + n nd + n + 1 with the learned
+    exit), its FLOPs, reads and kept rows are the connection's, and its activations grow by the kept
+    rows (a 12-layer debug model, CPU)."""
     from mhar_titan.config import load_config
     from mhar_titan.dryrun import build_meta_model, build_model_args, estimate_memory, report
 
-    overrides = {k: v for k, v in FAMILIES[family].items()}
+    overrides = {k: v for k, v in FAMILIES[family.split()[0]].items()}
+    if family == "mhc mean":
+        overrides["mhc_exit"] = "mean"
     argv = ["--job.dump_folder", str(tmp_path), "--model.n_layers=12",
             *(f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())]
     cfg = load_config("train_configs/debug_baseline.toml", argv)
     text, _ = report(cfg, 1, "cpu")
     args = build_model_args(cfg)
     d, L = args.dim, 12
+    n = 4
     if family == "dense":
         formula = L * (L + 3) // 2
+    elif family == "hyper":
+        formula = 2 * L * (n * (n + 2) + d * (n + 2) + 2 * d + 2)
+    elif family == "hyper_static":
+        formula = 2 * L * n * (n + 2)
+    elif family.startswith("mhc"):
+        formula = 2 * L * ((n * n + 2 * n) * n * d + n * n + 2 * n + 3)
+        formula += n * n * d + n + 1 if family == "mhc" else 0
+        assert 2 * L * (96 * d + 27) == formula - (n * n * d + n + 1 if family == "mhc" else 0)
     else:
         C = [4] * (L - 1) + [1]
         K = [(C[i] * (i + 2) * (4 if i == L - 1 else 1) // 64 + 1) * 64 for i in range(L)]
@@ -225,7 +238,10 @@ def test_the_guides_cost_table_is_the_models():
             "`mhar_1b` (H = 8, fused, per call)": ("mhar_1b", []),
             '`mhar_1b`, `routing_group_size = "auto"` (g = 11)': ("mhar_1b", ["--model.routing_group_size=auto"]),
             "`dense_1b`": ("dense_1b", []), "`mudd_1b`": ("mudd_1b", []),
-            "`mudd_1b`, `mudd_prepost_norm = false`": ("mudd_1b", ["--model.mudd_prepost_norm=false"])}
+            "`mudd_1b`, `mudd_prepost_norm = false`": ("mudd_1b", ["--model.mudd_prepost_norm=false"]),
+            "`hyper_1b`": ("hyper_1b", []),
+            "`hyper_1b`, `hyper_dynamic = false`": ("hyper_1b", ["--model.hyper_dynamic=false"]),
+            "`mhc_1b`": ("mhc_1b", []), '`mhc_1b`, `mhc_exit = "mean"`': ("mhc_1b", ["--model.mhc_exit=mean"])}
     for label, (config, overrides) in rows.items():
         cfg = load_config(str(root / "train_configs" / f"{config}.toml"), overrides)
         args, t = build_model_args(cfg), cfg.training
@@ -236,3 +252,42 @@ def test_the_guides_cost_table_is_the_models():
                 f"{forward:,} + {backward:,} | {depth_read_bytes(args, tokens, mode) / 1e9:.2f} GB | "
                 f"{routing_step_bytes(args, tokens, mode) / 1e9:.2f} GB | {connection.kept_rows(mode)} |")
         assert line in doc, line
+    # the n-stream state's share the text quotes for mhc_1b (micro-batch 4, AC full, 8 ranks) is the dry run's
+    from mhar_titan.dryrun import build_meta_model, estimate_memory
+
+    cfg = load_config(str(root / "train_configs" / "mhc_1b.toml"))
+    args, t = build_model_args(cfg), cfg.training
+    assert (t.local_batch_size, ac_mode(cfg), t.mixed_precision_param) == (4, "full", "bfloat16")
+    rows = build_connection(args).state_rows("full")
+    state = rows * args.dim * t.local_batch_size * t.seq_len * 2
+    activations = estimate_memory(build_meta_model(args), cfg, 8, "cuda", "eager").activations
+    quoted = (f"{rows} rows of d, {state / 2**30:.2f} GiB per rank in bf16, {100 * state / activations:.0f}% of the "
+              f"{activations / 2**30:.2f} GiB activation estimate")
+    assert quoted in " ".join(doc.split()), quoted
+
+
+def test_dry_run_states_the_stream_states_share_of_the_activations_for_mhc_1b(tmp_path):
+    """The memory plan of mhc_1b at micro-batch 4 under AC full (8 ranks, bf16) states the n-stream
+    state: every block's input H (36 x 4 rows of d) and the learned exit's H (4 rows), 148 rows x
+    1280 x 4096 tokens x 2 B, and its share of the activation estimate; a one-stream connection has
+    no such line."""
+    from mhar_titan.config import load_config
+    from mhar_titan.dryrun import build_meta_model, estimate_memory, report
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    argv = ["--job.dump_folder", str(tmp_path), "--training.local_batch_size=4", "--activation_checkpoint.mode=full"]
+    cfg = load_config(str(root / "train_configs" / "mhc_1b.toml"), argv)
+    text, _ = report(cfg, 8, "cuda")
+    args = ModelArgs.from_flavor("1b", **FAMILIES["mhc"])
+    assert build_connection(args).state_rows("full") == 36 * 4 + 4
+    state = (36 * 4 + 4) * 1280 * 4 * 1024 * 2
+    activations = estimate_memory(build_meta_model(args), cfg, 8, "cuda", "eager").activations
+    assert 0.5 < state / activations < 1
+    line = [x for x in text.splitlines() if x.startswith("  stream state")]
+    assert line == [f"  stream state    {148:>15,} rows of d of the n x d state H kept for the backward under AC full "
+                    "(every block's input H, n rows where the baseline keeps its one stream; the read-out's): "
+                    f"{state / 2**30:,.2f} GiB per rank, {100 * state / activations:.0f}% of the activation estimate "
+                    f"({activations / 2**30:,.2f} GiB)"], line
+    assert f"  activations     {activations / 2**30:>10.2f} GiB" in text
+    mudd = load_config(str(root / "train_configs" / "mudd_1b.toml"), argv)
+    assert "stream state" not in report(mudd, 8, "cuda")[0]

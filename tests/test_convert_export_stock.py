@@ -53,6 +53,8 @@ CASES = {  # name: (ModelArgs fields, tokenizer, transformers class or None for 
     "delta paper": (dict(FAMILIES["delta block H=8 +null"], routing_layout="paper", routing_eps=1e-6), "bytes", None),
     "dense": (dict(FAMILIES["dense"]), "bytes", None),
     "mudd": (dict(FAMILIES["mudd"]), "bytes", None),
+    "hyper": (dict(FAMILIES["hyper"]), "bytes", None),
+    "mhc": (dict(FAMILIES["mhc"]), "bytes", None),
 }
 
 

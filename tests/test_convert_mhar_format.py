@@ -49,12 +49,17 @@ def test_export_and_reload_gives_equal_logits(tmp_path, fields):
 
 
 @pytest.mark.parametrize("fields", [dict(residual="dense", dense_dilation=2), dict(residual="mudd"),
-                                    dict(residual="mudd", mudd_prepost_norm=False)],
-                         ids=["dense k=2", "mudd", "mudd plain"])
+                                    dict(residual="mudd", mudd_prepost_norm=False), dict(residual="hyper"),
+                                    dict(residual="hyper", hyper_rate=2, hyper_dynamic=False), dict(residual="mhc"),
+                                    dict(residual="mhc", hyper_rate=2, mhc_exit="mean", mhc_init="prenorm",
+                                         mhc_sinkhorn_iters=5)],
+                         ids=["dense k=2", "mudd", "mudd plain", "hyper", "hyper static n=2", "mhc",
+                              "mhc mean prenorm n=2"])
 def test_depth_connections_export_as_remote_code_and_reload(tmp_path, fields):
-    """DenseFormer and MUDDFormer export as our model type (format auto: the remote code runs this
-    package's Transformer, so every connection works as trained) and reload with equal logits; the
-    stock formats refuse them in one line naming the connection."""
+    """DenseFormer, MUDDFormer, Hyper-Connections and mHC export as our model type (format auto: the
+    remote code runs this package's Transformer, so every connection works as trained, its keys
+    kept) and reload with equal logits; the stock formats refuse them in one line naming the
+    connection."""
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=320, max_seq_len=32, **fields)
     torch.manual_seed(7)
     model = Transformer(args)

@@ -1,5 +1,5 @@
 """DenseFormer and MUDDFormer (models/connections/dense.py, mudd.py) against fp64 references written
-here from their formulas (docs/DEPTH_CONNECTIONS.md): the references wire the model's own sublayers
+here from their formulas (docs/CONNECTIONS.md): the references wire the model's own sublayers
 (attention, MLP, their norms) and parameters by hand, block by block, and share nothing with the
 connection modules. Also: both start exactly as the pre-norm baseline, every connection parameter
 learns, causality with and without document masks, and the parameter-count formulas."""

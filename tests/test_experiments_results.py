@@ -232,6 +232,6 @@ def test_arms_at_equal_wall_clock_time_from_the_logged_throughput(tmp_path):
     assert "| dense | - | 15 | 0.50 | -0.1500 | n/a | +0.6250 | n/a | 20 | 1 |" in table
     assert "| baseline | - | 30 | - | baseline |" in table
     # in the results' loss unit (a factor from nats per token), named in the header
-    table = "\n".join(timing_lines(sweep, results, {("dense", ""): steps["dense"]}, ("bits per byte", 2.0)))
+    table = "\n".join(timing_lines(sweep, results, {("dense", ""): steps["dense"]}, "bits per byte", 2.0))
     assert "| dense | - | 15 | 0.50 | -0.3000 | n/a | +1.2500 | n/a | 20 | 1 |" in table
-    assert "diff at equal time (bits per byte)" in table
+    assert "diff at equal steps (bits per byte)" in table

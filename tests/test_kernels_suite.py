@@ -49,11 +49,12 @@ def test_gpu_suite_plan_puts_the_valuable_rows_first_and_fits_six_minutes():
     routing = [(r["impl"], r["scale"]) for r in rows if r["section"] == "routing"]
     assert routing == [("triton", s) for s in SCALES] + [("eager", s) for s in SCALES] + [("compile", "1b")]
     assert rows[-1]["impl"] == "compile" and sum(r["impl"] == "compile" for r in rows) == 1
-    # one timed step of every depth connection at 350m (the eager mixing, then MHAR and AttnRes fused),
+    # one timed step of every depth connection at 350m (the eager mixing of DenseFormer, MUDDFormer,
+    # Hyper-Connections and mHC, then MHAR and AttnRes fused),
     # after 1b's rows and before 100m's
     (connections,) = [(index[id(r)], r) for r in rows if r["section"] == "connections"]
     assert (connections[1]["scale"], connections[1]["family"], connections[1]["impl"], connections[1]["AC"]) == (
-        "350m", "baseline,dense,mudd,mhar,attnres", "triton", "none")
+        "350m", "baseline,dense,mudd,hyper,mhc,mhar,attnres", "triton", "none")
     assert max(index[id(r)] for r in rows if r["scale"] == "1b" and r["impl"] == "triton") < connections[0] < min(
         index[id(r)] for r in rows if r["scale"] == "100m" and r["section"] in ("throughput", "routing"))
     # each scale's throughput rows come before the next scale's Triton routing row: a cut-off window
@@ -94,7 +95,7 @@ def test_gpu_suite_tiny_writes_every_table(tmp_path):
     throughput = [t for key, t in tables.items() if key.startswith("throughput")]
     assert all("| mhar | 1 |" in t and "| mhar-grouped | 3 |" in t for t in throughput)  # per call and grouped (auto)
     connections = tables["connections/triton"]  # every depth connection's timed step (no routing group but MHAR's)
-    assert all(f"| debug | none | {f} | - |" in connections for f in ("baseline", "dense", "mudd"))
+    assert all(f"| debug | none | {f} | - |" in connections for f in ("baseline", "dense", "mudd", "hyper", "mhc"))
     assert "| debug | none | mhar | 1 |" in connections and "| debug | none | attnres | 1 |" in connections
     assert "load average" in tables["host/stubbed"]
     # the trainer rows: a SIGKILL after a checkpoint and a bitwise resume; graphs report the eager half on CPU

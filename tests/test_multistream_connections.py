@@ -1,5 +1,5 @@
 """Hyper-Connections and mHC (models/connections/hyper.py, mhc.py, streams.py) against fp64
-references written here from their formulas (docs/DEPTH_CONNECTIONS.md, issue 50): the references
+references written here from their formulas (docs/CONNECTIONS.md, issue 50): the references
 wire the model's own sublayers (attention, MLP, their norms) and parameters by hand, stream by
 stream and site by site, and share nothing with the connection modules (Sinkhorn is differentiated
 by autograd through its plain iterations here, by its recomputing autograd Function there). Also:

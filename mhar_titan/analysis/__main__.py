@@ -4,7 +4,8 @@ heatmap RUN   routing heatmaps (the mean over heads, and the heads one by one wh
               differ), per-site entropy / effective sources (Markdown, JSON) on validation
               batches of the run's newest (or --step) checkpoint; for the other depth connections
               their mixing weights instead (mixing_stepN.*: DenseFormer's alpha, MUDDFormer's mean
-              dynamic weights per stream); --vmax fixes the colour range
+              dynamic weights per stream, Hyper-Connections' alpha and beta and mHC's pre, post
+              and comb per site); --vmax fixes the colour range
 probe RUN     the query probe of a single-head AttnRes model (Markdown, and a per-site figure);
               other models are refused before they are loaded
 compare RUN RUN ...  loss against tokens and the difference to the baseline (--ylim,
@@ -108,7 +109,8 @@ def _heatmap(args) -> list[pathlib.Path]:
 
 def _mixing(loaded: LoadedModel, args, figure: pathlib.Path) -> list[pathlib.Path]:
     """The heatmap command for a depth connection other than depth routing: its mixing weights
-    (`analysis.mixing`: DenseFormer's alpha, MUDDFormer's mean dynamic weights per stream) drawn
+    (`analysis.mixing`: DenseFormer's alpha, MUDDFormer's mean dynamic weights per stream, the
+    n-stream connections' mean weights per site) drawn
     as `figure`, with a Markdown and a JSON report beside it."""
     from mhar_titan.analysis.mixing import mixing_report, mixing_summary, plot_mixing
     from mhar_titan.analysis.plots import pyplot

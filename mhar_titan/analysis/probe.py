@@ -142,8 +142,8 @@ class ProbeTrace:
 
 def check_probe(args) -> None:
     """Refuse, in one line, a model (`ModelArgs` `args`) the probe does not apply to: anything but
-    single-head AttnRes (the baseline, MHAR with H > 1, DenseFormer, MUDDFormer: no single-head
-    pseudo-query to split).
+    single-head AttnRes (the baseline, MHAR with H > 1, DenseFormer, MUDDFormer, Hyper-Connections,
+    mHC: no single-head pseudo-query to split).
 
     Raises:
         ValueError: naming the model's depth connection and its routing heads."""

@@ -29,9 +29,10 @@ What composes with it, and why:
   ("fail_on_recompile")`` and stops at once with ``RecompiledDuringCapture``, naming the guard; the
   same guard fails on every rank, so every rank stops with it instead of some waiting in a
   collective.
-- **every depth connection**: DenseFormer's averages and MUDDFormer's weights and streams are
-  tensor ops on device tensors with shapes fixed per model, nothing read back from the device
-  (``tests/test_capture_safe.py`` trains both, AC none and full).
+- **every depth connection**: DenseFormer's averages, MUDDFormer's weights and streams, and
+  Hyper-Connections' and mHC's mappings (mHC's Sinkhorn a fixed number of iterations) and n-stream
+  state are tensor ops on device tensors with shapes fixed per model, nothing read back from the
+  device (``tests/test_capture_safe.py`` trains each, AC none and full).
 - **document masking** (``model.attn_mask_type = "block_causal"``, ``model.rope_per_document``):
   the model builds the batch's attention context inside its forward, from the token tensor it is
   given (``Transformer.attention_context``), so under capture it is built from the static token

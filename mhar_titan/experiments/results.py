@@ -314,7 +314,7 @@ def results_tables(sweep: Sweep, results: Sequence[RunResult], groups: Sequence[
                      f"{'baseline' if base else loss(g.delta_mean, '+.4f')} | "
                      f"{'-' if base else loss(g.delta_se, '.4f')} | {'-' if base else g.paired_seeds} |")
     lines += ["", *timing_lines(sweep, results, {(g.family, g.point_tag): (g.delta_mean, g.delta_se) for g in groups},
-                                (unit, scale))]
+                                unit, scale)]
     if pairs:
         lines += ["", "Pairs: B's tail mean minus A's, seed by seed (same tokens in the same order), mean and "
                   "standard error over the seeds that have both runs (negative = B has the lower loss).", "",

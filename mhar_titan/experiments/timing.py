@@ -125,28 +125,29 @@ def arm_timing(sweep, results) -> list[ArmTiming]:
     return out
 
 
-def timing_lines(sweep, results, equal_steps: dict, unit: tuple[str, float] = ("nats per token", 1.0)) -> list[str]:
+def timing_lines(sweep, results, equal_steps: dict, unit: str = "nats per token", scale: float = 1.0) -> list[str]:
     """The results file's table of every arm at equal steps and at equal wall-clock time, with its
     tokens/s (Markdown lines). `equal_steps`: {(family, point tag): (mean, SE) of the paired
-    difference at equal steps} (the results' per-family table, in nats per token); `unit`: (name,
-    factor from nats per token) of the losses printed (`analysis.compare.loss_unit`)."""
-    name, scale = unit
+    difference at equal steps} (the results' per-family table), in nats per token like the runs'
+    losses; every difference is printed times `scale`, in `unit` (`analysis.compare.loss_unit`:
+    the results' other tables' unit)."""
+    def num(value, fmt):
+        return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
 
-    def num(value, fmt, factor=1.0):
-        return "n/a" if value is None or not math.isfinite(value) else format(value * factor, fmt)
+    def loss(value, fmt):
+        return num(None if value is None else value * scale, fmt)
 
     lines = [f"Every arm against `{sweep.baseline}`, paired by seed: the difference at equal steps (tail means, "
              "as above) and at equal wall-clock time (the validation loss when the faster run of each pair ended, "
              "interpolated over each run's evaluations; `mhar_titan/experiments/timing.py`), and the throughput "
              "(median tokens/s over the seeds, and its ratio to the baseline's).", "",
-             f"| family | grid | tokens/s | vs baseline | diff at equal steps ({name}) | SE | diff at equal time ({name}) | SE | "
+             f"| family | grid | tokens/s | vs baseline | diff at equal steps ({unit}) | SE | diff at equal time | SE | "
              "at (s, mean) | paired seeds |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for a in arm_timing(sweep, results):
         base = a.family == sweep.baseline
         steps_mean, steps_se = equal_steps.get((a.family, a.point_tag), (None, None))
         cells = ["baseline", "-", "baseline", "-", "-", "-"] if base else [
-            num(steps_mean, "+.4f", scale), num(steps_se, ".4f", scale), num(a.delta_mean, "+.4f", scale),
-            num(a.delta_se, ".4f", scale),
+            loss(steps_mean, "+.4f"), loss(steps_se, ".4f"), loss(a.delta_mean, "+.4f"), loss(a.delta_se, ".4f"),
             num(a.seconds, ",.0f"), str(a.paired_seeds)]
         lines.append(f"| {a.family} | {a.point_tag or '-'} | {num(a.tokens_per_s, ',.0f')} | "
                      f"{'-' if base else num(a.speed_ratio, '.2f')} | " + " | ".join(cells) + " |")

@@ -143,6 +143,13 @@ class Connection:
         rounded up to rows (the dry run's memory estimate)."""
         return 0
 
+    def state_rows(self, ac: str) -> int:
+        """(B, T, d) rows per token of the carried n-stream state H (B, T, n, d) that the backward
+        keeps under `ac` (as `kept_rows`), the rows the baseline keeps of its one stream included:
+        what decides a multi-stream connection's micro-batch (the dry run states its share of the
+        activation estimate). 0 for a connection that carries one stream."""
+        return 0
+
     def flow(self, params: nn.Module | None, x0: Tensor, observer=None, buffered: bool = True) -> Flow:
         """The flow of one forward from the token embedding `x0` (B, T, d), with the connection's
         parameters `params` (`Transformer.routing`). observer: the analysis observer

@@ -29,7 +29,7 @@ s_beta per site, the read stream counted over sublayers, the coefficients cast t
 differs: each stream goes through an RMSNorm with a learned gain (1 + gamma) instead of the
 LayerNorm, the read stream is random where no layer index is given, and the streams sit in the
 batch dimension; one public port copied a version in which the residual mix R was never applied
-(docs/DEPTH_CONNECTIONS.md).
+(docs/CONNECTIONS.md).
 
 Cost (the hooks of base.Connection): per site the mixing reads H three times (the read, the mix,
 the write's R) and, with the dynamic part, twice more (the LayerNorm, the projection of Hbar).
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Connection
-from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand
+from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand, state_rows
 
 LAYER_NORM_EPS = 1e-5
 """The dynamic part's LayerNorm eps: torch's default, as the reference's nn.LayerNorm."""
@@ -62,6 +62,10 @@ class HyperWeights(nn.Module):
 
     weight_decay = False
     """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
+
+    mix_weights = {"alpha": 2, "beta": 1}
+    """The weights each site gives its observer ("site s alpha", "site s beta") and how many of
+    their dimensions are the weights' own, (n, 1+n) and (n,); per token they lead with (B, T)."""
 
     def __init__(self, args):
         super().__init__()
@@ -175,5 +179,10 @@ class HyperConnections(Connection):
         its two sites' rows of AC none come on top."""
         n, L = self.args.hyper_rate, self.args.n_layers
         if ac == "full":
-            return L * (n - 1)
-        return 2 * L * ((2 * n if self.args.hyper_dynamic else n) + 1)
+            return self.state_rows(ac) - L
+        return self.state_rows(ac) + 2 * L * ((n if self.args.hyper_dynamic else 0) + 1)
+
+    def state_rows(self, ac: str) -> int:
+        """H's rows among what the backward keeps (streams.state_rows; the sum over streams keeps
+        nothing): L n under AC full, 2 L n otherwise."""
+        return state_rows(ac, self.args.n_layers, self.args.hyper_rate, 0)

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Connection
-from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand, read
+from .streams import Mapping, StreamFlow, StreamLink, copy_full, expand, read, state_rows
 
 EPS = 1e-6
 """eps of r, pre, the exit's weights and Sinkhorn (DeepSeek's and Megatron's 1e-6)."""
@@ -151,6 +151,11 @@ class MhcWeights(nn.Module):
 
     weight_decay = False
     """No weight decay on these parameters (optim.groups.never_decayed; the harness's choice)."""
+
+    mix_weights = {"pre": 1, "post": 1, "comb": 2, "exit": 1}
+    """The weights each site gives its observer ("site s pre", "site s post", "site s comb") and the
+    learned exit ("exit"), with how many of their dimensions are the weights' own, (n,), (n,),
+    (n, n) and (n,), after the tokens' (B, T)."""
 
     def __init__(self, args):
         super().__init__()
@@ -279,8 +284,11 @@ class ManifoldHyperConnections(Connection):
         (n rows, saved by the projection and the mixing) and f (1, by the write). AC full: per block
         its input H, n rows against the baseline's stream, L (n - 1); while the backward recomputes
         a block, its two sites' rows of AC none, 2 (n + 1), come on top."""
-        n, L = self.args.hyper_rate, self.args.n_layers
-        exit = n if self.args.mhc_exit == "learned" else 0
-        if ac == "full":
-            return L * (n - 1) + exit
-        return 2 * L * (n + 1) + exit
+        L = self.args.n_layers
+        return self.state_rows(ac) - L if ac == "full" else self.state_rows(ac) + 2 * L
+
+    def state_rows(self, ac: str) -> int:
+        """H's rows among what the backward keeps (streams.state_rows): L n under AC full, 2 L n
+        otherwise, and the learned exit's H (n; the mean keeps nothing)."""
+        n = self.args.hyper_rate
+        return state_rows(ac, self.args.n_layers, n, n if self.args.mhc_exit == "learned" else 0)

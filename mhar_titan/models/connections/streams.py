@@ -81,6 +81,14 @@ def write(mixed: Tensor, post: Tensor, output: Tensor) -> Tensor:
     return torch.addcmul(mixed, post.unsqueeze(-1), output.unsqueeze(-2))
 
 
+def state_rows(ac: str, n_layers: int, n: int, exit_rows: int) -> int:
+    """Rows of d per token of the state H that the backward keeps under activation checkpointing
+    `ac` (`Connection.state_rows`): under "full" every block's input H (n rows; the block returns
+    H' alone), L n; otherwise (and "selective", an upper bound as `kept_rows`) each sublayer site's
+    H (n rows, saved by the read and the mixing), 2 L n; plus the read-out's `exit_rows`."""
+    return (n_layers if ac == "full" else 2 * n_layers) * n + exit_rows
+
+
 class StreamLink:
     """Block i's link (module docstring): `sites` are its attention and MLP sites' `Site`s. The
     state inside the block is (H, the mapping of the next site) until the MLP's write, then H."""
