@@ -22,9 +22,10 @@ from mhar_titan.models.connections import build_connection
 from mhar_titan.models.connections import mhc as mhc_module
 from mhar_titan.parallel import _raise_recompile_limits, apply_ac
 
+from test_depth_connections import SHAPE, rms, tokens  # the same shape, tokens and RMSNorm reference
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SHAPE = dict(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=96, max_seq_len=24, eos_id=1)
 VARIANTS = {
     "hyper": dict(residual="hyper"),
     "hyper static": dict(residual="hyper", hyper_dynamic=False),
@@ -56,17 +57,6 @@ def build(variant: str, n_layers: int, n: int = 4, seed: int = 0, random: bool =
                 elif not name.endswith("phi"):
                     p.add_(0.1 * noise)
     return model
-
-
-def tokens(length: int = 10) -> torch.Tensor:
-    x = torch.randint(2, SHAPE["vocab_size"], (2, length), generator=torch.Generator().manual_seed(3))
-    x[0, 4] = SHAPE["eos_id"]
-    return x
-
-
-def rms(x, weight=None, eps=1e-6):
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
 
 
 def sublayers(model: Transformer, ids: torch.Tensor):
