@@ -130,8 +130,12 @@ def test_a_generation_task_or_a_missing_task_folder_is_refused_before_the_model_
     with pytest.raises(DownstreamEvalError, match="task local_gen is a generate_until task; in training only"):
         Trainer(debug_cfg(tmp_path, "gen", "--eval.enable=true", "--eval.tasks=local_gen",
                           f"--eval.include_path={folder}"))
-    with pytest.raises(DownstreamEvalError, match=r"\[eval\]: eval.include_path .*nowhere is not a folder"):
+    with pytest.raises(DownstreamEvalError, match=r"\[eval\]: eval.include_path .*nowhere not found: pass a folder of "
+                       "lm-eval task YAML files"):
         Trainer(debug_cfg(tmp_path, "missing", *eval_args(f"--eval.include_path={tmp_path / 'nowhere'}")))
+    (tmp_path / "a_file").write_text("not a folder\n")  # a file where the folder goes is named so
+    with pytest.raises(DownstreamEvalError, match=r"\[eval\]: eval.include_path .*a_file is a file, not a folder"):
+        Trainer(debug_cfg(tmp_path, "file", *eval_args(f"--eval.include_path={tmp_path / 'a_file'}")))
     assert built == []
 
 
