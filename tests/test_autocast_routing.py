@@ -58,6 +58,7 @@ def test_every_routed_family_trains_under_autocast_and_the_kernels_agree(family,
         assert ((fused_grads[name] - grad).norm() / grad.norm()).item() <= 1e-3, name
 
 
+@pytest.mark.slow  # torch.compile: 48 s with a cold compile cache, as on a fresh CI runner (2 cores, 2026-12-07)
 def test_the_compiled_routing_body_runs_under_autocast():
     """routing_kernel = "compile" (the torch.compile'd reference) takes the same fp32 entries."""
     loss, _ = autocast_step("mhar H=8", "compile")
