@@ -193,8 +193,12 @@ def test_a_token_changes_no_earlier_logits(variant, mask):
     """Perturbing token t leaves the logits before t unchanged (with document masks too: and the
     logits of an earlier document's tokens are also unchanged by a later document)."""
     model = build(variant, 4, attn_mask_type=mask)
+    assert_causal(model)
+
+
+def assert_causal(model, t: int = 7) -> None:
+    """Changing token t of `tokens()` leaves the logits before t equal bit for bit and changes later ones."""
     ids = tokens()
-    t = 7
     changed = ids.clone()
     changed[:, t] = (changed[:, t] + 5) % SHAPE["vocab_size"]
     changed[:, t] = torch.where(changed[:, t] == SHAPE["eos_id"], 2, changed[:, t])

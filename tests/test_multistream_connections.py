@@ -22,7 +22,7 @@ from mhar_titan.models.connections import build_connection
 from mhar_titan.models.connections import mhc as mhc_module
 from mhar_titan.parallel import _raise_recompile_limits, apply_ac
 
-from test_depth_connections import SHAPE, rms, tokens  # the same shape, tokens and RMSNorm reference
+from test_depth_connections import SHAPE, assert_causal, rms, tokens  # the same shape, tokens, checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -303,15 +303,7 @@ def test_mhc_residual_mixing_is_applied(monkeypatch):
 def test_a_token_changes_no_earlier_logits(variant, mask):
     """Perturbing token t leaves the logits before t unchanged (with document masks too)."""
     model = build(variant, 4, attn_mask_type=mask)
-    ids = tokens()
-    t = 7
-    changed = ids.clone()
-    changed[:, t] = (changed[:, t] + 5) % SHAPE["vocab_size"]
-    changed[:, t] = torch.where(changed[:, t] == SHAPE["eos_id"], 2, changed[:, t])
-    with torch.no_grad():
-        before, after = model(ids), model(changed)
-    assert torch.equal(before[:, :t], after[:, :t])
-    assert not torch.allclose(before[:, t:], after[:, t:])
+    assert_causal(model)
 
 
 OTHERS = {"dense": dict(residual="dense"), "mudd": dict(residual="mudd"),
