@@ -86,9 +86,7 @@ def _heatmap(args) -> list[pathlib.Path]:
                                                          heads_path_for(pathlib.Path(f"{stem}.{fmt}"))))]
     out = _check_out(args, [str(c) for c in candidates])
     loaded = load_run(args.run, args.step, args.device)
-    from mhar_titan.analysis.mixing import mixes
-
-    if mixes(loaded.model):
+    if residual != "attn_res":  # a connection with mixing weights, no routing sites
         written = _mixing(loaded, args, out / figure)
         remove_stale_outputs([out / c for c in candidates], written)
         return written
